@@ -1,0 +1,125 @@
+"""Buffer intake: any array a user hands us becomes one `BufferDesc` (the paper's "DDL object").
+
+A descriptor is a pointer, a byte count, an element type, a memory kind (host or cuda) and a
+device id, plus the object that owns the memory (kept alive while we use it) and a way to build a
+result of the same kind. Layers below this one see descriptors only, never NumPy or a framework.
+
+Accepted today: NumPy arrays (including ml_dtypes bfloat16), objects exporting the buffer
+protocol, and host objects exporting DLPack (e.g. PyTorch CPU tensors). Device memory
+(``__cuda_array_interface__`` / DLPack on a GPU) enters through the same `as_buffer` with
+``memory="cuda"``; the GPU path adds its own intake branch here without touching the layers below.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ddlcore.kernels.dtypes import SUPPORTED_DTYPES, DType, dtype_code
+
+
+class MemoryKind(str, enum.Enum):
+    HOST = "host"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class BufferDesc:
+    """One contiguous buffer as the engine sees it."""
+
+    ptr: int
+    nbytes: int
+    count: int
+    dtype: np.dtype
+    code: DType
+    shape: tuple[int, ...]
+    memory: MemoryKind = MemoryKind.HOST
+    device: int = -1
+    readonly: bool = False
+    array: Any = field(default=None, repr=False, compare=False)  # host view as a NumPy array
+    wrap: Callable[[np.ndarray], Any] = field(default=lambda a: a, repr=False, compare=False)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def view(self, start: int = 0, stop: int | None = None) -> memoryview:
+        """A writable byte view of elements [start, stop) of a host buffer."""
+        stop = self.count if stop is None else stop
+        flat = self.array.reshape(-1).view(np.uint8)
+        return memoryview(flat[start * self.itemsize: stop * self.itemsize])
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return str(dtype)
+
+
+def _from_numpy(arr: np.ndarray, argname: str, wrap: Callable[[np.ndarray], Any]) -> BufferDesc:
+    code = dtype_code(arr.dtype)
+    if code is None:
+        names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{argname} has dtype {arr.dtype}, which ddlcore cannot reduce; "
+                        f"supported: {names}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{argname} is not C-contiguous (strides {arr.strides}); "
+                         f"pass np.ascontiguousarray({argname})")
+    return BufferDesc(
+        ptr=arr.ctypes.data if arr.size else 0,
+        nbytes=arr.nbytes,
+        count=arr.size,
+        dtype=arr.dtype,
+        code=code,
+        shape=arr.shape,
+        readonly=not arr.flags.writeable,
+        array=arr,
+        wrap=wrap,
+    )
+
+
+def _torch_wrap(arr: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(arr) if arr.dtype.kind != "V" else torch.from_dlpack(arr)
+
+
+def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
+    """Describe ``obj`` as a `BufferDesc`, without copying.
+
+    Raises
+    ------
+    TypeError
+        ``obj`` is not an array, or its dtype is unsupported; the message names ``argname``.
+    ValueError
+        ``obj`` is not contiguous.
+    """
+    if isinstance(obj, np.ndarray):
+        return _from_numpy(obj, argname, lambda a: a)
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise TypeError(f"{argname} is a CUDA device array; device buffers are not supported by "
+                        "this build yet (copy it to the host first)")
+    if hasattr(obj, "__dlpack__"):
+        module = type(obj).__module__.split(".")[0]
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, TypeError, RuntimeError) as exc:
+            raise TypeError(f"{argname} ({type(obj).__name__}) exports DLPack but not host memory "
+                            f"NumPy can view: {exc}") from None
+        return _from_numpy(arr, argname, _torch_wrap if module == "torch" else (lambda a: a))
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"{argname} must be an array (NumPy, buffer protocol or DLPack), "
+                        f"not {type(obj).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError(f"{argname} is not C-contiguous")
+    return _from_numpy(np.asarray(view), argname, lambda a: a)
+
+
+def empty_like(desc: BufferDesc, shape: tuple[int, ...] | None = None) -> BufferDesc:
+    """A new buffer of the same kind and dtype as ``desc`` (host: a NumPy array)."""
+    arr = np.empty(desc.shape if shape is None else shape, dtype=desc.dtype)
+    return _from_numpy(arr, "out", desc.wrap)

@@ -1,0 +1,213 @@
+"""Every environment variable ddlcore reads is declared here, once, with its type, default and doc.
+
+No other module touches ``os.environ`` for a ``DDL_*`` variable (or for the launcher variables of
+torchrun and the MPI launchers, which are declared here too). Values are parsed on each `get` so
+tests can use ``unittest.mock.patch.dict(os.environ, ...)``; an invalid value raises `ValueError`
+naming the variable. Explicit arguments (``ddlcore.init(timeout=...)``) take precedence over the
+environment, which takes precedence over the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = {"1", "true", "yes", "on", "y"}
+_FALSE = {"0", "false", "no", "off", "n", ""}
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected one of 1/0, true/false, yes/no, got {text!r}")
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count with an optional binary suffix: "4096", "64K", "1M", "2G"."""
+    stripped = text.strip().upper()
+    digits = stripped.rstrip("KMGIB")
+    suffix = stripped[len(digits):]
+    if suffix not in _SUFFIX or not digits:
+        raise ValueError(f"expected a byte count like 4096, 64K, 1M or 1G, got {text!r}")
+    value = float(digits) * _SUFFIX[suffix]
+    if value < 0 or value != int(value):
+        raise ValueError(f"expected a whole, non-negative byte count, got {text!r}")
+    return int(value)
+
+
+def parse_dims(text: str) -> tuple[int, ...]:
+    """Parse a box shape like "4x2" or "4x16x4" (empty means: derive it)."""
+    if not text.strip():
+        return ()
+    try:
+        dims = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"expected a box shape like 4x2 or 4x16x4, got {text!r}") from None
+    if any(d < 1 for d in dims):
+        raise ValueError(f"every dimension must be >= 1, got {text!r}")
+    return dims
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise ValueError(f"expected a TCP port 1..65535, got {text!r}")
+    return value
+
+
+def _transport_spec(text: str) -> str:
+    """``auto``, ``tcp|shm|mpi|ucx``, or ``auto:ucx,tcp`` (auto with an explicit network order)."""
+    spec = text.strip().lower()
+    names = {"tcp", "shm", "mpi", "ucx"}
+    if spec == "auto" or spec in names:
+        return spec
+    if spec.startswith("auto:"):
+        order = [n for n in spec[5:].split(",") if n]
+        bad = [n for n in order if n not in names]
+        if order and not bad:
+            return spec
+    raise ValueError(f"expected auto, tcp, shm, mpi, ucx or auto:<order> like auto:ucx,tcp, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Var:
+    """One environment variable: how to parse it, its default, and what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    external: bool = False  # set by another tool (torchrun, mpiexec, srun), read for rendezvous
+
+
+VARS: dict[str, Var] = {}
+
+
+def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str,
+             external: bool = False) -> None:
+    VARS[name] = Var(name, parse, default, doc, external)
+
+
+# --- behaviour ------------------------------------------------------------------------------
+_declare("DDL_TRANSPORT", _transport_spec, "auto",
+         "Transport for every peer pair: tcp, shm, mpi, ucx; 'auto' picks per pair "
+         "(shm within a host, else the first available network transport); 'auto:ucx,tcp' sets that order.")
+_declare("DDL_ALGO", lambda s: s.strip().lower(), "auto",
+         "Collective algorithm: 'auto' (lowest predicted time) or a registered name such as 'ring'.")
+_declare("DDL_TOPOLOGY", parse_dims, (),
+         "Box shape of the ranks, fastest level first, e.g. 4x2 (4 ranks per host, 2 hosts). "
+         "Empty: derived from the hosts found at init.")
+_declare("DDL_TIMEOUT", _positive_float, 600.0,
+         "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
+         "fails with DDLTimeoutError naming the rank and collective.")
+_declare("DDL_CHUNK_BYTES", parse_size, 1 << 20,
+         "Pipeline chunk size in bytes (suffixes K, M, G): one chunk is on the wire while the "
+         "previous one is reduced. 1 MiB measured best on TCP loopback (BENCHMARKS.md).")
+_declare("DDL_PIPELINE_DEPTH", _positive_int, 8,
+         "How many chunks the engine keeps posted ahead of the one it is reducing.")
+_declare("DDL_NCHANNELS", _positive_int, 1,
+         "Number of TCP connections (channels) per peer pair; messages are striped across "
+         "them round-robin so several sender/receiver threads share the link.")
+_declare("DDL_SOCKET_IFNAME", str, "",
+         "Network interface the TCP transport binds to (e.g. eth0). Empty: the interface "
+         "that reaches the master address.")
+_declare("DDL_HOST_ID", str, "",
+         "Overrides host identity (default: hostname plus network namespace); ranks with "
+         "the same id count as one host.")
+_declare("DDL_DEBUG", parse_bool, False,
+         "Log the algorithm, chunking and transport of each collective to stderr, and check "
+         "fully that all ranks call the same collective with the same size, dtype and op.")
+_declare("DDL_REQUIRE_ALL", parse_bool, False,
+         "Tests only: a test that would skip because a component is missing fails instead.")
+
+# --- rendezvous (set by ddlrun, or by hand) --------------------------------------------------
+_declare("DDL_RANK", _nonneg_int, None, "This process's rank (set by ddlrun).")
+_declare("DDL_SIZE", _positive_int, None, "Number of ranks in the job (set by ddlrun).")
+_declare("DDL_LOCAL_RANK", _nonneg_int, None, "Rank among the ranks of this host (set by ddlrun).")
+_declare("DDL_LOCAL_SIZE", _positive_int, None, "Ranks on this host (set by ddlrun).")
+_declare("DDL_MASTER_ADDR", str, None, "Address of rank 0's rendezvous store.")
+_declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
+
+# --- other launchers' variables, understood for rendezvous ----------------------------------
+for _name, _parse, _doc in [
+    ("RANK", _nonneg_int, "torchrun: global rank."),
+    ("WORLD_SIZE", _positive_int, "torchrun: number of ranks."),
+    ("LOCAL_RANK", _nonneg_int, "torchrun: rank on this host."),
+    ("LOCAL_WORLD_SIZE", _positive_int, "torchrun: ranks on this host."),
+    ("MASTER_ADDR", str, "torchrun: rendezvous address."),
+    ("MASTER_PORT", _port, "torchrun: rendezvous port."),
+    ("PMI_RANK", _nonneg_int, "MPICH/Hydra (mpiexec): global rank."),
+    ("PMI_SIZE", _positive_int, "MPICH/Hydra (mpiexec): number of ranks."),
+    ("MPI_LOCALRANKID", _nonneg_int, "MPICH/Hydra: rank on this host."),
+    ("MPI_LOCALNRANKS", _positive_int, "MPICH/Hydra: ranks on this host."),
+    ("OMPI_COMM_WORLD_RANK", _nonneg_int, "Open MPI: global rank."),
+    ("OMPI_COMM_WORLD_SIZE", _positive_int, "Open MPI: number of ranks."),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", _nonneg_int, "Open MPI: rank on this host."),
+    ("OMPI_COMM_WORLD_LOCAL_SIZE", _positive_int, "Open MPI: ranks on this host."),
+    ("SLURM_PROCID", _nonneg_int, "Slurm (srun): global rank."),
+    ("SLURM_NTASKS", _positive_int, "Slurm (srun): number of ranks."),
+    ("SLURM_LOCALID", _nonneg_int, "Slurm (srun): rank on this host."),
+]:
+    _declare(_name, _parse, None, _doc, external=True)
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Return the parsed value of a declared variable, or its default when unset.
+
+    Raises
+    ------
+    KeyError
+        ``name`` is not declared here (a programming error).
+    ValueError
+        The variable is set to something that does not parse; the message names it.
+    """
+    var = VARS[name]
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: {exc}") from None
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a declared variable is present in the environment (even if empty)."""
+    if name not in VARS:
+        raise KeyError(name)
+    env = os.environ if environ is None else environ
+    return name in env
+
+
+def resolved(environ: Mapping[str, str] | None = None, external: bool = False) -> dict[str, Any]:
+    """All declared variables (the ``DDL_*`` ones unless ``external``) with their parsed values."""
+    return {name: get(name, environ) for name, var in VARS.items() if external or not var.external}

@@ -1,0 +1,29 @@
+"""Build only the Cython CPU kernels; everything else is declared in pyproject.toml."""
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+COMPILE_ARGS = ["-O3", "-fno-strict-aliasing"]
+
+extensions = [
+    Extension(
+        "ddlcore.kernels.cpu._reduce",
+        ["kernels/cpu/_reduce.pyx"],
+        include_dirs=["kernels/cpu", numpy.get_include()],
+        extra_compile_args=COMPILE_ARGS,
+    ),
+    Extension(
+        "ddlcore.kernels.cpu._pack",
+        ["kernels/cpu/_pack.pyx"],
+        include_dirs=["kernels/cpu", numpy.get_include()],
+        extra_compile_args=COMPILE_ARGS,
+    ),
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
+    )
+)

@@ -1,0 +1,1 @@
+"""Test-suite wide settings. Multi-rank helpers live in ``tests/harness.py``."""

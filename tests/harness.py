@@ -1,0 +1,154 @@
+"""Spawn real rank processes for multi-rank tests.
+
+`run_ranks(fn, nprocs, *args)` starts ``nprocs`` fresh interpreters (multiprocessing "spawn",
+never fork), sets the rendezvous variables (``DDL_RANK``, ``DDL_SIZE``, ``DDL_MASTER_ADDR``,
+``DDL_MASTER_PORT``, ``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``) plus any ``env`` given, and calls
+``fn(rank, size, *args)`` in each. It returns the list of return values, ordered by rank.
+
+When a rank raises, its traceback is forwarded; the others get a short grace period to report
+their own errors, then the whole group is killed and `RankFailure` is raised with every rank's
+story. Every join has a deadline, so a hung rank fails the test instead of hanging the suite.
+Ranks listed in ``may_die`` are allowed to exit without reporting (tests that kill a rank).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+GRACE_S = 5.0
+
+
+def require(available: bool, reason: str) -> None:
+    """Skip the calling test when ``available`` is false, unless DDL_REQUIRE_ALL=1 says fail."""
+    import pytest
+
+    from ddlcore import config
+
+    if available:
+        return
+    if config.get("DDL_REQUIRE_ALL"):
+        pytest.fail(f"DDL_REQUIRE_ALL=1 but a required component is missing: {reason}")
+    pytest.skip(reason)
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed; the message holds each rank's traceback or exit status."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, size: int, port: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a rank of a local job gets (what ddlrun would set)."""
+    out = {
+        "DDL_RANK": str(rank),
+        "DDL_SIZE": str(size),
+        "DDL_LOCAL_RANK": str(rank),
+        "DDL_LOCAL_SIZE": str(size),
+        "DDL_MASTER_ADDR": "127.0.0.1",
+        "DDL_MASTER_PORT": str(port),
+    }
+    out.update(env or {})
+    return out
+
+
+def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str],
+           conn: Any) -> None:
+    for key in [k for k in os.environ if k.startswith("DDL_")]:
+        if key not in env:
+            del os.environ[key]
+    os.environ.update(env)
+    try:
+        result = fn(rank, size, *args)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
+        conn.send(("error", traceback.format_exc()))
+    else:
+        try:
+            conn.send(("ok", result))
+        except Exception:  # result not picklable
+            conn.send(("error", traceback.format_exc()))
+    conn.close()
+
+
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,
+              env: Mapping[str, str] | None = None,
+              rank_envs: Mapping[int, Mapping[str, str]] | None = None,
+              may_die: Iterable[int] = ()) -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; see the module doc."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    allowed_dead = set(may_die)
+    procs, conns = [], []
+    for rank in range(nprocs):
+        child_env = rank_env(rank, nprocs, port, env)
+        child_env.update((rank_envs or {}).get(rank, {}))
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, child_env, child_end),
+                           name=f"rank{rank}", daemon=True)
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns.append(parent_end)
+
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    pending = set(range(nprocs))
+    try:
+        while pending:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
+            if now >= limit:
+                break
+            ready = mp.connection.wait([conns[r] for r in pending] +
+                                       [procs[r].sentinel for r in pending],
+                                       timeout=min(0.2, limit - now))
+            for rank in list(pending):
+                conn = conns[rank]
+                got = None
+                if conn in ready or conn.poll():
+                    try:
+                        got = conn.recv()
+                    except EOFError:
+                        got = None
+                if got is not None:
+                    status, payload = got
+                    if status == "ok":
+                        results[rank] = payload
+                    else:
+                        errors[rank] = payload
+                        failed_at = failed_at or time.monotonic()
+                    pending.discard(rank)
+                elif procs[rank].sentinel in ready and not procs[rank].is_alive():
+                    procs[rank].join(1)
+                    if rank not in allowed_dead:
+                        errors[rank] = f"exited with code {procs[rank].exitcode} without reporting"
+                        failed_at = failed_at or time.monotonic()
+                    pending.discard(rank)
+    finally:
+        for rank in pending:
+            if rank not in errors:
+                errors[rank] = ("killed by the harness: still running "
+                                + ("after another rank failed" if failed_at else
+                                   f"after the {timeout:.0f} s test timeout"))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(5)
+        for conn in conns:
+            conn.close()
+    if errors:
+        story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankFailure(f"{len(errors)} of {nprocs} ranks failed:\n{story}")
+    return [results.get(r) for r in range(nprocs)]

@@ -1,0 +1,139 @@
+"""The transport interface: point-to-point, tag-matched, non-blocking send/recv between two ranks.
+
+Shaped after Gloo's transport layer:
+
+* `Transport` -- a backend (tcp, shm, mpi, ucx). Says whether it can run here (`is_available`)
+  and whether it can link two given ranks (`can_connect`), and creates contexts.
+* `Context`   -- the peers of one communicator as seen by this rank; hands out `Pair` objects,
+  connecting lazily on first use through the rendezvous `Store`.
+* `Pair`      -- one connection to one peer: `isend` / `irecv` of a byte range with a 64-bit tag.
+* `Request`   -- an outstanding operation: `wait(timeout)` or `test()`.
+
+Semantics every transport keeps (the conformance suite in ``tests/transports`` checks them):
+
+* Messages between two ranks with the same tag are received in the order they were sent.
+  A receive matches the oldest unmatched message with its tag, whether the message arrived
+  before or after the receive was posted.
+* The receive buffer must have exactly the message's size, and a receive posted with a nonzero
+  ``check`` word must meet a message sent with the same word; otherwise the receive fails with
+  `CollectiveMismatchError` (that is how ranks calling different collectives are caught cheaply).
+  Transports whose wire format has no room for the check word may ignore it.
+* Every wait has a deadline: `Request.wait` raises `DDLTimeoutError` naming the peer and how long
+  it waited. A peer that closes, resets or dies fails every pending and later request on that
+  pair with `PeerFailureError` naming the peer rank. `Pair.abort` tells the peer why we stopped;
+  the peer's requests then fail with the same error class and reason.
+* Nothing received is unpickled: control data is fixed binary headers with length caps.
+
+``API_VERSION`` is checked when a transport is loaded from the ``ddlcore.transports`` entry-point
+group; a plug-in written against another version is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Protocol
+
+API_VERSION = 1
+
+# Error codes carried by an abort message, so the peer raises the same class we did.
+ABORT_PEER_FAILURE = 0
+ABORT_MISMATCH = 1
+ABORT_TIMEOUT = 2
+ABORT_OTHER = 3
+
+MAX_ABORT_REASON_BYTES = 4096
+
+
+class Store(Protocol):
+    """The rendezvous key-value store as transports see it (see ``ddlcore.store``)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str, timeout: float | None = None) -> bytes: ...
+
+    def add(self, key: str, amount: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What one rank knows of another when choosing a transport for the pair."""
+
+    rank: int
+    host_id: str
+
+
+class Request(abc.ABC):
+    """An outstanding send or receive."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete. Raises DDLTimeoutError after ``timeout`` seconds (None: forever
+        is NOT allowed by callers in the library; they always pass a deadline), or the error
+        that failed the request."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once complete; raises the error that failed the request, if any."""
+
+
+class Pair(abc.ABC):
+    """One connection between this rank and ``peer``."""
+
+    peer: int
+
+    @abc.abstractmethod
+    def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        """Send the bytes of ``view`` (which must stay untouched until the request completes)."""
+
+    @abc.abstractmethod
+    def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        """Receive a message with ``tag`` into ``view`` (exactly ``len(view)`` bytes)."""
+
+    @abc.abstractmethod
+    def abort(self, code: int, reason: str) -> None:
+        """Best effort: tell the peer we aborted and why; fail our own pending requests."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the connection; pending requests fail."""
+
+
+class Context(abc.ABC):
+    """The peers of one communicator, from this rank's side."""
+
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def pair(self, peer: int) -> Pair:
+        """The pair to ``peer``, connecting on first use (with the context's deadline)."""
+
+    @abc.abstractmethod
+    def abort(self, code: int, reason: str) -> None:
+        """Abort every connected pair (see `Pair.abort`)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close every pair and release all resources (sockets, threads, segments)."""
+
+
+class Transport(abc.ABC):
+    """A transport backend."""
+
+    name: str = ""
+    api_version: int = API_VERSION
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether this transport can run in this process, and if not, why (an actionable reason)."""
+
+    @abc.abstractmethod
+    def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
+        """Whether this transport can link ``me`` and ``peer`` (e.g. shm: same host only)."""
+
+    @abc.abstractmethod
+    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+        """Create this rank's context. Addresses are exchanged through ``store``; ``timeout``
+        bounds connection set-up."""
