@@ -1,5 +1,15 @@
-"""ddlcore: topology-aware collectives for distributed deep learning."""
+"""ddlcore: topology-aware collectives for distributed deep learning.
 
+    import ddlcore
+    comm = ddlcore.init()                 # ddlrun, torchrun, mpiexec or srun variables
+    y = comm.allreduce(x, op="sum")
+    h = comm.allreduce_async(x, op="avg"); ...; y = h.wait()
+    comm.close()
+
+See DESIGN.md for the architecture and the public contract.
+"""
+
+from ddlcore.communicator import Communicator, init
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -9,6 +19,22 @@ from ddlcore.errors import (
     RendezvousError,
     TransportUnavailableError,
 )
+from ddlcore.handles import Handle
 from ddlcore.ops import Op
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CommunicatorClosedError",
+    "Communicator",
+    "DDLError",
+    "DDLTimeoutError",
+    "Handle",
+    "Op",
+    "PeerFailureError",
+    "RendezvousError",
+    "TransportUnavailableError",
+    "__version__",
+    "init",
+]

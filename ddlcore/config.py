@@ -158,12 +158,12 @@ _declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
 
 # --- other launchers' variables, understood for rendezvous ----------------------------------
 for _name, _parse, _doc in [
-    ("RANK", _nonneg_int, "torchrun: global rank."),
-    ("WORLD_SIZE", _positive_int, "torchrun: number of ranks."),
-    ("LOCAL_RANK", _nonneg_int, "torchrun: rank on this host."),
-    ("LOCAL_WORLD_SIZE", _positive_int, "torchrun: ranks on this host."),
-    ("MASTER_ADDR", str, "torchrun: rendezvous address."),
-    ("MASTER_PORT", _port, "torchrun: rendezvous port."),
+    ("RANK", _nonneg_int, "Torchrun: global rank."),
+    ("WORLD_SIZE", _positive_int, "Torchrun: number of ranks."),
+    ("LOCAL_RANK", _nonneg_int, "Torchrun: rank on this host."),
+    ("LOCAL_WORLD_SIZE", _positive_int, "Torchrun: ranks on this host."),
+    ("MASTER_ADDR", str, "Torchrun: rendezvous address."),
+    ("MASTER_PORT", _port, "Torchrun: rendezvous port."),
     ("PMI_RANK", _nonneg_int, "MPICH/Hydra (mpiexec): global rank."),
     ("PMI_SIZE", _positive_int, "MPICH/Hydra (mpiexec): number of ranks."),
     ("MPI_LOCALRANKID", _nonneg_int, "MPICH/Hydra: rank on this host."),

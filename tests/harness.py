@@ -47,9 +47,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, size: int, port: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def rank_env(rank: int, size: int, port: int,
+             env: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
     """The environment a rank of a local job gets (what ddlrun would set)."""
-    out = {
+    out: dict[str, str | None] = {
         "DDL_RANK": str(rank),
         "DDL_SIZE": str(size),
         "DDL_LOCAL_RANK": str(rank),
@@ -61,12 +62,16 @@ def rank_env(rank: int, size: int, port: int, env: Mapping[str, str] | None = No
     return out
 
 
-def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str],
+def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str | None],
            conn: Any) -> None:
     for key in [k for k in os.environ if k.startswith("DDL_")]:
         if key not in env:
             del os.environ[key]
-    os.environ.update(env)
+    for key, value in env.items():
+        if value is None:  # None in ``env`` removes a variable
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         result = fn(rank, size, *args)
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
@@ -80,8 +85,8 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,
-              env: Mapping[str, str] | None = None,
-              rank_envs: Mapping[int, Mapping[str, str]] | None = None,
+              env: Mapping[str, str | None] | None = None,
+              rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
               may_die: Iterable[int] = ()) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; see the module doc."""
     ctx = mp.get_context("spawn")

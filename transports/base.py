@@ -61,6 +61,7 @@ class PeerInfo:
 
     rank: int
     host_id: str
+    transports: tuple[str, ...] = ()  # transports available in that rank's process
 
 
 class Request(abc.ABC):

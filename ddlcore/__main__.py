@@ -1,0 +1,90 @@
+"""``python -m ddlcore info``: versions, transports, kernels, configuration and algorithm choice.
+
+    python -m ddlcore info            # this process
+    python -m ddlcore info --np 8     # what an 8-rank job would choose
+    ddlrun -np 4 python -m ddlcore info --init   # join the job and show per-pair transports
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+
+from ddlcore import __version__, config, transports, tuning
+from ddlcore.algorithms import ALGORITHMS
+
+_OPTIONAL = ("numpy", "ml_dtypes", "Cython", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
+
+
+def _version(module: str) -> str:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # not installed, or broken: say which
+        return f"not available ({type(exc).__name__})"
+    return str(getattr(mod, "__version__", "installed"))
+
+
+def _kernels() -> str:
+    try:
+        from ddlcore import kernels
+
+        return kernels.describe()
+    except Exception as exc:
+        return f"NOT BUILT: {exc} (reinstall: pip install -e .)"
+
+
+def info(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddlcore info")
+    parser.add_argument("--np", type=int, default=None, help="world size to plan for")
+    parser.add_argument("--bytes", type=float, default=64e6, help="message size to plan for")
+    parser.add_argument("--init", action="store_true", help="join the job (under a launcher)")
+    args = parser.parse_args(argv)
+
+    print(f"ddlcore {__version__} on Python {platform.python_version()} ({platform.machine()})")
+    print("packages:")
+    for name in _OPTIONAL:
+        print(f"  {name:12s} {_version(name)}")
+    print(f"kernels:\n  cpu          {_kernels()}")
+    print("transports:")
+    for name, (ok, why) in transports.available().items():
+        print(f"  {name:12s} {'available' if ok else 'unavailable: ' + why}")
+    print("configuration (environment, parsed):")
+    for name, value in config.resolved().items():
+        print(f"  {name:20s} {value!r}")
+    size = args.np
+    comm = None
+    if args.init:
+        import ddlcore
+
+        comm = ddlcore.init()
+        size = comm.size
+        print(f"job: {comm!r}")
+        for peer, name in sorted(comm.transports.items()):
+            print(f"  rank {comm.rank} <-> rank {peer}: {name}")
+    size = size or 2
+    algo = config.get("DDL_ALGO")
+    chunk = config.get("DDL_CHUNK_BYTES")
+    print(f"algorithms for {size} ranks, {args.bytes:.3g} bytes (DDL_ALGO={algo}):")
+    for coll in ALGORITHMS:
+        choice = tuning.choose(coll, size, int(args.bytes), algo, chunk)
+        print(f"  {coll:15s} {choice.algorithm} (chunks of {choice.chunk_bytes} B)")
+    if comm is not None:
+        comm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    if argv[0] == "info":
+        return info(argv[1:])
+    print(f"unknown command {argv[0]!r}; try: python -m ddlcore info", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

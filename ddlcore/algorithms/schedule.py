@@ -1,0 +1,115 @@
+"""Schedules: a collective as plain data, an ordered list of point-to-point steps.
+
+An algorithm module turns (collective, size, rank, count, chunking) into a `Schedule`. The engine
+executes it over transports and kernels; the simulator replays it against a link model; tests check
+it symbolically. Nothing in a schedule names a transport, a framework or a memory kind.
+
+Step vocabulary (after NCCL's primitives; composite ones are two consecutive steps):
+
+* ``SEND``        -- send ``count`` elements of ``src`` at ``src_off`` to ``peer``.
+* ``RECV``        -- receive ``count`` elements from ``peer`` straight into ``dst`` at ``dst_off``.
+* ``RECV_REDUCE`` -- receive into a staging slot, then ``dst[dst_off:] = src[src_off:] OP staged``
+  (a fused reduce-copy; ``src`` and ``dst`` may be the same region). ``finalize`` marks the last
+  reduction of a region: the engine applies avg's division there, so every rank ends up with
+  bit-identical values.
+* ``COPY``        -- local copy of ``count`` elements from ``src`` to ``dst``.
+
+Buffers are named by role: ``INPUT`` (the caller's data, never written), ``OUTPUT`` (the result),
+``SCRATCH`` (engine-owned, sized by `Schedule.scratch_count`). Offsets and counts are in elements.
+Every message has a ``slot``, unique per collective for its (sender, receiver) pair; the engine
+builds the transport tag from the collective's sequence number and the slot, so the matching
+``SEND`` on one rank and ``RECV*`` on the other carry the same slot.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class Kind(enum.IntEnum):
+    SEND = 0
+    RECV = 1
+    RECV_REDUCE = 2
+    COPY = 3
+
+
+class Buf(enum.IntEnum):
+    INPUT = 0
+    OUTPUT = 1
+    SCRATCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    kind: Kind
+    peer: int
+    slot: int
+    count: int
+    src: Buf = Buf.INPUT
+    src_off: int = 0
+    dst: Buf = Buf.OUTPUT
+    dst_off: int = 0
+    finalize: bool = False
+
+    def describe(self) -> str:
+        if self.kind == Kind.SEND:
+            return f"send      {self.src.name}[{self.src_off}:+{self.count}] -> rank {self.peer} (slot {self.slot})"
+        if self.kind == Kind.RECV:
+            return f"recv      rank {self.peer} -> {self.dst.name}[{self.dst_off}:+{self.count}] (slot {self.slot})"
+        if self.kind == Kind.RECV_REDUCE:
+            fin = " final" if self.finalize else ""
+            return (f"recv-red  rank {self.peer} (+) {self.src.name}[{self.src_off}:+{self.count}] -> "
+                    f"{self.dst.name}[{self.dst_off}]{fin} (slot {self.slot})")
+        return f"copy      {self.src.name}[{self.src_off}:+{self.count}] -> {self.dst.name}[{self.dst_off}]"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One rank's part of one collective."""
+
+    collective: str
+    algorithm: str
+    rank: int
+    size: int
+    count: int          # elements of the collective's input on this rank
+    chunk_count: int    # elements per pipeline chunk
+    steps: tuple[Step, ...]
+    scratch_count: int = 0
+
+    def messages(self) -> int:
+        return sum(1 for s in self.steps if s.kind == Kind.SEND)
+
+    def __str__(self) -> str:
+        head = (f"{self.collective} via {self.algorithm}: rank {self.rank}/{self.size}, "
+                f"{self.count} elements, chunks of {self.chunk_count}, {len(self.steps)} steps")
+        return "\n".join([head] + [f"  {i:4d} {s.describe()}" for i, s in enumerate(self.steps)])
+
+
+def split(count: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into ``parts`` contiguous (offset, length) pieces, the first
+    ``count % parts`` of them one element longer; every rank computes the same split."""
+    base, extra = divmod(count, parts)
+    out, off = [], 0
+    for i in range(parts):
+        length = base + (1 if i < extra else 0)
+        out.append((off, length))
+        off += length
+    return out
+
+
+def chunks_of(offset: int, length: int, nchunks: int) -> list[tuple[int, int]]:
+    """Chunk ``c`` of a segment: a proportional slice, so segments of unequal length still have
+    the same number of chunks (some may be empty)."""
+    return [(offset + length * c // nchunks, length * (c + 1) // nchunks - length * c // nchunks)
+            for c in range(nchunks)]
+
+
+def nchunks_for(longest: int, chunk_count: int) -> int:
+    return max(1, -(-longest // max(1, chunk_count)))
+
+
+def drop_empty(steps: Iterable[Step]) -> tuple[Step, ...]:
+    """Remove zero-length data steps; both ends of a message see the same lengths, so they agree."""
+    return tuple(s for s in steps if s.count > 0)

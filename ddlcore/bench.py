@@ -1,0 +1,393 @@
+"""``ddl-bench``: collective microbenchmarks in nccl-tests' format, with peers in the same run.
+
+    ddlrun -np 2 ddl-bench -b 4K -e 64M -f 2                  # ddlcore allreduce sweep
+    mpiexec -n 2 ddl-bench -b 4K -e 64M --compare mpi,gloo    # beside MPI_Allreduce and gloo
+
+Columns are nccl-tests': size, count, type, redop, root, then time(us), algbw, busbw and #wrong for
+out-of-place and in-place. time is the slowest rank's mean over ``-n`` iterations after ``-w``
+warm-ups; algbw = size / time; busbw = algbw x 2(n-1)/n for allreduce, (n-1)/n for allgather and
+reduce_scatter, 1 for broadcast (nccl-tests' definitions, so numbers compare across tools).
+``--compare`` runs the same sizes through MPI_Allreduce (mpi4py; the job must be started by
+mpiexec) and torch.distributed's gloo backend in the same processes, alternating size by size so
+both see the same machine, and prints each peer's busbw and ddlcore's ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ddlcore import config
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+DTYPES = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
+          "half": np.float16, "float16": np.float16, "bfloat16": "bfloat16", "int8": np.int8,
+          "uint8": np.uint8, "int32": np.int32, "int": np.int32, "int64": np.int64}
+PEERS = ("mpi", "gloo")
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
+    return {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "allgather": (n - 1) / n, "broadcast": 1.0}[collective]
+
+
+@dataclass
+class Row:
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+    ip_time_us: float
+    ip_algbw: float
+    ip_busbw: float
+    ip_wrong: int
+    peers: dict[str, float] = field(default_factory=dict)  # peer -> busbw (GB/s)
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(DTYPES[name])
+
+
+def sizes(begin: int, end: int, factor: float) -> list[int]:
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        nxt = int(s * factor)
+        s = nxt if nxt > s else s + 1
+    return out
+
+
+class Case:
+    """Buffers and expected results of one (collective, size), shared by every system."""
+
+    def __init__(self, collective: str, nbytes: int, dtype: np.dtype, rank: int, size: int,
+                 op: str, root: int) -> None:
+        self.collective, self.rank, self.size, self.op, self.root = collective, rank, size, op, root
+        itemsize = dtype.itemsize
+        count = nbytes // itemsize
+        if collective in ("reduce_scatter",):
+            count -= count % size
+        self.count = count
+        # Small integers, exact in every dtype and under every op for up to 8 ranks.
+        pattern = (np.arange(count) % 3 + 1).astype(dtype)
+        self.x = (pattern * (rank + 1) if op != "prod" else pattern).astype(dtype)
+        if collective == "allreduce" or collective == "reduce_scatter":
+            ranks = [(pattern * (r + 1) if op != "prod" else pattern).astype(np.float64)
+                     for r in range(size)]
+            full = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max,
+                    "avg": np.mean}[op](ranks, axis=0)
+            k = count // size
+            self.expect = full if collective == "allreduce" else full[rank * k:(rank + 1) * k]
+            self.out = np.empty(count if collective == "allreduce" else k, dtype)
+        elif collective == "allgather":
+            self.expect = np.concatenate([pattern.astype(np.float64) * (r + 1) for r in range(size)])
+            self.out = np.empty(count * size, dtype)
+        else:
+            self.expect = pattern.astype(np.float64) * (root + 1)
+            self.out = self.x.copy()
+
+    def wrong(self, got: np.ndarray) -> int:
+        return int(np.count_nonzero(got.astype(np.float64) != self.expect))
+
+    def nbytes(self) -> int:
+        """nccl-tests' size column: the larger of input and output buffer."""
+        return max(self.x.nbytes, self.out.nbytes)
+
+
+def _ddl_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+    c = case.collective
+    if c == "allreduce":
+        buf = case.x.copy() if in_place else case.x
+        out = buf if in_place else case.out
+
+        def run() -> None:
+            if in_place:
+                buf[...] = case.x
+            comm.allreduce(buf, op=case.op, out=out)
+        return run, lambda: out
+    if c == "reduce_scatter":
+        return (lambda: comm.reduce_scatter(case.x, op=case.op, out=case.out)), lambda: case.out
+    if c == "allgather":
+        if in_place:
+            k = case.count
+            out = case.out
+
+            def run_ip() -> None:
+                out[case.rank * k:(case.rank + 1) * k] = case.x
+                comm.allgather(out[case.rank * k:(case.rank + 1) * k], out=out)
+            return run_ip, lambda: out
+        return (lambda: comm.allgather(case.x, out=case.out)), lambda: case.out
+    buf = case.out
+
+    def run_bcast() -> None:
+        buf[...] = case.x
+        comm.broadcast(buf, root=case.root)
+    return run_bcast, lambda: buf
+
+
+def _time(comm, run: Callable[[], None], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        run()
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    elapsed = (time.perf_counter() - t0) / max(1, iters)
+    worst = comm.allreduce(np.array([elapsed]), op="max")
+    return float(worst[0])
+
+
+class _MpiPeer:
+    name = "mpi"
+
+    def __init__(self, comm) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise SystemExit("ddl-bench: --compare mpi needs mpi4py (pip install 'ddlcore[mpi]')")
+        self.MPI, self.world = MPI, MPI.COMM_WORLD
+        if self.world.Get_size() != comm.size:
+            raise SystemExit(f"ddl-bench: --compare mpi needs the job started by mpiexec "
+                             f"(MPI sees {self.world.Get_size()} ranks, ddlcore {comm.size}); "
+                             f"run: mpiexec -n {comm.size} ddl-bench ...")
+        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+
+    def supports(self, case: Case) -> bool:
+        return case.op in self._ops and case.x.dtype.kind != "V" and case.x.dtype != np.float16
+
+    def op(self, case: Case) -> Callable[[], None]:
+        w, c = self.world, case.collective
+        if c == "allreduce":
+            return lambda: w.Allreduce(case.x, case.out, op=self._ops[case.op])
+        if c == "reduce_scatter":
+            return lambda: w.Reduce_scatter_block(case.x, case.out, op=self._ops[case.op])
+        if c == "allgather":
+            return lambda: w.Allgather(case.x, case.out)
+        return lambda: w.Bcast(case.out, root=case.root)
+
+
+class _GlooPeer:
+    name = "gloo"
+
+    def __init__(self, comm) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            raise SystemExit("ddl-bench: --compare gloo needs torch (pip install 'ddlcore[torch]')")
+        self.torch, self.dist = torch, dist
+        import socket
+
+        port = np.zeros(1, np.int64)
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1" if comm.nhosts == 1 else "", 0))
+                port[0] = s.getsockname()[1]
+        comm.broadcast(port, root=0)
+        addr = _master_addr()
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{int(port[0])}",
+                                rank=comm.rank, world_size=comm.size)
+        self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+                     "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+    def supports(self, case: Case) -> bool:
+        return case.op in self._ops and case.x.dtype.kind != "V"
+
+    def op(self, case: Case) -> Callable[[], None]:
+        t, dist, c = self.torch, self.dist, case.collective
+        x, out = t.from_numpy(case.x), t.from_numpy(case.out)
+        if c == "allreduce":
+            def run() -> None:
+                out.copy_(x)
+                dist.all_reduce(out, op=self._ops[case.op])
+            return run
+        if c == "reduce_scatter":
+            return lambda: dist.reduce_scatter_tensor(out, x, op=self._ops[case.op])
+        if c == "allgather":
+            return lambda: dist.all_gather_into_tensor(out, x)
+        return lambda: dist.broadcast(out, src=case.root)
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def _master_addr() -> str:
+    from ddlcore.rendezvous import detect
+
+    info = detect()
+    return info.master_addr or "127.0.0.1"
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n:12d}"
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    import ddlcore
+
+    comm = ddlcore.init(transport=args.transport, algo=args.algo)
+    dtype = _dtype(args.dtype)
+    peers = []
+    for name in [p for p in (args.compare or "").split(",") if p]:
+        if name not in PEERS:
+            raise SystemExit(f"ddl-bench: --compare {name!r}: known peers are {', '.join(PEERS)}")
+        peers.append(_MpiPeer(comm) if name == "mpi" else _GlooPeer(comm))
+    n = comm.size
+    factor = bus_factor(args.collective, n)
+    rows: list[Row] = []
+    lead = comm.rank == 0
+    sweep = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    if lead:
+        choice = comm.describe(args.collective, args.maxbytes)
+        print(f"# ddl-bench: {args.collective}, {n} ranks on {comm.nhosts} host(s), "
+              f"transport {sorted(set(comm.transports.values())) or ['none']}, algorithm "
+              f"{choice.algorithm}, chunk {choice.chunk_bytes} B, dtype {dtype}, op {args.op}, "
+              f"warmup {args.warmup}, iters {args.iters}")
+        peer_head = "".join(f" {p.name + ':busbw':>11s} {'ratio':>6s}" for p in peers)
+        print("#" + " " * 54 + "out-of-place" + " " * 23 + "in-place")
+        print(f"# {'size':>10s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s} "
+              f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s} "
+              f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s}{peer_head}")
+        print(f"# {'(B)':>10s} {'(elements)':>12s} {'':>8s} {'':>6s} {'':>5s} "
+              f"{'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s} {'':>6s} "
+              f"{'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s}")
+    for i, nbytes in enumerate(sweep):
+        case = Case(args.collective, nbytes, dtype, comm.rank, n, args.op, args.root)
+        iters = max(1, args.iters)
+        results = []
+        for in_place in (False, True):
+            op, got = _ddl_ops(comm, case, in_place)
+            t = _time(comm, op, args.warmup, iters)
+            wrong = 0
+            if args.check:
+                op()
+                wrong = int(comm.allreduce(np.array([case.wrong(got())], np.int64))[0])
+            algbw = case.nbytes() / t / 1e9 if t > 0 else 0.0
+            results.append((t * 1e6, algbw, algbw * factor, wrong))
+        row = Row(case.nbytes(), case.count, str(dtype), args.op, args.root if
+                  args.collective == "broadcast" else -1, *results[0], *results[1])
+        for peer in peers:
+            if peer.supports(case):
+                t = _time(comm, peer.op(case), args.warmup, iters)
+                row.peers[peer.name] = case.nbytes() / t / 1e9 * factor if t > 0 else 0.0
+        rows.append(row)
+        if lead:
+            peer_cols = ""
+            for peer in peers:
+                bw = row.peers.get(peer.name)
+                ratio = row.busbw / bw if bw else float("nan")
+                peer_cols += f" {bw if bw is not None else float('nan'):11.2f} {ratio:6.2f}"
+            print(f"  {row.size:10d} {row.count:12d} {row.type:>8s} {row.redop:>6s} {row.root:5d} "
+                  f"{row.time_us:9.1f} {row.algbw:7.2f} {row.busbw:7.2f} {row.wrong:6d} "
+                  f"{row.ip_time_us:9.1f} {row.ip_algbw:7.2f} {row.ip_busbw:7.2f} {row.ip_wrong:6d}"
+                  f"{peer_cols}", flush=True)
+            if args.progress:
+                print(f"\r[{i + 1}/{len(sweep)}] {nbytes} B", end="", file=sys.stderr, flush=True)
+    if lead:
+        if args.progress:
+            print(file=sys.stderr)
+        wrong = sum(r.wrong + r.ip_wrong for r in rows)
+        print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        avg = sum(r.busbw for r in rows) / max(1, len(rows))
+        print(f"# Avg bus bandwidth    : {avg:.4g}")
+        for peer in peers:
+            vals = [r.peers[peer.name] for r in rows if peer.name in r.peers]
+            if vals:
+                print(f"# Avg bus bandwidth {peer.name:5s}: {sum(vals) / len(vals):.4g}")
+        _write_outputs(args, rows, n)
+    for peer in peers:
+        if hasattr(peer, "close"):
+            peer.close()
+    comm.close()
+    return rows
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"collective": args.collective, "nranks": n, "rows": [asdict(r) for r in rows]},
+                      f, indent=1)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            peers = sorted({p for r in rows for p in r.peers})
+            f.write("size,count,type,redop,root,time_us,algbw,busbw,wrong,ip_time_us,ip_algbw,"
+                    "ip_busbw,ip_wrong" + "".join(f",{p}_busbw" for p in peers) + "\n")
+            for r in rows:
+                vals = [r.size, r.count, r.type, r.redop, r.root, r.time_us, r.algbw, r.busbw,
+                        r.wrong, r.ip_time_us, r.ip_algbw, r.ip_busbw, r.ip_wrong]
+                vals += [r.peers.get(p, "") for p in peers]
+                f.write(",".join(str(v) for v in vals) + "\n")
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("# --plot needs matplotlib (pip install 'ddlcore[plot]')", file=sys.stderr)
+            return
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = [r.size for r in rows]
+        ax.plot(xs, [r.busbw for r in rows], marker="o", label="ddlcore")
+        for p in sorted({p for r in rows for p in r.peers}):
+            ax.plot([r.size for r in rows if p in r.peers], [r.peers[p] for r in rows if p in r.peers],
+                    marker="s", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"{args.collective}, {n} ranks, {args.dtype} {args.op}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddl-bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-C", "--collective", choices=COLLECTIVES, default="allreduce")
+    p.add_argument("-b", "--minbytes", type=config.parse_size, default=config.parse_size("8"))
+    p.add_argument("-e", "--maxbytes", type=config.parse_size, default=config.parse_size("32M"))
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0)
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup", type=int, default=5)
+    p.add_argument("-c", "--check", type=int, default=1, help="check results (1) or not (0)")
+    p.add_argument("-o", "--op", choices=("sum", "prod", "min", "max", "avg"), default="sum")
+    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float")
+    p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("--transport", default=None, help="like DDL_TRANSPORT")
+    p.add_argument("--algo", default=None, help="like DDL_ALGO")
+    p.add_argument("--compare", default="", help="peers to run in the same job: mpi,gloo")
+    p.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    p.add_argument("--csv", default=None, help="write the rows as CSV to this file")
+    p.add_argument("--plot", default=None, help="draw busbw vs size to this PNG (matplotlib)")
+    p.add_argument("--progress", action="store_true", help="progress on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.minbytes > args.maxbytes:
+        raise SystemExit("ddl-bench: -b must not exceed -e")
+    rows = run(args)
+    return 1 if any(r.wrong or r.ip_wrong for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

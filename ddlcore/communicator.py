@@ -1,0 +1,441 @@
+"""The public API: `init()` and `Communicator` with its collectives.
+
+`init()` finds the job (see ``rendezvous``), meets the other ranks at rank 0's store, learns which
+ranks share a host (``topology``), picks a transport per peer pair (``links``) and returns a
+`Communicator`. Each collective validates its arguments before any communication (bad input is a
+ValueError/TypeError naming the argument), turns buffers into descriptors (``buffers``), asks
+``tuning`` for an algorithm, builds that algorithm's schedule and has the ``engine`` execute it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ddlcore import config, engine, topology, tuning
+from ddlcore.algorithms import ALGORITHMS, Buf, Schedule
+from ddlcore.buffers import BufferDesc, as_buffer, empty_like
+from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
+from ddlcore.handles import Executor, Handle
+from ddlcore.links import Links, local_transports
+from ddlcore.ops import Op, as_op
+from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
+from ddlcore.transports.base import PeerInfo
+
+log = logging.getLogger("ddlcore")
+
+_KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
+_DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
+_MAX_PEER_RECORD = 4096
+
+
+@dataclass
+class _Call:
+    """One validated collective call."""
+
+    collective: str
+    inp: BufferDesc | None
+    out: BufferDesc | None
+    op: Op | None = None
+    root: int = 0
+    result: Any = None
+
+    @property
+    def count(self) -> int:
+        return self.inp.count if self.inp is not None else 0
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(collective: str, algorithm: str, rank: int, size: int, count: int, itemsize: int,
+              chunk_bytes: int, root: int) -> Schedule:
+    make = ALGORITHMS[collective][algorithm]
+    if collective == "barrier":
+        return make(rank, size)
+    if collective == "broadcast":
+        return make(rank, size, count, itemsize, chunk_bytes, root)
+    return make(rank, size, count, itemsize, chunk_bytes)
+
+
+def _encode_peer(host_id: str, names: tuple[str, ...]) -> bytes:
+    return f"{host_id}\n{','.join(names)}".encode()
+
+
+def _decode_peer(rank: int, raw: bytes) -> PeerInfo:
+    if len(raw) > _MAX_PEER_RECORD:
+        raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
+    host_id, _, names = raw.decode("utf-8", "replace").partition("\n")
+    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n))
+
+
+class Communicator:
+    """A group of ranks that run collectives together. Create it with `ddlcore.init`.
+
+    Attributes
+    ----------
+    rank, size : int
+        This process's rank and the number of ranks.
+    local_rank, local_size : int
+        Rank among, and number of, the ranks on this host.
+    """
+
+    def __init__(self, info: RendezvousInfo, peers: list[PeerInfo], store: Any, links: Links | None,
+                 timeout: float, environ: Mapping[str, str] | None = None,
+                 algo: str | None = None) -> None:
+        self.rank, self.size = info.rank, info.size
+        self._layout = topology.layout([p.host_id for p in peers], self.rank)
+        self.local_rank, self.local_size = self._layout.local_rank, self._layout.local_size
+        self.peers = peers
+        self.source = info.source
+        self.timeout = timeout
+        self._store = store
+        self._links = links
+        self._algo = algo.lower() if algo else config.get("DDL_ALGO", environ)
+        tuning.validate_algo(self._algo)
+        self._chunk_bytes = max(1, config.get("DDL_CHUNK_BYTES", environ))
+        self._depth = config.get("DDL_PIPELINE_DEPTH", environ)
+        self._debug = config.get("DDL_DEBUG", environ)
+        self._staging = engine.StagingPool()
+        self._scratch = np.empty(0, np.uint8)
+        self._executor = Executor(f"ddlcore-rank{self.rank}")
+        self._broken: str | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # --- introspection -------------------------------------------------------------------------
+    @property
+    def transports(self) -> dict[int, str]:
+        """The transport carrying each peer pair, by peer rank."""
+        return dict(self._links.choice) if self._links else {}
+
+    @property
+    def nhosts(self) -> int:
+        return self._layout.nhosts
+
+    def describe(self, collective: str, nbytes: int) -> tuning.Choice:
+        """The algorithm and chunking this communicator would use for a collective of ``nbytes``."""
+        return tuning.choose(collective, self.size, nbytes, self._algo, self._chunk_bytes)
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+                f"local_size={self.local_size}, hosts={self.nhosts})")
+
+    # --- argument checking (before any communication) ------------------------------------------
+    def _output(self, x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc, Any]:
+        if out is None:
+            desc = empty_like(x, shape)
+            return desc, desc.wrap(desc.array)
+        desc = as_buffer(out, "out")
+        if desc.dtype != x.dtype:
+            raise TypeError(f"out has dtype {desc.dtype} but x has {x.dtype}")
+        expected = int(np.prod(shape, dtype=np.int64))
+        if desc.count != expected:
+            raise ValueError(f"out has {desc.count} elements, expected {expected} (shape {shape})")
+        if desc.readonly:
+            raise ValueError("out is read-only")
+        return desc, out
+
+    def _prepare(self, collective: str, x: Any, op: Any = None, out: Any = None,
+                 root: int = 0) -> _Call:
+        if collective == "barrier":
+            return _Call("barrier", None, None)
+        rop = as_op(op) if op is not None else None
+        xd = as_buffer(x, "x")
+        if collective == "allreduce":
+            od, result = self._output(xd, out, xd.shape)
+        elif collective == "reduce_scatter":
+            if xd.count % self.size:
+                raise ValueError(f"x has {xd.count} elements, not divisible by the communicator "
+                                 f"size {self.size}; reduce_scatter needs size * k elements")
+            shape = xd.shape
+            if len(shape) >= 1 and shape[0] % self.size == 0:
+                out_shape = (shape[0] // self.size, *shape[1:])
+            else:
+                out_shape = (xd.count // self.size,)
+            od, result = self._output(xd, out, out_shape)
+        elif collective == "allgather":
+            out_shape = (self.size * xd.shape[0], *xd.shape[1:]) if xd.shape else (self.size,)
+            od, result = self._output(xd, out, out_shape)
+        elif collective == "broadcast":
+            if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+                raise TypeError(f"root must be an int, not {type(root).__name__}")
+            if not 0 <= root < self.size:
+                raise ValueError(f"root={root} is not a rank of this communicator (size {self.size})")
+            if xd.readonly:
+                raise ValueError("x is read-only; broadcast writes the root's data into it")
+            od, result = xd, x
+        else:  # pragma: no cover - internal misuse
+            raise AssertionError(collective)
+        return _Call(collective, xd, od, rop, int(root), result)
+
+    # --- execution ------------------------------------------------------------------------------
+    def _label(self, call: _Call, seq: int) -> str:
+        if call.collective == "barrier":
+            return f"barrier #{seq}"
+        desc = f"{call.count} x {call.inp.dtype}"
+        if call.op is not None:
+            desc += f", {call.op.name.lower()}"
+        if call.collective == "broadcast":
+            desc += f", root {call.root}"
+        return f"{call.collective} #{seq} ({desc})"
+
+    def _check_word(self, call: _Call) -> int:
+        code = int(call.inp.code) if call.inp is not None else 255
+        op = int(call.op) if call.op is not None else 255
+        raw = struct.pack("<BBBqq", _KIND[call.collective], code, op, call.count, call.root)
+        return zlib.crc32(raw) | 1
+
+    def _scratch_region(self, nbytes: int) -> engine.Region:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return engine.Region.of(self._scratch[:nbytes])
+
+    def _execute(self, call: _Call, seq: int) -> Any:
+        if self._broken is not None:
+            raise CommunicatorClosedError(
+                f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
+                f"({self._broken}); create a new one with ddlcore.init()")
+        label = self._label(call, seq)
+        try:
+            if self._debug and self.size > 1:
+                self._check_agreement(call, seq, label)
+            itemsize = call.inp.itemsize if call.inp is not None else 1
+            choice = tuning.choose(call.collective, self.size, call.count * itemsize, self._algo,
+                                   self._chunk_bytes)
+            sched = _schedule(call.collective, choice.algorithm, self.rank, self.size, call.count,
+                              itemsize, choice.chunk_bytes, call.root)
+            if self._debug:
+                log.debug("rank %d: %s via %s, chunks of %d B, %d steps, %d messages out",
+                          self.rank, label, sched.algorithm, choice.chunk_bytes, len(sched.steps),
+                          sched.messages())
+            empty = engine.Region(0, memoryview(b""))
+            buffers = {
+                Buf.INPUT: engine.Region.of(call.inp.array) if call.inp is not None else empty,
+                Buf.OUTPUT: engine.Region.of(call.out.array) if call.out is not None else empty,
+            }
+            if sched.scratch_count:
+                buffers[Buf.SCRATCH] = self._scratch_region(sched.scratch_count * itemsize)
+            coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
+                                     int(call.inp.code) if call.inp is not None else 0,
+                                     call.op, label)
+            engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
+        except DDLError as exc:
+            self._broken = str(exc)
+            raise
+        return call.result
+
+    def _check_agreement(self, call: _Call, seq: int, label: str) -> None:
+        """DDL_DEBUG: allgather every rank's (kind, dtype, op, count, root) and compare."""
+        mine = np.array([_KIND[call.collective], int(call.inp.code) if call.inp else -1,
+                         int(call.op) if call.op is not None else -1, call.count, call.root],
+                        np.int64)
+        every = np.empty(self.size * mine.size, np.int64)
+        sched = _schedule("allgather", "ring", self.rank, self.size, mine.size, 8, 1 << 20, 0)
+        coll = engine.Collective((seq & 0x7FFFFFFF) | _DEBUG_SEQ, 0, 8, 7, None,
+                                 f"{label} agreement check")
+        engine.run(sched, coll, {Buf.INPUT: engine.Region.of(mine),
+                                 Buf.OUTPUT: engine.Region.of(every)},
+                   self._links, self._staging, self._depth, self.timeout)
+        rows = every.reshape(self.size, mine.size)
+        if not (rows == mine).all():
+            names = {v: k for k, v in _KIND.items()}
+            lines = [f"rank {r}: {names.get(int(k), '?')} count={c} dtype_code={d} op_code={o} "
+                     f"root={root}" for r, (k, d, o, c, root) in enumerate(rows.tolist())]
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {label}: ranks called different collectives "
+                f"(DDL_DEBUG check):\n  " + "\n  ".join(lines))
+
+    def _run(self, call: _Call) -> Any:
+        handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
+        return self._executor.run_inline(functools.partial(self._execute, call), handle)
+
+    def _submit(self, call: _Call) -> Handle:
+        handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
+        return self._executor.submit(functools.partial(self._execute, call), handle)
+
+    def _wait_budget(self) -> float:
+        # Each queued collective is bounded by DDL_TIMEOUT, so this bounds a handle's wait.
+        return self.timeout * (self._executor.pending() + 1) + 5.0
+
+    # --- collectives ----------------------------------------------------------------------------
+    def allreduce(self, x: Any, op: str | Op = "sum", out: Any = None) -> Any:
+        """Reduce ``x`` element-wise over all ranks; every rank gets the same result.
+
+        Parameters
+        ----------
+        x : array
+            Contiguous NumPy array (float16, bfloat16, float32, float64, int8, uint8, int32,
+            int64), or any buffer-protocol / host DLPack object of those types.
+        op : {"sum", "avg", "prod", "min", "max"} or Op
+        out : array, optional
+            Destination with x's dtype and element count; may be ``x`` itself (in place).
+
+        Returns
+        -------
+        array
+            ``out`` if given, else a new array shaped like ``x`` (same kind as ``x``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments, before any communication.
+        DDLError
+            A peer failed, ranks disagree, or ``DDL_TIMEOUT`` passed.
+        """
+        return self._run(self._prepare("allreduce", x, op, out))
+
+    def allreduce_async(self, x: Any, op: str | Op = "sum", out: Any = None) -> Handle:
+        """`allreduce` in the background; returns a `Handle` (``wait()`` gives the result).
+        ``x`` and ``out`` must not be touched until the handle completes."""
+        return self._submit(self._prepare("allreduce", x, op, out))
+
+    def reduce_scatter(self, x: Any, op: str | Op = "sum", out: Any = None) -> Any:
+        """Reduce ``x`` (size * k elements) over all ranks; rank r gets block r (k elements).
+
+        A multi-dimensional ``x`` whose first dimension divides by size is split along it
+        (output shape ``(shape[0] // size, *shape[1:])``); otherwise the output is 1-D.
+        Raises ValueError when x's element count is not divisible by size.
+        """
+        return self._run(self._prepare("reduce_scatter", x, op, out))
+
+    def reduce_scatter_async(self, x: Any, op: str | Op = "sum", out: Any = None) -> Handle:
+        return self._submit(self._prepare("reduce_scatter", x, op, out))
+
+    def allgather(self, x: Any, out: Any = None) -> Any:
+        """Concatenate every rank's ``x`` (k elements each) along the first dimension, in rank
+        order: the result has size * k elements."""
+        return self._run(self._prepare("allgather", x, None, out))
+
+    def allgather_async(self, x: Any, out: Any = None) -> Handle:
+        return self._submit(self._prepare("allgather", x, None, out))
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
+        return self._run(self._prepare("broadcast", x, root=root))
+
+    def broadcast_async(self, x: Any, root: int = 0) -> Handle:
+        return self._submit(self._prepare("broadcast", x, root=root))
+
+    def barrier(self) -> None:
+        """Return only after every rank has entered the barrier."""
+        self._run(self._prepare("barrier", None))
+
+    # --- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish queued collectives (within DDL_TIMEOUT), then release connections and threads.
+
+        Rank 0 keeps serving the rendezvous store until its process exits, so ranks that close
+        later, or call ``init()`` again, can still reach it.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._broken is None:
+                self._executor.drain(self.timeout)
+        finally:
+            self._executor.close(5.0)
+            if self._links is not None:
+                self._links.close()
+            if self._store is not None:
+                self._store.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_servers: dict[tuple[str, int], Any] = {}
+_servers_lock = threading.Lock()
+_generation: dict[tuple[str, int], int] = {}
+
+
+def _store_for(info: RendezvousInfo, timeout: float) -> Any:
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    key = (info.master_addr, info.master_port)
+    with _servers_lock:
+        if info.rank == 0 and key not in _servers:
+            _servers[key] = StoreServer(info.master_addr, info.master_port)
+        generation = _generation.get(key, 0)
+        _generation[key] = generation + 1
+    client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size)
+    return client, PrefixStore(client, f"g{generation}/")
+
+
+def init(*, rank: int | None = None, size: int | None = None, master_addr: str | None = None,
+         master_port: int | None = None, transport: str | None = None,
+         timeout: float | None = None, algo: str | None = None,
+         environ: Mapping[str, str] | None = None) -> Communicator:
+    """Join the job and return its `Communicator`.
+
+    Parameters
+    ----------
+    rank, size, master_addr, master_port : optional
+        Override what the launcher's variables say (ddlrun, torchrun, mpiexec, srun). With no
+        launcher and no arguments, the process is a world of one.
+    transport : str, optional
+        Like ``DDL_TRANSPORT``: "auto", "tcp", ...
+    timeout : float, optional
+        Seconds any wait may last (``DDL_TIMEOUT``, default 600).
+    algo : str, optional
+        Like ``DDL_ALGO``: "auto", "ring", ...
+    environ : mapping, optional
+        Read configuration from this mapping instead of ``os.environ``.
+
+    Raises
+    ------
+    RendezvousError
+        The other ranks did not all arrive within the timeout; says how many did.
+    TransportUnavailableError
+        The requested transport cannot run here, and why.
+    """
+    info = detect(environ)
+    if rank is not None or size is not None:
+        info = RendezvousInfo(info.rank if rank is None else rank,
+                              info.size if size is None else size,
+                              info.master_addr, info.master_port, "arguments")
+    if master_addr is not None or master_port is not None:
+        info = RendezvousInfo(info.rank, info.size, master_addr or info.master_addr,
+                              master_port or info.master_port, info.source)
+    if not 0 <= info.rank < info.size:
+        raise ValueError(f"rank={info.rank} must be in [0, size={info.size})")
+    timeout = config.get("DDL_TIMEOUT", environ) if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout} must be positive")
+    spec = config.VARS["DDL_TRANSPORT"].parse(transport) if transport else config.get(
+        "DDL_TRANSPORT", environ)
+    if config.get("DDL_DEBUG", environ) and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[ddlcore] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+    host_id = topology.host_identity(environ)
+    if info.size == 1:
+        return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
+    info = resolve_master(info, environ)
+    names = local_transports(spec)
+    client, store = _store_for(info, timeout)
+    try:
+        store.set(f"peer/{info.rank}", _encode_peer(host_id, names))
+        peers = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
+        links = Links(info.rank, info.size, spec, peers, store, timeout)
+    except BaseException:
+        client.close()
+        raise
+    comm = Communicator(info, peers, client, links, timeout, environ, algo)
+    log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s", comm.rank,
+              comm.size, info.source, host_id, comm.local_rank, comm.local_size,
+              sorted(set(links.choice.values())))
+    return comm

@@ -1,0 +1,233 @@
+"""The engine: executes one rank's `Schedule` over transports and kernels.
+
+Execution is a single pass over the steps in program order, with receives posted ahead of time
+(up to ``depth`` steps, each ``RECV_REDUCE`` taking one of ``depth`` staging slots). The
+transports move bytes on their own threads, so while this thread reduces chunk k (a Cython
+kernel that releases the GIL), chunk k+1 is being received and chunk k-1 sent.
+
+Hazards are checked, not assumed: a receive is posted early only if no earlier, unprocessed step
+touches its region and no send in flight reads it; a write (reduce, copy) waits for in-flight
+sends of its region. Regions are compared by address, so in-place calls (input is output) are
+safe.
+
+Every wait has a deadline. A failure (timeout, lost peer, mismatch) is re-raised with the rank,
+the collective, its sequence number and the step, after telling the peers (``links.abort``) so
+that every rank fails fast instead of waiting out its own timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddlcore import kernels
+from ddlcore.algorithms.schedule import Buf, Kind, Schedule
+from ddlcore.errors import CollectiveMismatchError, DDLError, DDLTimeoutError, PeerFailureError
+from ddlcore.ops import Op
+from ddlcore.transports.base import (
+    ABORT_MISMATCH,
+    ABORT_OTHER,
+    ABORT_PEER_FAILURE,
+    ABORT_TIMEOUT,
+)
+
+log = logging.getLogger("ddlcore")
+
+_SEND, _RECV, _RECV_REDUCE, _COPY = Kind.SEND, Kind.RECV, Kind.RECV_REDUCE, Kind.COPY
+
+
+@dataclass
+class Region:
+    """A host buffer the engine reads or writes: base address and a flat byte view."""
+
+    ptr: int
+    view: memoryview
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> Region:
+        flat = array.reshape(-1).view(np.uint8)
+        return cls(flat.ctypes.data if flat.size else 0, memoryview(flat))
+
+
+class StagingPool:
+    """Receive buffers for ``RECV_REDUCE`` steps, allocated once and reused by every collective."""
+
+    def __init__(self) -> None:
+        self._arrays: list[np.ndarray] = []
+        self.regions: list[Region] = []
+
+    def ensure(self, nslots: int, nbytes: int) -> list[Region]:
+        if len(self._arrays) < nslots or (self._arrays and self._arrays[0].nbytes < nbytes):
+            size = max(nbytes, self._arrays[0].nbytes if self._arrays else 0, 64)
+            self._arrays = [np.empty(size, np.uint8) for _ in range(max(nslots, len(self._arrays)))]
+            self.regions = [Region.of(a) for a in self._arrays]
+        return self.regions
+
+
+_ABORT_CODE = {DDLTimeoutError: ABORT_TIMEOUT, CollectiveMismatchError: ABORT_MISMATCH,
+               PeerFailureError: ABORT_PEER_FAILURE}
+
+
+def abort_code(exc: BaseException) -> int:
+    for cls, code in _ABORT_CODE.items():
+        if isinstance(exc, cls):
+            return code
+    return ABORT_OTHER
+
+
+@dataclass
+class Collective:
+    """What the engine needs to know of the call, for tags, checks, reductions and messages."""
+
+    seq: int
+    check: int
+    itemsize: int
+    dtype_code: int
+    op: Op | None
+    label: str  # e.g. "allreduce #12 (1000 x float32, sum)"
+
+
+def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links, staging: StagingPool,
+        depth: int, timeout: float) -> None:
+    """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
+    failure (after aborting the links so the peers fail fast too)."""
+    steps = schedule.steps
+    nsteps = len(steps)
+    if nsteps == 0:
+        return
+    isz = coll.itemsize
+    tag_base = (coll.seq & 0xFFFFFFFF) << 32
+    check = coll.check
+    kop = int(Op.SUM if coll.op in (None, Op.AVG) else coll.op)
+    code = int(coll.dtype_code)
+    divide = coll.op == Op.AVG and schedule.size > 1
+    pairs: dict[int, object] = {}
+    max_bytes = max((s.count for s in steps if s.kind == _RECV_REDUCE), default=0) * isz
+    slots = staging.ensure(depth, max_bytes) if max_bytes else []
+    free = list(range(len(slots)))
+    posted: list = [None] * nsteps
+    staged: list[int] = [-1] * nsteps
+    sends: deque = deque()  # (lo, hi, request) of sends in flight, oldest first
+    monotonic = time.monotonic
+    deadline = monotonic() + timeout
+    i = 0
+
+    def pair(peer: int):
+        p = pairs.get(peer)
+        if p is None:
+            p = pairs[peer] = links.pair(peer)
+        return p
+
+    def span(buf: Buf, off: int, count: int) -> tuple[int, int]:
+        lo = buffers[buf].ptr + off * isz
+        return lo, lo + count * isz
+
+    def remaining() -> float:
+        left = deadline - monotonic()
+        if left <= 0:
+            raise DDLTimeoutError(f"no progress within DDL_TIMEOUT={timeout:g} s")
+        return left
+
+    def wait_sends_over(lo: int, hi: int) -> None:
+        for slo, shi, req in sends:
+            if slo < hi and lo < shi:
+                req.wait(remaining())
+
+    def touches(j: int, lo: int, hi: int) -> bool:
+        s = steps[j]
+        if s.kind != _RECV and s.count:
+            a, b = span(s.src, s.src_off, s.count)
+            if a < hi and lo < b:
+                return True
+        if s.kind != _SEND and s.count:
+            a, b = span(s.dst, s.dst_off, s.count)
+            if a < hi and lo < b:
+                return True
+        return False
+
+    def post_recv(j: int, early: bool) -> bool:
+        s = steps[j]
+        nbytes = s.count * isz
+        if s.kind == _RECV_REDUCE:
+            if not free:
+                return False
+            slot = free.pop()
+            view = slots[slot].view[:nbytes]
+            staged[j] = slot
+        else:
+            lo, hi = span(s.dst, s.dst_off, s.count)
+            if early:
+                if any(touches(k, lo, hi) for k in range(i, j)):
+                    return False
+                if any(slo < hi and lo < shi for slo, shi, _ in sends):
+                    return False
+            else:
+                wait_sends_over(lo, hi)
+            base = buffers[s.dst]
+            view = base.view[lo - base.ptr: hi - base.ptr]
+        posted[j] = pair(s.peer).irecv(view, tag_base | s.slot, check)
+        return True
+
+    nxt = 0  # next step to consider for early posting
+    try:
+        for i in range(nsteps):
+            if nxt < i:
+                nxt = i
+            while nxt < nsteps and nxt - i < depth:
+                kind = steps[nxt].kind
+                if (kind == _RECV or kind == _RECV_REDUCE) and not post_recv(nxt, nxt > i):
+                    break
+                nxt += 1
+            while sends and sends[0][2].test():
+                sends.popleft()
+
+            s = steps[i]
+            kind = s.kind
+            if kind == _SEND:
+                lo, hi = span(s.src, s.src_off, s.count)
+                base = buffers[s.src]
+                req = pair(s.peer).isend(base.view[lo - base.ptr: hi - base.ptr],
+                                         tag_base | s.slot, check)
+                sends.append((lo, hi, req))
+                continue
+            if kind == _COPY:
+                lo, hi = span(s.dst, s.dst_off, s.count)
+                src_lo = buffers[s.src].ptr + s.src_off * isz
+                if src_lo != lo:
+                    wait_sends_over(lo, hi)
+                    kernels.copy_bytes(lo, src_lo, hi - lo)
+                continue
+            if posted[i] is None:
+                post_recv(i, False)
+                if nxt == i:
+                    nxt = i + 1
+            posted[i].wait(remaining())
+            posted[i] = None
+            if kind == _RECV_REDUCE:
+                lo, hi = span(s.dst, s.dst_off, s.count)
+                wait_sends_over(lo, hi)
+                slot = staged[i]
+                kernels.reduce_copy(lo, buffers[s.src].ptr + s.src_off * isz, slots[slot].ptr,
+                                    s.count, code, kop)
+                if divide and s.finalize:
+                    kernels.avg_finalize(lo, s.count, code, schedule.size)
+                free.append(slot)
+        while sends:
+            _, _, req = sends.popleft()
+            req.wait(remaining())
+    except DDLError as exc:
+        step = steps[min(i, nsteps - 1)].describe()
+        message = (f"rank {schedule.rank}: {coll.label} via {schedule.algorithm} failed at step "
+                   f"{i + 1} of {nsteps} [{step}]: {exc}")
+        if isinstance(exc, DDLTimeoutError):
+            message += (". A peer may have died, be stuck, or be calling a different collective; "
+                        "raise DDL_TIMEOUT if the job is just slow")
+        err = type(exc)(message)
+        if isinstance(exc, PeerFailureError):
+            err.peer = exc.peer  # type: ignore[attr-defined]
+        links.abort(abort_code(exc), message)
+        raise err from None

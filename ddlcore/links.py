@@ -1,0 +1,91 @@
+"""Links: which transport carries each peer pair, and the transport contexts behind them.
+
+Every rank publishes at init which transports it can run; the choice for a pair is then made
+from both ends' lists by the same rule, so both ends always agree:
+
+* ``DDL_TRANSPORT=<name>`` forces one transport for every pair (an error if it cannot run here);
+* ``auto`` takes shm for two ranks on the same host when both have it, otherwise the first
+  transport in the network order (``ucx, mpi, tcp``; ``auto:ucx,tcp`` sets it) that both ends
+  have and that can connect them.
+
+Contexts of the chosen transports are created eagerly at init (they publish their addresses in
+the store); pairs connect lazily on first use.
+"""
+
+from __future__ import annotations
+
+from ddlcore import transports
+from ddlcore.errors import TransportUnavailableError
+from ddlcore.transports.base import Context, Pair, PeerInfo, Store, Transport
+
+
+def local_transports(spec: str) -> tuple[str, ...]:
+    """Names of the transports this process can run; a forced transport that cannot run here
+    is an error that says why."""
+    if spec == "auto" or spec.startswith("auto:"):
+        return tuple(name for name, (ok, _) in transports.available().items() if ok)
+    ok, why = transports.load(spec).is_available()
+    if not ok:
+        raise TransportUnavailableError(f"DDL_TRANSPORT={spec} cannot run here: {why}")
+    return (spec,)
+
+
+def network_order(spec: str) -> tuple[str, ...]:
+    if spec.startswith("auto:"):
+        return tuple(n for n in spec[5:].split(",") if n)
+    return transports.NETWORK_ORDER
+
+
+def choose(spec: str, me: PeerInfo, peer: PeerInfo, instances: dict[str, Transport]) -> str:
+    """The transport for the pair (me, peer); symmetric in its two arguments."""
+    both = [n for n in me.transports if n in peer.transports]
+    if spec not in ("auto",) and not spec.startswith("auto:"):
+        if spec not in both:
+            raise TransportUnavailableError(
+                f"DDL_TRANSPORT={spec}: rank {peer.rank} cannot run it "
+                f"(it has {', '.join(peer.transports) or 'none'})")
+        return spec
+    if me.host_id == peer.host_id and "shm" in both:
+        if instances["shm"].can_connect(me, peer):
+            return "shm"
+    for name in network_order(spec):
+        if name in both and instances[name].can_connect(me, peer):
+            return name
+    raise TransportUnavailableError(
+        f"no transport connects rank {me.rank} ({', '.join(me.transports)}) with rank "
+        f"{peer.rank} ({', '.join(peer.transports)}) under DDL_TRANSPORT={spec}")
+
+
+class Links:
+    """Per-peer transport pairs of one communicator."""
+
+    def __init__(self, rank: int, size: int, spec: str, peers: list[PeerInfo], store: Store,
+                 timeout: float) -> None:
+        self.rank, self.size = rank, size
+        me = peers[rank]
+        instances = {name: transports.load(name)() for name in me.transports}
+        self.choice: dict[int, str] = {
+            p.rank: choose(spec, me, p, instances) for p in peers if p.rank != rank}
+        self.contexts: dict[str, Context] = {}
+        for name in sorted(set(self.choice.values())):
+            self.contexts[name] = instances[name].create_context(rank, size, store, timeout)
+        self._pairs: dict[int, Pair] = {}
+
+    def pair(self, peer: int) -> Pair:
+        p = self._pairs.get(peer)
+        if p is None:
+            p = self._pairs[peer] = self.contexts[self.choice[peer]].pair(peer)
+        return p
+
+    def abort(self, code: int, reason: str) -> None:
+        for ctx in self.contexts.values():
+            try:
+                ctx.abort(code, reason)
+            except Exception:  # best effort: we are already failing
+                pass
+
+    def close(self) -> None:
+        for ctx in self.contexts.values():
+            ctx.close()
+        self.contexts.clear()
+        self._pairs.clear()

@@ -1,0 +1,120 @@
+"""Rendezvous: find out who we are (rank, size, where the master is) from whichever launcher
+started us, then meet the other ranks at the master's store.
+
+Sources, first match wins: explicit arguments to `ddlcore.init`; ddlrun's ``DDL_*`` variables;
+torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; MPI launchers (``PMI_RANK``/
+``PMI_SIZE`` from MPICH's mpiexec, ``OMPI_COMM_WORLD_*`` from Open MPI, ``SLURM_PROCID`` from
+srun). An MPI launcher gives no master address: then rank 0 opens the store on a free port and
+the address is broadcast with mpi4py (a fixed-size byte buffer, never a pickle). With none of
+these the process is a world of one.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddlcore import config
+from ddlcore.errors import RendezvousError
+
+_ADDR_BYTES = 256
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    rank: int
+    size: int
+    master_addr: str | None
+    master_port: int | None
+    source: str  # which launcher's variables were used
+    local_rank: int | None = None
+    local_size: int | None = None
+
+
+def _first(names: tuple[str, ...], environ: Mapping[str, str] | None):
+    for name in names:
+        if config.is_set(name, environ):
+            return config.get(name, environ)
+    return None
+
+
+_SOURCES = (
+    # (label, rank var, size var, local rank var, local size var, addr var, port var)
+    ("ddlrun", "DDL_RANK", "DDL_SIZE", "DDL_LOCAL_RANK", "DDL_LOCAL_SIZE", "DDL_MASTER_ADDR",
+     "DDL_MASTER_PORT"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+     "MASTER_PORT"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None, None),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", None, None),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, None, None),
+)
+
+
+def detect(environ: Mapping[str, str] | None = None) -> RendezvousInfo:
+    """Read rank, size and master address from the launcher's variables (see module doc)."""
+    for label, rank_var, size_var, lrank_var, lsize_var, addr_var, port_var in _SOURCES:
+        if not (config.is_set(rank_var, environ) and config.is_set(size_var, environ)):
+            continue
+        rank, size = config.get(rank_var, environ), config.get(size_var, environ)
+        if rank >= size:
+            raise ValueError(f"{rank_var}={rank} is not below {size_var}={size}")
+        # An explicit master address (DDL_* or torchrun's) wins over an MPI broadcast.
+        addr = _first(tuple(v for v in (addr_var, "DDL_MASTER_ADDR", "MASTER_ADDR") if v), environ)
+        port = _first(tuple(v for v in (port_var, "DDL_MASTER_PORT", "MASTER_PORT") if v), environ)
+        local_rank = config.get(lrank_var, environ) if lrank_var else None
+        local_size = config.get(lsize_var, environ) if lsize_var else None
+        return RendezvousInfo(rank, size, addr, port, label, local_rank, local_size)
+    return RendezvousInfo(0, 1, None, None, "single process", 0, 1)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _master_host(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str:
+    """Address rank 0 serves the store on when the launcher named none."""
+    if info.local_size is not None and info.local_size == info.size:
+        return "127.0.0.1"  # every rank on this host
+    ifname = config.get("DDL_SOCKET_IFNAME", environ)
+    if ifname:
+        from ddlcore.transports.sockets import interface_address
+
+        return interface_address(ifname)
+    return socket.gethostbyname(socket.getfqdn())
+
+
+def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = None) -> RendezvousInfo:
+    """Fill in the master address of an MPI-launched job by broadcasting it with mpi4py."""
+    if info.size == 1 or (info.master_addr and info.master_port):
+        return info
+    if info.source not in ("mpich", "openmpi", "slurm"):
+        raise RendezvousError(
+            f"rank {info.rank}: launched by {info.source} but no master address/port is set; "
+            "set DDL_MASTER_ADDR and DDL_MASTER_PORT (or MASTER_ADDR/MASTER_PORT)")
+    try:
+        import numpy as np
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RendezvousError(
+            f"rank {info.rank}: started by an MPI launcher ({info.source}) without "
+            "DDL_MASTER_ADDR/DDL_MASTER_PORT; install mpi4py (pip install 'ddlcore[mpi]') so the "
+            f"store address can be broadcast, or set those variables ({exc})") from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != info.size or comm.Get_rank() != info.rank:
+        raise RendezvousError(
+            f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's variables say "
+            f"rank {info.rank} of {info.size}; set DDL_MASTER_ADDR/DDL_MASTER_PORT explicitly")
+    buf = np.zeros(_ADDR_BYTES, np.uint8)
+    if info.rank == 0:
+        host = info.master_addr or _master_host(info, environ)
+        text = f"{host}:{info.master_port or _free_port(host)}".encode()
+        buf[: len(text)] = np.frombuffer(text, np.uint8)
+    comm.Bcast(buf, root=0)
+    text = bytes(buf).rstrip(b"\0").decode()
+    host, _, port = text.rpartition(":")
+    return RendezvousInfo(info.rank, info.size, host, int(port), info.source,
+                          info.local_rank, info.local_size)

@@ -1,0 +1,98 @@
+"""The collective test matrix, run inside spawned ranks (see ``tests/harness.py``).
+
+Every rank builds every rank's input from the same seed, so each can compute the NumPy reference
+itself. Each case returns a digest of its result so the parent can check that every rank got
+bit-identical results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int32,
+          np.int64]
+OPS = ["sum", "avg", "prod", "min", "max"]
+# 0, 1, primes, counts not divisible by 2, 3 or 4, and (with small chunks) many chunks.
+COUNTS = [0, 1, 2, 3, 5, 7, 13, 31, 101, 1009, 4099, 65537]
+
+
+def random_input(dtype, count: int, rank: int, seed: int, op: str) -> np.ndarray:
+    """Random, never all-zero data; for prod, magnitudes near 1 keep floats in range."""
+    rng = np.random.default_rng([seed, rank, count])
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, count, dtype=dt, endpoint=True)
+    if op == "prod":
+        mag = rng.uniform(0.5, 1.5, count)
+        return (mag * rng.choice([-1.0, 1.0], count)).astype(dt)
+    return rng.uniform(-1.0, 1.0, count).astype(dt)
+
+
+def tolerance(dtype, op: str, size: int) -> tuple[float, float]:
+    dt = np.dtype(dtype)
+    if dt.kind in "iu" or op in ("min", "max"):
+        return 0.0, 0.0
+    eps = float(ml_dtypes.finfo(dt).eps)
+    return 4 * size * eps, 4 * size * eps  # (rtol, atol): ring order differs from the oracle's
+
+
+def digest(arr) -> str:
+    return hashlib.sha1(np.ascontiguousarray(arr).view(np.uint8).tobytes()).hexdigest()[:16]
+
+
+def check_close(got: np.ndarray, want: np.ndarray, dtype, op: str, size: int, what: str) -> None:
+    rtol, atol = tolerance(dtype, op, size)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if rtol == 0:
+        ok = np.array_equal(got.view(np.uint8), want.view(np.uint8)) if got.size else True
+    else:
+        ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
+    if not ok:
+        bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))[:5]
+        raise AssertionError(f"{what}: wrong at {bad.tolist()}: got {got.ravel()[bad]}, "
+                             f"want {want.ravel()[bad]}")
+
+
+def run_matrix(rank: int, size: int, collective: str, seed: int = 0) -> dict[str, str]:
+    """Run ``collective`` over dtype x op x count; return {case: digest of this rank's result}."""
+    import ddlcore
+    from ddlcore.kernels import reference
+
+    digests: dict[str, str] = {}
+    counts = [int(c) for c in os.environ.get("MATRIX_COUNTS", "").split(",") if c] or COUNTS
+    with ddlcore.init() as comm:
+        assert (comm.rank, comm.size) == (rank, size)
+        for dtype in DTYPES:
+            name = np.dtype(dtype).name
+            for count in counts:
+                ops = OPS if collective in ("allreduce", "reduce_scatter") else [None]
+                for op in ops:
+                    case = f"{collective} {name} {op} count={count}"
+                    n = count * size if collective == "reduce_scatter" else count
+                    xs = [random_input(dtype, n, r, seed, op or "sum") for r in range(size)]
+                    x = xs[rank].copy()
+                    if collective == "allreduce":
+                        got = comm.allreduce(x, op=op)
+                        want = reference.reduce_ref(xs, op)
+                    elif collective == "reduce_scatter":
+                        got = comm.reduce_scatter(x, op=op)
+                        want = reference.reduce_ref(xs, op)[rank * count:(rank + 1) * count]
+                    elif collective == "allgather":
+                        got = comm.allgather(x)
+                        want = np.concatenate(xs)
+                    else:
+                        root = (count + 1) % size
+                        got = comm.broadcast(x, root=root)
+                        assert got is x
+                        want = xs[root]
+                        case += f" root={root}"
+                    if collective != "broadcast":  # out-of-place: the input is untouched
+                        np.testing.assert_array_equal(x, xs[rank])
+                    check_close(got, want, dtype, op or "sum", size, f"rank {rank}: {case}")
+                    digests[case] = digest(got)
+    return digests

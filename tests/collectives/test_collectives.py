@@ -1,0 +1,43 @@
+"""Every collective x dtype x op x count (0, 1, primes, not divisible by np, many chunks) on
+np = 1..4 real processes, against the NumPy reference, with identical results on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.collectives import matrix
+from tests.harness import run_ranks
+
+COLLECTIVES = ["allreduce", "reduce_scatter", "allgather", "broadcast"]
+SMALL_CHUNKS = {"DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60"}
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_matrix(collective, nprocs):
+    results = run_ranks(matrix.run_matrix, nprocs, collective, env=SMALL_CHUNKS, timeout=240)
+    assert len(results[0]) > 50
+    for rank in range(1, nprocs):
+        differ = [case for case in results[0] if results[rank][case] != results[0][case]]
+        assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"
+
+
+def _large(rank, size):
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        n = 3_000_001  # ~12 MB of float32: many 1 MiB chunks per segment at the default size
+        x = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+        xs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(size)]
+        y = comm.allreduce(x)
+        np.testing.assert_allclose(y, np.sum(xs, axis=0, dtype=np.float64), rtol=1e-4, atol=1e-4)
+        comm.allreduce(x, op="avg", out=x)
+        np.testing.assert_allclose(x, np.mean(xs, axis=0, dtype=np.float64), rtol=1e-4, atol=1e-5)
+        return matrix.digest(y)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_large_default_chunks(nprocs):
+    digests = run_ranks(_large, nprocs, timeout=120)
+    assert len(set(digests)) == 1

@@ -1,0 +1,137 @@
+"""No hang, ever: a dead rank, ranks that disagree, or a silent rank become a named DDLError on
+every surviving rank, within the timeout (seconds here)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+
+TIMEOUT_S = 20.0
+
+
+def _killed_mid_collective(rank, size, victim):
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.allreduce(np.ones(1000, np.float32))  # everyone connected and in step
+    x = np.ones(8_000_000, np.float32)
+    if rank == victim:
+        comm.allreduce_async(x)
+        time.sleep(0.05)  # let the transfer start, then die without closing anything
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x)
+    except ddlcore.DDLError as exc:
+        elapsed = time.monotonic() - t0
+        return type(exc).__name__, str(exc), elapsed
+    raise AssertionError(f"rank {rank}: allreduce succeeded although rank {victim} died")
+
+
+@pytest.mark.parametrize("nprocs,victim", [(2, 1), (3, 1), (4, 2)])
+def test_killed_rank_fails_every_survivor_fast(nprocs, victim):
+    results = run_ranks(_killed_mid_collective, nprocs, victim, may_die={victim},
+                        env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+    for rank, res in enumerate(results):
+        if rank == victim:
+            continue
+        name, message, elapsed = res
+        assert elapsed < TIMEOUT_S / 2, f"rank {rank} took {elapsed:.1f} s: {message}"
+        assert f"rank {rank}" in message and "allreduce #" in message, message
+        assert name in ("PeerFailureError", "DDLTimeoutError", "CollectiveMismatchError"), name
+
+
+def _mismatched(rank, size, kind):
+    import ddlcore
+
+    comm = ddlcore.init()
+    if kind == "count":
+        x = np.ones(1000 + 17 * rank, np.float32)
+        call = lambda: comm.allreduce(x)  # noqa: E731
+    elif kind == "dtype":
+        x = np.ones(1000, np.float32 if rank else np.int32)
+        call = lambda: comm.allreduce(x)  # noqa: E731
+    elif kind == "op":
+        call = lambda: comm.allreduce(np.ones(1000, np.float32), op="max" if rank else "sum")  # noqa: E731
+    else:  # different collectives
+        call = (lambda: comm.allgather(np.ones(1000, np.float32))) if rank else \
+            (lambda: comm.allreduce(np.ones(1000 * size, np.float32)))
+    t0 = time.monotonic()
+    try:
+        call()
+    except ddlcore.DDLError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    raise AssertionError(f"rank {rank}: no error for mismatched {kind}")
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective"])
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_mismatch_raises_on_every_rank(kind, nprocs):
+    results = run_ranks(_mismatched, nprocs, kind, env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+    for rank, (name, message, elapsed) in enumerate(results):
+        assert elapsed < TIMEOUT_S / 2, f"rank {rank} waited {elapsed:.1f} s: {message}"
+        assert name in ("CollectiveMismatchError", "PeerFailureError"), (name, message)
+
+
+def _debug_check(rank, size):
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.allreduce(np.ones(10, np.float32))  # agreeing calls pass the check
+    try:
+        comm.allreduce(np.ones(10 + rank, np.float32))
+    except ddlcore.CollectiveMismatchError as exc:
+        return str(exc)
+    raise AssertionError("DDL_DEBUG did not catch the mismatch")
+
+
+def test_debug_check_names_every_rank():
+    msgs = run_ranks(_debug_check, 3, env={"DDL_DEBUG": "1", "DDL_TIMEOUT": "20"}, timeout=60)
+    for msg in msgs:
+        assert "rank 0: allreduce count=10" in msg and "rank 2: allreduce count=12" in msg, msg
+
+
+def _silent_peer(rank, size):
+    import ddlcore
+
+    comm = ddlcore.init(timeout=2.0)
+    comm.barrier()
+    if rank == 1:
+        time.sleep(6)  # never joins the collective
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(np.ones(100, np.float32))
+    except ddlcore.DDLTimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("no timeout")
+
+
+def test_silent_peer_times_out_with_context():
+    res = run_ranks(_silent_peer, 2, timeout=60)
+    message, elapsed = res[0]
+    assert 1.5 < elapsed < 5, elapsed
+    assert "rank 0" in message and "allreduce #1" in message and "rank 1" in message, message
+
+
+def _after_failure(rank, size):
+    import ddlcore
+
+    comm = ddlcore.init(timeout=2.0)
+    if rank == 1:
+        time.sleep(4)
+        return None
+    with pytest.raises(ddlcore.DDLTimeoutError):
+        comm.allreduce(np.ones(10, np.float32))
+    with pytest.raises(ddlcore.CommunicatorClosedError, match="failed earlier"):
+        comm.allreduce(np.ones(10, np.float32))
+    return True
+
+
+def test_broken_communicator_refuses_further_collectives():
+    run_ranks(_after_failure, 2, timeout=60)

@@ -1,0 +1,70 @@
+"""config.py: the one place environment variables are declared and parsed."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from unittest.mock import patch
+
+import pytest
+
+from ddlcore import config
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_defaults():
+    env: dict[str, str] = {}
+    assert config.get("DDL_TIMEOUT", env) == 600.0
+    assert config.get("DDL_TRANSPORT", env) == "auto"
+    assert config.get("DDL_CHUNK_BYTES", env) == 1 << 20
+    assert config.get("DDL_TOPOLOGY", env) == ()
+    assert config.get("DDL_DEBUG", env) is False
+    assert config.get("DDL_RANK", env) is None
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("64K", 65536), ("1M", 1 << 20),
+                                        ("2g", 2 << 30), ("1.5K", 1536), ("0", 0)])
+def test_sizes(text, value):
+    assert config.parse_size(text) == value
+
+
+@pytest.mark.parametrize("name,bad", [("DDL_TIMEOUT", "soon"), ("DDL_TIMEOUT", "-1"),
+                                      ("DDL_CHUNK_BYTES", "1Q"), ("DDL_TOPOLOGY", "4by2"),
+                                      ("DDL_TOPOLOGY", "4x0"), ("DDL_TRANSPORT", "carrier-pigeon"),
+                                      ("DDL_TRANSPORT", "auto:tcp,ipoac"), ("DDL_DEBUG", "maybe"),
+                                      ("DDL_MASTER_PORT", "70000"), ("DDL_RANK", "-1"),
+                                      ("DDL_NCHANNELS", "0")])
+def test_invalid_values_name_the_variable(name, bad):
+    with pytest.raises(ValueError, match=name):
+        config.get(name, {name: bad})
+
+
+def test_reads_os_environ_at_call_time():
+    with patch.dict("os.environ", {"DDL_TIMEOUT": "7.5", "DDL_TOPOLOGY": "4x2"}):
+        assert config.get("DDL_TIMEOUT") == 7.5
+        assert config.get("DDL_TOPOLOGY") == (4, 2)
+    with patch.dict("os.environ", {"DDL_TRANSPORT": "auto:ucx,tcp"}):
+        assert config.get("DDL_TRANSPORT") == "auto:ucx,tcp"
+
+
+def test_every_variable_documented():
+    for var in config.VARS.values():
+        assert var.doc and var.doc[0].isupper(), var.name
+
+
+def test_resolved_lists_ddl_variables():
+    values = config.resolved({})
+    assert "DDL_TIMEOUT" in values and "RANK" not in values
+    assert "RANK" in config.resolved({}, external=True)
+
+
+def test_no_other_module_reads_ddl_variables():
+    """Only config.py may look a DDL_* variable up in the environment."""
+    pattern = re.compile(r"""(environ(\.get|\.pop|\.setdefault)?\s*[\[(]|getenv\s*\()\s*["']DDL_""")
+    offenders = []
+    for folder in ("ddlcore", "transports", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name != "config.py" and pattern.search(path.read_text()):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"DDL_* read from the environment outside config.py: {offenders}"
