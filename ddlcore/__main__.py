@@ -12,7 +12,8 @@ import importlib
 import platform
 import sys
 
-from ddlcore import __version__, config, transports, tuning
+import ddlcore.transports as transports
+from ddlcore import __version__, config, tuning
 from ddlcore.algorithms import ALGORITHMS
 
 _OPTIONAL = ("numpy", "ml_dtypes", "Cython", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
@@ -28,7 +29,7 @@ def _version(module: str) -> str:
 
 def _kernels() -> str:
     try:
-        from ddlcore import kernels
+        import ddlcore.kernels as kernels
 
         return kernels.describe()
     except Exception as exc:
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     if argv[0] == "info":
-        return info(argv[1:])
+        try:
+            return info(argv[1:])
+        except ValueError as exc:  # a bad environment variable: say which, no traceback
+            print(f"ddlcore: {exc}", file=sys.stderr)
+            return 2
     print(f"unknown command {argv[0]!r}; try: python -m ddlcore info", file=sys.stderr)
     return 2
 

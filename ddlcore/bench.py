@@ -20,13 +20,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ddlcore import config
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-DTYPES = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
+DTYPES: dict[str, Any] = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
           "half": np.float16, "float16": np.float16, "bfloat16": "bfloat16", "int8": np.int8,
           "uint8": np.uint8, "int32": np.int32, "int": np.int32, "int64": np.int64}
 PEERS = ("mpi", "gloo")
@@ -90,8 +91,9 @@ class Case:
         if collective == "allreduce" or collective == "reduce_scatter":
             ranks = [(pattern * (r + 1) if op != "prod" else pattern).astype(np.float64)
                      for r in range(size)]
-            full = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max,
-                    "avg": np.mean}[op](ranks, axis=0)
+            reducers: dict[str, Callable[..., np.ndarray]] = {
+                "sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean}
+            full = reducers[op](ranks, axis=0)
             k = count // size
             self.expect = full if collective == "allreduce" else full[rank * k:(rank + 1) * k]
             self.out = np.empty(count if collective == "allreduce" else k, dtype)
@@ -160,7 +162,7 @@ class _MpiPeer:
         try:
             from mpi4py import MPI
         except ImportError:
-            raise SystemExit("ddl-bench: --compare mpi needs mpi4py (pip install 'ddlcore[mpi]')")
+            raise SystemExit("ddl-bench: --compare mpi needs mpi4py (pip install 'ddlcore[mpi]')") from None
         self.MPI, self.world = MPI, MPI.COMM_WORLD
         if self.world.Get_size() != comm.size:
             raise SystemExit(f"ddl-bench: --compare mpi needs the job started by mpiexec "
@@ -190,7 +192,7 @@ class _GlooPeer:
             import torch
             import torch.distributed as dist
         except ImportError:
-            raise SystemExit("ddl-bench: --compare gloo needs torch (pip install 'ddlcore[torch]')")
+            raise SystemExit("ddl-bench: --compare gloo needs torch (pip install 'ddlcore[torch]')") from None
         self.torch, self.dist = torch, dist
         import socket
 

@@ -180,6 +180,7 @@ class Communicator:
     def _label(self, call: _Call, seq: int) -> str:
         if call.collective == "barrier":
             return f"barrier #{seq}"
+        assert call.inp is not None
         desc = f"{call.count} x {call.inp.dtype}"
         if call.op is not None:
             desc += f", {call.op.name.lower()}"
@@ -364,6 +365,7 @@ _generation: dict[tuple[str, int], int] = {}
 def _store_for(info: RendezvousInfo, timeout: float) -> Any:
     from ddlcore.store import PrefixStore, StoreClient, StoreServer
 
+    assert info.master_addr is not None and info.master_port is not None
     key = (info.master_addr, info.master_port)
     with _servers_lock:
         if info.rank == 0 and key not in _servers:

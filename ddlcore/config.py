@@ -157,7 +157,7 @@ _declare("DDL_MASTER_ADDR", str, None, "Address of rank 0's rendezvous store.")
 _declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
 
 # --- other launchers' variables, understood for rendezvous ----------------------------------
-for _name, _parse, _doc in [
+_EXTERNAL: list[tuple[str, Callable[[str], Any], str]] = [
     ("RANK", _nonneg_int, "Torchrun: global rank."),
     ("WORLD_SIZE", _positive_int, "Torchrun: number of ranks."),
     ("LOCAL_RANK", _nonneg_int, "Torchrun: rank on this host."),
@@ -175,7 +175,8 @@ for _name, _parse, _doc in [
     ("SLURM_PROCID", _nonneg_int, "Slurm (srun): global rank."),
     ("SLURM_NTASKS", _positive_int, "Slurm (srun): number of ranks."),
     ("SLURM_LOCALID", _nonneg_int, "Slurm (srun): rank on this host."),
-]:
+]
+for _name, _parse, _doc in _EXTERNAL:
     _declare(_name, _parse, None, _doc, external=True)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddlcore import kernels
+import ddlcore.kernels as kernels
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
 from ddlcore.errors import CollectiveMismatchError, DDLError, DDLTimeoutError, PeerFailureError
 from ddlcore.ops import Op
@@ -50,7 +50,7 @@ class Region:
     @classmethod
     def of(cls, array: np.ndarray) -> Region:
         flat = array.reshape(-1).view(np.uint8)
-        return cls(flat.ctypes.data if flat.size else 0, memoryview(flat))
+        return cls(flat.ctypes.data if flat.size else 0, memoryview(flat))  # type: ignore[arg-type]
 
 
 class StagingPool:

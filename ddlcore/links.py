@@ -14,7 +14,7 @@ the store); pairs connect lazily on first use.
 
 from __future__ import annotations
 
-from ddlcore import transports
+import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
 from ddlcore.transports.base import Context, Pair, PeerInfo, Store, Transport
 

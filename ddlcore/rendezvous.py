@@ -111,10 +111,9 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
     buf = np.zeros(_ADDR_BYTES, np.uint8)
     if info.rank == 0:
         host = info.master_addr or _master_host(info, environ)
-        text = f"{host}:{info.master_port or _free_port(host)}".encode()
-        buf[: len(text)] = np.frombuffer(text, np.uint8)
+        raw = f"{host}:{info.master_port or _free_port(host)}".encode()
+        buf[: len(raw)] = np.frombuffer(raw, np.uint8)
     comm.Bcast(buf, root=0)
-    text = bytes(buf).rstrip(b"\0").decode()
-    host, _, port = text.rpartition(":")
+    host, _, port = bytes(buf).rstrip(b"\0").decode().rpartition(":")
     return RendezvousInfo(info.rank, info.size, host, int(port), info.source,
                           info.local_rank, info.local_size)

@@ -1,0 +1,91 @@
+"""Kernels: element-wise reductions, copies and pack/unpack, dispatched on (dtype code, op code).
+
+The pointer-level API the engine uses (addresses are ints, counts in elements):
+
+* ``reduce_into(dst, src, count, dtype, op)``        dst = dst OP src
+* ``reduce_copy(dst, a, b, count, dtype, op)``       dst = a OP b (dst may be a or b)
+* ``avg_finalize(dst, count, dtype, divisor)``       dst = dst / divisor
+* ``copy_bytes(dst, src, nbytes)``
+* ``pack(dst, srcs, nbytes)`` / ``unpack(src, dsts, nbytes)``   many ranges, one call
+
+Array-level wrappers for NumPy (``reduce_arrays``, ``pack_arrays``, ``unpack_arrays``) serve tests
+and users. ``reference`` holds the NumPy oracles every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ddlcore.kernels.cpu import avg_finalize, copy_bytes, pack, reduce_copy, reduce_into, unpack
+from ddlcore.kernels.dtypes import DType, dtype_code
+from ddlcore.ops import Op, as_op
+
+
+def _code(arr: np.ndarray, name: str) -> int:
+    code = dtype_code(arr.dtype)
+    if code is None:
+        raise TypeError(f"{name} has unsupported dtype {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} is not C-contiguous")
+    return int(code)
+
+
+def reduce_arrays(dst: np.ndarray, src: np.ndarray, op: str | Op = "sum",
+                  out: np.ndarray | None = None, divisor: int | None = None) -> np.ndarray:
+    """``out = dst OP src`` (``out`` defaults to ``dst``, i.e. in place); for "avg", the sum is
+    divided by ``divisor`` (default 2)."""
+    rop = as_op(op)
+    code = _code(dst, "dst")
+    if src.dtype != dst.dtype or src.size != dst.size:
+        raise ValueError(f"src ({src.dtype}, {src.size}) must match dst ({dst.dtype}, {dst.size})")
+    _code(src, "src")
+    target = dst if out is None else out
+    if target.dtype != dst.dtype or target.size != dst.size:
+        raise ValueError("out must match dst in dtype and size")
+    _code(target, "out")
+    kop = Op.SUM if rop == Op.AVG else rop
+    reduce_copy(target.ctypes.data, dst.ctypes.data, src.ctypes.data, dst.size, code, int(kop))
+    if rop == Op.AVG:
+        avg_finalize(target.ctypes.data, dst.size, code, 2 if divisor is None else divisor)
+    return target
+
+
+def pack_arrays(arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+    """Concatenate the bytes of contiguous arrays into one uint8 buffer (one C loop)."""
+    for i, a in enumerate(arrays):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"arrays[{i}] is not C-contiguous")
+    sizes = np.fromiter((a.nbytes for a in arrays), np.uint64, len(arrays))
+    total = int(sizes.sum())
+    flat = np.empty(total, np.uint8) if out is None else out
+    if flat.nbytes < total:
+        raise ValueError(f"out holds {flat.nbytes} bytes, needs {total}")
+    addrs = np.fromiter((a.ctypes.data for a in arrays), np.uint64, len(arrays))
+    pack(flat.ctypes.data, addrs, sizes)
+    return flat
+
+
+def unpack_arrays(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+    """Split ``flat`` (as written by `pack_arrays`) back into ``arrays``, in order."""
+    for i, a in enumerate(arrays):
+        if not a.flags.c_contiguous or not a.flags.writeable:
+            raise ValueError(f"arrays[{i}] is not a writable C-contiguous array")
+    sizes = np.fromiter((a.nbytes for a in arrays), np.uint64, len(arrays))
+    if int(sizes.sum()) > flat.nbytes:
+        raise ValueError(f"flat holds {flat.nbytes} bytes, arrays need {int(sizes.sum())}")
+    addrs = np.fromiter((a.ctypes.data for a in arrays), np.uint64, len(arrays))
+    unpack(flat.ctypes.data, addrs, sizes)
+
+
+def describe() -> str:
+    """One line for ``python -m ddlcore info``."""
+    from ddlcore.kernels.cpu import _reduce
+
+    return (f"Cython ({_reduce.__file__.rsplit('/', 1)[-1]}): reduce sum/prod/min/max/avg for "
+            f"{', '.join(d.name.lower() for d in DType)}; reduce-copy; pack/unpack")
+
+
+__all__ = ["DType", "avg_finalize", "copy_bytes", "describe", "pack", "pack_arrays",
+           "reduce_arrays", "reduce_copy", "reduce_into", "unpack", "unpack_arrays"]

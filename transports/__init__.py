@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from ddlcore.errors import TransportUnavailableError
 from ddlcore.transports.base import API_VERSION, Transport
+
+from ddlcore.errors import TransportUnavailableError
 
 GROUP = "ddlcore.transports"
 

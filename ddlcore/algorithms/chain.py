@@ -12,7 +12,15 @@ Time ~ (P - 2 + C) chunk transfers; every link carries n bytes once (busbw = alg
 
 from __future__ import annotations
 
-from ddlcore.algorithms.schedule import Buf, Kind, Schedule, Step, chunks_of, drop_empty, nchunks_for
+from ddlcore.algorithms.schedule import (
+    Buf,
+    Kind,
+    Schedule,
+    Step,
+    chunks_of,
+    drop_empty,
+    nchunks_for,
+)
 
 NAME = "chain"
 

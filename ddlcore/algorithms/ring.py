@@ -113,8 +113,8 @@ def _chunk_elems(chunk_bytes: int, itemsize: int) -> int:
 def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int) -> Schedule:
     chunk = _chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        steps = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, 0),)
-        return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+        copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, 0),)
+        return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(copy))
     segs = split(count, size)
     nchunks = nchunks_for(segs[0][1], chunk)
     steps = _ring_program(rank, size, segs, nchunks, size - 1, size - 1, Buf.OUTPUT,
@@ -127,8 +127,8 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     chunk = _chunk_elems(chunk_bytes, itemsize)
     seg_len = count // size
     if size == 1:
-        steps = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, 0),)
-        return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps))
+        copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, 0),)
+        return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(copy))
     segs = [(i * seg_len, seg_len) for i in range(size)]
     nchunks = nchunks_for(seg_len, chunk)
     steps = _ring_program(rank, size, segs, nchunks, size - 1, 0, Buf.SCRATCH, 0,

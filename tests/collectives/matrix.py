@@ -60,8 +60,9 @@ def check_close(got: np.ndarray, want: np.ndarray, dtype, op: str, size: int, wh
 
 def run_matrix(rank: int, size: int, collective: str, seed: int = 0) -> dict[str, str]:
     """Run ``collective`` over dtype x op x count; return {case: digest of this rank's result}."""
-    import ddlcore
     from ddlcore.kernels import reference
+
+    import ddlcore
 
     digests: dict[str, str] = {}
     counts = [int(c) for c in os.environ.get("MATRIX_COUNTS", "").split(",") if c] or COUNTS

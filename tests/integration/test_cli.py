@@ -1,0 +1,76 @@
+"""Command lines end to end: `python -m ddlcore info`, and `ddl-bench` under ddlrun and mpiexec."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import require
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "PMI_", "OMPI_"))}
+    full_env.update(env or {})
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=full_env)
+
+
+def test_info_prints_versions_transports_kernels_and_config():
+    res = _run([sys.executable, "-m", "ddlcore", "info", "--np", "4"])
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for word in ("ddlcore", "numpy", "kernels:", "transports:", "tcp", "available",
+                 "DDL_TIMEOUT", "allreduce", "ring"):
+        assert word in out, f"{word!r} missing from:\n{out}"
+    assert "NOT BUILT" not in out
+
+
+def test_info_rejects_bad_environment_with_the_variable_name():
+    res = _run([sys.executable, "-m", "ddlcore", "info"], env={"DDL_TIMEOUT": "never"})
+    assert res.returncode != 0
+    assert "DDL_TIMEOUT" in res.stderr
+
+
+def test_bench_under_ddlrun(tmp_path):
+    out = tmp_path / "rows.json"
+    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", sys.executable, "-m",
+                "ddlcore.bench", "-b", "1K", "-e", "64K", "-f", "4", "-n", "3", "-w", "1",
+                "--json", str(out), "--csv", str(tmp_path / "rows.csv")])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Avg bus bandwidth" in res.stdout and "OK" in res.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size"] for r in rows] == [1024, 4096, 16384, 65536]
+    assert all(r["wrong"] == 0 and r["ip_wrong"] == 0 and r["busbw"] > 0 for r in rows)
+    assert (tmp_path / "rows.csv").read_text().startswith("size,count,type")
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast"])
+def test_bench_other_collectives(collective):
+    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", "3", sys.executable, "-m",
+                "ddlcore.bench", "-C", collective, "-b", "3K", "-e", "12K", "-f", "2", "-n", "2",
+                "-w", "1", "-d", "int32"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Out of bounds values : 0 OK" in res.stdout
+
+
+def test_bench_beside_mpi_and_gloo_under_mpiexec():
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
+    try:
+        import mpi4py  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as exc:
+        require(False, f"mpi4py and torch are needed to compare: {exc}")
+    res = _run([mpiexec, "-n", "2", sys.executable, "-m", "ddlcore.bench", "-b", "4K", "-e",
+                "64K", "-f", "4", "-n", "3", "-w", "1", "--compare", "mpi,gloo"], timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "mpi:busbw" in res.stdout and "gloo:busbw" in res.stdout
+    assert "Avg bus bandwidth mpi" in res.stdout and "Avg bus bandwidth gloo" in res.stdout

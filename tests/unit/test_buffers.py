@@ -1,0 +1,70 @@
+"""Buffer intake: one descriptor for every accepted array kind; clear errors for the rest."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from ddlcore.kernels.dtypes import DType
+
+from ddlcore.buffers import MemoryKind, as_buffer, empty_like
+
+
+@pytest.mark.parametrize("dtype,code", [(np.float16, DType.FLOAT16), (ml_dtypes.bfloat16, DType.BFLOAT16),
+                                        (np.float32, DType.FLOAT32), (np.float64, DType.FLOAT64),
+                                        (np.int8, DType.INT8), (np.uint8, DType.UINT8),
+                                        (np.int32, DType.INT32), (np.int64, DType.INT64)])
+def test_numpy_arrays(dtype, code):
+    arr = np.arange(12).astype(dtype).reshape(3, 4)
+    d = as_buffer(arr)
+    assert (d.ptr, d.nbytes, d.count, d.code, d.shape) == (arr.ctypes.data, arr.nbytes, 12, code, (3, 4))
+    assert d.memory == MemoryKind.HOST and d.device == -1 and not d.readonly
+    assert bytes(d.view(1, 3)) == arr.reshape(-1)[1:3].tobytes()
+
+
+def test_zero_length_and_zero_dim():
+    assert as_buffer(np.empty(0, np.float32)).nbytes == 0
+    d = as_buffer(np.array(3.0))
+    assert (d.count, d.shape) == (1, ())
+
+
+def test_buffer_protocol_and_readonly():
+    d = as_buffer(memoryview(np.arange(4, dtype=np.int32)))
+    assert d.count == 4 and d.code == DType.INT32
+    ro = np.arange(3.0)
+    ro.flags.writeable = False
+    assert as_buffer(ro).readonly
+    assert as_buffer(bytearray(5)).code == DType.UINT8
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(TypeError, match="grads.*complex64"):
+        as_buffer(np.ones(3, np.complex64), "grads")
+    with pytest.raises(ValueError, match="grads is not C-contiguous"):
+        as_buffer(np.ones((4, 4))[:, 0], "grads")
+    with pytest.raises(TypeError, match="grads must be an array"):
+        as_buffer([1, 2, 3], "grads")
+    with pytest.raises(TypeError, match="uint16"):
+        as_buffer(np.ones(3, np.uint16))
+
+
+def test_big_endian_is_rejected():
+    with pytest.raises(TypeError, match="dtype"):
+        as_buffer(np.ones(3, ">f4"))
+
+
+def test_torch_tensors_round_trip():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float32)
+    d = as_buffer(t)
+    assert d.ptr == t.data_ptr() and d.count == 6
+    out = empty_like(d)
+    assert isinstance(out.wrap(out.array), torch.Tensor)
+
+
+def test_cuda_arrays_get_a_clear_message():
+    class FakeDeviceArray:  # only the interface matters for this check
+        __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+    with pytest.raises(TypeError, match="device"):
+        as_buffer(FakeDeviceArray())
