@@ -431,6 +431,7 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     client, store = _store_for(info, timeout)
     try:
         store.set(f"peer/{info.rank}", _encode_peer(host_id, names))
+        store.barrier("init", info.rank, info.size, timeout)
         peers = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
         links = Links(info.rank, info.size, spec, peers, store, timeout)
     except BaseException:

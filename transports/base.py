@@ -48,6 +48,8 @@ MAX_ABORT_REASON_BYTES = 4096
 class Store(Protocol):
     """The rendezvous key-value store as transports see it (see ``ddlcore.store``)."""
 
+    host: str  # the master's address: transports find their outgoing interface from it
+
     def set(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str, timeout: float | None = None) -> bytes: ...

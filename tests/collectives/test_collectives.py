@@ -18,6 +18,8 @@ SMALL_CHUNKS = {"DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60"}
 def test_matrix(collective, nprocs):
     results = run_ranks(matrix.run_matrix, nprocs, collective, env=SMALL_CHUNKS, timeout=240)
     assert len(results[0]) > 50
+    if collective == "reduce_scatter":
+        return  # each rank holds a different block; the matrix checked each against the oracle
     for rank in range(1, nprocs):
         differ = [case for case in results[0] if results[rank][case] != results[0][case]]
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"

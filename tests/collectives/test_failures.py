@@ -19,10 +19,10 @@ def _killed_mid_collective(rank, size, victim):
 
     comm = ddlcore.init()
     comm.allreduce(np.ones(1000, np.float32))  # everyone connected and in step
-    x = np.ones(8_000_000, np.float32)
+    x = np.ones(32_000_000, np.float32)  # 128 MB: long enough to die in the middle of it
     if rank == victim:
         comm.allreduce_async(x)
-        time.sleep(0.05)  # let the transfer start, then die without closing anything
+        time.sleep(0.01)  # let the transfer start, then die without closing anything
         os._exit(17)
     t0 = time.monotonic()
     try:

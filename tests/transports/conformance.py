@@ -1,0 +1,535 @@
+"""Conformance checks every transport must pass, written once and run inside spawned ranks.
+
+Each public function here is ``fn(rank, size, transport_name, ...)`` for `tests.harness.run_ranks`:
+rank 0 serves the rendezvous store at ``DDL_MASTER_ADDR:DDL_MASTER_PORT`` (set by the harness),
+every rank creates the named transport's context through a `StoreClient`, runs its part of the
+check (asserting inside the rank: the harness forwards tracebacks) and returns what the parent
+test wants to look at (timings, error messages). The semantics checked are those written in
+``ddlcore.transports.base``. ``test_conformance.py`` parametrises these over transport names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+from ddlcore.transports.base import (
+    ABORT_MISMATCH,
+    ABORT_OTHER,
+    ABORT_PEER_FAILURE,
+    ABORT_TIMEOUT,
+    MAX_ABORT_REASON_BYTES,
+    Context,
+    Transport,
+)
+
+from ddlcore import config
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+)
+from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+# Transport name -> "module:class". A new transport is one line here plus its name in
+# test_conformance.TRANSPORTS; classes are imported lazily so a missing optional one only skips.
+TRANSPORT_CLASSES = {
+    "tcp": "ddlcore.transports.tcp:TcpTransport",
+}
+
+TIMEOUT_S = 5.0  # every wait in these checks; a failing check fails in seconds, never hangs
+
+
+def transport_class(name: str) -> type[Transport]:
+    module, _, attr = TRANSPORT_CLASSES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class RankEnv:
+    """One rank's store connection (and rank 0's store server) plus helpers to make contexts."""
+
+    def __init__(self, rank: int, size: int, transport: str, timeout: float = TIMEOUT_S) -> None:
+        self.rank, self.size, self.transport, self.timeout = rank, size, transport, timeout
+        host, port = config.get("DDL_MASTER_ADDR"), config.get("DDL_MASTER_PORT")
+        self.server = StoreServer(host, port) if rank == 0 else None
+        self.client = StoreClient(host, port, timeout, rank=rank, size=size)
+        self.contexts: list[Context] = []
+
+    def context(self, namespace: str = "conf") -> Context:
+        store = PrefixStore(self.client, f"{namespace}/")
+        ctx = transport_class(self.transport)().create_context(self.rank, self.size, store,
+                                                               self.timeout)
+        self.contexts.append(ctx)
+        return ctx
+
+    def barrier(self, name: str) -> None:
+        self.client.barrier(name, timeout=self.timeout)
+
+    def close(self) -> None:
+        """Close every context, then keep rank 0's store up until the others have left it."""
+        for ctx in self.contexts:
+            ctx.close()
+        self.client.close()
+        if self.server is not None:
+            self.server.close(linger=self.timeout)
+
+
+@contextmanager
+def rank_env(rank: int, size: int, transport: str, timeout: float = TIMEOUT_S) -> Iterator[RankEnv]:
+    env = RankEnv(rank, size, transport, timeout)
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+def payload(src: int, tag: int, seq: int, nbytes: int) -> np.ndarray:
+    """Deterministic bytes for message ``seq`` of ``src`` with ``tag``; the first 16 bytes (when
+    there is room) say which message it is, so a misordered delivery names itself."""
+    seed = (src * 1_000_003 + tag * 7919 + seq * 104_729) & 0xFFFFFFFF
+    data = ((np.arange(nbytes, dtype=np.uint32) * 2_654_435_761 + seed) >> 13).astype(np.uint8)
+    if nbytes >= 16:
+        data[:16] = np.frombuffer(struct.pack("<QQ", tag & (2**64 - 1), seq), np.uint8)
+    return data
+
+
+def expect(buf: np.ndarray, src: int, tag: int, seq: int) -> None:
+    want = payload(src, tag, seq, buf.nbytes)
+    if not np.array_equal(buf, want):
+        got = struct.unpack("<QQ", buf[:16].tobytes()) if buf.nbytes >= 16 else "?"
+        raise AssertionError(f"message {seq} of tag {tag} from rank {src} ({buf.nbytes} bytes) "
+                             f"has the wrong content; its header says (tag, seq) = {got}")
+
+
+def wait_all(reqs, timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    for req in reqs:
+        req.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _size_of(i: int) -> int:
+    return (0, 1, 7, 64, 1000, 4096, 65_537)[i % 7]
+
+
+# --- ordering and matching ------------------------------------------------------------------------
+def ordering_same_tag(rank: int, size: int, transport: str, count: int = 600) -> None:
+    """Many messages with one tag arrive in order, whether the receive was posted before the
+    message arrived or after."""
+    with rank_env(rank, size, transport) as env:
+        pair = env.context().pair(1 - rank)
+        tag = 3
+        if rank == 0:
+            env.barrier("posted")
+            wait_all([pair.isend(memoryview(payload(0, tag, i, _size_of(i))), tag)
+                      for i in range(count)])
+            env.barrier("sent")
+        else:
+            half = count // 2
+            bufs = [np.empty(_size_of(i), np.uint8) for i in range(count)]
+            early = [pair.irecv(memoryview(bufs[i]), tag) for i in range(half)]
+            env.barrier("posted")
+            env.barrier("sent")
+            time.sleep(0.05)  # the second half has (mostly) arrived unexpected by now
+            late = [pair.irecv(memoryview(bufs[i]), tag) for i in range(half, count)]
+            wait_all(early + late)
+            for i, buf in enumerate(bufs):
+                expect(buf, 0, tag, i)
+
+
+def interleaved_tags(rank: int, size: int, transport: str, per_tag: int = 100) -> None:
+    """Messages with different tags overtake each other only across tags: the receiver drains the
+    tags in the reverse order of sending, half posted before arrival, and each tag's messages
+    still come in order. Tags span the whole u64 range."""
+    tags = [0, 1, 2, 2**32 + 5, 2**63 + 1, 2**64 - 1]
+    with rank_env(rank, size, transport) as env:
+        pair = env.context().pair(1 - rank)
+        if rank == 0:
+            env.barrier("posted")
+            reqs = []
+            for i in range(per_tag):
+                for tag in tags:
+                    reqs.append(pair.isend(memoryview(payload(0, tag, i, _size_of(i + tag))), tag))
+            wait_all(reqs)
+        else:
+            bufs = {(t, i): np.empty(_size_of(i + t), np.uint8) for t in tags for i in range(per_tag)}
+            reqs = [pair.irecv(memoryview(bufs[tags[-1], i]), tags[-1]) for i in range(per_tag)]
+            env.barrier("posted")
+            for tag in reversed(tags[:-1]):
+                reqs += [pair.irecv(memoryview(bufs[tag, i]), tag) for i in range(per_tag)]
+            wait_all(reqs)
+            for (tag, i), buf in bufs.items():
+                expect(buf, 0, tag, i)
+
+
+def many_outstanding(rank: int, size: int, transport: str, count: int = 1000) -> None:
+    """``count`` sends and ``count`` receives in flight at once, in both directions."""
+    with rank_env(rank, size, transport) as env:
+        peer = 1 - rank
+        pair = env.context().pair(peer)
+        bufs = [np.empty(256, np.uint8) for _ in range(count)]
+        recvs = [pair.irecv(memoryview(bufs[i]), i % 10) for i in range(count)]
+        sends = [pair.isend(memoryview(payload(rank, i % 10, i // 10, 256)), i % 10)
+                 for i in range(count)]
+        wait_all(sends + recvs)
+        for i, buf in enumerate(bufs):
+            expect(buf, peer, i % 10, i // 10)
+        assert all(r.test() for r in sends + recvs)
+
+
+def zero_bytes(rank: int, size: int, transport: str) -> None:
+    """Empty messages are messages: they match, keep their place in the order, and carry checks."""
+    with rank_env(rank, size, transport) as env:
+        pair = env.context().pair(1 - rank)
+        sizes = [0, 5, 0, 0, 3, 0]
+        if rank == 0:
+            wait_all([pair.isend(memoryview(payload(0, 9, i, n)), 9, check=0xC0FFEE)
+                      for i, n in enumerate(sizes)])
+            pair.isend(memoryview(b""), 10).wait(TIMEOUT_S)
+            env.barrier("sent")
+        else:
+            first = np.empty(0, np.uint8)
+            r0 = pair.irecv(memoryview(first), 9, check=0xC0FFEE)  # posted before arrival
+            env.barrier("sent")
+            bufs = [np.empty(n, np.uint8) for n in sizes[1:]]
+            reqs = [r0] + [pair.irecv(memoryview(b), 9, check=0xC0FFEE) for b in bufs]
+            reqs.append(pair.irecv(memoryview(bytearray()), 10))  # arrived before posting
+            wait_all(reqs)
+            for i, buf in enumerate(bufs, start=1):
+                expect(buf, 0, 9, i)
+
+
+# --- volume ---------------------------------------------------------------------------------------
+def large_message(rank: int, size: int, transport: str, nbytes: int) -> tuple[float, int]:
+    """One ``nbytes`` message, received straight into a posted buffer; content checked with a
+    CRC on both sides. Returns (seconds, crc) as the receiver saw them."""
+    with rank_env(rank, size, transport, timeout=30.0) as env:
+        pair = env.context().pair(1 - rank)
+        if rank == 0:  # connect first, so the timing is of the transfer alone
+            pair.isend(memoryview(b"warm"), 1).wait(TIMEOUT_S)
+        else:
+            pair.irecv(memoryview(bytearray(4)), 1).wait(TIMEOUT_S)
+        if rank == 0:
+            data = np.arange(nbytes // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            crc = zlib.crc32(data)
+            env.barrier("posted")
+            req = pair.isend(memoryview(data).cast("B"), 2)
+            req.wait(30.0)
+            pair.isend(memoryview(struct.pack("<Q", crc)), 3).wait(TIMEOUT_S)
+            return 0.0, crc
+        out = np.empty(nbytes // 8 * 8, np.uint8)
+        out.fill(0)  # touch the pages: time the transport, not first-touch page faults
+        req = pair.irecv(memoryview(out), 2)
+        env.barrier("posted")
+        t0 = time.perf_counter()
+        req.wait(30.0)
+        elapsed = time.perf_counter() - t0
+        sent_crc = bytearray(8)
+        pair.irecv(memoryview(sent_crc), 3).wait(TIMEOUT_S)
+        crc = zlib.crc32(out)
+        assert crc == struct.unpack("<Q", sent_crc)[0], "256 MB message arrived corrupted"
+        return elapsed, crc
+
+
+def both_directions(rank: int, size: int, transport: str, nbytes: int = 32 << 20) -> None:
+    """Large and small messages in both directions at the same time, from two threads each."""
+    with rank_env(rank, size, transport) as env:
+        peer = 1 - rank
+        pair = env.context().pair(peer)
+        big_out = payload(rank, 100, 0, nbytes)
+        big_in = np.empty(nbytes, np.uint8)
+        small_in = [np.empty(_size_of(i), np.uint8) for i in range(300)]
+        errors: list[BaseException] = []
+
+        def chatter() -> None:
+            try:
+                reqs = [pair.isend(memoryview(payload(rank, 7, i, _size_of(i))), 7)
+                        for i in range(300)]
+                wait_all(reqs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the rank below
+                errors.append(exc)
+
+        recvs = [pair.irecv(memoryview(big_in), 100)]
+        recvs += [pair.irecv(memoryview(b), 7) for b in small_in]
+        env.barrier("posted")
+        thread = threading.Thread(target=chatter)
+        thread.start()
+        pair.isend(memoryview(big_out), 100).wait(TIMEOUT_S)
+        thread.join(TIMEOUT_S)
+        wait_all(recvs)
+        if errors:
+            raise errors[0]
+        expect(big_in, peer, 100, 0)
+        for i, buf in enumerate(small_in):
+            expect(buf, peer, 7, i)
+
+
+def all_pairs(rank: int, size: int, transport: str, rounds: int = 3) -> None:
+    """Every rank exchanges with every other rank at once, a few rounds, tags per (src, dst)."""
+    with rank_env(rank, size, transport) as env:
+        ctx = env.context()
+        peers = [p for p in range(size) if p != rank]
+        for r in range(rounds):
+            inbox = {p: np.empty(1000 + 10 * p, np.uint8) for p in peers}
+            recvs = [ctx.pair(p).irecv(memoryview(inbox[p]), p * size + rank) for p in peers]
+            sends = [ctx.pair(p).isend(memoryview(payload(rank, rank * size + p, r, 1000 + 10 * rank)),
+                                       rank * size + p) for p in peers]
+            wait_all(recvs + sends)
+            for p in peers:
+                expect(inbox[p], p, p * size + rank, r)
+
+
+def sends_do_not_wait_for_the_receiver(rank: int, size: int, transport: str) -> None:
+    """Posting a send or receive never waits for the peer's program to reach its side: rank 2
+    sends to 1 before 0, rank 1 talks to 0 before 2, rank 0 waits for 2 first. A transport
+    whose ``pair()`` or ``isend`` blocked until the peer connects would deadlock here."""
+    with rank_env(rank, size, transport) as env:
+        ctx = env.context()
+        msg = {2: np.arange(100, dtype=np.uint8), 1: np.arange(50, dtype=np.uint8)}
+        if rank == 2:
+            wait_all([ctx.pair(1).isend(memoryview(msg[2]), 21),
+                      ctx.pair(0).isend(memoryview(msg[2]), 20)])
+        elif rank == 1:
+            send = ctx.pair(0).isend(memoryview(msg[1]), 10)
+            got = np.empty(100, np.uint8)
+            ctx.pair(2).irecv(memoryview(got), 21).wait(TIMEOUT_S)
+            send.wait(TIMEOUT_S)
+            assert np.array_equal(got, msg[2])
+        else:
+            got2, got1 = np.empty(100, np.uint8), np.empty(50, np.uint8)
+            ctx.pair(2).irecv(memoryview(got2), 20).wait(TIMEOUT_S)
+            ctx.pair(1).irecv(memoryview(got1), 10).wait(TIMEOUT_S)
+            assert np.array_equal(got2, msg[2]) and np.array_equal(got1, msg[1])
+
+
+# --- errors ---------------------------------------------------------------------------------------
+def mismatches(rank: int, size: int, transport: str) -> list[str]:
+    """Size and check-word disagreements fail that receive with CollectiveMismatchError (posted
+    before or after arrival); a zero check matches anything; later messages are unaffected."""
+    with rank_env(rank, size, transport) as env:
+        pair = env.context().pair(1 - rank)
+        if rank == 0:
+            env.barrier("posted")
+            for tag, n, check in [(5, 100, 0), (6, 100, 0xAAAA), (7, 64, 0), (8, 100, 0xBBBB),
+                                  (9, 32, 0x1234), (11, 10, 0x77)]:
+                pair.isend(memoryview(payload(0, tag, 0, n)), tag, check=check).wait(TIMEOUT_S)
+            env.barrier("sent")
+            return []
+        early_size = pair.irecv(memoryview(np.empty(200, np.uint8)), 5)
+        early_check = pair.irecv(memoryview(np.empty(100, np.uint8)), 6, check=0xBBBB)
+        env.barrier("posted")
+        env.barrier("sent")
+        late_size = pair.irecv(memoryview(np.empty(63, np.uint8)), 7)
+        late_check = pair.irecv(memoryview(np.empty(100, np.uint8)), 8, check=0xAAAA)
+        messages = []
+        for req in (early_size, early_check, late_size, late_check):
+            try:
+                req.wait(TIMEOUT_S)
+            except CollectiveMismatchError as exc:
+                messages.append(str(exc))
+            else:
+                raise AssertionError("a mismatched receive succeeded")
+        wildcard = np.empty(32, np.uint8)
+        pair.irecv(memoryview(wildcard), 9, check=0).wait(TIMEOUT_S)  # 0 matches any check
+        expect(wildcard, 0, 9, 0)
+        after = np.empty(10, np.uint8)
+        pair.irecv(memoryview(after), 11, check=0x77).wait(TIMEOUT_S)  # the stream is intact
+        expect(after, 0, 11, 0)
+        return messages
+
+
+def timeouts(rank: int, size: int, transport: str, wait_s: float) -> list[tuple[str, float]]:
+    """A receive nobody sends to times out after ``wait_s`` with DDLTimeoutError naming both
+    ranks and the tag, both on a connected pair and towards a peer that never connected."""
+    out: list[tuple[str, float]] = []
+    with rank_env(rank, size, transport) as env:
+        ctx = env.context()
+        if rank == 1:
+            pair = ctx.pair(0)
+            req = pair.irecv(memoryview(bytearray(16)), 0xABC)
+            for _ in range(2):  # a timed-out wait can be retried, and times out again
+                t0 = time.monotonic()
+                try:
+                    req.wait(wait_s)
+                except DDLTimeoutError as exc:
+                    out.append((str(exc), time.monotonic() - t0))
+                else:
+                    raise AssertionError("wait returned although nothing was sent")
+            assert not req.test()
+        if rank == 2:  # rank 0 never touches its pair to rank 2
+            req = ctx.pair(0).irecv(memoryview(bytearray(16)), 0xDEF)
+            t0 = time.monotonic()
+            try:
+                req.wait(wait_s)
+            except DDLTimeoutError as exc:
+                out.append((str(exc), time.monotonic() - t0))
+        if rank == 0:
+            ctx.pair(1)
+        env.barrier("done")
+    return out
+
+
+def killed_peer(rank: int, size: int, transport: str, victim: int) -> tuple[str, float, str]:
+    """``victim`` dies (os._exit) in the middle of a large transfer; every survivor's pending and
+    later requests to it fail with PeerFailureError naming it, long before the timeout, while
+    the survivors can still talk to each other."""
+    nbytes = 128 << 20
+    with rank_env(rank, size, transport, timeout=10.0) as env:
+        ctx = env.context()
+        peers = [p for p in range(size) if p != rank]
+        all_pairs_round(ctx, rank, size, peers)  # everyone connected
+        env.barrier("connected")
+        if rank == victim:
+            ctx.pair(0 if victim else 1).isend(memoryview(np.ones(nbytes, np.uint8)), 50)
+            time.sleep(0.02)
+            os._exit(17)
+        first = 0 if victim else 1
+        big = np.empty(nbytes, np.uint8)
+        reqs = [ctx.pair(victim).irecv(memoryview(big if rank == first else bytearray(8)), 50),
+                ctx.pair(victim).irecv(memoryview(bytearray(8)), 51)]  # never sent
+        t0 = time.monotonic()
+        failure = None
+        for req in reqs:
+            try:
+                req.wait(10.0)
+            except PeerFailureError as exc:
+                failure = failure or exc
+        elapsed = time.monotonic() - t0
+        assert failure is not None, f"rank {rank}: no PeerFailureError after rank {victim} died"
+        later = ctx.pair(victim).isend(memoryview(b"x"), 52)
+        try:
+            later.wait(10.0)
+        except PeerFailureError as exc:
+            later_message = str(exc)
+        else:
+            later_message = ""
+        all_pairs_round(ctx, rank, size, [p for p in peers if p != victim], seq=1)
+        return str(failure), elapsed, later_message
+
+
+def all_pairs_round(ctx: Context, rank: int, size: int, peers: list[int], seq: int = 0) -> None:
+    inbox = {p: np.empty(64, np.uint8) for p in peers}
+    recvs = [ctx.pair(p).irecv(memoryview(inbox[p]), 1000 + seq) for p in peers]
+    sends = [ctx.pair(p).isend(memoryview(payload(rank, 1000 + seq, 0, 64)), 1000 + seq)
+             for p in peers]
+    wait_all(recvs + sends)
+    for p in peers:
+        expect(inbox[p], p, 1000 + seq, 0)
+
+
+ABORT_CODES = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError,
+               ABORT_PEER_FAILURE: PeerFailureError, ABORT_OTHER: PeerFailureError}
+
+
+def abort_propagation(rank: int, size: int, transport: str) -> list[tuple[str, str, float]]:
+    """Rank 0 aborts (once per error code, each on its own context); rank 1's pending receive
+    and later requests fail with the class of the code and rank 0's reason, and rank 0's own
+    pending requests fail too. A reason over the cap is cut, not refused."""
+    out = []
+    with rank_env(rank, size, transport) as env:
+        for code, cls in ABORT_CODES.items():
+            ctx = env.context(f"abort{code}")
+            pair = ctx.pair(1 - rank)
+            reason = f"collective #{code} went wrong: ünïcödé" + (
+                "x" * MAX_ABORT_REASON_BYTES if code == ABORT_OTHER else "")
+            if rank == 0:
+                mine = pair.irecv(memoryview(bytearray(8)), 77)
+                env.barrier(f"posted{code}")
+                ctx.abort(code, reason)
+                try:
+                    mine.wait(TIMEOUT_S)
+                except cls:
+                    pass
+                else:
+                    raise AssertionError("a request survived our own abort")
+                env.barrier(f"checked{code}")
+                continue
+            pending = pair.irecv(memoryview(bytearray(8)), 77)
+            env.barrier(f"posted{code}")
+            t0 = time.monotonic()
+            try:
+                pending.wait(TIMEOUT_S)
+            except DDLError as exc:
+                assert type(exc) is cls, (code, type(exc), exc)
+                out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+            else:
+                raise AssertionError("the receive survived the peer's abort")
+            later = pair.irecv(memoryview(bytearray(8)), 78)
+            try:
+                later.wait(TIMEOUT_S)
+            except cls as exc:
+                assert "rank 0 aborted" in str(exc), str(exc)
+            else:
+                raise AssertionError("a receive posted after the abort succeeded")
+            env.barrier(f"checked{code}")
+    return out
+
+
+def bad_arguments(rank: int, size: int, transport: str) -> None:
+    """Read-only receive buffers, tags outside u64, checks outside u32 and peers outside the
+    world are argument errors, before anything is sent."""
+    import pytest
+
+    with rank_env(rank, size, transport) as env:
+        ctx = env.context()
+        pair = ctx.pair(1 - rank)
+        with pytest.raises(ValueError, match="writable"):
+            pair.irecv(memoryview(b"read-only"), 1)
+        for tag, check in ((-1, 0), (2**64, 0), (1, -1), (1, 2**32)):
+            with pytest.raises(ValueError):
+                pair.isend(memoryview(b"x"), tag, check)
+        with pytest.raises(ValueError):
+            ctx.pair(rank)
+        with pytest.raises(ValueError):
+            ctx.pair(size)
+        env.barrier("done")
+
+
+# --- lifetime -------------------------------------------------------------------------------------
+def _socket_fds() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(f"{fd}->{link}")
+    return out
+
+
+def resources_released(rank: int, size: int, transport: str) -> tuple[int, int]:
+    """After close(): no thread and no socket the context made is left, pending requests have
+    failed, and close() is idempotent. Returns (threads seen while open, sockets seen)."""
+    with rank_env(rank, size, transport) as env:
+        env.barrier("clients up")  # every store connection exists before the baseline
+        threads_before = {t.ident for t in threading.enumerate()}
+        sockets_before = _socket_fds()
+        ctx = env.context()
+        all_pairs_round(ctx, rank, size, [p for p in range(size) if p != rank])
+        pending = ctx.pair((rank + 1) % size).irecv(memoryview(bytearray(4)), 999)
+        threads_open = len(threading.enumerate()) - len(threads_before)
+        sockets_open = len(_socket_fds() - sockets_before)
+        env.barrier("exchanged")
+        ctx.close()
+        ctx.close()
+        try:
+            pending.wait(TIMEOUT_S)
+        except DDLError:
+            pass
+        else:
+            raise AssertionError("a pending receive succeeded after close()")
+        env.contexts.remove(ctx)
+        left_threads = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+        left_sockets = _socket_fds() - sockets_before
+        assert not left_threads, f"rank {rank}: threads left after close(): {left_threads}"
+        assert not left_sockets, f"rank {rank}: sockets left after close(): {left_sockets}"
+        env.barrier("checked")
+        return threads_open, sockets_open

@@ -1,0 +1,164 @@
+"""The transport conformance suite, parametrised over every transport (see ``conformance.py``).
+
+Each test spawns real rank processes. A transport that cannot run here is skipped with its
+reason (a failure under ``DDL_REQUIRE_ALL=1``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import require, run_ranks
+from tests.transports import conformance as conf
+
+TRANSPORTS = ["tcp"]
+JOB_TIMEOUT_S = 60.0  # harness deadline per test; each check itself waits at most a few seconds
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    name = request.param
+    require(*conf.transport_class(name).is_available())
+    return name
+
+
+def test_ordering_with_one_tag(transport):
+    run_ranks(conf.ordering_same_tag, 2, transport, timeout=JOB_TIMEOUT_S)
+
+
+def test_ordering_with_interleaved_tags(transport):
+    run_ranks(conf.interleaved_tags, 2, transport, timeout=JOB_TIMEOUT_S)
+
+
+def test_a_thousand_outstanding_requests(transport):
+    run_ranks(conf.many_outstanding, 2, transport, timeout=JOB_TIMEOUT_S)
+
+
+def test_zero_byte_messages(transport):
+    run_ranks(conf.zero_bytes, 2, transport, timeout=JOB_TIMEOUT_S)
+
+
+def test_256_mb_message(transport):
+    nbytes = 256 << 20
+    (_, crc0), (elapsed, crc1) = run_ranks(conf.large_message, 2, transport, nbytes,
+                                           timeout=JOB_TIMEOUT_S)
+    assert crc0 == crc1
+    gbps = nbytes / elapsed / 1e9
+    print(f"{transport}: 256 MB in {elapsed * 1e3:.0f} ms = {gbps:.2f} GB/s")
+    # Sanity only (speed is the benchmarks' business): even a slow CI box moves > 50 MB/s.
+    assert gbps > 0.05, f"{transport}: 256 MB took {elapsed:.1f} s"
+
+
+def test_traffic_in_both_directions(transport):
+    run_ranks(conf.both_directions, 2, transport, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_all_pairs_exchange(transport, nprocs):
+    run_ranks(conf.all_pairs, nprocs, transport, timeout=JOB_TIMEOUT_S)
+
+
+def test_two_channels(transport):
+    env = {"DDL_NCHANNELS": "2"}
+    run_ranks(conf.interleaved_tags, 2, transport, timeout=JOB_TIMEOUT_S, env=env)
+    run_ranks(conf.all_pairs, 3, transport, timeout=JOB_TIMEOUT_S, env=env)
+
+
+def test_sends_do_not_wait_for_the_receiver(transport):
+    run_ranks(conf.sends_do_not_wait_for_the_receiver, 3, transport, timeout=JOB_TIMEOUT_S)
+
+
+def test_size_and_check_mismatch(transport):
+    _, messages = run_ranks(conf.mismatches, 2, transport, timeout=JOB_TIMEOUT_S)
+    assert len(messages) == 4
+    size_early, check_early, size_late, check_late = messages
+    assert "rank 0 sent 100 bytes" in size_early and "rank 1 posted 200 bytes" in size_early
+    assert "tag 0x5" in size_early, size_early
+    assert "check 0x0000aaaa" in check_early and "check 0x0000bbbb" in check_early, check_early
+    assert "rank 0 sent 64 bytes" in size_late and "rank 1 posted 63 bytes" in size_late
+    assert "check 0x0000bbbb" in check_late and "check 0x0000aaaa" in check_late, check_late
+
+
+def test_timeout_names_ranks_tag_and_wait(transport):
+    wait_s = 1.0
+    _, connected, unconnected = run_ranks(conf.timeouts, 3, transport, wait_s,
+                                          timeout=JOB_TIMEOUT_S)
+    assert len(connected) == 2 and len(unconnected) == 1
+    for message, elapsed in connected + unconnected:
+        assert wait_s * 0.9 <= elapsed < wait_s + 1.0, (elapsed, message)
+        assert "1.0 s" in message, message
+    for message, _ in connected:
+        assert "rank 1" in message and "rank 0" in message and "0xabc" in message, message
+    message = unconnected[0][0]
+    assert "rank 2" in message and "rank 0" in message and "0xdef" in message, message
+
+
+@pytest.mark.parametrize("nprocs,victim", [(2, 1), (3, 1), (3, 0)])
+def test_killed_peer_fails_survivors_fast(transport, nprocs, victim):
+    results = run_ranks(conf.killed_peer, nprocs, transport, victim, may_die={victim},
+                        timeout=JOB_TIMEOUT_S)
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        message, elapsed, later = result
+        assert elapsed < 3.0, f"rank {rank} noticed rank {victim}'s death after {elapsed:.1f} s"
+        assert f"rank {victim}" in message, message
+        assert f"rank {victim}" in later, later
+
+
+def test_abort_reaches_the_peer_with_class_and_reason(transport):
+    _, seen = run_ranks(conf.abort_propagation, 2, transport, timeout=JOB_TIMEOUT_S)
+    assert [name for name, _, _ in seen] == [cls.__name__ for cls in conf.ABORT_CODES.values()]
+    for (_, message, elapsed), code in zip(seen, conf.ABORT_CODES, strict=True):
+        assert message.startswith(f"rank 0 aborted: collective #{code} went wrong: ünïcödé")
+        assert elapsed < 2.0, elapsed
+    assert len(seen[-1][1].encode()) < conf.MAX_ABORT_REASON_BYTES + 100  # the long one was cut
+
+
+def test_bad_arguments(transport):
+    run_ranks(conf.bad_arguments, 2, transport, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("nchannels", ["1", "2"])
+def test_close_releases_threads_and_sockets(transport, nchannels):
+    results = run_ranks(conf.resources_released, 3, transport, timeout=JOB_TIMEOUT_S,
+                        env={"DDL_NCHANNELS": nchannels})
+    for threads_open, sockets_open in results:
+        assert threads_open > 0 or transport != "tcp"  # the check looked at something
+        assert sockets_open > 0 or transport != "tcp"
+
+
+# --- TCP specifics (one process: no peer involved) ------------------------------------------------
+def _tcp_context(environ: dict[str, str]):
+    from unittest.mock import patch
+
+    from ddlcore.transports.tcp import TcpTransport
+
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)
+    try:
+        with patch.dict("os.environ", environ):
+            ctx = TcpTransport().create_context(0, 2, PrefixStore(client, "t/"), 2.0)
+        address = client.get("t/tcp/addr/0").decode()
+        ctx.close()
+        return ctx, address
+    finally:
+        client.close()
+        server.close()
+
+
+def test_tcp_listens_on_the_interface_towards_the_master():
+    ctx, address = _tcp_context({"DDL_SOCKET_IFNAME": ""})
+    assert ctx.address == "127.0.0.1" and address == f"127.0.0.1:{ctx.port}"
+
+
+def test_tcp_socket_ifname_picks_that_interface():
+    ctx, _ = _tcp_context({"DDL_SOCKET_IFNAME": "lo"})
+    assert ctx.address == "127.0.0.1"
+
+
+def test_tcp_bad_socket_ifname_names_the_variable():
+    with pytest.raises(ValueError, match="DDL_SOCKET_IFNAME='nosuchif0'.*interfaces here: .*lo"):
+        _tcp_context({"DDL_SOCKET_IFNAME": "nosuchif0"})

@@ -1,0 +1,779 @@
+"""TCP transport: tag-matched, non-blocking point-to-point messages over sockets, any network.
+
+Shape (after Gloo): `TcpTransport` -> `TcpContext` (this rank's listener and pairs) -> `TcpPair`
+(``DDL_NCHANNELS`` sockets to one peer) -> `TcpRequest`. This file is over the ~500-line guide
+because the wire protocol, the per-socket threads and the failure rules only make sense together.
+
+Connecting is lazy: the lower rank of a pair connects to the higher rank's listener (address from
+the store key ``tcp/addr/{rank}``), one socket per channel, and introduces itself with a fixed
+hello; the higher rank's accept thread answers and files the socket under its pair. ``pair(p)``
+never waits for the peer's program: on the higher side it returns at once, sends queue until the
+peer connects, and a request that waits too long says the peer never connected.
+
+Each socket has a sender thread (queue of frames; ``sendmsg`` of header + payload view, no copy;
+when the socket is idle the caller's thread sends without waiting) and a receiver thread, which
+reads a header and then ``recv_into`` straight into the posted receive's buffer; a message no
+receive has asked for yet is read into a new buffer and copied out when one is posted. A message
+goes on socket ``tag % nchannels``, so messages with one tag stay ordered.
+
+Frame header (little endian, 28 bytes): magic u32 | kind u16 | reserved u16 | check u32 |
+tag u64 | nbytes u64, then ``nbytes`` of payload. DATA carries a message; ABORT carries an error
+code (``ABORT_*``) in ``check`` and a UTF-8 reason of at most MAX_ABORT_REASON_BYTES; CLOSE says
+the sender closed: the receiver stops sending on that socket (shutdown) so both ends see EOF.
+
+Failures: a size or check-word mismatch fails that one receive (`CollectiveMismatchError`), after
+draining the payload so the stream stays usable. CLOSE, EOF or a reset fail the pending and later
+requests of that socket with `PeerFailureError`; messages that had fully arrived before stay
+receivable. An ABORT (sent or received) and `close` fail everything on the pair at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from _thread import allocate_lock
+from collections import deque
+
+from ddlcore.transports.base import (
+    ABORT_MISMATCH,
+    ABORT_TIMEOUT,
+    MAX_ABORT_REASON_BYTES,
+    Context,
+    Pair,
+    PeerInfo,
+    Request,
+    Store,
+    Transport,
+)
+from ddlcore.transports.sockets import (
+    format_address,
+    interface_address,
+    parse_address,
+    recv_exact,
+    route_address,
+)
+
+from ddlcore import config
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+    RendezvousError,
+)
+from ddlcore.store import StoreUnreachableError
+
+PROTOCOL_VERSION = 1
+_MAGIC = 0xDD1C7C90
+_HEADER = struct.Struct("<IHHIQQ")
+_HELLO = struct.Struct("<IHHIIIHH")  # magic, version, nchannels, src, dst, size, channel, 0
+_ACK = struct.Struct("<IHHHH")  # magic, version, status, nchannels, 0
+_DATA, _ABORT, _CLOSE = 1, 2, 3
+_ACK_OK, _ACK_WRONG_PEER, _ACK_NCHANNELS, _ACK_DUPLICATE, _ACK_CLOSED = 0, 1, 2, 3, 4
+_MAX_TAG = (1 << 64) - 1
+_MAX_CHECK = (1 << 32) - 1
+_HELLO_TIMEOUT_S = 10.0  # a connection that does not introduce itself by then is dropped
+_CLOSE_TIMEOUT_S = 2.0  # how long close() lets peers answer CLOSE before cutting sockets
+_DRAIN_CHUNK = 1 << 20
+_ABORT_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
+_CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
+
+
+def _copy_error(error: DDLError) -> DDLError:
+    """A fresh instance of ``error`` for one request (an exception object is raised once)."""
+    new = type(error)(str(error))
+    if isinstance(error, PeerFailureError):
+        new.peer = error.peer  # type: ignore[attr-defined]
+    return new
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.1f}" if t >= 1 else f"{t:.2g}"
+
+
+def _as_view(view: object) -> memoryview:
+    if type(view) is not memoryview:
+        view = memoryview(view)  # type: ignore[arg-type]
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # TypeError for a non-contiguous buffer
+    return view
+
+
+class TcpRequest(Request):
+    """A pending send or receive. Finished exactly once, by whichever thread took it out of the
+    shared queues; completion releases a lock the waiter blocks on (cheaper than an Event)."""
+
+    __slots__ = ("_lock", "_done", "_error", "_pair", "tag", "view", "check", "nbytes", "is_send")
+
+    def __init__(self, pair: TcpPair, view: memoryview, tag: int, check: int, is_send: bool) -> None:
+        self._lock = allocate_lock()
+        self._lock.acquire()
+        self._done = False
+        self._error: DDLError | None = None
+        self._pair = pair
+        self.view, self.tag, self.check, self.nbytes, self.is_send = (
+            view, tag, check, len(view), is_send)
+
+    def _complete(self) -> None:
+        if not self._done:
+            self._done = True
+            self._lock.release()
+
+    def _fail(self, error: DDLError) -> None:
+        if not self._done:
+            self._error = error
+            self._done = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            if timeout is None:
+                self._lock.acquire()
+            elif not self._lock.acquire(True, max(0.0, timeout)):
+                raise self._pair._timeout_error(self, timeout)
+            self._lock.release()  # let any other waiter through too
+        if self._error is not None:
+            raise _copy_error(self._error)
+
+    def test(self) -> bool:
+        if not self._done:
+            return False
+        if self._error is not None:
+            raise _copy_error(self._error)
+        return True
+
+    def describe(self) -> str:
+        if self.is_send:
+            return f"was sending {self.nbytes} bytes with tag {self.tag:#x}"
+        return f"waited for a message with tag {self.tag:#x}"
+
+
+class _Channel:
+    """One socket of a pair: its send queue and threads, and the matching state of the tags that
+    travel on it (``tag % nchannels == index``)."""
+
+    def __init__(self, pair: TcpPair, index: int) -> None:
+        self.pair, self.index = pair, index
+        self.sock: socket.socket | None = None
+        self.mlock = threading.Lock()  # guards posted, unexpected, failure
+        self.posted: dict[int, deque[TcpRequest]] = {}
+        self.unexpected: dict[int, deque[tuple[int, bytearray]]] = {}
+        self.failure: str | None = None  # why the socket is gone (a PeerFailureError prefix)
+        self.scond = threading.Condition(threading.Lock())  # guards queue, busy, stopping
+        self.queue: deque[list] = deque()  # [header, payload view | None, request | None, sent]
+        self.busy = False  # a thread is writing to the socket
+        self.stopping = False
+        self.threads: list[threading.Thread] = []
+
+    # --- sending --------------------------------------------------------------------------------
+    def send(self, item: list, front: bool = False) -> None:
+        with self.scond:
+            if self.sock is None or self.busy or self.queue:
+                if front:
+                    self.queue.appendleft(item)
+                else:
+                    self.queue.append(item)
+                self.scond.notify()
+                return
+            self.busy = True
+        self._send_now(item)
+
+    def _send_now(self, item: list) -> None:
+        """Write what the socket takes without blocking; the sender thread does the rest."""
+        header, view, req = item[0], item[1], item[2]
+        sock = self.sock
+        assert sock is not None
+        try:
+            if view is not None and view.nbytes:
+                sent = sock.sendmsg((header, view), (), socket.MSG_DONTWAIT)
+            else:
+                sent = sock.send(header, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            with self.scond:
+                self.busy = False
+                self.scond.notify()
+            self.broken(exc, req)
+            return
+        if sent == len(header) + (view.nbytes if view is not None else 0):
+            with self.scond:
+                self.busy = False
+                if self.queue or self.stopping:
+                    self.scond.notify()
+            if req is not None:
+                req._complete()
+            return
+        item[3] = sent
+        with self.scond:
+            self.queue.appendleft(item)
+            self.busy = False
+            self.scond.notify()
+
+    def send_loop(self) -> None:
+        sock, cond, queue, pair = self.sock, self.scond, self.queue, self.pair
+        assert sock is not None
+        while True:
+            with cond:
+                while self.busy or not queue:
+                    if self.stopping and not queue and not self.busy:
+                        return
+                    cond.wait()
+                item = queue.popleft()
+                self.busy = True
+            header, view, req, sent = item
+            if req is not None and (pair._failure is not None or self.failure is not None):
+                with cond:
+                    self.busy = False
+                req._fail(pair._error_for(self, req))
+                continue
+            try:
+                hlen = len(header)
+                nbytes = view.nbytes if view is not None else 0
+                while sent < hlen:
+                    if nbytes:
+                        sent += sock.sendmsg((header[sent:], view))
+                    else:
+                        sock.sendall(header[sent:])
+                        sent = hlen
+                if sent < hlen + nbytes:
+                    sock.sendall(view[sent - hlen:])
+                if header is _CLOSE_FRAME:  # nothing more will be written on this socket
+                    sock.shutdown(socket.SHUT_WR)
+            except Exception as exc:  # OSError: the socket broke; anything else: a bug, same cure
+                with cond:
+                    self.busy = False
+                self.broken(exc, req)
+                continue
+            with cond:
+                self.busy = False
+            if req is not None:
+                req._complete()
+
+    # --- receiving ------------------------------------------------------------------------------
+    def recv_loop(self) -> None:
+        sock, pair = self.sock, self.pair
+        assert sock is not None
+        head = bytearray(_HEADER.size)
+        hview = memoryview(head)
+        hsize = _HEADER.size
+        unpack = _HEADER.unpack_from
+        try:
+            while True:
+                got = sock.recv_into(hview, hsize, socket.MSG_WAITALL)
+                if got != hsize:  # EOF, or a read cut short by a signal
+                    if got == 0 or not recv_exact(sock, hview[got:]):
+                        raise ConnectionResetError("the peer closed the connection (EOF)")
+                magic, kind, _, check, tag, nbytes = unpack(head)
+                if magic != _MAGIC:
+                    raise ConnectionError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
+                if kind == _DATA:
+                    self.on_data(sock, check, tag, nbytes)
+                elif kind == _ABORT:
+                    if nbytes > MAX_ABORT_REASON_BYTES:
+                        raise ConnectionError(f"abort reason of {nbytes} bytes (cap "
+                                              f"{MAX_ABORT_REASON_BYTES})")
+                    reason = bytearray(nbytes)
+                    if nbytes and not recv_exact(sock, memoryview(reason)):
+                        raise ConnectionResetError("EOF inside an abort frame")
+                    text = f"rank {pair.peer} aborted: {reason.decode('utf-8', 'replace')}"
+                    cls = _ABORT_CLASS.get(check, PeerFailureError)
+                    error = PeerFailureError(text, pair.peer) if cls is PeerFailureError \
+                        else cls(text)
+                    pair._ctx._note_abort(error)
+                    pair._fail_pair(error)
+                elif kind == _CLOSE:
+                    self.fail(f"rank {pair.peer} closed its connection while")
+                    try:  # we will not be read any more: stop writing, so both ends see EOF
+                        sock.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+                else:
+                    raise ConnectionError(f"unknown frame kind {kind}")
+        except OSError as exc:
+            self.broken(exc, None)
+        except Exception as exc:  # a bad frame (e.g. absurd size): drop this connection
+            self.broken(ConnectionError(f"protocol error: {exc!r}"), None)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def on_data(self, sock: socket.socket, check: int, tag: int, nbytes: int) -> None:
+        pair = self.pair
+        with self.mlock:
+            waiting = self.posted.get(tag)
+            if waiting:
+                req = waiting.popleft()
+                if not waiting:
+                    del self.posted[tag]
+            else:
+                req = None
+        if req is None:
+            if pair._failure is not None:  # nobody will ask for it any more
+                _discard(sock, nbytes)
+                return
+            data = bytearray(nbytes)
+            if nbytes and not recv_exact(sock, memoryview(data)):
+                raise ConnectionResetError("EOF inside a message")
+            with self.mlock:
+                waiting = self.posted.get(tag)
+                if not waiting:
+                    self.unexpected.setdefault(tag, deque()).append((check, data))
+                    return
+                req = waiting.popleft()
+                if not waiting:
+                    del self.posted[tag]
+            pair._deliver(req, check, data)
+            return
+        try:
+            if nbytes != req.nbytes or (check and req.check and check != req.check):
+                _discard(sock, nbytes)
+                req._fail(pair._mismatch(req, check, nbytes))
+                return
+            if nbytes:
+                got = sock.recv_into(req.view, nbytes, socket.MSG_WAITALL)
+                if got != nbytes and (got == 0 or not recv_exact(sock, req.view[got:])):
+                    raise ConnectionResetError("EOF inside a message")
+        except OSError as exc:
+            req._fail(PeerFailureError(f"connection to rank {pair.peer} lost: {exc}; rank "
+                                       f"{pair.rank} {req.describe()}", pair.peer))
+            raise
+        req._complete()
+
+    # --- failure and shutdown -------------------------------------------------------------------
+    def fail(self, base: str) -> None:
+        """This socket is gone (peer closed, reset, died): fail its pending requests."""
+        with self.mlock:
+            if self.failure is not None:
+                return
+            self.failure = base
+            pending = [r for waiting in self.posted.values() for r in waiting]
+            self.posted.clear()
+        with self.scond:
+            pending += [item[2] for item in self.queue if item[2] is not None]
+            self.queue.clear()
+        pair = self.pair
+        for req in pending:
+            req._fail(pair._error_for(self, req))
+
+    def broken(self, exc: BaseException, req: TcpRequest | None) -> None:
+        """The socket failed under ``req`` (if any): fail it and everything pending here."""
+        self.fail(f"connection to rank {self.pair.peer} lost: {exc};")
+        if req is not None:
+            req._fail(self.pair._error_for(self, req))
+
+    def stop(self) -> None:
+        """Queue CLOSE (if the socket still works) and let the sender thread finish."""
+        with self.scond:
+            if self.sock is not None and self.failure is None:
+                self.queue.append([_CLOSE_FRAME, None, None, 0])
+            self.stopping = True
+            self.scond.notify()
+
+
+def _discard(sock: socket.socket, nbytes: int) -> None:
+    scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
+    while nbytes > 0:
+        got = sock.recv_into(scratch, min(nbytes, len(scratch)))
+        if got == 0:
+            raise ConnectionResetError("EOF inside a message")
+        nbytes -= got
+
+
+class TcpPair(Pair):
+    """The ``nchannels`` sockets to one peer and their threads."""
+
+    def __init__(self, ctx: TcpContext, peer: int) -> None:
+        self.rank, self.peer = ctx.rank, peer
+        self._ctx = ctx
+        self._nch = ctx.nchannels
+        self._channels = [_Channel(self, i) for i in range(self._nch)]
+        self._lock = threading.Lock()  # attaching sockets, pair-wide failure, closing
+        self._connect_lock = threading.Lock()
+        self._failure: DDLError | None = None  # abort (either side) or local close: final
+        self._abort_frame: bytes | None = None
+        self._closed = False
+        self._connected = peer < ctx.rank  # the higher rank is connected to; it needs nothing
+        self._connect_error: DDLError | None = None
+
+    # --- requests -------------------------------------------------------------------------------
+    def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = _as_view(view)
+        if not (0 <= tag <= _MAX_TAG and 0 <= check <= _MAX_CHECK):
+            raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
+        req = TcpRequest(self, view, tag, check, True)
+        ch = self._channels[tag % self._nch]
+        if self._failure is not None or ch.failure is not None:
+            req._fail(self._error_for(ch, req))
+        else:
+            ch.send([_HEADER.pack(_MAGIC, _DATA, 0, check, tag, req.nbytes), view, req, 0])
+        return req
+
+    def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = _as_view(view)
+        if view.readonly and view.nbytes:
+            raise ValueError("view must be writable to receive into it")
+        if not (0 <= tag <= _MAX_TAG and 0 <= check <= _MAX_CHECK):
+            raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
+        req = TcpRequest(self, view, tag, check, False)
+        ch = self._channels[tag % self._nch]
+        message = None
+        with ch.mlock:
+            if self._failure is None:
+                arrived = ch.unexpected.get(tag)
+                if arrived:
+                    message = arrived.popleft()
+                    if not arrived:
+                        del ch.unexpected[tag]
+                elif ch.failure is None:
+                    waiting = ch.posted.get(tag)
+                    if waiting is None:
+                        ch.posted[tag] = deque((req,))
+                    else:
+                        waiting.append(req)
+                    return req
+        if message is None:
+            req._fail(self._error_for(ch, req))
+        else:
+            self._deliver(req, *message)
+        return req
+
+    def _deliver(self, req: TcpRequest, check: int, data: bytearray) -> None:
+        if len(data) != req.nbytes or (check and req.check and check != req.check):
+            req._fail(self._mismatch(req, check, len(data)))
+            return
+        if data:
+            req.view[:] = data
+        req._complete()
+
+    def _mismatch(self, req: TcpRequest, check: int, nbytes: int) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            f"rank {self.peer} sent {nbytes} bytes with check {check:#010x} for tag "
+            f"{req.tag:#x}, rank {self.rank} posted {req.nbytes} bytes with check "
+            f"{req.check:#010x}: the ranks are calling different collectives, or the same one "
+            "with a different size, dtype, op or root")
+
+    def _error_for(self, ch: _Channel, req: TcpRequest) -> DDLError:
+        if self._failure is not None:
+            return _copy_error(self._failure)
+        return PeerFailureError(f"{ch.failure} rank {self.rank} {req.describe()}", self.peer)
+
+    def _timeout_error(self, req: TcpRequest, timeout: float) -> DDLTimeoutError:
+        if req.is_send:
+            what = f"to send {req.nbytes} bytes with tag {req.tag:#x} to rank {self.peer}"
+        else:
+            what = f"for a message with tag {req.tag:#x} from rank {self.peer}"
+        message = f"rank {self.rank} waited {_seconds(timeout)} s {what}"
+        if self._channels[req.tag % self._nch].sock is None:
+            message += f" (rank {self.peer} has not connected to rank {self.rank} yet)"
+        return DDLTimeoutError(message)
+
+    # --- connection -----------------------------------------------------------------------------
+    def _connect(self, deadline: float) -> None:
+        """Lower rank: open every channel to the peer's listener (once; errors are kept)."""
+        with self._connect_lock:
+            if self._connected:
+                return
+            if self._connect_error is not None:
+                raise _copy_error(self._connect_error)
+            try:
+                self._connect_channels(deadline)
+            except DDLError as exc:
+                cause = self._ctx._first_abort
+                if cause is not None:  # the job was already failing: report the root cause
+                    exc = type(cause)(f"{cause} (afterwards rank {self.rank} could not connect "
+                                      f"to rank {self.peer}: {exc})")
+                self._connect_error = exc
+                raise _copy_error(exc) from None
+            self._connected = True
+
+    def _connect_channels(self, deadline: float) -> None:
+        ctx, peer = self._ctx, self.peer
+        try:
+            raw = ctx.store.get(f"tcp/addr/{peer}", max(0.0, deadline - time.monotonic()))
+        except StoreUnreachableError as exc:  # rank 0, which serves the store, is gone
+            raise PeerFailureError(f"rank {self.rank} could not look up the TCP address of "
+                                   f"rank {peer}: {exc}", 0) from None
+        host, port = parse_address(raw.decode())
+        where = f"rank {peer} at {format_address(host, port)}"
+        for ch in self._channels:
+            if ch.sock is not None:
+                continue
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.connect((host, port))
+                sock.sendall(_HELLO.pack(_MAGIC, PROTOCOL_VERSION, self._nch, self.rank, peer,
+                                         ctx.size, ch.index, 0))
+                ack = bytearray(_ACK.size)
+                if not recv_exact(sock, memoryview(ack)):
+                    raise ConnectionResetError("closed before answering the hello")
+            except TimeoutError:
+                sock.close()
+                raise DDLTimeoutError(f"rank {self.rank} could not connect to {where} within "
+                                      f"{_seconds(ctx.timeout)} s (TCP channel {ch.index})") from None
+            except OSError as exc:
+                sock.close()
+                raise PeerFailureError(
+                    f"rank {self.rank} could not connect to {where} (TCP channel {ch.index}): "
+                    f"{exc}; rank {peer} has closed its transport or exited", peer) from None
+            magic, version, status, their_nch, _ = _ACK.unpack(ack)
+            if magic != _MAGIC or version != PROTOCOL_VERSION or status != _ACK_OK:
+                sock.close()
+                if status == _ACK_NCHANNELS:
+                    raise RendezvousError(
+                        f"rank {self.rank} has DDL_NCHANNELS={self._nch} but rank {peer} has "
+                        f"DDL_NCHANNELS={their_nch}; set the same value on every rank")
+                raise PeerFailureError(f"{where} refused the TCP connection (status {status}, "
+                                       f"protocol {version}, ours {PROTOCOL_VERSION})", peer)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    raise CommunicatorClosedError(f"rank {self.rank}: the TCP pair to rank "
+                                                  f"{peer} was closed while connecting")
+                self._attach(ch, sock)
+
+    def _attach(self, ch: _Channel, sock: socket.socket) -> None:
+        """Start using ``sock`` for channel ``ch`` (called with ``self._lock`` held)."""
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with ch.scond:
+            ch.sock = sock
+            if self._abort_frame is not None:  # we aborted before the peer connected: tell it
+                ch.queue.appendleft([self._abort_frame, None, None, 0])
+        name = f"{self.rank}-{self.peer}.{ch.index}"
+        ch.threads = [threading.Thread(target=ch.send_loop, name=f"ddl-tcp-send-{name}",
+                                       daemon=True),
+                      threading.Thread(target=ch.recv_loop, name=f"ddl-tcp-recv-{name}",
+                                       daemon=True)]
+        for thread in ch.threads:
+            thread.start()
+
+    def _accept(self, index: int, sock: socket.socket) -> int:
+        """Higher rank: the peer connected channel ``index``; answer and start using it."""
+        with self._lock:
+            ch = self._channels[index]
+            status = (_ACK_CLOSED if self._closed else
+                      _ACK_DUPLICATE if ch.sock is not None else _ACK_OK)
+            sock.sendall(_ACK.pack(_MAGIC, PROTOCOL_VERSION, status, self._nch, 0))
+            if status == _ACK_OK:
+                self._attach(ch, sock)
+            return status
+
+    # --- failure and shutdown -------------------------------------------------------------------
+    def _fail_pair(self, error: DDLError) -> None:
+        """Fail every pending and later request (first error wins)."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+        for ch in self._channels:
+            with ch.mlock:
+                pending = [r for waiting in ch.posted.values() for r in waiting]
+                ch.posted.clear()
+                ch.unexpected.clear()
+            with ch.scond:
+                kept = [item for item in ch.queue if item[2] is None]  # control frames stay
+                pending += [item[2] for item in ch.queue if item[2] is not None]
+                ch.queue.clear()
+                ch.queue.extend(kept)
+            for req in pending:
+                req._fail(_copy_error(error))
+
+    def abort(self, code: int, reason: str) -> None:
+        raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
+        frame = _HEADER.pack(_MAGIC, _ABORT, 0, code & _MAX_CHECK, 0, len(raw)) + raw
+        text = f"rank {self.rank} aborted: {reason}"
+        cls = _ABORT_CLASS.get(code, PeerFailureError)
+        with self._lock:
+            if self._abort_frame is not None or self._closed:
+                return
+            self._abort_frame = frame
+        for ch in self._channels:
+            if ch.sock is not None and ch.failure is None:
+                ch.send([frame, None, None, 0], front=True)
+        self._fail_pair(PeerFailureError(text, self.peer) if cls is PeerFailureError
+                        else cls(text))
+
+    def _begin_close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fail_pair(CommunicatorClosedError(
+            f"rank {self.rank} closed its TCP connection to rank {self.peer} while the request "
+            "was pending"))
+        for ch in self._channels:
+            ch.stop()
+
+    def _finish_close(self, deadline: float) -> None:
+        for ch in self._channels:  # senders: CLOSE goes out, then shutdown(SHUT_WR)
+            if ch.threads:
+                ch.threads[0].join(max(0.0, deadline - time.monotonic()))
+        for ch in self._channels:  # receivers: the peer answers CLOSE with EOF
+            if ch.threads:
+                ch.threads[1].join(max(0.0, deadline - time.monotonic()))
+        for ch in self._channels:
+            if ch.sock is None:
+                continue
+            try:
+                ch.sock.shutdown(socket.SHUT_RDWR)  # wakes whatever is still blocked
+            except OSError:
+                pass
+            for thread in ch.threads:
+                thread.join(1.0)
+            ch.sock.close()
+
+    def close(self) -> None:
+        self._begin_close()
+        self._finish_close(time.monotonic() + _CLOSE_TIMEOUT_S)
+
+
+class TcpContext(Context):
+    """This rank's listener, accept thread and pairs."""
+
+    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} must be in [0, size={size})")
+        self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
+        self.nchannels: int = config.get("DDL_NCHANNELS")
+        if self.nchannels > 0xFFFF:
+            raise ValueError(f"DDL_NCHANNELS={self.nchannels} is more than 65535")
+        ifname = config.get("DDL_SOCKET_IFNAME")
+        if ifname:
+            self.address = interface_address(ifname)
+        else:
+            master = getattr(store, "host", None)
+            self.address = (route_address(master) if master else
+                            socket.gethostbyname(socket.gethostname()))
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._lock = threading.Lock()
+        self._pairs: dict[int, TcpPair] = {}
+        self._failure: tuple[int, str] | None = None
+        self._first_abort: DDLError | None = None  # the first ABORT a peer sent us
+        self._closed = False
+        try:
+            self._listener.bind((self.address, 0))
+            self._listener.listen(max(128, size * self.nchannels))
+            self.port: int = self._listener.getsockname()[1]
+            self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                              name=f"ddl-tcp-accept-{rank}")
+            self._accepter.start()
+            store.set(f"tcp/addr/{rank}", format_address(self.address, self.port).encode())
+        except BaseException:
+            self._shutdown_listener()
+            raise
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener shut down by close()
+            try:
+                self._handshake(conn)
+            except Exception:  # a stranger, or a peer that vanished mid-hello: drop it
+                conn.close()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        conn.settimeout(min(self.timeout, _HELLO_TIMEOUT_S))
+        hello = bytearray(_HELLO.size)
+        if not recv_exact(conn, memoryview(hello)):
+            raise ConnectionResetError("no hello")
+        magic, version, nch, src, dst, size, index, _ = _HELLO.unpack(hello)
+        if magic != _MAGIC:
+            raise ConnectionError("not a ddlcore tcp peer")
+        status = _ACK_OK
+        if self._closed:
+            status = _ACK_CLOSED
+        elif version != PROTOCOL_VERSION or dst != self.rank or size != self.size \
+                or not 0 <= src < self.rank:
+            status = _ACK_WRONG_PEER
+        elif nch != self.nchannels or index >= nch:
+            status = _ACK_NCHANNELS
+        if status != _ACK_OK:
+            conn.sendall(_ACK.pack(_MAGIC, PROTOCOL_VERSION, status, self.nchannels, 0))
+            if status == _ACK_NCHANNELS and not self._closed:
+                self._pair_for(src)._fail_pair(RendezvousError(
+                    f"rank {src} has DDL_NCHANNELS={nch} but rank {self.rank} has "
+                    f"DDL_NCHANNELS={self.nchannels}; set the same value on every rank"))
+            raise ConnectionError(f"refused hello (status {status})")
+        if self._pair_for(src)._accept(index, conn) != _ACK_OK:
+            raise ConnectionError("refused a duplicate or late channel")
+
+    def _pair_for(self, peer: int) -> TcpPair:
+        with self._lock:
+            found = self._pairs.get(peer)
+            if found is None:
+                found = self._pairs[peer] = TcpPair(self, peer)
+                if self._failure is not None:
+                    found.abort(*self._failure)
+            return found
+
+    def pair(self, peer: int) -> Pair:
+        found = self._pairs.get(peer)
+        if found is not None and found._connected:
+            return found
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"peer={peer}: rank {self.rank} of {self.size} has no such peer")
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: the TCP context is closed")
+        found = self._pair_for(peer)
+        found._connect(time.monotonic() + self.timeout)
+        return found
+
+    def _note_abort(self, error: DDLError) -> None:
+        if self._first_abort is None:
+            self._first_abort = error
+
+    def abort(self, code: int, reason: str) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = (code, reason)
+            pairs = list(self._pairs.values())
+        for p in pairs:
+            p.abort(code, reason)
+
+    def _shutdown_listener(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        except OSError:
+            pass
+        accepter = getattr(self, "_accepter", None)
+        if accepter is not None:
+            accepter.join(_CLOSE_TIMEOUT_S)
+        self._listener.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._shutdown_listener()
+        with self._lock:
+            pairs = list(self._pairs.values())
+        for p in pairs:  # all CLOSE frames first, then wait for all peers together
+            p._begin_close()
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        for p in pairs:
+            p._finish_close(deadline)
+
+
+class TcpTransport(Transport):
+    """Sockets over any IPv4 network; always available."""
+
+    name = "tcp"
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        return True, ""
+
+    def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
+        return True
+
+    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+        return TcpContext(rank, size, store, timeout)
