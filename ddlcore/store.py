@@ -460,15 +460,9 @@ class PrefixStore:
     def __init__(self, store: _KeyValueStore, prefix: str) -> None:
         self.store = store
         self.prefix = prefix
-
-    @property
-    def host(self) -> str:
-        """The master's address (transports find their outgoing interface from it)."""
-        return self.store.host  # type: ignore[attr-defined]
-
-    @property
-    def port(self) -> int:
-        return self.store.port  # type: ignore[attr-defined]
+        # The master's address: transports find their outgoing interface from it.
+        self.host: str = getattr(store, "host", "")
+        self.port: int = getattr(store, "port", 0)
 
     @property
     def rank(self) -> int | None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
 from ddlcore.kernels.cpu import avg_finalize, copy_bytes, pack, reduce_copy, reduce_into, unpack
 from ddlcore.kernels.dtypes import DType, dtype_code
+
 from ddlcore.ops import Op, as_op
 
 

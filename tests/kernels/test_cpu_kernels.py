@@ -7,10 +7,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
-from ddlcore import kernels
 from ddlcore.kernels import reference
 from ddlcore.kernels.dtypes import SUPPORTED_DTYPES, dtype_code
+
+from ddlcore import kernels
 from ddlcore.ops import Op
 
 OPS = [Op.SUM, Op.PROD, Op.MIN, Op.MAX]
@@ -114,7 +114,7 @@ def test_pack_unpack_round_trip(k):
     assert same_bits(flat, reference.pack_ref(arrays))
     outs = [np.empty_like(a) for a in arrays]
     kernels.unpack_arrays(flat, outs)
-    for got, want in zip(outs, reference.unpack_ref(flat, arrays)):
+    for got, want in zip(outs, reference.unpack_ref(flat, arrays), strict=True):
         assert same_bits(got, want)
 
 

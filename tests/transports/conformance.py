@@ -533,3 +533,27 @@ def resources_released(rank: int, size: int, transport: str) -> tuple[int, int]:
         assert not left_sockets, f"rank {rank}: sockets left after close(): {left_sockets}"
         env.barrier("checked")
         return threads_open, sockets_open
+
+
+# --- TCP specifics --------------------------------------------------------------------------------
+def tcp_nchannels_mismatch(rank: int, size: int) -> str:
+    """Ranks started with different DDL_NCHANNELS would disagree on which socket carries a tag:
+    the connection is refused and both ends say which values differ."""
+    from ddlcore.errors import RendezvousError
+
+    with rank_env(rank, size, "tcp") as env:
+        pair_or_error: object
+        try:
+            pair_or_error = env.context().pair(1 - rank)
+        except RendezvousError as exc:
+            pair_or_error = exc
+        if rank == 0:
+            assert isinstance(pair_or_error, RendezvousError), pair_or_error
+            env.barrier("refused")
+            return str(pair_or_error)
+        env.barrier("refused")
+        try:
+            pair_or_error.irecv(memoryview(bytearray(1)), 0).wait(TIMEOUT_S)  # type: ignore[union-attr]
+        except RendezvousError as exc:
+            return str(exc)
+        raise AssertionError("rank 1 accepted a connection with a different DDL_NCHANNELS")

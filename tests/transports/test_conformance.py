@@ -162,3 +162,10 @@ def test_tcp_socket_ifname_picks_that_interface():
 def test_tcp_bad_socket_ifname_names_the_variable():
     with pytest.raises(ValueError, match="DDL_SOCKET_IFNAME='nosuchif0'.*interfaces here: .*lo"):
         _tcp_context({"DDL_SOCKET_IFNAME": "nosuchif0"})
+
+
+def test_tcp_nchannels_must_agree():
+    messages = run_ranks(conf.tcp_nchannels_mismatch, 2, timeout=JOB_TIMEOUT_S,
+                         rank_envs={0: {"DDL_NCHANNELS": "1"}, 1: {"DDL_NCHANNELS": "2"}})
+    for message in messages:
+        assert "DDL_NCHANNELS=1" in message and "DDL_NCHANNELS=2" in message, message
