@@ -229,5 +229,6 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
         err = type(exc)(message)
         if isinstance(exc, PeerFailureError):
             err.peer = exc.peer  # type: ignore[attr-defined]
-        links.abort(abort_code(exc), message)
+        # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
+        links.abort(abort_code(exc), message.split(": ", 1)[1])
         raise err from None

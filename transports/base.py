@@ -11,6 +11,10 @@ Shaped after Gloo's transport layer:
 
 Semantics every transport keeps (the conformance suite in ``tests/transports`` checks them):
 
+* `Context.pair`, `Pair.isend` and `Pair.irecv` never wait for the peer's program: a pair is
+  usable at once, and sends queue until the connection is up. (Waiting in ``pair()`` for the
+  peer to connect deadlocks when ranks reach each other in different orders.)
+* Tags are unsigned 64-bit, check words unsigned 32-bit; values out of range are a ValueError.
 * Messages between two ranks with the same tag are received in the order they were sent.
   A receive matches the oldest unmatched message with its tag, whether the message arrived
   before or after the receive was posted.
@@ -19,9 +23,12 @@ Semantics every transport keeps (the conformance suite in ``tests/transports`` c
   `CollectiveMismatchError` (that is how ranks calling different collectives are caught cheaply).
   Transports whose wire format has no room for the check word may ignore it.
 * Every wait has a deadline: `Request.wait` raises `DDLTimeoutError` naming the peer and how long
-  it waited. A peer that closes, resets or dies fails every pending and later request on that
-  pair with `PeerFailureError` naming the peer rank. `Pair.abort` tells the peer why we stopped;
-  the peer's requests then fail with the same error class and reason.
+  it waited; the request stays posted and may be waited on again. A peer that closes, resets or
+  dies fails every pending and later receive that no fully arrived message satisfies, with
+  `PeerFailureError` naming the peer rank (messages that arrived before its goodbye are still
+  delivered). `Pair.abort` tells the peer why we stopped; the peer's requests then fail at once
+  with the same error class and reason. Requests pending at a local ``close()`` fail with
+  `CommunicatorClosedError`.
 * Nothing received is unpickled: control data is fixed binary headers with length caps.
 
 ``API_VERSION`` is checked when a transport is loaded from the ``ddlcore.transports`` entry-point
