@@ -9,25 +9,15 @@ For each dtype: ``reduce_copy(a, a, b)`` (a = a + b) on two buffers of ``--mib``
 from __future__ import annotations
 
 import argparse
-import time
 
 import ml_dtypes
 import numpy as np
 from ddlcore.kernels.dtypes import dtype_code
+from membw import best_seconds  # benchmarks/ is the script's directory
 
 from ddlcore import kernels
 
 DTYPES = [np.float32, np.float64, np.int8, np.int32, np.int64, ml_dtypes.bfloat16, np.float16]
-
-
-def best(fn, reps: int = 10) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def main() -> None:
@@ -40,9 +30,9 @@ def main() -> None:
         a = np.random.default_rng(0).random(count).astype(dt)
         b = np.random.default_rng(1).random(count).astype(dt)
         code = dtype_code(a.dtype)
-        t = best(lambda a=a, b=b, code=code: kernels.reduce_copy(
-            a.ctypes.data, a.ctypes.data, b.ctypes.data, a.size, code, 0))
-        tn = best(lambda a=a, b=b: np.add(a, b, out=a))
+        t = best_seconds(lambda a=a, b=b, code=code: kernels.reduce_copy(
+            a.ctypes.data, a.ctypes.data, b.ctypes.data, a.size, code, 0), 10)
+        tn = best_seconds(lambda a=a, b=b: np.add(a, b, out=a), 10)
         print(f"{np.dtype(dt).name:9s} {3 * a.nbytes / t / 1e9:13.1f} {3 * a.nbytes / tn / 1e9:11.1f}")
 
 

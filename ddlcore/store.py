@@ -23,6 +23,7 @@ from collections import defaultdict
 from typing import Any, Protocol
 
 from ddlcore.errors import RendezvousError
+from ddlcore.transports.sockets import recv_exact
 
 MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 64 << 20
@@ -52,16 +53,7 @@ class StoreUnreachableError(RendezvousError):
 def _recv_exact(sock: socket.socket, nbytes: int) -> bytearray | None:
     """Exactly ``nbytes`` from ``sock``; None on a clean EOF before the first byte."""
     buf = bytearray(nbytes)
-    view = memoryview(buf)
-    got = 0
-    while got < nbytes:
-        n = sock.recv_into(view[got:], nbytes - got, socket.MSG_WAITALL)
-        if n == 0:
-            if got == 0:
-                return None
-            raise ConnectionError(f"connection closed after {got} of {nbytes} bytes")
-        got += n
-    return buf
+    return buf if recv_exact(sock, memoryview(buf)) else None
 
 
 def _counter(raw: bytes | None) -> int:

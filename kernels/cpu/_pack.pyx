@@ -19,11 +19,12 @@ cdef _table(values, Py_ssize_t n, str name):
     return arr
 
 
-def pack(uintptr_t dst, srcs, nbytes):
-    """Concatenate the byte ranges (srcs[i], nbytes[i]) into dst; returns the total bytes."""
+cdef uint64_t _gather_scatter(uintptr_t flat, table, nbytes, str table_name, bint to_flat) except? 0:
+    """Copy between ``flat`` (contiguous) and the ranges of ``table``: into flat when ``to_flat``
+    (pack), out of it otherwise (unpack). One nogil loop; returns the total bytes."""
     cdef Py_ssize_t n = len(nbytes)
     sizes = _table(nbytes, n, "nbytes")
-    addrs = _table(srcs, n, "srcs")
+    addrs = _table(table, n, table_name)
     cdef const uint64_t[::1] s = sizes
     cdef const uint64_t[::1] a = addrs
     cdef Py_ssize_t i
@@ -31,23 +32,19 @@ def pack(uintptr_t dst, srcs, nbytes):
     with nogil:
         for i in range(n):
             if s[i]:
-                memcpy(<void *>(dst + off), <const void *><uintptr_t>a[i], <size_t>s[i])
+                if to_flat:
+                    memcpy(<void *>(flat + off), <const void *><uintptr_t>a[i], <size_t>s[i])
+                else:
+                    memcpy(<void *><uintptr_t>a[i], <const void *>(flat + off), <size_t>s[i])
             off += s[i]
     return off
+
+
+def pack(uintptr_t dst, srcs, nbytes):
+    """Concatenate the byte ranges (srcs[i], nbytes[i]) into dst; returns the total bytes."""
+    return _gather_scatter(dst, srcs, nbytes, "srcs", True)
 
 
 def unpack(uintptr_t src, dsts, nbytes):
     """Split src into the byte ranges (dsts[i], nbytes[i]); returns the total bytes."""
-    cdef Py_ssize_t n = len(nbytes)
-    sizes = _table(nbytes, n, "nbytes")
-    addrs = _table(dsts, n, "dsts")
-    cdef const uint64_t[::1] s = sizes
-    cdef const uint64_t[::1] a = addrs
-    cdef Py_ssize_t i
-    cdef uint64_t off = 0
-    with nogil:
-        for i in range(n):
-            if s[i]:
-                memcpy(<void *><uintptr_t>a[i], <const void *>(src + off), <size_t>s[i])
-            off += s[i]
-    return off
+    return _gather_scatter(src, dsts, nbytes, "dsts", False)
