@@ -14,6 +14,19 @@ from libc.string cimport memcpy, memmove
 cdef extern from "ddl_kernels.h" nogil:
     int ddl_reduce(void *dst, const void *a, const void *b, int64_t n, int dtype, int op)
     int ddl_divide(void *dst, int64_t n, int dtype, int64_t divisor)
+    int ddl_have_f16c()
+    int ddl_force_portable_f16
+
+
+def float16_path() -> str:
+    """Which float16 sum/prod loop runs: "f16c" (vectorised) or "portable"."""
+    return "f16c" if ddl_have_f16c() and not ddl_force_portable_f16 else "portable"
+
+
+def force_portable_float16(bint on):
+    """Use the portable float16 loops even where F16C exists (for tests comparing the two)."""
+    global ddl_force_portable_f16
+    ddl_force_portable_f16 = 1 if on else 0
 
 
 cdef inline void _check(int dtype, int op) except *:

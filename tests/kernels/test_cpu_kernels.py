@@ -42,6 +42,16 @@ def test_reduce_copy_matches_reference(dtype, op, n):
     assert same_bits(out, want)
 
 
+@pytest.mark.parametrize("op", OPS, ids=[o.name.lower() for o in OPS])
+@pytest.mark.parametrize("n", SIZES)
+def test_float16_portable_loop_matches_reference(op, n, float16_path):
+    """float16 has a vectorised (F16C) and a portable loop; each must match NumPy."""
+    a, b = rand(np.float16, n, 5), rand(np.float16, n, 6)
+    out = np.empty_like(a)
+    kernels.reduce_copy(out.ctypes.data, a.ctypes.data, b.ctypes.data, n, dtype_code(a.dtype), op)
+    assert same_bits(out, reference.reduce_ref([a, b], op))
+
+
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS, ids=[o.name.lower() for o in OPS])
 def test_reduce_into_and_aliasing(dtype, op):
@@ -73,8 +83,18 @@ def test_avg_of_ints_truncates_toward_zero():
     assert reference.avg_ref([np.array([-7, 7], np.int64), np.array([0, 0], np.int64)]).tolist() == [-3, 3]
 
 
+@pytest.fixture(params=["fast", "portable"])
+def float16_path(request):
+    """Run a test with the vectorised (F16C) float16 loops and again with the portable ones."""
+    from ddlcore.kernels.cpu import _reduce
+
+    _reduce.force_portable_float16(request.param == "portable")
+    yield request.param
+    _reduce.force_portable_float16(False)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
-def test_half_precision_rounding_edges(dtype):
+def test_half_precision_rounding_edges(dtype, float16_path):
     """All 65536 bit patterns as left operand, with operands that exercise ties, subnormals,
     overflow to inf, NaN and signed zero: equal to NumPy / ml_dtypes bit for bit, except that
     NaN payloads may be quieted and min/max of -0 and +0 may return either zero (NumPy's float16
