@@ -1,0 +1,60 @@
+"""Rendezvous end to end: torchrun's variables, a missing rank, DDL_DEBUG's per-collective log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests.harness import free_port, run_ranks
+
+
+def _torchrun_style(rank, size):
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        assert comm.source == "torchrun"
+        return comm.allreduce(np.array([rank + 1], np.int64)).tolist()
+
+
+def test_torchrun_variables():
+    port = free_port()
+    ddl_vars = {v: None for v in ("DDL_RANK", "DDL_SIZE", "DDL_LOCAL_RANK", "DDL_LOCAL_SIZE",
+                                  "DDL_MASTER_ADDR", "DDL_MASTER_PORT")}
+    per_rank = {r: {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(3)}
+    env = {**ddl_vars, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert run_ranks(_torchrun_style, 3, env=env, rank_envs=per_rank, timeout=60) == [[6]] * 3
+
+
+def _missing_rank(rank, size):
+    import ddlcore
+
+    try:
+        ddlcore.init(size=3, timeout=3.0)  # only two of three ranks exist
+    except ddlcore.RendezvousError as exc:
+        if rank == 0:
+            time.sleep(2)  # rank 0 serves the store: stay while rank 1 asks who is missing
+        return str(exc)
+    raise AssertionError("init succeeded with a rank missing")
+
+
+def test_missing_rank_is_reported_with_counts():
+    for message in run_ranks(_missing_rank, 2, timeout=60):
+        assert "2 of 3 ranks" in message and "missing ranks: [2]" in message, message
+
+
+def test_debug_logs_algorithm_and_chunking(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import numpy as np, ddlcore\n"
+                      "with ddlcore.init() as comm:\n"
+                      "    comm.allreduce(np.ones(1000, np.float32))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    env.update({"DDL_DEBUG": "1", "DDL_CHUNK_BYTES": "1K"})
+    res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "allreduce #0 (1000 x float32, sum) via ring, chunks of 1024 B" in res.stderr, res.stderr
+    assert "transports ['tcp']" in res.stderr
