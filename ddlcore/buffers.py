@@ -4,10 +4,10 @@ A descriptor is a pointer, a byte count, an element type, a memory kind (host or
 device id, plus the object that owns the memory (kept alive while we use it) and a way to build a
 result of the same kind. Layers below this one see descriptors only, never NumPy or a framework.
 
-Accepted today: NumPy arrays (including ml_dtypes bfloat16), objects exporting the buffer
-protocol, and host objects exporting DLPack (e.g. PyTorch CPU tensors). Device memory
-(``__cuda_array_interface__`` / DLPack on a GPU) enters through the same `as_buffer` with
-``memory="cuda"``; the GPU path adds its own intake branch here without touching the layers below.
+Accepted: NumPy arrays (including ml_dtypes bfloat16), objects exporting the buffer protocol,
+host objects exporting DLPack (e.g. PyTorch CPU tensors), and CUDA device memory through
+``__cuda_array_interface__`` (CuPy, Numba device arrays, PyTorch CUDA tensors; see ``device``).
+Results come back as the same kind of object on the same device.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ddlcore import device
 from ddlcore.kernels.dtypes import SUPPORTED_DTYPES, DType, dtype_code
 
 
@@ -80,6 +81,29 @@ def _from_numpy(arr: np.ndarray, argname: str, wrap: Callable[[np.ndarray], Any]
     )
 
 
+def _from_device(obj: Any, argname: str) -> BufferDesc:
+    try:
+        nb = device.numba_view(obj)
+    except ImportError:
+        raise TypeError(f"{argname} is a CUDA array; the GPU path needs numba-cuda "
+                        "(pip install 'ddlcore[cuda]')") from None
+    except Exception as exc:  # numba's CudaSupportError and friends: no driver, no device
+        raise TypeError(f"{argname} is a CUDA array but CUDA is not usable in this process: "
+                        f"{exc}") from None
+    dtype = np.dtype(nb.dtype)
+    code = dtype_code(dtype)
+    if code is None:
+        names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{argname} has dtype {dtype}, which ddlcore cannot reduce; supported: {names}")
+    if not nb.is_c_contiguous():
+        raise ValueError(f"{argname} is not C-contiguous; make a contiguous copy on the device")
+    shape = tuple(int(s) for s in nb.shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    return BufferDesc(ptr=device.pointer_of(obj), nbytes=count * dtype.itemsize, count=count,
+                      dtype=dtype, code=code, shape=shape, memory=MemoryKind.CUDA,
+                      device=device.device_of(obj), array=nb, wrap=device.result_wrapper(obj))
+
+
 def _torch_wrap(arr: np.ndarray) -> Any:
     import torch
 
@@ -98,9 +122,8 @@ def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
     """
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, argname, lambda a: a)
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise TypeError(f"{argname} is a CUDA device array; device buffers are not supported by "
-                        "this build yet (copy it to the host first)")
+    if device.is_device_array(obj):
+        return _from_device(obj, argname)
     if hasattr(obj, "__dlpack__"):
         module = type(obj).__module__.split(".")[0]
         try:
@@ -120,6 +143,13 @@ def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
 
 
 def empty_like(desc: BufferDesc, shape: tuple[int, ...] | None = None) -> BufferDesc:
-    """A new buffer of the same kind and dtype as ``desc`` (host: a NumPy array)."""
-    arr = np.empty(desc.shape if shape is None else shape, dtype=desc.dtype)
+    """A new buffer of the same kind, device and dtype as ``desc`` (host: a NumPy array)."""
+    shape = desc.shape if shape is None else shape
+    if desc.memory == MemoryKind.CUDA:
+        nb = device.empty(shape, desc.dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        return BufferDesc(ptr=device.pointer_of(nb), nbytes=count * desc.itemsize, count=count,
+                          dtype=desc.dtype, code=desc.code, shape=tuple(shape),
+                          memory=MemoryKind.CUDA, device=desc.device, array=nb, wrap=desc.wrap)
+    arr = np.empty(shape, dtype=desc.dtype)
     return _from_numpy(arr, "out", desc.wrap)

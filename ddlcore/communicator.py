@@ -23,7 +23,7 @@ import numpy as np
 
 from ddlcore import config, engine, topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule
-from ddlcore.buffers import BufferDesc, as_buffer, empty_like
+from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
 from ddlcore.handles import Executor, Handle
 from ddlcore.links import Links, local_transports
@@ -104,6 +104,7 @@ class Communicator:
         self._depth = config.get("DDL_PIPELINE_DEPTH", environ)
         self._debug = config.get("DDL_DEBUG", environ)
         self._staging = engine.StagingPool()
+        self._staging_device: Any = None
         self._scratch = np.empty(0, np.uint8)
         self._executor = Executor(f"ddlcore-rank{self.rank}")
         self._broken: str | None = None
@@ -134,6 +135,10 @@ class Communicator:
             desc = empty_like(x, shape)
             return desc, desc.wrap(desc.array)
         desc = as_buffer(out, "out")
+        if (desc.memory, desc.device) != (x.memory, x.device):
+            raise ValueError(f"out is in {desc.memory.value} memory (device {desc.device}) but x is "
+                             f"in {x.memory.value} memory (device {x.device}); pass both on the "
+                             "same device")
         if desc.dtype != x.dtype:
             raise TypeError(f"out has dtype {desc.dtype} but x has {x.dtype}")
         expected = int(np.prod(shape, dtype=np.int64))
@@ -218,9 +223,10 @@ class Communicator:
                           self.rank, label, sched.algorithm, choice.chunk_bytes, len(sched.steps),
                           sched.messages())
             empty = engine.Region(0, memoryview(b""))
+            host_in, host_out = self._host_arrays(call)
             buffers = {
-                Buf.INPUT: engine.Region.of(call.inp.array) if call.inp is not None else empty,
-                Buf.OUTPUT: engine.Region.of(call.out.array) if call.out is not None else empty,
+                Buf.INPUT: engine.Region.of(host_in) if host_in is not None else empty,
+                Buf.OUTPUT: engine.Region.of(host_out) if host_out is not None else empty,
             }
             if sched.scratch_count:
                 buffers[Buf.SCRATCH] = self._scratch_region(sched.scratch_count * itemsize)
@@ -228,10 +234,32 @@ class Communicator:
                                      int(call.inp.code) if call.inp is not None else 0,
                                      call.op, label)
             engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
+            if call.out is not None and call.out.memory == MemoryKind.CUDA:
+                self._device_staging().upload(host_out, call.out.array)
         except DDLError as exc:
             self._broken = str(exc)
             raise
         return call.result
+
+    def _device_staging(self) -> Any:
+        if self._staging_device is None:
+            from ddlcore.device import DeviceStaging
+
+            self._staging_device = DeviceStaging()
+        return self._staging_device
+
+    def _host_arrays(self, call: _Call) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The host memory the engine works on: the buffers themselves, or pinned copies of
+        device buffers (downloaded input; output uploaded after the schedule ran)."""
+        if call.inp is None or call.out is None:
+            return None, None
+        if call.inp.memory != MemoryKind.CUDA:
+            return call.inp.array, call.out.array
+        stage = self._device_staging()
+        host_in = stage.download(call.inp.array, "in", call.inp.dtype, call.inp.count)
+        if call.out.ptr == call.inp.ptr and call.out.count == call.inp.count:
+            return host_in, host_in  # in place (and broadcast)
+        return host_in, stage.host("out", call.out.nbytes).view(call.out.dtype)
 
     def _check_agreement(self, call: _Call, seq: int, label: str) -> None:
         """DDL_DEBUG: allgather every rank's (kind, dtype, op, count, root) and compare."""

@@ -131,7 +131,7 @@ class LocalJob:
                                     stdout=subprocess.PIPE if prefix else None,
                                     stderr=subprocess.PIPE if prefix else None)
             self.procs.append(proc)
-            if prefix:
+            if proc.stdout is not None and proc.stderr is not None:  # prefixing
                 self.pumps.append(_Output(proc.stdout, sys.stdout, f"[{rank}] "))
                 self.pumps.append(_Output(proc.stderr, sys.stderr, f"[{rank}] "))
 

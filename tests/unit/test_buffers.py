@@ -62,9 +62,14 @@ def test_torch_tensors_round_trip():
     assert isinstance(out.wrap(out.array), torch.Tensor)
 
 
-def test_cuda_arrays_get_a_clear_message():
-    class FakeDeviceArray:  # only the interface matters for this check
-        __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (0, False), "version": 3}
+def test_cuda_array_without_a_usable_gpu_gets_a_clear_message():
+    class DeviceArray:  # what CuPy or PyTorch would hand us, on a machine with no GPU
+        __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (1 << 20, False),
+                                    "version": 3, "strides": None}
 
-    with pytest.raises(TypeError, match="device"):
-        as_buffer(FakeDeviceArray())
+    import ddlcore.device
+
+    if ddlcore.device.cuda_usable():
+        pytest.skip("a GPU is present: this checks the message on machines without one")
+    with pytest.raises(TypeError, match="grads is a CUDA array"):
+        as_buffer(DeviceArray(), "grads")

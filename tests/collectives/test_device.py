@@ -1,0 +1,67 @@
+"""Device arrays through the public API, on Numba's CUDA simulator (no GPU needed): every
+collective, results of the same kind, in place and async, and mixing host and device refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.harness import require, run_ranks
+
+SIM = {"NUMBA_ENABLE_CUDASIM": "1"}
+DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
+COUNTS = [0, 1, 7, 1001]
+
+
+def _numba_cuda_installed() -> bool:
+    try:
+        import numba.cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _device_collectives(rank, size):
+    from ddlcore.kernels import reference
+    from numba import cuda
+
+    import ddlcore
+    from tests.collectives.matrix import check_close, random_input
+
+    with ddlcore.init() as comm:
+        for dtype in DTYPES:
+            for count in COUNTS:
+                for op in ("sum", "avg", "max"):
+                    xs = [random_input(dtype, count, r, 7, op) for r in range(size)]
+                    d = cuda.to_device(xs[rank])
+                    got = comm.allreduce(d, op=op)
+                    assert type(got) is type(d), type(got)
+                    check_close(got.copy_to_host(), reference.reduce_ref(xs, op), dtype, op, size,
+                                f"allreduce {np.dtype(dtype)} {op} {count}")
+                    comm.allreduce(d, op=op, out=d)  # in place on the device
+                    check_close(d.copy_to_host(), reference.reduce_ref(xs, op), dtype, op, size,
+                                "in place")
+                xs = [random_input(dtype, count * size, r, 8, "sum") for r in range(size)]
+                rs = comm.reduce_scatter(cuda.to_device(xs[rank]))
+                check_close(rs.copy_to_host(), reference.reduce_ref(xs, "sum")[rank * count:(rank + 1) * count],
+                            dtype, "sum", size, "reduce_scatter")
+                ag = comm.allgather(cuda.to_device(xs[rank][:count]))
+                np.testing.assert_array_equal(ag.copy_to_host(), np.concatenate([x[:count] for x in xs]))
+                b = cuda.to_device(xs[rank][:count])
+                assert comm.broadcast(b, root=size - 1) is b
+                np.testing.assert_array_equal(b.copy_to_host(), xs[size - 1][:count])
+        h = comm.allreduce_async(cuda.to_device(np.full(5, rank + 1, np.float32)), op="sum")
+        np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
+        try:
+            comm.allreduce(cuda.to_device(np.ones(3, np.float32)), out=np.ones(3, np.float32))
+        except ValueError as exc:
+            assert "same device" in str(exc)
+        else:
+            raise AssertionError("mixing host and device memory was accepted")
+    return True
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_device_arrays_on_the_simulator(nprocs):
+    require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+    run_ranks(_device_collectives, nprocs, env=SIM, timeout=240)
