@@ -112,6 +112,28 @@ class Case:
         return max(self.x.nbytes, self.out.nbytes)
 
 
+def _device_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+    """The same collectives on CUDA device arrays (Numba), copied from the host case."""
+    from numba import cuda
+
+    c = case.collective
+    x = cuda.to_device(case.x)
+    out = x if in_place and c in ("allreduce", "broadcast") else cuda.to_device(case.out)
+
+    def run() -> None:
+        if in_place or c == "broadcast":
+            out.copy_to_device(case.x)  # reset: in place overwrites the input
+        if c == "allreduce":
+            comm.allreduce(out if in_place else x, op=case.op, out=out)
+        elif c == "reduce_scatter":
+            comm.reduce_scatter(x, op=case.op, out=out)
+        elif c == "allgather":
+            comm.allgather(x, out=out)
+        else:
+            comm.broadcast(out, root=case.root)
+    return run, lambda: out.copy_to_host()
+
+
 def _ddl_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
     c = case.collective
     if c == "allreduce":
@@ -260,6 +282,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         print(f"# ddl-bench: {args.collective}, {n} ranks on {comm.nhosts} host(s), "
               f"transport {sorted(set(comm.transports.values())) or ['none']}, algorithm "
               f"{choice.algorithm}, chunk {choice.chunk_bytes} B, dtype {dtype}, op {args.op}, "
+              f"{args.memory} memory, "
               f"warmup {args.warmup}, iters {args.iters}")
         peer_head = "".join(f" {p.name + ':busbw':>11s} {'ratio':>6s}" for p in peers)
         print("#" + " " * 54 + "out-of-place" + " " * 23 + "in-place")
@@ -274,7 +297,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         iters = max(1, args.iters)
         results = []
         for in_place in (False, True):
-            op, got = _ddl_ops(comm, case, in_place)
+            op, got = (_device_ops if args.memory == "cuda" else _ddl_ops)(comm, case, in_place)
             t = _time(comm, op, args.warmup, iters)
             wrong = 0
             if args.check:
@@ -373,6 +396,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", choices=("sum", "prod", "min", "max", "avg"), default="sum")
     p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float")
     p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("--memory", choices=("host", "cuda"), default="host",
+                   help="where the buffers live (cuda: Numba device arrays, needs numba-cuda)")
     p.add_argument("--transport", default=None, help="like DDL_TRANSPORT")
     p.add_argument("--algo", default=None, help="like DDL_ALGO")
     p.add_argument("--compare", default="", help="peers to run in the same job: mpi,gloo")

@@ -65,3 +65,53 @@ def _device_collectives(rank, size):
 def test_device_arrays_on_the_simulator(nprocs):
     require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
     run_ranks(_device_collectives, nprocs, env=SIM, timeout=240)
+
+
+def _gpu_present() -> bool:
+    if not _numba_cuda_installed():
+        return False
+    from ddlcore.device import cuda_usable
+
+    return cuda_usable()
+
+
+def _frameworks(rank, size):
+    """Real GPU: CuPy arrays and PyTorch CUDA tensors come back as themselves, on their device."""
+    import ddlcore
+
+    seen = []
+    with ddlcore.init() as comm:
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is not None:
+            x = cupy.full(1001, rank + 1, dtype=cupy.float32)
+            y = comm.allreduce(x)
+            assert isinstance(y, cupy.ndarray)
+            assert float(y[0]) == size * (size + 1) / 2
+            seen.append("cupy")
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and torch.cuda.is_available():
+            t = torch.full((4, 3), float(rank + 1), device="cuda")
+            t.mul_(2)  # queued on the current stream: the collective must see it
+            y = comm.allreduce(t, op="avg")
+            assert isinstance(y, torch.Tensor) and y.is_cuda and y.shape == t.shape
+            assert torch.allclose(y, torch.full_like(t, float(size + 1)))
+            comm.allreduce(t, out=t)
+            assert torch.allclose(t, torch.full_like(t, float(size * (size + 1))))
+            seen.append("torch")
+    return seen
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_device_arrays_on_a_gpu(nprocs):
+    # Checked here, not at import: rank processes import this module before they set
+    # NUMBA_ENABLE_CUDASIM, and numba must not be imported before that.
+    if not _gpu_present():
+        pytest.skip("needs a real GPU (the simulator test covers CI)")
+    run_ranks(_device_collectives, nprocs, timeout=300)
+    print(run_ranks(_frameworks, nprocs, timeout=300))

@@ -74,3 +74,15 @@ def test_bench_beside_mpi_and_gloo_under_mpiexec():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "mpi:busbw" in res.stdout and "gloo:busbw" in res.stdout
     assert "Avg bus bandwidth mpi" in res.stdout and "Avg bus bandwidth gloo" in res.stdout
+
+
+def test_bench_on_device_memory_with_the_simulator():
+    try:
+        import numba.cuda  # noqa: F401
+    except ImportError:
+        require(False, "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", sys.executable, "-m",
+                "ddlcore.bench", "-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
+                "--memory", "cuda"], env={"NUMBA_ENABLE_CUDASIM": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "cuda memory" in res.stdout and "Out of bounds values : 0 OK" in res.stdout
