@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -87,8 +92,14 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,
               env: Mapping[str, str | None] | None = None,
               rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
-              may_die: Iterable[int] = ()) -> list[Any]:
-    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; see the module doc."""
+              may_die: Iterable[int] = (), launcher: str = "spawn") -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; see the module doc.
+
+    ``launcher="mpiexec"`` starts the ranks with mpiexec instead (for the MPI transport); a rank
+    dying then ends the whole job, as MPI launchers do, so ``may_die`` does not apply.
+    """
+    if launcher == "mpiexec":
+        return _run_mpiexec(fn, nprocs, args, timeout, env, rank_envs)
     ctx = mp.get_context("spawn")
     port = free_port()
     allowed_dead = set(may_die)
@@ -157,3 +168,49 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {nprocs} ranks failed:\n{story}")
     return [results.get(r) for r in range(nprocs)]
+
+
+def mpiexec_path() -> str | None:
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.access(local, os.X_OK) else shutil.which("mpiexec")
+
+
+def _run_mpiexec(fn: Callable[..., Any], nprocs: int, args: tuple, timeout: float,
+                 env: Mapping[str, str | None] | None,
+                 rank_envs: Mapping[int, Mapping[str, str | None]] | None) -> list[Any]:
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        raise RankFailure("mpiexec is not installed (pip install 'ddlcore[mpi]')")
+    port = free_port()
+    job_env = {k: v for k, v in rank_env(0, nprocs, port, env).items()
+               if k not in ("DDL_RANK", "DDL_LOCAL_RANK")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="ddl-mpi-") as jobdir:
+        with open(os.path.join(jobdir, "job.pkl"), "wb") as f:
+            pickle.dump((fn, args, job_env, {r: dict(e) for r, e in (rank_envs or {}).items()}), f)
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+        try:
+            proc = subprocess.run([mpiexec, "-n", str(nprocs), sys.executable, "-m",
+                                   "tests.mpi_child", jobdir], cwd=root, env=child_env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RankFailure(f"mpiexec job still running after {timeout:.0f} s:\n"
+                              f"{exc.stdout or ''}{exc.stderr or ''}") from None
+        results, errors = [], {}
+        for rank in range(nprocs):
+            path = os.path.join(jobdir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                errors[rank] = f"no result (mpiexec exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, payload = pickle.load(f)  # our own child's file, not the network
+            if status == "ok":
+                results.append(payload)
+            else:
+                errors[rank] = payload
+                results.append(None)
+    if errors:
+        story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankFailure(f"{len(errors)} of {nprocs} ranks failed under mpiexec:\n{story}")
+    return results

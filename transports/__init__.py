@@ -20,6 +20,7 @@ GROUP = "ddlcore.transports"
 # Fallback when the package metadata (entry points) is not installed, e.g. a bare source tree.
 IN_TREE = {
     "tcp": "ddlcore.transports.tcp:TcpTransport",
+    "mpi": "ddlcore.transports.mpi:MpiTransport",
 }
 
 # Order in which "auto" tries network transports (DDL_TRANSPORT=auto:... overrides it).

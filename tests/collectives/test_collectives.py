@@ -7,16 +7,32 @@ import numpy as np
 import pytest
 
 from tests.collectives import matrix
-from tests.harness import run_ranks
+from tests.harness import mpiexec_path, require, run_ranks
 
 COLLECTIVES = ["allreduce", "reduce_scatter", "allgather", "broadcast"]
 SMALL_CHUNKS = {"DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60"}
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def _mpi_ready() -> None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        require(False, "mpi4py is not installed (pip install 'ddlcore[mpi]')")
+    require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
+
+
+# One rank has no pair to carry, so MPI starts at two.
+WORLDS = [("tcp", n) for n in (1, 2, 3, 4)] + [("mpi", n) for n in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("transport,nprocs", WORLDS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
-def test_matrix(collective, nprocs):
-    results = run_ranks(matrix.run_matrix, nprocs, collective, env=SMALL_CHUNKS, timeout=240)
+def test_matrix(collective, nprocs, transport):
+    env = {**SMALL_CHUNKS, "DDL_TRANSPORT": transport}
+    if transport == "mpi":
+        _mpi_ready()
+    results = run_ranks(matrix.run_matrix, nprocs, collective, env=env, timeout=240,
+                        launcher="mpiexec" if transport == "mpi" else "spawn")
     assert len(results[0]) > 50
     if collective == "reduce_scatter":
         return  # each rank holds a different block; the matrix checked each against the oracle

@@ -43,6 +43,7 @@ from ddlcore.store import PrefixStore, StoreClient, StoreServer
 # test_conformance.TRANSPORTS; classes are imported lazily so a missing optional one only skips.
 TRANSPORT_CLASSES = {
     "tcp": "ddlcore.transports.tcp:TcpTransport",
+    "mpi": "ddlcore.transports.mpi:MpiTransport",
 }
 
 TIMEOUT_S = 5.0  # every wait in these checks; a failing check fails in seconds, never hangs

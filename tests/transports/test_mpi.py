@@ -1,0 +1,65 @@
+"""The conformance checks that apply to the MPI transport, with ranks started by mpiexec.
+
+Left out, by MPI's nature:
+* check words (MPI messages have no room for one; size mismatches are still caught, and
+  DDL_DEBUG's agreement check covers the rest);
+* arbitrary 64-bit tags (``interleaved_tags``): MPI tags are 29 bits, so ours are folded, which is
+  exact for the engine's (sequence, slot) tags but not for any two u64 values;
+* sends completing before the receiver posts (``ordering_same_tag`` waits for 600 sends before
+  receiving): above its eager limit MPI completes a send only once the receive is posted;
+* a killed peer: the MPI launcher ends the whole job when a rank dies;
+* TCP's channels and sockets.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import mpiexec_path, require, run_ranks
+from tests.transports import conformance as conf
+
+TIMEOUT_S = 90.0
+
+
+def _mpi(fn, nprocs, *args, **kw):
+    return run_ranks(fn, nprocs, "mpi", *args, launcher="mpiexec", timeout=TIMEOUT_S, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _needs_mpi():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        require(False, "mpi4py is not installed (pip install 'ddlcore[mpi]')")
+    require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
+
+
+@pytest.mark.parametrize("check", [conf.many_outstanding, conf.zero_bytes, conf.both_directions,
+                                   conf.bad_arguments],
+                         ids=lambda f: f.__name__)
+def test_two_rank_checks(check):
+    _mpi(check, 2)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_all_pairs_exchange(nprocs):
+    _mpi(conf.all_pairs, nprocs)
+
+
+def test_sends_do_not_wait_for_the_receiver():
+    _mpi(conf.sends_do_not_wait_for_the_receiver, 3)
+
+
+def test_256_mb_message():
+    nbytes = 256 << 20
+    (_, crc0), (elapsed, crc1) = _mpi(conf.large_message, 2, nbytes)
+    assert crc0 == crc1
+    print(f"mpi: 256 MB in {elapsed * 1e3:.0f} ms = {nbytes / elapsed / 1e9:.2f} GB/s")
+
+
+def test_abort_reaches_the_peer_with_class_and_reason():
+    _, seen = _mpi(conf.abort_propagation, 2)
+    assert [name for name, _, _ in seen] == [cls.__name__ for cls in conf.ABORT_CODES.values()]
+    for (_, message, elapsed), code in zip(seen, conf.ABORT_CODES, strict=True):
+        assert message.startswith(f"rank 0 aborted: collective #{code} went wrong"), message
+        assert elapsed < 2.0, elapsed

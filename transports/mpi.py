@@ -1,0 +1,278 @@
+"""MPI transport (mpi4py): tag-matched non-blocking messages through MPI_Isend / MPI_Irecv.
+
+Available when the job was started by an MPI launcher (``mpiexec`` from the mpich wheel, Open
+MPI's, srun with PMI) and mpi4py imports. Errors are returned, never fatal: the transport's
+communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError` naming the peer.
+
+* Two duplicates of ``MPI_COMM_WORLD``: one for data, one for control (abort notices), so no tag
+  of ours can collide with another library's, or data with control.
+* ddlcore ranks are mapped to MPI ranks through the store (normally the identity).
+* Our 64-bit tags (sequence number << 32 | slot) are folded into MPI's tag space (2^29 values
+  with MPICH, ``MPI_TAG_UB`` in general): the low bits of the sequence number above the low 20
+  bits of the slot. MPI keeps messages with equal (source, tag, communicator) in order, ranks are
+  never hundreds of collectives apart, and a collective has far fewer than 2^20 chunks per pair,
+  so two messages in flight never share a folded tag.
+* Sends above MPI's eager limit complete only once the receiver has posted its receive (MPI's
+  rendezvous protocol); the engine never waits on such a send before posting its own receives.
+* MPI messages carry no check word: size mismatches are caught (a short message by its count,
+  a long one by MPI's truncation error); DDL_DEBUG's agreement check catches the rest.
+* Waits poll ``MPI_Test`` with a deadline (MPI_Wait has none), so no wait can hang.
+* Device buffers: host staging above this layer today; CUDA-aware MPI is detected by
+  `cuda_aware()` for the GPU engine to use.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ddlcore.transports.base import (
+    ABORT_MISMATCH,
+    ABORT_TIMEOUT,
+    MAX_ABORT_REASON_BYTES,
+    Context,
+    Pair,
+    PeerInfo,
+    Request,
+    Store,
+    Transport,
+)
+
+from ddlcore import config
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+)
+
+_SLOT_BITS = 20
+_LAUNCHER_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_ERROR_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
+_ABORT_TAG = 1
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def cuda_aware() -> bool:
+    """Whether the MPI library reports CUDA support (MPIX_Query_cuda_support where it exists)."""
+    try:
+        query = getattr(_mpi(), "Query_cuda_support", None)
+        return bool(query()) if query is not None else False
+    except Exception:
+        return False
+
+
+class MpiRequest(Request):
+    __slots__ = ("_req", "_pair", "tag", "nbytes", "is_send", "_done", "_status")
+
+    def __init__(self, req: Any, pair: MpiPair, tag: int, nbytes: int, is_send: bool) -> None:
+        self._req, self._pair, self.tag, self.nbytes, self.is_send = req, pair, tag, nbytes, is_send
+        self._done = False
+        self._status = _mpi().Status()
+
+    def _poll(self) -> bool:
+        if self._done:
+            return True
+        if self._req is None:  # made after the context failed
+            raise self._pair.context.failure or PeerFailureError("MPI context failed")
+        MPI = _mpi()
+        try:
+            finished = self._req.Test(self._status)
+        except MPI.Exception as exc:
+            raise self._pair._error(exc, self) from None
+        if finished:
+            self._done = True
+            if not self.is_send:
+                got = self._status.Get_count(MPI.BYTE)
+                if got != self.nbytes:
+                    p = self._pair
+                    raise CollectiveMismatchError(
+                        f"rank {p.peer} sent {got} bytes for tag {self.tag:#x}, rank {p.rank} "
+                        f"expected {self.nbytes}: the ranks are calling different collectives, "
+                        "or the same one with a different size")
+        return finished
+
+    def test(self) -> bool:
+        self._pair.context.check_aborts()
+        return self._poll()
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.0
+        while not self.test():
+            if deadline is not None and time.monotonic() >= deadline:
+                what = "send of" if self.is_send else "a message of"
+                p = self._pair
+                raise DDLTimeoutError(
+                    f"rank {p.rank} waited {timeout:.1f} s for {what} {self.nbytes} bytes with tag "
+                    f"{self.tag:#x} {'to' if self.is_send else 'from'} rank {p.peer} (MPI)")
+            # Spin briefly (latency), then back off so the other ranks on this host get the CPU.
+            if pause:
+                time.sleep(pause)
+            pause = min(max(pause * 2, 2e-6), 1e-3)
+
+
+class MpiPair(Pair):
+    def __init__(self, context: MpiContext, peer: int, mpi_peer: int) -> None:
+        self.context, self.rank, self.peer, self.mpi_peer = context, context.rank, peer, mpi_peer
+
+    def _mpi_tag(self, tag: int, check: int) -> int:
+        if not (0 <= tag < 1 << 64 and 0 <= check < 1 << 32):
+            raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
+        slot, seq = tag & 0xFFFFFFFF, tag >> 32
+        return (((seq << _SLOT_BITS) | (slot & ((1 << _SLOT_BITS) - 1)))
+                % (self.context.tag_ub + 1))
+
+    def _error(self, exc: Any, req: MpiRequest | None = None) -> DDLError:
+        text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
+        if "truncat" in text.lower() and req is not None:
+            return CollectiveMismatchError(
+                f"rank {self.peer} sent more than the {req.nbytes} bytes rank {self.rank} expected "
+                f"for tag {req.tag:#x} (MPI: {text})")
+        return PeerFailureError(f"MPI error talking to rank {self.peer}: {text}", self.peer)
+
+    def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        mpi_tag = self._mpi_tag(tag, check)
+        if self.context.failure is not None:  # after an abort: fail at wait(), like any request
+            return MpiRequest(None, self, tag, len(view), True)
+        try:
+            req = self.context.data.Isend([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
+        except _mpi().Exception as exc:
+            raise self._error(exc) from None
+        return MpiRequest(req, self, tag, len(view), True)
+
+    def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if view.readonly and view.nbytes:
+            raise ValueError("view must be writable to receive into it")
+        mpi_tag = self._mpi_tag(tag, check)
+        if self.context.failure is not None:
+            return MpiRequest(None, self, tag, len(view), False)
+        try:
+            req = self.context.data.Irecv([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
+        except _mpi().Exception as exc:
+            raise self._error(exc) from None
+        return MpiRequest(req, self, tag, len(view), False)
+
+    def abort(self, code: int, reason: str) -> None:
+        self.context.notify_abort(self.mpi_peer, code, reason)
+
+    def close(self) -> None:
+        pass  # MPI owns the connection; the context frees the communicators
+
+
+class MpiContext(Context):
+    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+        MPI = _mpi()
+        self.rank, self.size = rank, size
+        world = MPI.COMM_WORLD
+        if world.Get_size() != size:
+            raise DDLError(f"rank {rank}: MPI_COMM_WORLD has {world.Get_size()} ranks but the job "
+                           f"has {size}; start every rank with one mpiexec")
+        self.data = world.Dup()
+        self.ctrl = world.Dup()
+        for comm in (self.data, self.ctrl):
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.tag_ub = int(world.Get_attr(MPI.TAG_UB))
+        store.set(f"mpi/rank/{rank}", str(world.Get_rank()).encode())
+        self._mpi_rank = [int(store.get(f"mpi/rank/{r}", timeout)) for r in range(size)]
+        self._pairs: dict[int, MpiPair] = {}
+        self.failure: DDLError | None = None
+        self._abort_buf = bytearray(8 + MAX_ABORT_REASON_BYTES)
+        self._abort_status = MPI.Status()
+        self._abort_req = self.ctrl.Irecv([self._abort_buf, MPI.BYTE], MPI.ANY_SOURCE, _ABORT_TAG)
+        self._sent_aborts: list[Any] = []
+        self._closed = False
+        self._ranks_of = {m: r for r, m in enumerate(self._mpi_rank)}
+
+    def pair(self, peer: int) -> Pair:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"rank {self.rank} has no pair to rank {peer} (size {self.size})")
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: the MPI context is closed")
+        found = self._pairs.get(peer)
+        if found is None:
+            found = self._pairs[peer] = MpiPair(self, peer, self._mpi_rank[peer])
+        return found
+
+    def check_aborts(self) -> None:
+        """Raise the abort a peer sent us, if one arrived."""
+        if self.failure is not None:
+            raise self.failure
+        if self._abort_req is None or not self._abort_req.Test(self._abort_status):
+            return
+        self._abort_req = None
+        code = int.from_bytes(self._abort_buf[:4], "little")
+        length = int.from_bytes(self._abort_buf[4:8], "little")
+        reason = bytes(self._abort_buf[8:8 + min(length, MAX_ABORT_REASON_BYTES)]).decode(
+            "utf-8", "replace")
+        peer = self._ranks_of.get(self._abort_status.Get_source(), -1)
+        text = f"rank {peer} aborted: {reason}"
+        cls = _ERROR_CLASS.get(code)
+        self.failure = cls(text) if cls is not None else PeerFailureError(text, peer)
+        raise self.failure
+
+    def notify_abort(self, mpi_peer: int, code: int, reason: str) -> None:
+        raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
+        msg = code.to_bytes(4, "little") + len(raw).to_bytes(4, "little") + raw
+        try:
+            self._sent_aborts.append((self.ctrl.Isend([msg, _mpi().BYTE], mpi_peer, _ABORT_TAG), msg))
+        except Exception:  # best effort: we are failing already
+            pass
+
+    def abort(self, code: int, reason: str) -> None:
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.notify_abort(self._mpi_rank[peer], code, reason)
+        if self.failure is None:
+            text = f"rank {self.rank} aborted: {reason}"
+            cls = _ERROR_CLASS.get(code)
+            self.failure = cls(text) if cls is not None else PeerFailureError(text)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + 2.0
+        for req, _ in self._sent_aborts:  # let abort notices leave before freeing
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(1e-3)
+        if self._abort_req is not None:
+            try:
+                self._abort_req.Cancel()
+                self._abort_req.Wait()
+            except Exception:
+                pass
+        for comm in (self.data, self.ctrl):
+            try:
+                comm.Free()
+            except Exception:
+                pass
+
+
+class MpiTransport(Transport):
+    name = "mpi"
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        if not any(config.is_set(v) for v in _LAUNCHER_VARS):
+            return False, ("not launched by an MPI launcher (no PMI_RANK / OMPI_COMM_WORLD_RANK / "
+                           "SLURM_PROCID); start the job with mpiexec")
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError:
+            return False, "mpi4py is not installed (pip install 'ddlcore[mpi]')"
+        return True, ""
+
+    def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
+        return True
+
+    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+        return MpiContext(rank, size, store, timeout)
