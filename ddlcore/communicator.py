@@ -222,7 +222,7 @@ class Communicator:
                 log.debug("rank %d: %s via %s, chunks of %d B, %d steps, %d messages out",
                           self.rank, label, sched.algorithm, choice.chunk_bytes, len(sched.steps),
                           sched.messages())
-            empty = engine.Region(0, memoryview(b""))
+            empty = engine.Region(0, memoryview(bytearray()))
             host_in, host_out = self._host_arrays(call)
             buffers = {
                 Buf.INPUT: engine.Region.of(host_in) if host_in is not None else empty,

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import mpiexec_path, require, run_ranks
 
 
 def _out_and_shapes(rank, size):
@@ -97,6 +97,17 @@ def test_out_in_place_and_shapes(nprocs):
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_async_handles(nprocs):
     run_ranks(_async, nprocs, timeout=60)
+
+
+@pytest.mark.parametrize("body", [_out_and_shapes, _async], ids=["shapes", "async"])
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_api_over_mpi(body, nprocs):
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        require(False, "mpi4py is not installed (pip install 'ddlcore[mpi]')")
+    require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
+    run_ranks(body, nprocs, timeout=90, launcher="mpiexec", env={"DDL_TRANSPORT": "mpi"})
 
 
 def test_torch_cpu_tensors():

@@ -129,10 +129,13 @@ def test_hosts_mode_hands_off_to_mpiexec():
 def _allreduce_script(tmp_path: pathlib.Path) -> pathlib.Path:
     script = tmp_path / "job.py"
     script.write_text(
+        "import sys\n"
         "import numpy as np, ddlcore\n"
         "with ddlcore.init() as comm:\n"
         "    y = comm.allreduce(np.full(10, comm.rank + 1.0))\n"
-        "    print('sum', y[0], comm.rank, comm.size, comm.local_rank)\n")
+        "    line = f'sum {y[0]} {comm.rank} {comm.size} {comm.local_rank}\\n'\n"
+        "    sys.stdout.write(line)  # one write: mpiexec may interleave a line's pieces\n"
+        "    sys.stdout.flush()\n")
     return script
 
 
