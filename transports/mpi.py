@@ -103,7 +103,8 @@ class MpiRequest(Request):
         return self._poll()
 
     def wait(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         pause = 0.0
         while not self.test():
             if deadline is not None and time.monotonic() >= deadline:
@@ -112,10 +113,11 @@ class MpiRequest(Request):
                 raise DDLTimeoutError(
                     f"rank {p.rank} waited {timeout:.1f} s for {what} {self.nbytes} bytes with tag "
                     f"{self.tag:#x} {'to' if self.is_send else 'from'} rank {p.peer} (MPI)")
-            # Spin briefly (latency), then back off so the other ranks on this host get the CPU.
-            if pause:
+            # Spin for the first 100 µs (small messages arrive within it), then back off up to
+            # 1 ms so the other ranks on this host get the CPU during long waits.
+            if time.monotonic() - start > 1e-4:
                 time.sleep(pause)
-            pause = min(max(pause * 2, 2e-6), 1e-3)
+                pause = min(max(pause * 2, 1e-5), 1e-3)
 
 
 class MpiPair(Pair):
