@@ -48,6 +48,12 @@ def info(argv: list[str]) -> int:
     for name in _OPTIONAL:
         print(f"  {name:12s} {_version(name)}")
     print(f"kernels:\n  cpu          {_kernels()}")
+    try:
+        import ddlcore.kernels.cuda as kcuda
+
+        print(f"  cuda         {kcuda.describe()}")
+    except ImportError as exc:
+        print(f"  cuda         not available ({exc})")
     print("transports:")
     for name, (ok, why) in transports.available().items():
         print(f"  {name:12s} {'available' if ok else 'unavailable: ' + why}")
