@@ -39,7 +39,9 @@ def main() -> None:
         return best
 
     nbytes = args.mib << 20
-    print(f"# {cuda.get_current_device().name.decode()}: {args.mib} MiB buffers, best of {args.reps}")
+    name = cuda.get_current_device().name
+    name = name.decode() if isinstance(name, bytes) else name
+    print(f"# {name}: {args.mib} MiB buffers, best of {args.reps}")
     src = cuda.device_array(nbytes, np.uint8)
     dst = cuda.device_array(nbytes, np.uint8)
     copy_ms = best_ms(lambda: dst.copy_to_device(src))
