@@ -1,4 +1,5 @@
-"""Build only the Cython CPU kernels; everything else is declared in pyproject.toml."""
+"""Build only the Cython extensions (CPU kernels, the shm transport's native half); everything
+else is declared in pyproject.toml."""
 
 import numpy
 from Cython.Build import cythonize
@@ -17,6 +18,12 @@ extensions = [
         "ddlcore.kernels.cpu._pack",
         ["kernels/cpu/_pack.pyx"],
         include_dirs=["kernels/cpu", numpy.get_include()],
+        extra_compile_args=COMPILE_ARGS,
+    ),
+    Extension(
+        "ddlcore.transports._shm",
+        ["transports/_shm.pyx"],
+        include_dirs=["transports"],
         extra_compile_args=COMPILE_ARGS,
     ),
 ]

@@ -1,12 +1,15 @@
 """Point-to-point latency and bandwidth of a transport, next to the same ping-pong over raw sockets.
 
-    python benchmarks/p2p.py [--transport tcp] [--min 1] [--max 256M] [--nchannels 1]
+    python benchmarks/p2p.py [--transport shm,tcp] [--min 1] [--max 256M] [--nchannels 1]
+    mpiexec -n 2 python benchmarks/p2p.py --transport shm,tcp,mpi    # adds an mpi4py column
 
-Two spawned ranks on this host play ping-pong: rank 0 sends ``n`` bytes, rank 1 sends them back.
-Latency is half the round trip (median over the iterations), bandwidth is ``n`` over that. The
-raw column is the same ping-pong over one plain TCP socket (``sendall`` / ``recv_into``, one
-thread, no tags, no queues): the bound a Python transport over the same kernel path can approach.
-Receive buffers are touched before timing, so page faults of fresh memory are not counted.
+Two ranks on this host play ping-pong: rank 0 sends ``n`` bytes, rank 1 sends them back.
+Latency is half the round trip (median over the iterations), bandwidth is ``n`` over that. Every
+transport named is measured in the same two processes, size by size, next to a plain TCP socket
+(``sendall`` / ``recv_into``, one thread, no tags, no queues: the bound a Python transport over
+the kernel's TCP path can approach) and, when started by ``mpiexec``, mpi4py's blocking
+Send/Recv (MPICH's shared-memory path). Receive buffers are touched before timing, so page
+faults of fresh memory are not counted.
 """
 
 from __future__ import annotations
@@ -40,8 +43,25 @@ def iterations(nbytes: int) -> int:
     return max(3, min(2000, int(2e8 // max(nbytes, 1))))
 
 
-def _rank(rank: int, transport: str, nchannels: int, host: str, port: int,
-          points: list[int], conn: Any) -> None:
+def _pingpong(rank: int, send: Any, recv: Any, n: int) -> float:
+    """Median one-way latency of ``n``-byte ping-pongs (``send(n)``, ``recv(n)`` block)."""
+    lat = []
+    for _ in range(iterations(n) + 2):
+        t0 = time.perf_counter()
+        if rank == 0:
+            send(n)
+            recv(n)
+        else:
+            recv(n)
+            send(n)
+        lat.append((time.perf_counter() - t0) / 2)
+    return statistics.median(lat[2:])
+
+
+def _rank(rank: int, names: list[str], nchannels: int, host: str, port: int,
+          points: list[int], conn: Any, mpi: Any = None) -> list[tuple[int, dict[str, float]]]:
+    """Measure every transport in ``names``, raw sockets and (under mpiexec) mpi4py, size by
+    size in the same two processes, so they share the machine's state."""
     os.environ["DDL_NCHANNELS"] = str(nchannels)
     from ddlcore.transports import load
 
@@ -49,42 +69,42 @@ def _rank(rank: int, transport: str, nchannels: int, host: str, port: int,
 
     server = StoreServer(host, port) if rank == 0 else None
     client = StoreClient(host, port, 60.0, rank=rank, size=2)
-    ctx = load(transport)().create_context(rank, 2, PrefixStore(client, "p2p/"), 60.0)
-    pair = ctx.pair(1 - rank)
-    results = []
-    biggest = max(points)
-    buf = np.ones(max(biggest, 1), np.uint8)  # touched: no page faults inside the timing
+    contexts = {name: load(name)().create_context(rank, 2, PrefixStore(client, f"p2p/{name}/"),
+                                                  60.0) for name in names}
+    pairs = {name: ctx.pair(1 - rank) for name, ctx in contexts.items()}
+    buf = np.ones(max(max(points), 1), np.uint8)  # touched: no page faults inside the timing
+    view = memoryview(buf)
     raw = _raw_socket(rank, client)
+    systems: dict[str, tuple[Any, Any]] = {
+        name: (lambda n, p=p: p.isend(view[:n], 1).wait(60),
+               lambda n, p=p: p.irecv(view[:n], 1).wait(60)) for name, p in pairs.items()}
+    systems["raw socket"] = (lambda n: raw.sendall(view[:n]), lambda n: _recv_all(raw, view[:n]))
+    if mpi is not None:
+        systems["mpi4py"] = (lambda n: mpi.Send([view[:n], _byte()], 1 - rank, 7),
+                             lambda n: mpi.Recv([view[:n], _byte()], 1 - rank, 7))
+    results = []
     for n in points:
-        view = memoryview(buf)[:n]
-        lat_t, lat_r = [], []
-        client.barrier(f"size {n}")
-        for _ in range(iterations(n) + 2):
-            t0 = time.perf_counter()
-            if rank == 0:
-                pair.isend(view, 1).wait(60)
-                pair.irecv(view, 2).wait(60)
-            else:
-                pair.irecv(view, 1).wait(60)
-                pair.isend(view, 2).wait(60)
-            lat_t.append((time.perf_counter() - t0) / 2)
-        for _ in range(iterations(n) + 2):
-            t0 = time.perf_counter()
-            if rank == 0:
-                raw.sendall(view)
-                _recv_all(raw, view)
-            else:
-                _recv_all(raw, view)
-                raw.sendall(view)
-            lat_r.append((time.perf_counter() - t0) / 2)
-        results.append((n, statistics.median(lat_t[2:]), statistics.median(lat_r[2:])))
+        row = {}
+        for name, (send, recv) in systems.items():
+            client.barrier(f"{name} {n}")
+            row[name] = _pingpong(rank, send, recv, n)
+        results.append((n, row))
     raw.close()
-    ctx.close()
+    for ctx in contexts.values():
+        ctx.close()
     client.barrier("done")
     client.close()
     if server is not None:
         server.close()
-    conn.send(results)
+    if conn is not None:
+        conn.send(results)
+    return results
+
+
+def _byte() -> Any:
+    from mpi4py import MPI
+
+    return MPI.BYTE
 
 
 def _raw_socket(rank: int, client: Any) -> socket.socket:
@@ -107,13 +127,13 @@ def _recv_all(sock: socket.socket, view: memoryview) -> None:
         got += sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
 
 
-def run(transport: str, points: list[int], nchannels: int) -> list[tuple[int, float, float]]:
+def run(names: list[str], points: list[int], nchannels: int) -> list[tuple[int, dict]]:
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, transport, nchannels, "127.0.0.1", port, points,
+    procs = [ctx.Process(target=_rank, args=(r, names, nchannels, "127.0.0.1", port, points,
                                              pipes[r][1]), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
@@ -131,6 +151,23 @@ def run(transport: str, points: list[int], nchannels: int) -> list[tuple[int, fl
     return results
 
 
+def run_under_mpi(names: list[str], points: list[int], nchannels: int) -> list | None:
+    """Started by ``mpiexec -n 2``: these two processes are the ranks; mpi4py is measured too."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        raise SystemExit("run the MPI comparison with mpiexec -n 2")
+    port = None
+    if world.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    results = _rank(world.Get_rank(), names, nchannels, "127.0.0.1", port, points, None, world)
+    return results if world.Get_rank() == 0 else None
+
+
 def _size(text: str) -> int:
     from ddlcore.config import parse_size
 
@@ -139,19 +176,27 @@ def _size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--transport", default="tcp",
+                    help="comma-separated transports to measure side by side, e.g. shm,tcp,ucx")
     ap.add_argument("--min", type=_size, default=1)
     ap.add_argument("--max", type=_size, default=256 << 20)
     ap.add_argument("--nchannels", type=int, default=1)
     args = ap.parse_args(argv)
-    results = run(args.transport, sizes(args.min, args.max), args.nchannels)
-    print(f"# {args.transport} (DDL_NCHANNELS={args.nchannels}) vs raw socket ping-pong, "
-          f"2 ranks on this host; latency = round trip / 2 (median)")
-    print(f"{'bytes':>12} {'lat(us)':>10} {'GB/s':>8} {'raw lat':>10} {'raw GB/s':>9} "
-          f"{'lat/raw':>8}")
-    for n, lat, raw in results:
-        print(f"{n:>12} {lat * 1e6:>10.1f} {n / lat / 1e9:>8.3f} {raw * 1e6:>10.1f} "
-              f"{n / raw / 1e9:>9.3f} {lat / raw:>8.2f}")
+    names = [n for n in args.transport.split(",") if n]
+    points = sizes(args.min, args.max)
+    if os.environ.get("PMI_RANK") is not None or os.environ.get("OMPI_COMM_WORLD_RANK"):
+        results = run_under_mpi(names, points, args.nchannels)
+        if results is None:
+            return
+    else:
+        results = run(names, points, args.nchannels)
+    systems = list(results[0][1])
+    print(f"# ping-pong between 2 ranks on this host (DDL_NCHANNELS={args.nchannels}); "
+          "one-way latency = round trip / 2 (median), GB/s = bytes / latency")
+    print(f"{'bytes':>12} " + " ".join(f"{name + ' us':>14} {'GB/s':>7}" for name in systems))
+    for n, row in results:
+        print(f"{n:>12} " + " ".join(f"{row[name] * 1e6:>14.1f} {n / row[name] / 1e9:>7.3f}"
+                                     for name in systems))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import platform
 import sys
 
 import ddlcore.transports as transports
-from ddlcore import __version__, config, tuning
+from ddlcore import __version__, config, links, tuning
+from ddlcore.errors import TransportUnavailableError
 from ddlcore.algorithms import ALGORITHMS
 
 _OPTIONAL = ("numpy", "ml_dtypes", "Cython", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
@@ -57,6 +58,13 @@ def info(argv: list[str]) -> int:
     print("transports:")
     for name, (ok, why) in transports.available().items():
         print(f"  {name:12s} {'available' if ok else 'unavailable: ' + why}")
+    spec = config.get("DDL_TRANSPORT")
+    print(f"links (DDL_TRANSPORT={spec}):")
+    try:
+        for level, name in links.plan(spec).items():
+            print(f"  {level:12s} {name}")
+    except TransportUnavailableError as exc:
+        print(f"  {exc}")
     print("configuration (environment, parsed):")
     for name, value in config.resolved().items():
         print(f"  {name:20s} {value!r}")

@@ -265,7 +265,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        _remove_shared_memory(job)
     return code
+
+
+def _remove_shared_memory(job: LocalJob) -> None:
+    """Ranks killed before closing leave their shm segments behind; every rank has exited now,
+    so whatever carries their pids is garbage."""
+    try:
+        from ddlcore.transports.shm import remove_segments_of
+    except ImportError:  # the shm transport is not built: it made nothing
+        return
+    removed = remove_segments_of({p.pid for p in job.procs if p.poll() is not None})
+    if removed:
+        print(f"ddlrun: removed {len(removed)} shared-memory segment(s) left by ranks that did "
+              "not close", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,21 @@ def choose(spec: str, me: PeerInfo, peer: PeerInfo, instances: dict[str, Transpo
         f"{peer.rank} ({', '.join(peer.transports)}) under DDL_TRANSPORT={spec}")
 
 
+def plan(spec: str) -> dict[str, str]:
+    """What ``spec`` would choose here for a peer on this host and for one on another host,
+    assuming the peer can run what this process can (``python -m ddlcore info`` prints it)."""
+    names = local_transports(spec)
+    instances = {name: transports.load(name)() for name in names}
+    me = PeerInfo(0, "this-host", names)
+    out = {}
+    for level, host in (("same host", "this-host"), ("other hosts", "another-host")):
+        try:
+            out[level] = choose(spec, me, PeerInfo(1, host, names), instances)
+        except TransportUnavailableError as exc:
+            out[level] = f"none ({exc})"
+    return out
+
+
 class Links:
     """Per-peer transport pairs of one communicator."""
 

@@ -21,6 +21,8 @@ GROUP = "ddlcore.transports"
 IN_TREE = {
     "tcp": "ddlcore.transports.tcp:TcpTransport",
     "mpi": "ddlcore.transports.mpi:MpiTransport",
+    "shm": "ddlcore.transports.shm:ShmTransport",
+    "ucx": "ddlcore.transports.ucx:UcxTransport",
 }
 
 # Order in which "auto" tries network transports (DDL_TRANSPORT=auto:... overrides it).

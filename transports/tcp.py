@@ -33,12 +33,9 @@ import socket
 import struct
 import threading
 import time
-from _thread import allocate_lock
 from collections import deque
 
 from ddlcore.transports.base import (
-    ABORT_MISMATCH,
-    ABORT_TIMEOUT,
     MAX_ABORT_REASON_BYTES,
     Context,
     Pair,
@@ -46,6 +43,21 @@ from ddlcore.transports.base import (
     Request,
     Store,
     Transport,
+)
+from ddlcore.transports.common import (
+    MAX_CHECK,
+    PairTableContext,
+    ThreadRequest,
+    abort_error,
+    as_view,
+    check_peer,
+    check_tag,
+    checks_match,
+    copy_error,
+    mismatch_error,
+    recv_view,
+    seconds,
+    timeout_error,
 )
 from ddlcore.transports.sockets import (
     format_address,
@@ -73,82 +85,13 @@ _HELLO = struct.Struct("<IHHIIIHH")  # magic, version, nchannels, src, dst, size
 _ACK = struct.Struct("<IHHHH")  # magic, version, status, nchannels, 0
 _DATA, _ABORT, _CLOSE = 1, 2, 3
 _ACK_OK, _ACK_WRONG_PEER, _ACK_NCHANNELS, _ACK_DUPLICATE, _ACK_CLOSED = 0, 1, 2, 3, 4
-_MAX_TAG = (1 << 64) - 1
-_MAX_CHECK = (1 << 32) - 1
 _HELLO_TIMEOUT_S = 10.0  # a connection that does not introduce itself by then is dropped
 _CLOSE_TIMEOUT_S = 2.0  # how long close() lets peers answer CLOSE before cutting sockets
 _DRAIN_CHUNK = 1 << 20
-_ABORT_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
 _CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
 
 
-def _copy_error(error: DDLError) -> DDLError:
-    """A fresh instance of ``error`` for one request (an exception object is raised once)."""
-    new = type(error)(str(error))
-    if isinstance(error, PeerFailureError):
-        new.peer = error.peer  # type: ignore[attr-defined]
-    return new
-
-
-def _seconds(t: float) -> str:
-    return f"{t:.1f}" if t >= 1 else f"{t:.2g}"
-
-
-def _as_view(view: object) -> memoryview:
-    if type(view) is not memoryview:
-        view = memoryview(view)  # type: ignore[arg-type]
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")  # TypeError for a non-contiguous buffer
-    return view
-
-
-class TcpRequest(Request):
-    """A pending send or receive. Finished exactly once, by whichever thread took it out of the
-    shared queues; completion releases a lock the waiter blocks on (cheaper than an Event)."""
-
-    __slots__ = ("_lock", "_done", "_error", "_pair", "tag", "view", "check", "nbytes", "is_send")
-
-    def __init__(self, pair: TcpPair, view: memoryview, tag: int, check: int, is_send: bool) -> None:
-        self._lock = allocate_lock()
-        self._lock.acquire()
-        self._done = False
-        self._error: DDLError | None = None
-        self._pair = pair
-        self.view, self.tag, self.check, self.nbytes, self.is_send = (
-            view, tag, check, len(view), is_send)
-
-    def _complete(self) -> None:
-        if not self._done:
-            self._done = True
-            self._lock.release()
-
-    def _fail(self, error: DDLError) -> None:
-        if not self._done:
-            self._error = error
-            self._done = True
-            self._lock.release()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self._done:
-            if timeout is None:
-                self._lock.acquire()
-            elif not self._lock.acquire(True, max(0.0, timeout)):
-                raise self._pair._timeout_error(self, timeout)
-            self._lock.release()  # let any other waiter through too
-        if self._error is not None:
-            raise _copy_error(self._error)
-
-    def test(self) -> bool:
-        if not self._done:
-            return False
-        if self._error is not None:
-            raise _copy_error(self._error)
-        return True
-
-    def describe(self) -> str:
-        if self.is_send:
-            return f"was sending {self.nbytes} bytes with tag {self.tag:#x}"
-        return f"waited for a message with tag {self.tag:#x}"
+TcpRequest = ThreadRequest  # completed by the socket threads, waited on through a lock
 
 
 class _Channel:
@@ -279,10 +222,7 @@ class _Channel:
                     reason = bytearray(nbytes)
                     if nbytes and not recv_exact(sock, memoryview(reason)):
                         raise ConnectionResetError("EOF inside an abort frame")
-                    text = f"rank {pair.peer} aborted: {reason.decode('utf-8', 'replace')}"
-                    cls = _ABORT_CLASS.get(check, PeerFailureError)
-                    error = PeerFailureError(text, pair.peer) if cls is PeerFailureError \
-                        else cls(text)
+                    error = abort_error(check, pair.peer, reason.decode("utf-8", "replace"))
                     pair._ctx._note_abort(error)
                     pair._fail_pair(error)
                 elif kind == _CLOSE:
@@ -330,7 +270,7 @@ class _Channel:
             pair._deliver(req, check, data)
             return
         try:
-            if nbytes != req.nbytes or (check and req.check and check != req.check):
+            if nbytes != req.nbytes or not checks_match(check, req.check):
                 _discard(sock, nbytes)
                 req._fail(pair._mismatch(req, check, nbytes))
                 return
@@ -402,9 +342,8 @@ class TcpPair(Pair):
 
     # --- requests -------------------------------------------------------------------------------
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
-        view = _as_view(view)
-        if not (0 <= tag <= _MAX_TAG and 0 <= check <= _MAX_CHECK):
-            raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
+        view = as_view(view)
+        check_tag(tag, check)
         req = TcpRequest(self, view, tag, check, True)
         ch = self._channels[tag % self._nch]
         if self._failure is not None or ch.failure is not None:
@@ -414,11 +353,7 @@ class TcpPair(Pair):
         return req
 
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
-        view = _as_view(view)
-        if view.readonly and view.nbytes:
-            raise ValueError("view must be writable to receive into it")
-        if not (0 <= tag <= _MAX_TAG and 0 <= check <= _MAX_CHECK):
-            raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
+        view = recv_view(view, tag, check)
         req = TcpRequest(self, view, tag, check, False)
         ch = self._channels[tag % self._nch]
         message = None
@@ -443,7 +378,7 @@ class TcpPair(Pair):
         return req
 
     def _deliver(self, req: TcpRequest, check: int, data: bytearray) -> None:
-        if len(data) != req.nbytes or (check and req.check and check != req.check):
+        if len(data) != req.nbytes or not checks_match(check, req.check):
             req._fail(self._mismatch(req, check, len(data)))
             return
         if data:
@@ -451,26 +386,18 @@ class TcpPair(Pair):
         req._complete()
 
     def _mismatch(self, req: TcpRequest, check: int, nbytes: int) -> CollectiveMismatchError:
-        return CollectiveMismatchError(
-            f"rank {self.peer} sent {nbytes} bytes with check {check:#010x} for tag "
-            f"{req.tag:#x}, rank {self.rank} posted {req.nbytes} bytes with check "
-            f"{req.check:#010x}: the ranks are calling different collectives, or the same one "
-            "with a different size, dtype, op or root")
+        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes, req.check)
 
     def _error_for(self, ch: _Channel, req: TcpRequest) -> DDLError:
         if self._failure is not None:
-            return _copy_error(self._failure)
+            return copy_error(self._failure)
         return PeerFailureError(f"{ch.failure} rank {self.rank} {req.describe()}", self.peer)
 
     def _timeout_error(self, req: TcpRequest, timeout: float) -> DDLTimeoutError:
-        if req.is_send:
-            what = f"to send {req.nbytes} bytes with tag {req.tag:#x} to rank {self.peer}"
-        else:
-            what = f"for a message with tag {req.tag:#x} from rank {self.peer}"
-        message = f"rank {self.rank} waited {_seconds(timeout)} s {what}"
+        note = ""
         if self._channels[req.tag % self._nch].sock is None:
-            message += f" (rank {self.peer} has not connected to rank {self.rank} yet)"
-        return DDLTimeoutError(message)
+            note = f" (rank {self.peer} has not connected to rank {self.rank} yet)"
+        return timeout_error(self.rank, self.peer, req, timeout, note)
 
     # --- connection -----------------------------------------------------------------------------
     def _connect(self, deadline: float) -> None:
@@ -479,7 +406,7 @@ class TcpPair(Pair):
             if self._connected:
                 return
             if self._connect_error is not None:
-                raise _copy_error(self._connect_error)
+                raise copy_error(self._connect_error)
             try:
                 self._connect_channels(deadline)
             except DDLError as exc:
@@ -488,7 +415,7 @@ class TcpPair(Pair):
                     exc = type(cause)(f"{cause} (afterwards rank {self.rank} could not connect "
                                       f"to rank {self.peer}: {exc})")
                 self._connect_error = exc
-                raise _copy_error(exc) from None
+                raise copy_error(exc) from None
             self._connected = True
 
     def _connect_channels(self, deadline: float) -> None:
@@ -515,7 +442,7 @@ class TcpPair(Pair):
             except TimeoutError:
                 sock.close()
                 raise DDLTimeoutError(f"rank {self.rank} could not connect to {where} within "
-                                      f"{_seconds(ctx.timeout)} s (TCP channel {ch.index})") from None
+                                      f"{seconds(ctx.timeout)} s (TCP channel {ch.index})") from None
             except OSError as exc:
                 sock.close()
                 raise PeerFailureError(
@@ -582,13 +509,11 @@ class TcpPair(Pair):
                 ch.queue.clear()
                 ch.queue.extend(kept)
             for req in pending:
-                req._fail(_copy_error(error))
+                req._fail(copy_error(error))
 
     def abort(self, code: int, reason: str) -> None:
         raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
-        frame = _HEADER.pack(_MAGIC, _ABORT, 0, code & _MAX_CHECK, 0, len(raw)) + raw
-        text = f"rank {self.rank} aborted: {reason}"
-        cls = _ABORT_CLASS.get(code, PeerFailureError)
+        frame = _HEADER.pack(_MAGIC, _ABORT, 0, code & MAX_CHECK, 0, len(raw)) + raw
         with self._lock:
             if self._abort_frame is not None or self._closed:
                 return
@@ -596,8 +521,7 @@ class TcpPair(Pair):
         for ch in self._channels:
             if ch.sock is not None and ch.failure is None:
                 ch.send([frame, None, None, 0], front=True)
-        self._fail_pair(PeerFailureError(text, self.peer) if cls is PeerFailureError
-                        else cls(text))
+        self._fail_pair(abort_error(code, self.rank, reason, peer=self.peer))
 
     def _begin_close(self) -> None:
         with self._lock:
@@ -633,7 +557,7 @@ class TcpPair(Pair):
         self._finish_close(time.monotonic() + _CLOSE_TIMEOUT_S)
 
 
-class TcpContext(Context):
+class TcpContext(PairTableContext):
     """This rank's listener, accept thread and pairs."""
 
     def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
@@ -651,10 +575,7 @@ class TcpContext(Context):
             self.address = (route_address(master) if master else
                             socket.gethostbyname(socket.gethostname()))
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._lock = threading.Lock()
-        self._pairs: dict[int, TcpPair] = {}
-        self._failure: tuple[int, str] | None = None
-        self._first_abort: DDLError | None = None  # the first ABORT a peer sent us
+        self._init_pairs()
         self._closed = False
         try:
             self._listener.bind((self.address, 0))
@@ -705,38 +626,17 @@ class TcpContext(Context):
         if self._pair_for(src)._accept(index, conn) != _ACK_OK:
             raise ConnectionError("refused a duplicate or late channel")
 
-    def _pair_for(self, peer: int) -> TcpPair:
-        with self._lock:
-            found = self._pairs.get(peer)
-            if found is None:
-                found = self._pairs[peer] = TcpPair(self, peer)
-                if self._failure is not None:
-                    found.abort(*self._failure)
-            return found
+    def _new_pair(self, peer: int) -> TcpPair:
+        return TcpPair(self, peer)
 
     def pair(self, peer: int) -> Pair:
         found = self._pairs.get(peer)
         if found is not None and found._connected:
             return found
-        if not 0 <= peer < self.size or peer == self.rank:
-            raise ValueError(f"peer={peer}: rank {self.rank} of {self.size} has no such peer")
-        if self._closed:
-            raise CommunicatorClosedError(f"rank {self.rank}: the TCP context is closed")
+        check_peer(self.rank, self.size, peer, self._closed, "TCP")
         found = self._pair_for(peer)
         found._connect(time.monotonic() + self.timeout)
         return found
-
-    def _note_abort(self, error: DDLError) -> None:
-        if self._first_abort is None:
-            self._first_abort = error
-
-    def abort(self, code: int, reason: str) -> None:
-        with self._lock:
-            if self._failure is None:
-                self._failure = (code, reason)
-            pairs = list(self._pairs.values())
-        for p in pairs:
-            p.abort(code, reason)
 
     def _shutdown_listener(self) -> None:
         try:

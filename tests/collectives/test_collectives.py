@@ -21,16 +21,25 @@ def _mpi_ready() -> None:
     require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
 
 
-# One rank has no pair to carry, so MPI starts at two.
-WORLDS = [("tcp", n) for n in (1, 2, 3, 4)] + [("mpi", n) for n in (2, 3, 4)]
+# One rank has no pair to carry, so the others start at two.
+WORLDS = [("tcp", n) for n in (1, 2, 3, 4)] + [
+    (name, n) for name in ("shm", "ucx", "mpi") for n in (2, 3, 4)]
+
+
+def _transport_ready(name: str) -> None:
+    if name == "mpi":
+        _mpi_ready()
+        return
+    from ddlcore import transports
+
+    require(*transports.load(name).is_available())
 
 
 @pytest.mark.parametrize("transport,nprocs", WORLDS)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_matrix(collective, nprocs, transport):
     env = {**SMALL_CHUNKS, "DDL_TRANSPORT": transport}
-    if transport == "mpi":
-        _mpi_ready()
+    _transport_ready(transport)
     results = run_ranks(matrix.run_matrix, nprocs, collective, env=env, timeout=240,
                         launcher="mpiexec" if transport == "mpi" else "spawn")
     assert len(results[0]) > 50

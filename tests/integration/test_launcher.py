@@ -150,3 +150,13 @@ def test_allreduce_job_under_ddlrun_and_mpiexec(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert sorted(line.split("sum ")[1] for line in res.stdout.splitlines()) == \
         ["3.0 0 2 0", "3.0 1 2 1"]
+
+
+def test_no_shared_memory_left_when_ranks_die(tmp_path):
+    res = _run(["-np", "3", "--transport", "shm", "--timeout", "20",
+                str(SCRIPTS / "shm_then_die.py"), str(tmp_path)])
+    assert res.returncode != 0
+    made = [n for f in tmp_path.glob("*.shm") for n in f.read_text().split()]
+    assert len(made) == 3, (made, res.stderr)
+    left = [n for n in made if os.path.exists(f"/dev/shm/{n}")]
+    assert not left, f"segments left after ddlrun: {left}\n{res.stderr}"

@@ -44,6 +44,8 @@ from ddlcore.store import PrefixStore, StoreClient, StoreServer
 TRANSPORT_CLASSES = {
     "tcp": "ddlcore.transports.tcp:TcpTransport",
     "mpi": "ddlcore.transports.mpi:MpiTransport",
+    "shm": "ddlcore.transports.shm:ShmTransport",
+    "ucx": "ddlcore.transports.ucx:UcxTransport",
 }
 
 TIMEOUT_S = 5.0  # every wait in these checks; a failing check fails in seconds, never hangs
@@ -506,9 +508,17 @@ def _socket_fds() -> set[str]:
     return out
 
 
-def resources_released(rank: int, size: int, transport: str) -> tuple[int, int]:
-    """After close(): no thread and no socket the context made is left, pending requests have
-    failed, and close() is idempotent. Returns (threads seen while open, sockets seen)."""
+def _shm_segments() -> set[str]:
+    """Shared-memory segments this process owns (their names carry its pid)."""
+    prefix = f"ddl-{os.getpid()}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+def resources_released(rank: int, size: int, transport: str) -> tuple[int, int, int]:
+    """After close(): no thread, socket or shared-memory segment the context made is left,
+    pending requests have failed, and close() is idempotent. Returns (threads seen while open,
+    sockets seen, segments seen)."""
     with rank_env(rank, size, transport) as env:
         env.barrier("clients up")  # every store connection exists before the baseline
         threads_before = {t.ident for t in threading.enumerate()}
@@ -518,6 +528,7 @@ def resources_released(rank: int, size: int, transport: str) -> tuple[int, int]:
         pending = ctx.pair((rank + 1) % size).irecv(memoryview(bytearray(4)), 999)
         threads_open = len(threading.enumerate()) - len(threads_before)
         sockets_open = len(_socket_fds() - sockets_before)
+        segments_open = len(_shm_segments())
         env.barrier("exchanged")
         ctx.close()
         ctx.close()
@@ -532,8 +543,10 @@ def resources_released(rank: int, size: int, transport: str) -> tuple[int, int]:
         left_sockets = _socket_fds() - sockets_before
         assert not left_threads, f"rank {rank}: threads left after close(): {left_threads}"
         assert not left_sockets, f"rank {rank}: sockets left after close(): {left_sockets}"
+        left_segments = _shm_segments()
+        assert not left_segments, f"rank {rank}: shm segments left after close(): {left_segments}"
         env.barrier("checked")
-        return threads_open, sockets_open
+        return threads_open, sockets_open, segments_open
 
 
 # --- TCP specifics --------------------------------------------------------------------------------

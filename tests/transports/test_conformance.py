@@ -11,7 +11,7 @@ import pytest
 from tests.harness import require, run_ranks
 from tests.transports import conformance as conf
 
-TRANSPORTS = ["tcp"]
+TRANSPORTS = ["tcp", "shm", "ucx"]
 JOB_TIMEOUT_S = 60.0  # harness deadline per test; each check itself waits at most a few seconds
 
 
@@ -123,9 +123,11 @@ def test_bad_arguments(transport):
 def test_close_releases_threads_and_sockets(transport, nchannels):
     results = run_ranks(conf.resources_released, 3, transport, timeout=JOB_TIMEOUT_S,
                         env={"DDL_NCHANNELS": nchannels})
-    for threads_open, sockets_open in results:
-        assert threads_open > 0 or transport != "tcp"  # the check looked at something
+    for threads_open, sockets_open, segments_open in results:
+        # The check looked at something: each transport's resources were there while open.
+        assert threads_open > 0 or transport not in ("tcp", "shm")
         assert sockets_open > 0 or transport != "tcp"
+        assert segments_open > 0 or transport != "shm"
 
 
 # --- TCP specifics (one process: no peer involved) ------------------------------------------------

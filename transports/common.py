@@ -1,0 +1,194 @@
+"""Pieces every thread-driven transport shares: the request a waiter blocks on, argument checks,
+and the wording of mismatch, abort and timeout errors (tests match on it, so it lives once).
+
+A transport whose requests are completed by its own threads (tcp's socket threads, shm's
+progress thread) uses `ThreadRequest`: the waiter blocks on a lock that completion releases.
+Its pair object provides ``_timeout_error(request, timeout)`` for the message of a timed-out wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from _thread import allocate_lock
+from typing import Any
+
+from ddlcore.transports.base import ABORT_MISMATCH, ABORT_TIMEOUT, Context, Request
+
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+)
+
+MAX_TAG = (1 << 64) - 1
+MAX_CHECK = (1 << 32) - 1
+ABORT_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
+
+
+def copy_error(error: DDLError) -> DDLError:
+    """A fresh instance of ``error`` for one request (an exception object is raised once)."""
+    new = type(error)(str(error))
+    if isinstance(error, PeerFailureError):
+        new.peer = error.peer  # type: ignore[attr-defined]
+    return new
+
+
+def seconds(t: float) -> str:
+    return f"{t:.1f}" if t >= 1 else f"{t:.2g}"
+
+
+def as_view(view: object) -> memoryview:
+    """A flat byte view of ``view`` (TypeError for a non-contiguous buffer)."""
+    if type(view) is not memoryview:
+        view = memoryview(view)  # type: ignore[arg-type]
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def check_tag(tag: int, check: int) -> None:
+    if not (0 <= tag <= MAX_TAG and 0 <= check <= MAX_CHECK):
+        raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
+
+
+def check_peer(rank: int, size: int, peer: int, closed: bool, transport: str) -> None:
+    """The checks of ``Context.pair(peer)``: a real other rank, on an open context."""
+    if not 0 <= peer < size or peer == rank:
+        raise ValueError(f"peer={peer}: rank {rank} of {size} has no such peer")
+    if closed:
+        raise CommunicatorClosedError(f"rank {rank}: the {transport} context is closed")
+
+
+def recv_view(view: object, tag: int, check: int) -> memoryview:
+    """Validate the arguments of an ``irecv`` and return its flat, writable view."""
+    view = as_view(view)
+    if view.readonly and view.nbytes:
+        raise ValueError("view must be writable to receive into it")
+    check_tag(tag, check)
+    return view
+
+
+def checks_match(sent: int, posted: int) -> bool:
+    """A zero check word on either side matches anything."""
+    return not (sent and posted and sent != posted)
+
+
+def mismatch_error(peer: int, rank: int, tag: int, sent_nbytes: int, sent_check: int,
+                   posted_nbytes: int, posted_check: int) -> CollectiveMismatchError:
+    return CollectiveMismatchError(
+        f"rank {peer} sent {sent_nbytes} bytes with check {sent_check:#010x} for tag "
+        f"{tag:#x}, rank {rank} posted {posted_nbytes} bytes with check "
+        f"{posted_check:#010x}: the ranks are calling different collectives, or the same one "
+        "with a different size, dtype, op or root")
+
+
+def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:
+    """The error for rank ``who`` having aborted with ``code`` and ``reason`` (raised by its
+    peers when told, and by ``who`` itself, with ``peer`` the other end of the pair)."""
+    text = f"rank {who} aborted: {reason}"
+    cls = ABORT_CLASS.get(code, PeerFailureError)
+    return PeerFailureError(text, who if peer is None else peer) if cls is PeerFailureError \
+        else cls(text)
+
+
+def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
+                  note: str = "") -> DDLTimeoutError:
+    if req.is_send:
+        what = f"to send {req.nbytes} bytes with tag {req.tag:#x} to rank {peer}"
+    else:
+        what = f"for a message with tag {req.tag:#x} from rank {peer}"
+    return DDLTimeoutError(f"rank {rank} waited {seconds(timeout)} s {what}{note}")
+
+
+class ThreadRequest(Request):
+    """A pending send or receive, finished exactly once by whichever thread took it out of the
+    transport's queues; completion releases a lock the waiter blocks on (cheaper than an Event)."""
+
+    __slots__ = ("_lock", "_done", "_error", "_pair", "tag", "view", "check", "nbytes", "is_send")
+
+    def __init__(self, pair: Any, view: memoryview, tag: int, check: int, is_send: bool) -> None:
+        self._lock = allocate_lock()
+        self._lock.acquire()
+        self._done = False
+        self._error: DDLError | None = None
+        self._pair = pair
+        self.view, self.tag, self.check, self.nbytes, self.is_send = (
+            view, tag, check, len(view), is_send)
+
+    def _complete(self) -> None:
+        if not self._done:
+            self._done = True
+            self._lock.release()
+
+    def _fail(self, error: DDLError) -> None:
+        if not self._done:
+            self._error = error
+            self._done = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            if timeout is None:
+                self._lock.acquire()
+            elif not self._lock.acquire(True, max(0.0, timeout)):
+                raise self._pair._timeout_error(self, timeout)
+            self._lock.release()  # let any other waiter through too
+        if self._error is not None:
+            raise copy_error(self._error)
+
+    def test(self) -> bool:
+        if not self._done:
+            return False
+        if self._error is not None:
+            raise copy_error(self._error)
+        return True
+
+    def describe(self) -> str:
+        if self.is_send:
+            return f"was sending {self.nbytes} bytes with tag {self.tag:#x}"
+        return f"waited for a message with tag {self.tag:#x}"
+
+
+
+class PairTableContext(Context):
+    """A context whose pairs are made on first use, by ``pair()`` or by a peer reaching us first.
+    An abort reaches every pair, also those made after it. Subclasses call
+    ``_init_pairs()`` and implement ``_new_pair(peer)``."""
+
+    rank: int
+    _closed: bool
+
+    def _init_pairs(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs: dict[int, Any] = {}
+        self._failure: tuple[int, str] | None = None  # (code, reason) of our abort
+        self._first_abort: DDLError | None = None  # the first abort a peer told us of
+
+    def _new_pair(self, peer: int) -> Any:
+        raise NotImplementedError
+
+    def _pair_for(self, peer: int) -> Any:
+        with self._lock:
+            found = self._pairs.get(peer)
+            if found is None:
+                found = self._pairs[peer] = self._new_pair(peer)
+                if self._failure is not None:
+                    found.abort(*self._failure)
+            return found
+
+    def _pair_list(self) -> list[Any]:
+        return list(self._pairs.values())  # one C-level copy: safe against a concurrent insert
+
+    def _note_abort(self, error: DDLError) -> None:
+        if self._first_abort is None:
+            self._first_abort = error
+
+    def abort(self, code: int, reason: str) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = (code, reason)
+            pairs = self._pair_list()
+        for p in pairs:
+            p.abort(code, reason)

@@ -1,0 +1,715 @@
+"""Shared-memory transport: ranks on one host exchange tag-matched messages through lock-free
+single-producer/single-consumer byte rings in ``/dev/shm``.
+
+Layout. Every rank owns one *inbox* segment, ``/dev/shm/ddl-<pid>-<random>-r<rank>``, made at
+context creation and published in the store (``shm/inbox/<rank>``: name, pid). It holds a
+header (magic, the owner's doorbell, an attach counter) and one ring slot per possible source
+rank; slot ``s`` carries the messages from rank ``s`` to the owner::
+
+    inbox of rank r:  [header | slot 0: ring 0->r | slot 1: ring 1->r | ... ]
+    slot:             [head u64 | tail u64 | producer state, pid, inbox name, abort reason | data]
+
+The producer (rank s) alone writes ``head`` and the data; the consumer (rank r) alone writes
+``tail``. Counters are published with release stores and read with acquire loads, so a reader
+never sees bytes the writer has not finished. Records are a 32-byte header (kind, check, tag,
+nbytes) then the payload, padded to 32 bytes; a message larger than the ring streams through it
+in pieces of at most ``_PIECE`` bytes, so the consumer copies piece k while the producer writes
+piece k+1: no round trip per piece, just the counters.
+
+Progress. Each context runs one progress thread that pushes queued sends into the peers' rings,
+copies arrived data straight into posted receive buffers (or, for a message nobody asked for
+yet, into a new buffer that a later receive copies from: sends never wait for the receiver's
+program), and sleeps on a futex doorbell when there is nothing to do. Producers ring the
+consumer's bell when they publish data, consumers ring the producer's bell when they free space.
+``isend`` on an idle pair writes into the ring from the caller's thread (no hand-off for small
+messages). All copies release the GIL (``_shm.pyx``).
+
+Lifetime and failures. A rank that first uses a pair maps the peer's inbox and marks its slot
+there ATTACHED (with its pid and inbox name, so the peer attaches back without the store).
+A peer's state lives in the slot it produces into, i.e. in our own inbox: CLOSED (its context
+closed: data already in the ring is still delivered, then requests fail), ABORTED (code and
+reason: requests fail at once with that error class). A peer that dies is seen through a pidfd
+within ``_LIVENESS_S``. Segments are unlinked by their owner's ``close()``; a survivor unlinks
+the inbox of a peer it saw die; ``ddlrun`` removes those of ranks that died before anyone
+noticed (`remove_segments_of`). Names carry the owner's pid and random bits, so two jobs on one
+host never collide.
+
+Device memory is host-staged above this layer; CUDA IPC handles are where it would go here.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import struct
+import threading
+import time
+from collections import deque
+
+from ddlcore.transports import _shm
+from ddlcore.transports.base import (
+    MAX_ABORT_REASON_BYTES,
+    Context,
+    Pair,
+    PeerInfo,
+    Request,
+    Store,
+    Transport,
+)
+from ddlcore.transports.common import (
+    PairTableContext,
+    ThreadRequest,
+    abort_error,
+    as_view,
+    check_peer,
+    check_tag,
+    checks_match,
+    copy_error,
+    mismatch_error,
+    recv_view,
+    timeout_error,
+)
+
+from ddlcore.errors import (
+    CommunicatorClosedError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+)
+from ddlcore.store import StoreUnreachableError
+
+SHM_DIR = "/dev/shm"
+PREFIX = "ddl-"
+_MAGIC = 0xDD1C_5E60_0000_0001
+_VERSION = 1
+# 2 MiB per ordered pair: large enough that a 1 MiB pipeline chunk streams without stalls,
+# small enough to stay in the last-level cache of the cores copying through it.
+_CAP = 1 << 21
+# Publish the head at least every 256 KiB so the consumer starts copying before a large
+# message is all in (measured: 128 KiB-1 MiB pieces give the same bandwidth here).
+_PIECE = 1 << 18
+_HDR = 32                       # record header and record alignment
+_INBOX_HEADER = 4096
+_SLOT_HEADER = 8192
+_SLOT = _SLOT_HEADER + _CAP
+# Inbox header offsets.
+_OFF_MAGIC, _OFF_VERSION, _OFF_NSLOTS, _OFF_CAP, _OFF_PID = 0, 8, 12, 16, 24
+_OFF_BELL, _OFF_ATTACH_GEN = 64, 128
+# Slot header offsets (the producer writes everything but the tail).
+_S_HEAD, _S_TAIL, _S_STATE, _S_PID, _S_ABORT_CODE, _S_ABORT_LEN = 0, 64, 128, 132, 136, 140
+_S_NAME_LEN, _S_NAME, _S_ABORT = 144, 192, 512
+_MAX_NAME = 255
+# Producer states.
+_NONE, _ATTACHED, _CLOSED, _ABORTED = 0, 1, 2, 3
+# Record kinds.
+_DATA = 1
+_RECORD = struct.Struct("<IIQQQ")   # kind, check, tag, nbytes, reserved
+_IDLE_WAIT_S = 0.05             # the progress thread wakes at least this often ...
+_LIVENESS_S = 0.05              # ... to look at the peers' pidfds
+
+
+def _pad(n: int) -> int:
+    return (n + _HDR - 1) & ~(_HDR - 1)
+
+
+def _inbox_bytes(nslots: int) -> int:
+    return _INBOX_HEADER + nslots * _SLOT
+
+
+def _reserve(fd: int, offset: int, length: int, what: str) -> None:
+    """Allocate tmpfs pages now, so a full /dev/shm is an error here rather than a SIGBUS on
+    first write."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        raise DDLError(f"cannot reserve {length >> 10} KiB of shared memory for {what} in "
+                       f"{SHM_DIR}: {exc}; free space there (df -h {SHM_DIR}) or use "
+                       "DDL_TRANSPORT=tcp") from None
+
+
+def remove_segments_of(pids: set[int]) -> list[str]:
+    """Unlink the segments owned by the given (dead) processes; returns the names removed.
+    The launcher calls this for ranks that died, whose survivors may not have noticed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] + "-" == PREFIX and parts[1].isdigit() \
+                and int(parts[1]) in pids:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+class _Send:
+    """A send in the producer's queue: how much of its record is already in the ring."""
+
+    __slots__ = ("req", "view", "total", "written")
+
+    def __init__(self, req: ThreadRequest) -> None:
+        self.req, self.view = req, req.view
+        self.total = _HDR + _pad(req.nbytes)
+        self.written = 0
+
+
+class _Incoming:
+    """The record the consumer is in the middle of."""
+
+    __slots__ = ("req", "target", "tag", "check", "nbytes", "total", "read", "data")
+
+    def __init__(self, tag: int, check: int, nbytes: int) -> None:
+        self.tag, self.check, self.nbytes = tag, check, nbytes
+        self.total = _pad(nbytes)  # payload + padding still to consume
+        self.read = 0
+        self.req: ThreadRequest | None = None
+        self.target: memoryview | None = None  # None: drain (mismatch, or nobody will ask)
+        self.data: bytearray | None = None     # unexpected: a buffer of our own
+
+
+class ShmPair(Pair):
+    """Both rings between this rank and ``peer``: ours in their inbox (we produce), theirs in
+    our inbox (we consume)."""
+
+    def __init__(self, ctx: ShmContext, peer: int) -> None:
+        self.rank, self.peer, self._ctx = ctx.rank, peer, ctx
+        self._in = ctx._base + _INBOX_HEADER + peer * _SLOT  # their ring to us
+        self._in_data = self._in + _SLOT_HEADER
+        self._tail = _shm.load_u64(self._in + _S_TAIL)
+        self._out = 0  # our ring in their inbox, once attached
+        self._out_data = 0
+        self._head = 0
+        self._peer_base = 0
+        self._peer_bytes = 0
+        self._peer_bell = 0
+        self._peer_pid = 0
+        self._pidfd = -1
+        self.attached = False
+        self._plock = threading.Lock()  # send queue and our ring's head
+        self._clock = threading.Lock()  # posted, unexpected, incoming record, our ring's tail
+        self._sendq: deque[_Send] = deque()
+        self._posted: dict[int, deque[ThreadRequest]] = {}
+        self._unexpected: dict[int, deque[tuple[int, bytearray]]] = {}
+        self._incoming: _Incoming | None = None
+        self._failure: DDLError | None = None      # final: abort, close, or peer gone
+        self._gone: str | None = None             # why the peer is gone (closed, died)
+        self._closed = False
+        self._announced = _ATTACHED  # what we last told the peer (or will, once attached)
+        self._abort_note: tuple[int, bytes] = (0, b"")
+        self._watched = False
+
+    # --- attaching --------------------------------------------------------------------------
+    def _attach(self, name: str, pid: int) -> None:
+        """Map the peer's inbox and announce ourselves in our slot there."""
+        path = os.path.join(SHM_DIR, name)
+        nbytes = _inbox_bytes(self._ctx.size)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise PeerFailureError(
+                f"rank {self.rank} cannot open rank {self.peer}'s shared memory {path}: it is "
+                "gone, so that rank closed its transport or exited (or runs on another host: "
+                "use DDL_TRANSPORT=auto or tcp across hosts)", self.peer) from None
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                raise PeerFailureError(
+                    f"rank {self.peer}'s shared memory {path} has {os.fstat(fd).st_size} bytes, "
+                    f"rank {self.rank} expected {nbytes}: the ranks disagree on the world size",
+                    self.peer)
+            _reserve(fd, _INBOX_HEADER + self.rank * _SLOT, _SLOT,
+                     f"rank {self.rank}'s ring to rank {self.peer}")
+            base = _shm.map_shared(fd, nbytes)
+        finally:
+            os.close(fd)
+        if _shm.load_u64(base + _OFF_MAGIC) != _MAGIC or \
+                _shm.load_u32(base + _OFF_VERSION) != _VERSION:
+            _shm.unmap(base, nbytes)
+            raise PeerFailureError(f"{path} is not a ddlcore shm inbox of protocol version "
+                                   f"{_VERSION}", self.peer)
+        out = base + _INBOX_HEADER + self.rank * _SLOT
+        self._peer_base, self._peer_bytes, self._peer_pid = base, nbytes, pid
+        self._peer_bell = base + _OFF_BELL
+        self._head = _shm.load_u64(out + _S_HEAD)
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # already gone, or another pid namespace: the deadline still applies
+            self._pidfd = -1
+        me = self._ctx.name.encode()
+        _shm.store_u32(out + _S_PID, os.getpid())
+        _shm.store_u32(out + _S_NAME_LEN, len(me))
+        _shm.put_bytes(out + _S_NAME, me)
+        self._out, self._out_data = out, out + _SLOT_HEADER
+        _shm.store_u32(out + _S_STATE, _ATTACHED)
+        _shm.fetch_add_u32(base + _OFF_ATTACH_GEN, 1)
+        self.attached = True
+        _shm.bell_ring(self._peer_bell)
+        if self._announced != _ATTACHED:  # we aborted or closed before attaching: say so now
+            self._announce(self._announced, *self._abort_note)
+
+    def _detach(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if self._peer_base:
+            _shm.unmap(self._peer_base, self._peer_bytes)
+            self._peer_base = self._out = self._out_data = self._peer_bell = 0
+
+    # --- requests ---------------------------------------------------------------------------
+    def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = as_view(view)
+        check_tag(tag, check)
+        req = ThreadRequest(self, view, tag, check, True)
+        with self._plock:
+            if self._failure is not None or self._gone is not None:
+                req._fail(self._error_for(req))
+                return req
+            self._sendq.append(_Send(req))
+            if len(self._sendq) == 1 and self.attached:
+                self._push()  # idle pair: straight into the ring from this thread
+            pending = bool(self._sendq)
+        if pending:
+            self._ctx._wake()
+        return req
+
+    def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = recv_view(view, tag, check)
+        req = ThreadRequest(self, view, tag, check, False)
+        with self._clock:
+            arrived = self._unexpected.get(tag)
+            if arrived:
+                message = arrived.popleft()
+                if not arrived:
+                    del self._unexpected[tag]
+            elif self._failure is not None or self._gone is not None:
+                message = None
+            else:
+                waiting = self._posted.get(tag)
+                if waiting is None:
+                    self._posted[tag] = deque((req,))
+                else:
+                    waiting.append(req)
+                return req
+        if message is None:
+            req._fail(self._error_for(req))
+        else:
+            self._deliver(req, *message)
+        return req
+
+    def _deliver(self, req: ThreadRequest, check: int, data: bytearray) -> None:
+        if len(data) != req.nbytes or not checks_match(check, req.check):
+            req._fail(mismatch_error(self.peer, self.rank, req.tag, len(data), check,
+                                     req.nbytes, req.check))
+            return
+        if data:
+            req.view[:] = data
+        req._complete()
+
+    def _error_for(self, req: ThreadRequest) -> DDLError:
+        if self._failure is not None:
+            return copy_error(self._failure)
+        return PeerFailureError(f"{self._gone} rank {self.rank} {req.describe()}", self.peer)
+
+    def _timeout_error(self, req: ThreadRequest, timeout: float) -> DDLTimeoutError:
+        note = "" if self.attached else \
+            f" (rank {self.peer} has not connected to rank {self.rank} yet)"
+        if not self.attached and _shm.load_u32(self._in + _S_STATE) != _NONE:
+            note = ""
+        return timeout_error(self.rank, self.peer, req, timeout, note)
+
+    # --- moving bytes (progress thread, or the caller's thread for an idle pair) --------------
+    def _push(self) -> bool:
+        """Write queued sends into our ring as far as it has room (``_plock`` held)."""
+        out, data, queue = self._out, self._out_data, self._sendq
+        head = start = self._head
+        free = _CAP - (head - _shm.load_u64(out + _S_TAIL))
+        published = head
+        while queue and free > 0:
+            item = queue[0]
+            req = item.req
+            if item.written == 0:
+                if free < _HDR:
+                    break
+                _shm.put_bytes(data + (head & (_CAP - 1)),
+                               _RECORD.pack(_DATA, req.check, req.tag, req.nbytes, 0))
+                head += _HDR
+                free -= _HDR
+                item.written = _HDR
+            n = min(free, item.total - item.written, _PIECE)
+            lo = item.written - _HDR
+            copy = min(n, req.nbytes - lo)
+            if copy > 0:
+                _shm.ring_put(data, _CAP, head, item.view, lo, copy)
+            head += n
+            free -= n
+            item.written += n
+            if item.written == item.total:
+                queue.popleft()
+                req._complete()
+            if head - published >= _PIECE:  # let the consumer start on what is there
+                _shm.store_u64(out + _S_HEAD, head)
+                _shm.bell_ring(self._peer_bell)
+                published = head
+        self._head = head
+        if head != published:
+            _shm.store_u64(out + _S_HEAD, head)
+            _shm.bell_ring(self._peer_bell)
+        return head != start
+
+    def _pull(self) -> bool:
+        """Consume what the peer has published into our inbox (``_clock`` held)."""
+        ring, data = self._in, self._in_data
+        head = _shm.load_u64(ring + _S_HEAD)
+        tail = start = self._tail
+        while True:
+            cur = self._incoming
+            if cur is None:
+                if tail >= head:
+                    break
+                kind, check, tag, nbytes, _ = _RECORD.unpack(
+                    _shm.get_bytes(data + (tail & (_CAP - 1)), _HDR))
+                tail += _HDR
+                if kind != _DATA or nbytes > 1 << 48:
+                    raise DDLError(f"rank {self.rank}: corrupt record (kind {kind}, {nbytes} "
+                                   f"bytes) in the ring from rank {self.peer}")
+                cur = self._incoming = self._begin(tag, check, nbytes)
+            n = min(head - tail, cur.total - cur.read)
+            copy = min(n, cur.nbytes - cur.read)
+            if copy > 0 and cur.target is not None:
+                _shm.ring_get(data, _CAP, tail, cur.target, cur.read, copy)
+            tail += n
+            cur.read += n
+            if cur.read == cur.total:
+                self._incoming = None
+                self._finish(cur)
+            elif tail >= head:
+                break
+        if tail != start:
+            self._tail = tail
+            _shm.store_u64(ring + _S_TAIL, tail)
+            if self._peer_bell:
+                _shm.bell_ring(self._peer_bell)
+            return True
+        return False
+
+    def _begin(self, tag: int, check: int, nbytes: int) -> _Incoming:
+        cur = _Incoming(tag, check, nbytes)
+        waiting = self._posted.get(tag)
+        if waiting:
+            req = waiting.popleft()
+            if not waiting:
+                del self._posted[tag]
+            if nbytes != req.nbytes or not checks_match(check, req.check):
+                req._fail(mismatch_error(self.peer, self.rank, tag, nbytes, check, req.nbytes,
+                                         req.check))
+            else:
+                cur.req, cur.target = req, req.view
+        elif self._failure is None:
+            cur.data = bytearray(nbytes)
+            cur.target = memoryview(cur.data)
+        return cur
+
+    def _finish(self, cur: _Incoming) -> None:
+        if cur.req is not None:
+            cur.req._complete()
+            return
+        if cur.data is None:
+            return  # drained
+        waiting = self._posted.get(cur.tag)
+        if waiting:
+            req = waiting.popleft()
+            if not waiting:
+                del self._posted[cur.tag]
+            self._deliver(req, cur.check, cur.data)
+        else:
+            self._unexpected.setdefault(cur.tag, deque()).append((cur.check, cur.data))
+
+    def _progress(self) -> bool:
+        """One round for this pair: peer state, sends, receives. True if anything moved."""
+        moved = False
+        state = _shm.load_u32(self._in + _S_STATE)
+        if state == _ABORTED and self._failure is None:
+            self._peer_aborted()
+            return True
+        if state == _ATTACHED and not self.attached and not self._closed:
+            with self._plock:
+                if not self.attached and self._failure is None and self._gone is None:
+                    self._attach_back()
+        if self._sendq and self.attached:
+            with self._plock:
+                if self._sendq and self._failure is None and self._gone is None:
+                    moved = self._push()
+        with self._clock:
+            if self._failure is None:
+                moved = self._pull() or moved
+        if state == _CLOSED and self._gone is None:
+            self._peer_gone(f"rank {self.peer} closed its connection while")
+            moved = True
+        return moved
+
+    def _attach_back(self) -> None:
+        """The peer attached to us first: attach to it with the name it left in its slot."""
+        length = _shm.load_u32(self._in + _S_NAME_LEN)
+        name = _shm.get_bytes(self._in + _S_NAME, min(length, _MAX_NAME)).decode()
+        pid = _shm.load_u32(self._in + _S_PID)
+        try:
+            self._attach(name, pid)
+        except DDLError as exc:  # we can still receive what it sent; sending to it fails
+            self._gone = f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
+
+    # --- failure and shutdown ---------------------------------------------------------------
+    def _peer_aborted(self) -> None:
+        code = _shm.load_u32(self._in + _S_ABORT_CODE)
+        length = min(_shm.load_u32(self._in + _S_ABORT_LEN), MAX_ABORT_REASON_BYTES)
+        reason = _shm.get_bytes(self._in + _S_ABORT, length).decode("utf-8", "replace")
+        error = abort_error(code, self.peer, reason)
+        self._ctx._note_abort(error)
+        self._fail_pair(error)
+
+    def _peer_gone(self, why: str) -> None:
+        """The peer closed or died: what had fully arrived stays receivable, the rest fails."""
+        with self._clock:
+            if self._failure is None:
+                self._pull()
+        pending: list[ThreadRequest] = []
+        with self._plock, self._clock:
+            if self._gone is not None:
+                return
+            self._gone = why
+            pending += [item.req for item in self._sendq]
+            self._sendq.clear()
+            pending += [r for waiting in self._posted.values() for r in waiting]
+            self._posted.clear()
+            if self._incoming is not None and self._incoming.req is not None:
+                pending.append(self._incoming.req)
+            self._incoming = None
+        for req in pending:
+            req._fail(self._error_for(req))
+
+    def _fail_pair(self, error: DDLError) -> None:
+        """Fail every pending and later request (first error wins)."""
+        with self._plock, self._clock:
+            if self._failure is not None:
+                return
+            self._failure = error
+            pending = [item.req for item in self._sendq]
+            self._sendq.clear()
+            pending += [r for waiting in self._posted.values() for r in waiting]
+            self._posted.clear()
+            self._unexpected.clear()
+            if self._incoming is not None and self._incoming.req is not None:
+                pending.append(self._incoming.req)
+                self._incoming.req = self._incoming.target = None  # drain the rest
+        for req in pending:
+            req._fail(copy_error(error))
+
+    def _announce(self, state: int, code: int = 0, reason: bytes = b"") -> None:
+        """Publish our state in our slot of the peer's inbox and wake it."""
+        self._announced = state
+        if not self.attached or not self._out:
+            return  # _attach announces it once the pair is attached
+        if state == _ABORTED:
+            _shm.store_u32(self._out + _S_ABORT_CODE, code)
+            _shm.store_u32(self._out + _S_ABORT_LEN, len(reason))
+            _shm.put_bytes(self._out + _S_ABORT, reason)
+        _shm.store_u32(self._out + _S_STATE, state)
+        _shm.bell_ring(self._peer_bell)
+
+    def abort(self, code: int, reason: str) -> None:
+        raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
+        if self._closed or self._failure is not None:
+            return
+        self._abort_note = (code, raw)
+        self._announce(_ABORTED, code, raw)
+        self._fail_pair(abort_error(code, self.rank, reason, peer=self.peer))
+
+    def _begin_close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_pair(CommunicatorClosedError(
+            f"rank {self.rank} closed its shm connection to rank {self.peer} while the request "
+            "was pending"))
+        if self._announced != _ABORTED:
+            self._announce(_CLOSED)
+
+    def close(self) -> None:
+        self._begin_close()
+
+
+class ShmContext(PairTableContext):
+    """This rank's inbox, progress thread and pairs."""
+
+    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} must be in [0, size={size})")
+        self.rank, self.size, self.store, self.timeout = rank, size, store, float(timeout)
+        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-r{rank}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        self._bytes = _inbox_bytes(size)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self._bytes)  # sparse: pages appear as peers attach
+            _reserve(fd, 0, _INBOX_HEADER, f"rank {rank}'s inbox")
+            self._base = _shm.map_shared(fd, self._bytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        base = self._base
+        _shm.store_u32(base + _OFF_VERSION, _VERSION)
+        _shm.store_u32(base + _OFF_NSLOTS, size)
+        _shm.store_u64(base + _OFF_CAP, _CAP)
+        _shm.store_u32(base + _OFF_PID, os.getpid())
+        _shm.store_u64(base + _OFF_MAGIC, _MAGIC)
+        self._bell = base + _OFF_BELL
+        self._attach_gen = 0
+        self._init_pairs()
+        self._pidfds = select.poll()
+        self._closed = False
+        self._stopping = False
+        try:
+            store.set(f"shm/inbox/{rank}", f"{self.name} {os.getpid()}".encode())
+        except BaseException:
+            self._release()
+            raise
+        self._thread = threading.Thread(target=self._progress_loop, daemon=True,
+                                         name=f"ddl-shm-progress-{rank}")
+        self._thread.start()
+
+    # --- pairs ------------------------------------------------------------------------------
+    def _new_pair(self, peer: int) -> ShmPair:
+        return ShmPair(self, peer)
+
+    def pair(self, peer: int) -> Pair:
+        found = self._pairs.get(peer)
+        if found is not None and found.attached:
+            return found
+        check_peer(self.rank, self.size, peer, self._closed, "shm")
+        found = self._pair_for(peer)
+        if not found.attached and found._failure is None and found._gone is None:
+            name, pid = self._lookup(peer)
+            with found._plock:
+                if not found.attached and found._failure is None and found._gone is None:
+                    try:
+                        found._attach(name, pid)
+                    except PeerFailureError as exc:
+                        if _shm.load_u32(found._in + _S_STATE) == _NONE:
+                            raise
+                        # It wrote to us and left: what it sent is still ours to receive.
+                        found._gone = f"{exc}; so"
+        self._wake()
+        return found
+
+    def _lookup(self, peer: int) -> tuple[str, int]:
+        try:
+            raw = self.store.get(f"shm/inbox/{peer}", self.timeout)
+        except StoreUnreachableError as exc:  # rank 0, which serves the store, is gone
+            raise PeerFailureError(f"rank {self.rank} could not look up the shared memory of "
+                                   f"rank {peer}: {exc}", 0) from None
+        name, _, pid = raw.decode().partition(" ")
+        if not name.startswith(PREFIX) or "/" in name or len(name) > _MAX_NAME:
+            raise PeerFailureError(f"rank {peer} published a bad inbox name {name!r}", peer)
+        return name, int(pid)
+
+    # --- the progress thread ----------------------------------------------------------------
+    def _wake(self) -> None:
+        _shm.bell_ring(self._bell)
+
+    def _discover(self) -> None:
+        """Peers that attached to us before we used the pair get a pair now (their messages
+        must be received, and we must be able to tell them when we close)."""
+        for peer in range(self.size):
+            if peer != self.rank and peer not in self._pairs and _shm.load_u32(
+                    self._base + _INBOX_HEADER + peer * _SLOT + _S_STATE) != _NONE:
+                self._pair_for(peer)
+
+    def _progress_loop(self) -> None:
+        bell = self._bell
+        next_liveness = 0.0
+        while not self._stopping:
+            seen = _shm.bell_seq(bell)
+            gen = _shm.load_u32(self._base + _OFF_ATTACH_GEN)
+            if gen != self._attach_gen:
+                self._attach_gen = gen
+                self._discover()
+            moved = False
+            for p in self._pair_list():
+                try:
+                    moved = p._progress() or moved
+                except DDLError as exc:
+                    p._fail_pair(exc)
+                except Exception as exc:  # a bug must fail the pair, not silently stop progress
+                    p._fail_pair(PeerFailureError(
+                        f"rank {self.rank}: internal error in the shm progress thread towards "
+                        f"rank {p.peer}: {exc!r}", p.peer))
+                if p._pidfd >= 0 and not p._watched:  # only this thread touches the poll set
+                    p._watched = True
+                    self._pidfds.register(p._pidfd, select.POLLIN)
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + _LIVENESS_S
+                self._check_liveness()
+            if not moved:
+                _shm.bell_wait(bell, seen, _IDLE_WAIT_S)
+
+    def _check_liveness(self) -> None:
+        dead = {fd for fd, _ in self._pidfds.poll(0)}
+        if not dead:
+            return
+        for p in self._pair_list():
+            if p._watched and p._pidfd in dead:
+                p._watched = False
+                self._pidfds.unregister(p._pidfd)
+                p._peer_gone(f"rank {p.peer} (pid {p._peer_pid}) exited while")
+                # Survivors clean up: the dead rank's inbox would otherwise outlive the job.
+                remove_segments_of({p._peer_pid})
+
+    # --- shutdown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pairs = self._pair_list()
+        for p in pairs:
+            p._begin_close()
+        self._stopping = True
+        self._wake()
+        self._thread.join()
+        for p in pairs:
+            p._detach()
+        self._release()
+
+    def _release(self) -> None:
+        _shm.unmap(self._base, self._bytes)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:  # a survivor took us for dead, or the launcher cleaned up
+            pass
+
+
+class ShmTransport(Transport):
+    """Shared memory between ranks of one host (same hostname and network namespace)."""
+
+    name = "shm"
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+            return False, f"{SHM_DIR} is missing or not writable (mount a tmpfs there)"
+        if not hasattr(os, "pidfd_open"):
+            return False, "needs Linux >= 5.3 and Python >= 3.9 (os.pidfd_open)"
+        return True, ""
+
+    def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
+        return me.host_id == peer.host_id
+
+    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+        return ShmContext(rank, size, store, timeout)
