@@ -14,8 +14,8 @@ import sys
 
 import ddlcore.transports as transports
 from ddlcore import __version__, config, links, tuning
-from ddlcore.errors import TransportUnavailableError
 from ddlcore.algorithms import ALGORITHMS
+from ddlcore.errors import TransportUnavailableError
 
 _OPTIONAL = ("numpy", "ml_dtypes", "Cython", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
 

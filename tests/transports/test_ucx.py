@@ -1,0 +1,149 @@
+"""UCX transport specifics the conformance suite does not reach: UCX configuration precedence
+(the user's ``UCX_*`` environment wins over our defaults; nothing is written to ``os.environ``),
+and the paths of messages larger than the eager size (payload on its own UCX tag: received
+into a temporary buffer, drained on a mismatch, handed to a receive posted mid-transfer).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+
+from tests.harness import require, run_ranks
+from tests.transports import conformance as conf
+
+JOB_TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def ucx():
+    from ddlcore.transports.ucx import UcxTransport
+
+    require(*UcxTransport.is_available())
+    return UcxTransport
+
+
+def _python(code: str, env: dict[str, str]) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, text=True,
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+# --- configuration --------------------------------------------------------------------------------
+def test_user_ucx_variables_win_over_our_defaults():
+    from ddlcore.transports.ucx import _UCX_DEFAULTS, ucx_options
+
+    with patch.dict(os.environ, {"UCX_KEEPALIVE_INTERVAL": "7s"}):
+        assert "KEEPALIVE_INTERVAL" not in ucx_options()
+    with patch.dict(os.environ, {}, clear=True):
+        assert ucx_options() == _UCX_DEFAULTS
+    assert ucx_options({"UCX_KEEPALIVE_INTERVAL": ""}) == {}  # set, even empty, is the user's
+
+
+def test_import_touches_neither_ucxx_nor_the_environment():
+    code = ("import os, sys; before = dict(os.environ); import ddlcore.transports.ucx; "
+            "print('ucxx' in sys.modules, dict(os.environ) == before)")
+    assert _python(code, {}) == "False True"
+
+
+def test_ucxx_import_leaves_the_environment_as_the_user_set_it(ucx):
+    # ucxx's __init__ sets UCX_RNDV_THRESH, UCX_MEMTYPE_CACHE, ... when unset; we put them back.
+    code = ("import os; from ddlcore.transports.ucx import UcxTransport; "
+            "ok = UcxTransport.is_available()[0]; "
+            "print(ok, sorted(k + '=' + v for k, v in os.environ.items() if k.startswith('UCX_')))")
+    assert _python(code, {}) == "True []"
+    assert _python(code, {"UCX_RNDV_THRESH": "16384"}) == "True ['UCX_RNDV_THRESH=16384']"
+
+
+def _one_rank_context(environ: dict[str, str]):
+    from ddlcore.transports.ucx import UcxTransport
+
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=1)
+    try:
+        with patch.dict(os.environ, environ):
+            ctx = UcxTransport().create_context(0, 1, PrefixStore(client, "t/"), 2.0)
+        try:
+            published = client.get("t/ucx/addr/0")
+            return dict(ctx._ucx.config), published
+        finally:
+            ctx.close()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_context_takes_our_keepalive_unless_the_user_set_one(ucx):
+    config, published = _one_rank_context({})
+    assert published  # the worker address every peer connects to
+    assert float(config["KEEPALIVE_INTERVAL"].rstrip("us")) == pytest.approx(1e6)
+    config, _ = _one_rank_context({"UCX_KEEPALIVE_INTERVAL": "3s"})
+    assert float(config["KEEPALIVE_INTERVAL"].rstrip("us")) == pytest.approx(3e6)
+
+
+def test_missing_ucxx_is_reported_with_what_to_install():
+    from ddlcore.transports.ucx import UcxTransport
+
+    with patch.dict(sys.modules, {"ucxx": None, "ucxx._lib": None, "ucxx._lib.libucxx": None}):
+        ok, reason = UcxTransport.is_available()
+    assert not ok and "pip install 'ddlcore[ucx]'" in reason, reason
+
+
+# --- payloads on their own UCX tag ----------------------------------------------------------------
+def large_paths(rank: int, size: int, transport: str) -> list[str]:
+    """Messages above the eager size: a mismatch posted before and after arrival (the payload is
+    drained, later messages are intact), one taken into a temporary buffer, and one whose
+    receive is posted while the payload may still be arriving."""
+    from ddlcore.errors import CollectiveMismatchError
+
+    n = 1 << 20
+    with conf.rank_env(rank, size, transport) as env:
+        pair = env.context().pair(1 - rank)
+        if rank == 0:
+            big = conf.payload(0, 4, 0, 32 * n)
+            env.barrier("posted")
+            for tag in (1, 2, 3):
+                pair.isend(memoryview(conf.payload(0, tag, 0, n)), tag).wait(conf.TIMEOUT_S)
+            env.barrier("sent")
+            env.barrier("go")
+            pair.isend(memoryview(big), 4).wait(conf.TIMEOUT_S)
+            env.barrier("done")
+            return []
+        early = pair.irecv(memoryview(np.empty(n - 1, np.uint8)), 1)
+        env.barrier("posted")
+        env.barrier("sent")
+        time.sleep(0.05)
+        late = pair.irecv(memoryview(np.empty(n + 1, np.uint8)), 2)
+        messages = []
+        for req in (early, late):
+            with pytest.raises(CollectiveMismatchError) as info:
+                req.wait(conf.TIMEOUT_S)
+            messages.append(str(info.value))
+        unexpected = np.empty(n, np.uint8)
+        pair.irecv(memoryview(unexpected), 3).wait(conf.TIMEOUT_S)
+        conf.expect(unexpected, 0, 3, 0)
+        big = np.empty(32 * n, np.uint8)
+        big.fill(0)  # touch the pages now, not while the payload arrives
+        env.barrier("go")
+        time.sleep(0.005)  # the 32 MB header is (likely) in, its payload (likely) not yet
+        pair.irecv(memoryview(big), 4).wait(conf.TIMEOUT_S)
+        conf.expect(big, 0, 4, 0)
+        env.barrier("done")
+        return messages
+
+
+def test_large_messages_mismatch_unexpected_and_mid_transfer(ucx):
+    _, messages = run_ranks(large_paths, 2, "ucx", timeout=JOB_TIMEOUT_S)
+    early, late = messages
+    assert "rank 0 sent 1048576 bytes" in early and "rank 1 posted 1048575 bytes" in early
+    assert "rank 0 sent 1048576 bytes" in late and "rank 1 posted 1048577 bytes" in late

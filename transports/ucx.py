@@ -1,0 +1,903 @@
+"""UCX transport (ucxx): tag-matched, non-blocking point-to-point messages over whatever UCX finds
+(InfiniBand/RoCE verbs, TCP, ...), through ucxx's synchronous layer ``ucxx._lib.libucxx``.
+
+Shape (as tcp.py): `UcxTransport` -> `UcxContext` (this rank's UCX context, worker and progress
+thread) -> `UcxPair` (one endpoint to one peer) -> `UcxRequest`. This file is over the ~500-line
+guide because the wire protocol, the progress thread and the failure rules only make sense
+together.
+
+Endpoints: each context publishes its worker address under the store key ``ucx/addr/{rank}``
+when it is created; ``pair(p)`` reads ``p``'s address (published at ``p``'s init, so this waits
+for the peer's init at most, never for its program to reach the pair) and creates an endpoint
+with peer error handling. UCX connects in the background; sends queue in UCX until it is up.
+
+Wire: UCX's tag receive matches per worker, not per endpoint, so every UCX tag names its
+source rank: ``kind (4 bits) | source rank (28) | low 32 bits``. A message is a control message
+on ``(CTRL, src, 0)``: a fixed header (little endian, 32 bytes: kind u16 | version u16 |
+check u32 | tag u64 | nbytes u64 | msgno u64) followed, up to _EAGER_BYTES, by the payload
+itself; a larger payload travels separately on the unique tag ``(PAYLOAD, src, msgno)`` (msgno
+counts the sender's messages to that peer). ABORT carries an ``ABORT_*`` code in ``check`` and a
+UTF-8 reason of at most MAX_ABORT_REASON_BYTES; CLOSE says the sender closed its context.
+
+Matching happens in Python, on this context's progress thread: it probes control messages from
+any source (in order per source, as UCX keeps them), matches each against the receives posted
+for its 64-bit tag (exact size, check word), and posts the payload's UCX receive straight into
+the user's buffer (no copy), or into a new buffer when no receive is posted yet (copied out
+when one is). So a send completes without waiting for the receiver's program.
+
+Progress: one Python thread per context drives ``worker.progress()`` and sleeps in ``poll``
+on the worker's event fd (UCX blocking mode) plus an eventfd that other threads use to wake it;
+waits block on a lock the thread releases, always with a deadline.
+
+Failures: endpoints use UCX peer error handling (a dead peer's sockets or UCX keepalive make
+UCX call our close callback), which fails the pair's pending and later requests with
+`PeerFailureError`; fully arrived messages stay receivable. ABORT and local close fail
+everything on the pair at once, as in tcp.py. UCX 1.21's shared-memory transports (posix,
+sysv) have no peer-failure handler, so with error handling UCX carries same-host traffic over
+tcp (loopback); ddlcore's own shm transport is the fast path within a host.
+
+UCX configuration: UCX reads its ``UCX_*`` variables from the environment, and those always win.
+Our defaults (_UCX_DEFAULTS) go in the context's config only for names the user has not set.
+ucxx's package ``__init__`` writes a few ``UCX_*`` defaults into ``os.environ`` when first
+imported; we import it lazily and put the environment back as it was (see `_import_ucxx`).
+
+Device memory: host buffers only for now. Device buffers will go through UCX's cuda_copy /
+cuda_ipc / GPUDirect RDMA transports (ucxx's ``Array`` already takes
+``__cuda_array_interface__`` objects), which is where this transport is meant to grow.
+``DDL_NCHANNELS`` does not apply: UCX spreads over rails itself.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from itertools import count
+from typing import Any
+
+from ddlcore.transports.base import (
+    MAX_ABORT_REASON_BYTES,
+    Context,
+    Pair,
+    PeerInfo,
+    Request,
+    Store,
+    Transport,
+)
+from ddlcore.transports.common import (
+    MAX_CHECK,
+    ThreadRequest,
+    abort_error,
+    as_view,
+    check_tag,
+    checks_match,
+    copy_error,
+    mismatch_error,
+    recv_view,
+    seconds,
+    timeout_error,
+)
+
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+    RendezvousError,
+)
+from ddlcore.store import StoreUnreachableError
+
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("<HHIQQQ")  # kind, version, check, tag, nbytes, msgno
+_DATA, _ABORT, _CLOSE = 1, 2, 3
+_CTRL_KIND, _PAYLOAD_KIND = 1, 2
+_KIND_SHIFT, _SRC_SHIFT = 60, 32
+_MAX_RANKS = 1 << 28  # the source rank's field in a UCX tag
+# Payloads up to this size ride inside the header message: one UCX message instead of two and no
+# Python round trip before the payload's receive is posted. Kept under UCX's default rendezvous
+# threshold (8 KB) so a header message never needs a rendezvous handshake.
+_EAGER_BYTES = 4096
+_MAX_CTRL_BYTES = _HEADER.size + max(_EAGER_BYTES, MAX_ABORT_REASON_BYTES)
+_IDLE_WAIT_MS = 100  # the progress thread's longest sleep; UCX keepalive runs from progress
+_PROBES_PER_ROUND = 256  # control messages taken per round, so completions are not starved
+_GOODBYE_TIMEOUT_S = 0.5  # how long close() lets CLOSE notices leave before closing endpoints
+_JOIN_TIMEOUT_S = 5.0
+# What an in-flight UCX operation is: part of a send; a payload into the posted buffer; a payload
+# into a _Message; a payload or stray control message taken only to be dropped; a notice sent.
+_OP_SEND, _OP_RECV, _OP_TEMP, _OP_DRAIN, _OP_NOTICE = 0, 1, 2, 3, 4
+
+# Our defaults for the UCX context, each used only when the user has not set UCX_<NAME>.
+# KEEPALIVE_INTERVAL: UCX's default (20 s) lets a silently dead peer (host down, cable pulled)
+# go unnoticed for that long on transports where no socket breaks; 1 s costs a few bytes per
+# endpoint per second.
+_UCX_DEFAULTS = {"KEEPALIVE_INTERVAL": "1s"}
+
+_import_lock = threading.Lock()
+
+
+def _import_ucxx() -> tuple[Any, Any]:
+    """``ucxx._lib.libucxx`` and ucxx's ``Array`` (its buffer wrapper), imported on first use.
+
+    ucxx's package ``__init__`` sets UCX_MEMTYPE_CACHE, UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE
+    and UCX_MAX_RNDV_RAILS in ``os.environ`` when they are unset; UCX would then take them for
+    the user's settings (and warn about the ones it no longer knows), and child processes would
+    inherit them. When this import is the first of ucxx in the process, the ``UCX_*`` variables
+    are put back as they were before it.
+    """
+    with _import_lock:
+        first = "ucxx" not in sys.modules
+        before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+        try:
+            from ucxx._lib import libucxx
+            from ucxx._lib.arr import Array
+        finally:
+            if first:
+                for key in [k for k in os.environ if k.startswith("UCX_") and k not in before]:
+                    del os.environ[key]
+                for key, value in before.items():
+                    if os.environ.get(key) != value:
+                        os.environ[key] = value
+    return libucxx, Array
+
+
+def ucx_options(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The UCX config this transport passes to ``UCXContext``: our defaults, minus every name
+    the user set as ``UCX_<NAME>`` (explicit environment wins; UCX reads it itself)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in env}
+
+
+def _features(lib: Any) -> tuple[Any, ...]:
+    return (lib.Feature.TAG, lib.Feature.WAKEUP)
+
+
+def _ucx_tag(kind: int, src: int, low: int) -> int:
+    return (kind << _KIND_SHIFT) | (src << _SRC_SHIFT) | low
+
+
+class UcxRequest(ThreadRequest):
+    """A pending send or receive (completed by the progress thread, waited on through a lock),
+    plus the number of UCX operations a send still waits for."""
+
+    __slots__ = ("_parts",)
+
+
+class _Message:
+    """A message that arrived before its receive was posted. ``data`` is its payload (a view
+    into the header message, or a buffer UCX may still be filling: ``done`` says)."""
+
+    __slots__ = ("check", "nbytes", "data", "done", "failed", "waiter")
+
+    def __init__(self, check: int, nbytes: int) -> None:
+        self.check, self.nbytes = check, nbytes
+        self.data: Any = None
+        self.done = False
+        self.failed = False
+        self.waiter: UcxRequest | None = None  # a receive posted while the payload was arriving
+
+
+class _Op:
+    """A UCX operation in flight, watched by the progress thread. The buffer UCX reads or writes
+    is referenced here until UCX says it is finished with it."""
+
+    __slots__ = ("ucx", "pair", "kind", "req", "msg", "buf")
+
+    def __init__(self, ucx: Any, pair: UcxPair | None, kind: int, req: UcxRequest | None = None,
+                 msg: _Message | None = None, buf: Any = None) -> None:
+        self.ucx, self.pair, self.kind, self.req, self.msg, self.buf = ucx, pair, kind, req, msg, buf
+
+
+class UcxPair(Pair):
+    """The endpoint to one peer and the matching state of the messages from it."""
+
+    def __init__(self, ctx: UcxContext, peer: int) -> None:
+        self.rank, self.peer = ctx.rank, peer
+        self._ctx = ctx
+        self._ep: Any = None  # set once by _connect
+        self._mlock = threading.Lock()  # guards posted, unexpected, failure, lost, waiters
+        self._connect_lock = threading.Lock()
+        self._posted: dict[int, deque[UcxRequest]] = {}
+        self._unexpected: dict[int, deque[_Message]] = {}
+        self._failure: DDLError | None = None  # abort (either side) or local close: final
+        self._lost: str | None = None  # the peer closed or died (a PeerFailureError prefix)
+        self._connected = False  # _connect ran: the endpoint exists, or the pair is lost
+        self._connect_error: DDLError | None = None
+        self._abort_frame: bytes | None = None
+        self._abort_sent = False
+        self._heard = False  # any control message arrived from the peer
+        self._msgno = count()
+        self._ctrl: deque[tuple[Any, bytearray, int]] = deque()  # progress thread only
+        self._ctrl_tag = ctx._lib.UCXXTag(_ucx_tag(_CTRL_KIND, ctx.rank, 0))
+
+    # --- requests -------------------------------------------------------------------------------
+    def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = as_view(view)
+        check_tag(tag, check)
+        req = UcxRequest(self, view, tag, check, True)
+        ep = self._ep
+        if self._failure is not None or self._lost is not None or ep is None:
+            req._fail(self._error_for(req))
+            return req
+        nbytes = req.nbytes
+        msgno = next(self._msgno) & 0xFFFFFFFF
+        lib, Array = self._ctx._lib, self._ctx._Array
+        parts: list[tuple[Any, Any]] = []  # (UCX request, the buffer it reads)
+        try:
+            if nbytes <= _EAGER_BYTES:
+                frame = bytearray(_HEADER.size + nbytes)
+                _HEADER.pack_into(frame, 0, _DATA, PROTOCOL_VERSION, check, tag, nbytes, 0)
+                frame[_HEADER.size:] = view
+                parts.append((ep.tag_send(Array(frame), self._ctrl_tag), frame))
+            else:
+                header = _HEADER.pack(_DATA, PROTOCOL_VERSION, check, tag, nbytes, msgno)
+                parts.append((ep.tag_send(Array(header), self._ctrl_tag), header))
+                payload_tag = lib.UCXXTag(_ucx_tag(_PAYLOAD_KIND, self.rank, msgno))
+                parts.append((ep.tag_send(Array(view), payload_tag), view))
+        except Exception as exc:  # UCX refused a send outright: the endpoint is unusable
+            self._broken(exc)
+            req._fail(self._error_for(req))  # a part already issued is still watched below
+        self._ctx._track_send(self, req, parts)
+        return req
+
+    def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
+        view = recv_view(view, tag, check)
+        req = UcxRequest(self, view, tag, check, False)
+        msg = None
+        with self._mlock:
+            if self._failure is None:
+                arrived = self._unexpected.get(tag)
+                if arrived:
+                    msg = arrived.popleft()
+                    if not arrived:
+                        del self._unexpected[tag]
+                    if not msg.done and not self._mismatched(req, msg.check, msg.nbytes):
+                        msg.waiter = req  # the progress thread delivers when the payload is in
+                        return req
+                elif self._lost is None:
+                    waiting = self._posted.get(tag)
+                    if waiting is None:
+                        self._posted[tag] = deque((req,))
+                    else:
+                        waiting.append(req)
+                    return req
+        if msg is None:
+            req._fail(self._error_for(req))
+        else:
+            self._deliver(req, msg)
+        return req
+
+    def _deliver(self, req: UcxRequest, msg: _Message) -> None:
+        if self._mismatched(req, msg.check, msg.nbytes):
+            req._fail(self._mismatch(req, msg.check, msg.nbytes))
+        elif msg.failed:
+            req._fail(self._error_for(req))
+        else:
+            if msg.nbytes:
+                req.view[:] = msg.data
+            req._complete()
+
+    @staticmethod
+    def _mismatched(req: UcxRequest, check: int, nbytes: int) -> bool:
+        return nbytes != req.nbytes or not checks_match(check, req.check)
+
+    def _mismatch(self, req: UcxRequest, check: int, nbytes: int) -> CollectiveMismatchError:
+        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes, req.check)
+
+    def _error_for(self, req: UcxRequest) -> DDLError:
+        if self._failure is not None:
+            return copy_error(self._failure)
+        if self._lost is not None:
+            return PeerFailureError(f"{self._lost} rank {self.rank} {req.describe()}", self.peer)
+        return CommunicatorClosedError(f"rank {self.rank}: the UCX pair to rank {self.peer} is "
+                                       "not connected (use Context.pair to get a pair)")
+
+    def _timeout_error(self, req: UcxRequest, timeout: float) -> DDLTimeoutError:
+        note = " (UCX)"
+        if not req.is_send and not self._heard:
+            note += f"; nothing has arrived from rank {self.peer} yet"
+        return timeout_error(self.rank, self.peer, req, timeout, note)
+
+    # --- connection -----------------------------------------------------------------------------
+    def _connect(self, deadline: float) -> None:
+        """Create the endpoint to the peer (once). A peer whose address cannot be had is an
+        error, kept and raised again; a peer UCX cannot reach makes the pair lost instead: the
+        peer may have finished and exited, and what it sent before must stay receivable."""
+        with self._connect_lock:
+            if self._connected:
+                return
+            if self._connect_error is not None:
+                raise copy_error(self._connect_error)
+            try:
+                raw = self._peer_address(deadline)
+            except DDLError as exc:
+                cause = self._ctx._first_abort
+                if cause is not None:  # the job was already failing: report the root cause
+                    exc = type(cause)(f"{cause} (afterwards rank {self.rank} could not connect "
+                                      f"to rank {self.peer}: {exc})")
+                self._connect_error = exc
+                raise copy_error(exc) from None
+            ctx = self._ctx
+            if self._lost is not None:  # it said goodbye already: nothing to connect to
+                self._connected = True
+                return
+            try:
+                address = ctx._lib.UCXAddress.create_from_buffer(raw)
+                ep = ctx._worker.create_endpoint_from_worker_address(address, True)
+            except Exception as exc:
+                self._connected = True
+                self._lose(
+                    f"rank {self.rank} cannot reach rank {self.peer} over UCX ({exc}): rank "
+                    f"{self.peer} has exited, or no UCX transport with a peer-failure handler "
+                    "links the two (posix/sysv shared memory alone has none: check UCX_TLS and "
+                    "UCX_NET_DEVICES; ucx_info -d lists what UCX sees);")
+                return
+            self._attach(ep)
+            self._connected = True
+
+    def _peer_address(self, deadline: float) -> bytes:
+        ctx, peer = self._ctx, self.peer
+        key = f"ucx/addr/{peer}"
+        wait_s = max(0.0, deadline - time.monotonic())
+        try:
+            raw = ctx.store.get(key, wait_s)
+        except StoreUnreachableError as exc:  # rank 0, which serves the store, is gone
+            raise PeerFailureError(f"rank {self.rank} could not look up the UCX worker address "
+                                   f"of rank {peer}: {exc}", 0) from None
+        except RendezvousError:
+            raise DDLTimeoutError(
+                f"rank {self.rank} waited {seconds(wait_s)} s for the UCX worker address of rank "
+                f"{peer} (store key {key!r}): rank {peer} has not created its UCX context; it has "
+                "not started, is stuck, failed, or runs another DDL_TRANSPORT") from None
+        return raw
+
+    def _attach(self, ep: Any) -> None:
+        ctx = self._ctx
+        with ctx._lock:
+            closed = ctx._closed
+            if not closed:
+                ep.set_close_callback(ctx._on_endpoint_closed, (self.peer,))
+                self._ep = ep
+        if closed:
+            ep.close_blocking()
+            raise CommunicatorClosedError(f"rank {self.rank}: the UCX context was closed while "
+                                          f"connecting to rank {self.peer}")
+        if not ep.alive:  # failed before the callback was in place
+            ctx._on_endpoint_closed(self.peer)
+        with self._mlock:
+            frame = self._abort_frame if not self._abort_sent else None
+            self._abort_sent = self._abort_frame is not None
+        if frame is not None:  # we aborted before connecting: tell the peer now
+            ctx._send_ctrl(self, frame)
+
+    # --- failure and shutdown -------------------------------------------------------------------
+    def _fail_pair(self, error: DDLError) -> None:
+        """Fail every pending and later request (first error wins)."""
+        with self._mlock:
+            if self._failure is not None:
+                return
+            self._failure = error
+            pending = [r for waiting in self._posted.values() for r in waiting]
+            self._posted.clear()
+            self._unexpected.clear()
+        for req in pending:
+            req._fail(copy_error(error))
+        self._ctx._wake()  # in-flight operations of this pair are failed by the progress thread
+
+    def _lose(self, text: str) -> None:
+        """The peer closed or died: fail pending receives and every later request that no fully
+        arrived message satisfies."""
+        with self._mlock:
+            if self._lost is not None or self._failure is not None:
+                return
+            self._lost = text
+            pending = [r for waiting in self._posted.values() for r in waiting]
+            self._posted.clear()
+        for req in pending:
+            req._fail(self._error_for(req))
+        self._ctx._wake()
+
+    def _broken(self, why: object) -> None:
+        self._lose(f"connection to rank {self.peer} lost (UCX: {why});")
+
+    def abort(self, code: int, reason: str) -> None:
+        raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
+        frame = _HEADER.pack(_ABORT, PROTOCOL_VERSION, code & MAX_CHECK, 0, len(raw), 0) + raw
+        with self._mlock:
+            if self._abort_frame is not None:
+                return
+            self._abort_frame = frame
+            send = self._ep is not None and not self._ctx._closed
+            self._abort_sent = send
+        if send:
+            self._ctx._send_ctrl(self, frame)
+        self._fail_pair(abort_error(code, self.rank, reason, self.peer))
+
+    def close(self) -> None:
+        """Fail this pair's requests and tell the peer; the endpoint itself is released with the
+        context (closing it here would race the progress thread)."""
+        self._goodbye()
+
+    def _goodbye(self) -> Any:
+        """`close`, returning the UCX request of the CLOSE notice (None when none was sent)."""
+        sent = None
+        if self._failure is None and self._ep is not None and self._lost is None:
+            sent = self._ctx._send_ctrl(self, _HEADER.pack(_CLOSE, PROTOCOL_VERSION, 0, 0, 0, 0))
+        self._fail_pair(CommunicatorClosedError(
+            f"rank {self.rank} closed its UCX connection to rank {self.peer} while the request "
+            "was pending"))
+        return sent
+
+
+class UcxContext(Context):
+    """This rank's UCX context and worker, its progress thread and its pairs."""
+
+    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} must be in [0, size={size})")
+        if size > _MAX_RANKS:
+            raise ValueError(f"size={size}: the UCX transport carries at most {_MAX_RANKS} ranks")
+        self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
+        self._lib, self._Array = _import_ucxx()
+        lib = self._lib
+        self._lock = threading.Lock()  # pairs, closed, failure
+        self._pairs: dict[int, UcxPair] = {}
+        self._failure: tuple[int, str] | None = None
+        self._first_abort: DDLError | None = None
+        self._closed = False
+        self._incoming: deque[_Op] = deque()  # operations other threads hand to the progress thread
+        self._ops: list[_Op] = []  # progress thread only
+        self._endpoint_events: deque[int] = deque()
+        self._ctrl_busy: set[UcxPair] = set()
+        self._graveyard: list[Any] = []  # buffers UCX might still write: freed after the worker
+        self._dirty = False
+        self._sleeping = False
+        self._stopping = False
+        self._probe_tag = lib.UCXXTag(_CTRL_KIND << _KIND_SHIFT)
+        self._probe_mask = lib.UCXXTagMask(0xF << _KIND_SHIFT)
+        self._wake_fd = -1
+        self._thread: threading.Thread | None = None
+        try:
+            self._ucx = lib.UCXContext(ucx_options(), _features(lib))
+            self._worker = lib.UCXWorker(self._ucx)
+            self._worker.init_blocking_progress_mode()
+            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._poller = select.poll()
+            self._poller.register(self._worker.epoll_file_descriptor, select.POLLIN)
+            self._poller.register(self._wake_fd, select.POLLIN)
+            self._thread = threading.Thread(target=self._run, name=f"ddl-ucx-progress-{rank}",
+                                            daemon=True)
+            self._thread.start()
+            store.set(f"ucx/addr/{rank}", self._worker.address.tobytes())
+        except BaseException:
+            self._shutdown()
+            raise
+
+    # --- pairs ----------------------------------------------------------------------------------
+    def _pair_for(self, peer: int) -> UcxPair:
+        with self._lock:
+            found = self._pairs.get(peer)
+            if found is None:
+                found = self._pairs[peer] = UcxPair(self, peer)
+                failure = self._failure
+            else:
+                failure = None
+        if failure is not None:
+            found.abort(*failure)
+        return found
+
+    def pair(self, peer: int) -> Pair:
+        found = self._pairs.get(peer)
+        if found is not None and found._connected:
+            return found
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"peer={peer}: rank {self.rank} of {self.size} has no such peer")
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: the UCX context is closed")
+        found = self._pair_for(peer)
+        found._connect(time.monotonic() + self.timeout)
+        return found
+
+    def _note_abort(self, error: DDLError) -> None:
+        if self._first_abort is None:
+            self._first_abort = error
+
+    def abort(self, code: int, reason: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._failure is None:
+                self._failure = (code, reason)
+            pairs = list(self._pairs.values())
+        for p in pairs:
+            p.abort(code, reason)
+
+    # --- handing work to the progress thread ----------------------------------------------------
+    def _wake(self) -> None:
+        self._dirty = True
+        if self._sleeping:
+            try:
+                os.eventfd_write(self._wake_fd, 1)
+            except OSError:  # closed: the thread is gone
+                pass
+
+    def _track_send(self, pair: UcxPair, req: UcxRequest, parts: list[tuple[Any, Any]]) -> None:
+        """Complete ``req`` now if UCX already finished every part, else watch what is left."""
+        waiting = []
+        for ucx_req, buf in parts:
+            if ucx_req.completed:
+                try:
+                    ucx_req.check_error()
+                except Exception as exc:
+                    pair._broken(exc)
+                    req._fail(pair._error_for(req))
+            else:
+                waiting.append(_Op(ucx_req, pair, _OP_SEND, req=req, buf=buf))
+        req._parts = len(waiting)
+        if not waiting:
+            req._complete()
+            return
+        self._incoming.extend(waiting)
+        self._wake()
+
+    def _send_ctrl(self, pair: UcxPair, frame: bytes) -> Any:
+        """Best effort: send an ABORT or CLOSE notice; returns its UCX request while UCX still
+        holds it (None when done or refused: a broken endpoint tells the peer anyway)."""
+        try:
+            ucx_req = pair._ep.tag_send(self._Array(frame), pair._ctrl_tag)
+        except Exception:
+            return None
+        if ucx_req.completed:
+            return None
+        self._incoming.append(_Op(ucx_req, pair, _OP_NOTICE, buf=frame))
+        self._wake()
+        return ucx_req
+
+    def _on_endpoint_closed(self, peer: int) -> None:
+        # Called by ucxx inside worker progress (any thread, UCX locks held): only queue it.
+        self._endpoint_events.append(peer)
+        self._wake()
+
+    # --- the progress thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        worker = self._worker
+        try:
+            while not self._stopping:
+                self._dirty = False
+                worker.progress()
+                if self._service():
+                    continue
+                self._sleeping = True
+                if self._dirty or self._incoming or self._endpoint_events or not worker.arm():
+                    self._sleeping = False
+                    continue
+                self._poller.poll(_IDLE_WAIT_MS)
+                self._sleeping = False
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+        except BaseException as exc:  # a bug or a UCX failure: fail everything, never hang
+            error = DDLError(f"rank {self.rank}: the UCX progress thread failed: {exc!r}; the "
+                             "UCX context cannot be used any more (report this as a bug)")
+            self._note_abort(error)
+            for p in list(self._pairs.values()):
+                p._fail_pair(error)
+            for op in self._ops + list(self._incoming):
+                if op.req is not None:
+                    op.req._fail(copy_error(error))
+
+    def _service(self) -> bool:
+        """One round of matching and completion; True when anything happened."""
+        busy = False
+        while self._incoming:
+            busy = True
+            self._ops.append(self._incoming.popleft())
+        drained, taken = self._take_control_messages()
+        busy |= taken
+        # A failed endpoint is handled only once every message UCX holds has been taken: what
+        # arrived before the peer closed or died is still delivered.
+        while drained and self._endpoint_events:
+            busy = True
+            self._endpoint_failed(self._endpoint_events.popleft())
+        if self._ops:
+            busy |= self._check_ops()
+        return busy
+
+    def _endpoint_failed(self, peer: int) -> None:
+        pair = self._pairs.get(peer)
+        if pair is None or pair._ep is None or self._closed:
+            return
+        try:
+            pair._ep.raise_on_error()
+            why = "endpoint closed"
+        except Exception as exc:  # "Endpoint 0x7f..00 error: Connection reset by remote peer"
+            why = str(exc).partition(" error: ")[2] or str(exc)  # text only: a kept exception's
+            # traceback would keep this thread's frames (and the worker) alive
+        pair._broken(why)
+
+    def _take_control_messages(self) -> tuple[bool, bool]:
+        """Take the control messages UCX holds, and act on those complete, in order per source.
+        Returns (every message UCX held was taken, anything was)."""
+        worker = self._worker
+        taken = 0
+        drained = False
+        while taken < _PROBES_PER_ROUND:
+            probe = worker.tag_probe(self._probe_tag, self._probe_mask, True)
+            if not probe.matched:
+                drained = True
+                break
+            taken += 1
+            src = (probe.sender_tag.value >> _SRC_SHIFT) & (_MAX_RANKS - 1)
+            length = probe.length
+            # A message over the cap is received (truncated) all the same, to release it.
+            buf = bytearray(min(length, _MAX_CTRL_BYTES))
+            ucx_req = worker.tag_recv_with_handle(self._Array(buf), probe)
+            if not 0 <= src < self.size or src == self.rank:  # not from a peer: drop it
+                self._ops.append(_Op(ucx_req, None, _OP_DRAIN, buf=buf))
+                continue
+            pair = self._pairs.get(src) or self._pair_for(src)
+            pair._ctrl.append((ucx_req, buf, length))
+            self._ctrl_busy.add(pair)
+        for pair in list(self._ctrl_busy):
+            fifo = pair._ctrl
+            while fifo and fifo[0][0].completed:  # in order: UCX keeps one source's order
+                ucx_req, buf, length = fifo.popleft()
+                taken += 1
+                try:
+                    ucx_req.check_error()
+                    if length > _MAX_CTRL_BYTES:
+                        raise ValueError(f"a control message of {length} bytes (cap "
+                                         f"{_MAX_CTRL_BYTES})")
+                    self._on_control(pair, memoryview(buf))
+                except Exception as exc:
+                    pair._broken(exc)
+            if not fifo:
+                self._ctrl_busy.discard(pair)
+        return drained, taken > 0
+
+    def _on_control(self, pair: UcxPair, frame: memoryview) -> None:
+        if len(frame) < _HEADER.size:
+            raise ValueError(f"a control message of {len(frame)} bytes")
+        kind, version, check, tag, nbytes, msgno = _HEADER.unpack_from(frame)
+        if version != PROTOCOL_VERSION:
+            raise ValueError(f"rank {pair.peer} speaks UCX protocol {version}, ours is "
+                             f"{PROTOCOL_VERSION}: run the same ddlcore on every rank")
+        pair._heard = True
+        body = frame[_HEADER.size:]
+        if kind == _DATA:
+            eager = nbytes <= _EAGER_BYTES
+            if len(body) != (nbytes if eager else 0):
+                raise ValueError(f"a data header for {nbytes} bytes carrying {len(body)}")
+            self._on_data(pair, check, tag, nbytes, msgno, body if eager else None)
+        elif kind == _ABORT:
+            if nbytes > MAX_ABORT_REASON_BYTES or len(body) != nbytes:
+                raise ValueError(f"an abort reason of {nbytes} bytes")
+            error = abort_error(check, pair.peer, bytes(body).decode("utf-8", "replace"))
+            self._note_abort(error)
+            pair._fail_pair(error)
+        elif kind == _CLOSE:
+            pair._lose(f"rank {pair.peer} closed its UCX connection while")
+        else:
+            raise ValueError(f"unknown control message kind {kind}")
+
+    def _on_data(self, pair: UcxPair, check: int, tag: int, nbytes: int, msgno: int,
+                 eager: memoryview | None) -> None:
+        req = msg = None
+        with pair._mlock:
+            if pair._failure is None:
+                waiting = pair._posted.get(tag)
+                if waiting:
+                    req = waiting.popleft()
+                    if not waiting:
+                        del pair._posted[tag]
+                else:
+                    msg = _Message(check, nbytes)
+                    if eager is not None:
+                        msg.data, msg.done = eager, True
+                    pair._unexpected.setdefault(tag, deque()).append(msg)
+        if req is not None and pair._mismatched(req, check, nbytes):
+            req._fail(pair._mismatch(req, check, nbytes))
+            req = None  # the payload (if separate) is drained below
+        if eager is not None:
+            if req is not None:
+                if nbytes:
+                    req.view[:] = eager
+                req._complete()
+            return
+        if req is not None:  # zero copy: UCX writes straight into the posted buffer
+            self._post_payload(pair, msgno, req.view, _Op(None, pair, _OP_RECV, req=req))
+        elif msg is not None:  # nobody asked yet: receive it now, so the sender is not held up
+            msg.data = bytearray(nbytes)
+            self._post_payload(pair, msgno, msg.data, _Op(None, pair, _OP_TEMP, msg=msg))
+        else:  # a mismatch, or a pair that failed: take the payload and drop it
+            scratch = bytearray(nbytes)
+            self._post_payload(pair, msgno, scratch, _Op(None, pair, _OP_DRAIN, buf=scratch))
+
+    def _post_payload(self, pair: UcxPair, msgno: int, target: Any, op: _Op) -> None:
+        lib = self._lib
+        tag = lib.UCXXTag(_ucx_tag(_PAYLOAD_KIND, pair.peer, msgno))
+        try:
+            op.ucx = self._worker.tag_recv(self._Array(target), tag)
+        except Exception as exc:
+            pair._broken(exc)
+            self._abandon(op)
+            return
+        if op.ucx.completed:  # the payload had arrived already
+            self._finish(op)
+        else:
+            self._ops.append(op)
+
+    def _check_ops(self) -> bool:
+        busy = False
+        still = []
+        for op in self._ops:
+            if op.ucx.completed:
+                busy = True
+                self._finish(op)
+                continue
+            pair = op.pair
+            if pair is not None and (pair._failure is not None or pair._lost is not None):
+                if op.kind in (_OP_RECV, _OP_TEMP, _OP_DRAIN):
+                    busy = True
+                    self._abandon(op)
+                    continue
+                if op.kind == _OP_SEND and op.req is not None and not op.req._done:
+                    op.req._fail(pair._error_for(op.req))  # UCX keeps the buffer: op stays
+            still.append(op)
+        self._ops = still
+        return busy
+
+    def _finish(self, op: _Op) -> None:
+        pair, req = op.pair, op.req
+        try:
+            op.ucx.check_error()
+            failed = False
+        except Exception as exc:
+            failed = True
+            if pair is not None:
+                pair._broken(exc)
+        if pair is None:
+            return
+        if op.kind == _OP_SEND:
+            assert req is not None
+            if failed:
+                req._fail(pair._error_for(req))
+            else:
+                req._parts -= 1
+                if req._parts == 0:
+                    req._complete()
+        elif op.kind == _OP_RECV:
+            assert req is not None
+            if failed:
+                req._fail(pair._error_for(req))
+            else:
+                req._complete()
+        elif op.kind == _OP_TEMP:
+            assert op.msg is not None
+            self._settle(pair, op.msg, failed)
+
+    def _abandon(self, op: _Op) -> None:
+        """The pair failed under a receive UCX has not finished: fail its owner and cancel it
+        (dropping a ucxx request cancels it). UCX may still be writing a matched rendezvous
+        payload, so a buffer of ours waits in the graveyard until the worker is gone."""
+        pair = op.pair
+        assert pair is not None
+        if op.kind == _OP_RECV:
+            assert op.req is not None
+            op.req._fail(pair._error_for(op.req))
+        elif op.kind == _OP_TEMP:
+            assert op.msg is not None
+            self._graveyard.append(op.msg.data)
+            self._settle(pair, op.msg, True)
+        else:
+            self._graveyard.append(op.buf)
+        op.ucx = None
+
+    def _settle(self, pair: UcxPair, msg: _Message, failed: bool) -> None:
+        with pair._mlock:
+            msg.done, msg.failed = True, failed
+            waiter, msg.waiter = msg.waiter, None
+        if waiter is not None:
+            pair._deliver(waiter, msg)
+
+    # --- shutdown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pairs = list(self._pairs.values())
+        # Fail everything, and say goodbye to the connected peers (they then fail their requests
+        # to us with "closed" rather than "lost"); wait a little for the notices to leave.
+        notices = [n for n in (p._goodbye() for p in pairs) if n is not None]
+        deadline = time.monotonic() + _GOODBYE_TIMEOUT_S
+        while time.monotonic() < deadline and not all(n.completed for n in notices):
+            time.sleep(1e-3)
+        del notices
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Stop the progress thread, then release endpoints, requests, worker and context, in
+        that order: a ucxx object is freed when its last reference goes, and UCX must not touch
+        a buffer after Python frees it (so buffers go last)."""
+        self._closed = True
+        self._stopping = True
+        thread = self._thread
+        if thread is not None:
+            self._sleeping = True  # make _wake write the eventfd
+            self._wake()
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():  # never free UCX objects under a running progress call
+                return
+        for p in list(self._pairs.values()):
+            ep, p._ep = p._ep, None
+            if ep is not None:
+                try:
+                    ep.remove_close_callback()
+                    ep.close_blocking()  # force close: UCX fails what is still in flight on it
+                except Exception:  # already failed: nothing left to close
+                    pass
+            self._graveyard.extend(buf for _, buf, _ in p._ctrl)
+            for _ in range(len(p._ctrl)):
+                p._ctrl.popleft()  # drops (cancels) the UCX request; its buffer stays above
+        ops = self._ops + list(self._incoming)
+        self._ops, self._ctrl_busy = [], set()
+        self._incoming.clear()
+        for op in ops:
+            self._graveyard.append(op.msg.data if op.msg is not None else op.buf)
+            op.ucx = None
+        del ops
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            try:
+                worker.cancel_inflight_requests()
+                worker.progress()
+            except Exception:
+                pass
+        del worker
+        self._worker = None
+        self._ucx = None
+        self._graveyard.clear()
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
+
+
+class UcxTransport(Transport):
+    """UCX through ucxx: InfiniBand, RoCE, TCP (and, later, GPU memory) across hosts."""
+
+    name = "ucx"
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        try:
+            lib, _ = _import_ucxx()
+        except ImportError as exc:
+            import importlib.util
+
+            reason = (f"ucxx is not installed ({exc}); pip install 'ddlcore[ucx]' (the ucxx-cu12 "
+                      "wheel brings UCX itself)")
+            if importlib.util.find_spec("ucp") is not None:
+                reason += ("; ucx-py (ucp) is installed but not supported: its synchronous layer "
+                           "differs from ucxx's, and ucxx is its maintained successor")
+            return False, reason
+        except Exception as exc:  # e.g. libucx fails to load
+            return False, f"ucxx failed to import: {exc!r}; reinstall ucxx-cu12 / libucx-cu12"
+        try:
+            lib.UCXContext(ucx_options(), _features(lib))
+        except Exception as exc:
+            return False, (f"UCX cannot create a context here: {exc}; check the UCX_* variables "
+                           "(UCX_TLS, UCX_NET_DEVICES; ucx_info -d lists the devices UCX sees)")
+        return True, ""
+
+    def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
+        return True
+
+    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+        return UcxContext(rank, size, store, timeout)
