@@ -57,4 +57,4 @@ def test_debug_logs_algorithm_and_chunking(tmp_path):
                          capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     assert "allreduce #0 (1000 x float32, sum) via ring, chunks of 1024 B" in res.stderr, res.stderr
-    assert "transports ['tcp']" in res.stderr
+    assert "transports ['shm']" in res.stderr  # auto: shared memory between ranks of one host
