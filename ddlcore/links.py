@@ -30,6 +30,13 @@ def local_transports(spec: str) -> tuple[str, ...]:
     return (spec,)
 
 
+def prepare(names: tuple[str, ...]) -> None:
+    """Let each transport this process may use do what must precede the rendezvous (see
+    `Transport.prepare`)."""
+    for name in names:
+        transports.load(name).prepare()
+
+
 def network_order(spec: str) -> tuple[str, ...]:
     if spec.startswith("auto:"):
         return tuple(n for n in spec[5:].split(",") if n)

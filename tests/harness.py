@@ -89,6 +89,15 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[
     conn.close()
 
 
+def _remove_shared_memory(procs: list) -> None:
+    """Like ddlrun: ranks killed (or crashed) without closing leave shm segments named by pid."""
+    try:
+        from ddlcore.transports.shm import remove_segments_of
+    except ImportError:
+        return
+    remove_segments_of({p.pid for p in procs if p.pid is not None and not p.is_alive()})
+
+
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,
               env: Mapping[str, str | None] | None = None,
               rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
@@ -164,6 +173,7 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
             proc.join(5)
         for conn in conns:
             conn.close()
+        _remove_shared_memory(procs)
     if errors:
         story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {nprocs} ranks failed:\n{story}")

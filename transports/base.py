@@ -139,6 +139,14 @@ class Transport(abc.ABC):
     def is_available(cls) -> tuple[bool, str]:
         """Whether this transport can run in this process, and if not, why (an actionable reason)."""
 
+    @classmethod
+    def prepare(cls) -> None:
+        """Called on every rank that can run this transport, before the rendezvous store is
+        used. For work that must not wait until after it: MPI_Init holds the GIL until every
+        rank has joined, so run later on the rank that serves the store it would starve the
+        store's threads while the other ranks still need them (a deadlock)."""
+        return None  # most transports need nothing here
+
     @abc.abstractmethod
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         """Whether this transport can link ``me`` and ``peer`` (e.g. shm: same host only)."""

@@ -273,6 +273,10 @@ class MpiTransport(Transport):
             return False, "mpi4py is not installed (pip install 'ddlcore[mpi]')"
         return True, ""
 
+    @classmethod
+    def prepare(cls) -> None:
+        _mpi()  # MPI_Init (mpi4py initialises at import), on every rank before the store
+
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return True
 

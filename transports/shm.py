@@ -45,6 +45,7 @@ import select
 import struct
 import threading
 import time
+import weakref
 from collections import deque
 
 from ddlcore.transports import _shm
@@ -107,6 +108,11 @@ _DATA = 1
 _RECORD = struct.Struct("<IIQQQ")   # kind, check, tag, nbytes, reserved
 _IDLE_WAIT_S = 0.05             # the progress thread wakes at least this often ...
 _LIVENESS_S = 0.05              # ... to look at the peers' pidfds
+# A waiting thread moves its pair's bytes itself for this long before it blocks on the request
+# (one wake-up per message instead of two: the doorbell wakes the waiter directly).
+_DRIVE_S = 0.05
+_POLL_WHILE_DRIVEN_S = 0.0005  # how often the progress thread looks while waiters drive
+_CLOSE_WAIT_S = 5.0             # close() waits this long for waiting threads to step out
 
 
 def _pad(n: int) -> int:
@@ -146,6 +152,44 @@ def remove_segments_of(pids: set[int]) -> list[str]:
             except OSError:
                 pass
     return removed
+
+
+class ShmRequest(ThreadRequest):
+    """A request whose waiter drives progress on its pair (see `ShmPair._drive`)."""
+
+    __slots__ = ("_driven",)
+
+    def __init__(self, pair: ShmPair, view: memoryview, tag: int, check: int,
+                 is_send: bool) -> None:
+        super().__init__(pair, view, tag, check, is_send)
+        self._driven = False
+
+    def _complete(self) -> None:
+        super()._complete()
+        if self._driven:  # the waiter may be asleep on the doorbell: wake it
+            _shm.bell_ring(self._pair._ctx._bell)
+
+    def _fail(self, error: DDLError) -> None:
+        super()._fail(error)
+        if self._driven:
+            _shm.bell_ring(self._pair._ctx._bell)
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            start = time.monotonic()
+            self._pair._drive(self, _DRIVE_S if timeout is None else min(timeout, _DRIVE_S))
+            if not self._done and timeout is not None:  # the rest of the wait, on the lock
+                if not self._lock.acquire(True, max(0.0, timeout - (time.monotonic() - start))):
+                    raise self._pair._timeout_error(self, timeout)
+                self._lock.release()
+        super().wait(timeout)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # a survivor took us for dead, or the launcher cleaned up
+        pass
 
 
 class _Send:
@@ -203,6 +247,7 @@ class ShmPair(Pair):
         self._announced = _ATTACHED  # what we last told the peer (or will, once attached)
         self._abort_note: tuple[int, bytes] = (0, b"")
         self._watched = False
+        self._driving = 0  # threads in _drive on this pair (guarded by the context's _drivers)
 
     # --- attaching --------------------------------------------------------------------------
     def _attach(self, name: str, pid: int) -> None:
@@ -264,7 +309,7 @@ class ShmPair(Pair):
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
         view = as_view(view)
         check_tag(tag, check)
-        req = ThreadRequest(self, view, tag, check, True)
+        req = ShmRequest(self, view, tag, check, True)
         with self._plock:
             if self._failure is not None or self._gone is not None:
                 req._fail(self._error_for(req))
@@ -279,7 +324,7 @@ class ShmPair(Pair):
 
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
         view = recv_view(view, tag, check)
-        req = ThreadRequest(self, view, tag, check, False)
+        req = ShmRequest(self, view, tag, check, False)
         with self._clock:
             arrived = self._unexpected.get(tag)
             if arrived:
@@ -452,6 +497,40 @@ class ShmPair(Pair):
             moved = True
         return moved
 
+    def _drive(self, req: ShmRequest, budget: float) -> None:
+        """Move this pair's bytes from the waiting thread until ``req`` is done or ``budget``
+        seconds pass, sleeping on our doorbell (rung by the peer when it publishes data or frees
+        space, and by ``req`` when another thread finishes it)."""
+        ctx = self._ctx
+        bell = ctx._bell
+        end = time.monotonic() + budget
+        with ctx._drivers:
+            if ctx._closed:  # the mappings may be gone: leave it to the request's lock
+                return
+            ctx._driving += 1
+            self._driving += 1
+        try:
+            while not req._done:
+                seen = _shm.bell_seq(bell)
+                try:
+                    self._progress()
+                except DDLError as exc:
+                    self._fail_pair(exc)
+                left = end - time.monotonic()
+                if req._done or left <= 0:
+                    return
+                # Only while asleep must another thread's completion of req ring the bell.
+                req._driven = True
+                if not req._done:
+                    _shm.bell_wait(bell, seen, left)
+                req._driven = False
+        finally:
+            req._driven = False
+            with ctx._drivers:
+                ctx._driving -= 1
+                self._driving -= 1
+                ctx._drivers.notify_all()
+
     def _attach_back(self) -> None:
         """The peer attached to us first: attach to it with the name it left in its slot."""
         length = _shm.load_u32(self._in + _S_NAME_LEN)
@@ -562,6 +641,8 @@ class ShmContext(PairTableContext):
             os.unlink(self.path)
             raise
         os.close(fd)
+        # A process that exits without close() still takes its segment's name with it.
+        self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, self.path)
         base = self._base
         _shm.store_u32(base + _OFF_VERSION, _VERSION)
         _shm.store_u32(base + _OFF_NSLOTS, size)
@@ -572,6 +653,8 @@ class ShmContext(PairTableContext):
         self._attach_gen = 0
         self._init_pairs()
         self._pidfds = select.poll()
+        self._drivers = threading.Condition()  # waiters moving bytes themselves (ShmPair._drive)
+        self._driving = 0
         self._closed = False
         self._stopping = False
         try:
@@ -641,6 +724,8 @@ class ShmContext(PairTableContext):
                 self._discover()
             moved = False
             for p in self._pair_list():
+                if p._driving:  # a waiting thread is moving this pair's bytes right now
+                    continue
                 try:
                     moved = p._progress() or moved
                 except DDLError as exc:
@@ -656,7 +741,13 @@ class ShmContext(PairTableContext):
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_S
                 self._check_liveness()
-            if not moved:
+            if moved:
+                continue
+            if self._driving:
+                # Waiting threads are moving bytes and sleep on the doorbell themselves: poll
+                # instead of sleeping there too, so each message wakes one thread, not two.
+                time.sleep(_POLL_WHILE_DRIVEN_S)
+            else:
                 _shm.bell_wait(bell, seen, _IDLE_WAIT_S)
 
     def _check_liveness(self) -> None:
@@ -683,16 +774,15 @@ class ShmContext(PairTableContext):
         self._stopping = True
         self._wake()
         self._thread.join()
+        with self._drivers:  # nobody may touch the mappings once they are gone
+            self._drivers.wait_for(lambda: self._driving == 0, timeout=_CLOSE_WAIT_S)
         for p in pairs:
             p._detach()
         self._release()
 
     def _release(self) -> None:
         _shm.unmap(self._base, self._bytes)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:  # a survivor took us for dead, or the launcher cleaned up
-            pass
+        self._unlink_at_exit()
 
 
 class ShmTransport(Transport):
