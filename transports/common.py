@@ -174,9 +174,12 @@ class PairTableContext(Context):
             found = self._pairs.get(peer)
             if found is None:
                 found = self._pairs[peer] = self._new_pair(peer)
-                if self._failure is not None:
-                    found.abort(*self._failure)
-            return found
+                failure = self._failure
+            else:
+                failure = None
+        if failure is not None:  # outside the lock: aborting a pair may need it
+            found.abort(*failure)
+        return found
 
     def _pair_list(self) -> list[Any]:
         return list(self._pairs.values())  # one C-level copy: safe against a concurrent insert
@@ -187,6 +190,8 @@ class PairTableContext(Context):
 
     def abort(self, code: int, reason: str) -> None:
         with self._lock:
+            if self._closed:
+                return
             if self._failure is None:
                 self._failure = (code, reason)
             pairs = self._pair_list()

@@ -71,9 +71,11 @@ from ddlcore.transports.base import (
 )
 from ddlcore.transports.common import (
     MAX_CHECK,
+    PairTableContext,
     ThreadRequest,
     abort_error,
     as_view,
+    check_peer,
     check_tag,
     checks_match,
     copy_error,
@@ -434,7 +436,7 @@ class UcxPair(Pair):
         return sent
 
 
-class UcxContext(Context):
+class UcxContext(PairTableContext):
     """This rank's UCX context and worker, its progress thread and its pairs."""
 
     def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
@@ -445,10 +447,7 @@ class UcxContext(Context):
         self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
         self._lib, self._Array = _import_ucxx()
         lib = self._lib
-        self._lock = threading.Lock()  # pairs, closed, failure
-        self._pairs: dict[int, UcxPair] = {}
-        self._failure: tuple[int, str] | None = None
-        self._first_abort: DDLError | None = None
+        self._init_pairs()  # _lock guards pairs, closed, failure
         self._closed = False
         self._incoming: deque[_Op] = deque()  # operations other threads hand to the progress thread
         self._ops: list[_Op] = []  # progress thread only
@@ -479,43 +478,17 @@ class UcxContext(Context):
             raise
 
     # --- pairs ----------------------------------------------------------------------------------
-    def _pair_for(self, peer: int) -> UcxPair:
-        with self._lock:
-            found = self._pairs.get(peer)
-            if found is None:
-                found = self._pairs[peer] = UcxPair(self, peer)
-                failure = self._failure
-            else:
-                failure = None
-        if failure is not None:
-            found.abort(*failure)
-        return found
+    def _new_pair(self, peer: int) -> UcxPair:
+        return UcxPair(self, peer)
 
     def pair(self, peer: int) -> Pair:
         found = self._pairs.get(peer)
         if found is not None and found._connected:
             return found
-        if not 0 <= peer < self.size or peer == self.rank:
-            raise ValueError(f"peer={peer}: rank {self.rank} of {self.size} has no such peer")
-        if self._closed:
-            raise CommunicatorClosedError(f"rank {self.rank}: the UCX context is closed")
+        check_peer(self.rank, self.size, peer, self._closed, "UCX")
         found = self._pair_for(peer)
         found._connect(time.monotonic() + self.timeout)
         return found
-
-    def _note_abort(self, error: DDLError) -> None:
-        if self._first_abort is None:
-            self._first_abort = error
-
-    def abort(self, code: int, reason: str) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            if self._failure is None:
-                self._failure = (code, reason)
-            pairs = list(self._pairs.values())
-        for p in pairs:
-            p.abort(code, reason)
 
     # --- handing work to the progress thread ----------------------------------------------------
     def _wake(self) -> None:
