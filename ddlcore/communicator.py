@@ -27,7 +27,6 @@ from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
 from ddlcore.handles import Executor, Handle
 from ddlcore.links import Links, local_transports
-from ddlcore.links import prepare as prepare_transports
 from ddlcore.ops import Op, as_op
 from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
 from ddlcore.transports.base import PeerInfo
@@ -456,8 +455,7 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     if info.size == 1:
         return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
     info = resolve_master(info, environ)
-    names = local_transports(spec)
-    prepare_transports(names)  # before the store: MPI_Init would starve its threads later
+    names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
     client, store = _store_for(info, timeout)
     try:
         store.set(f"peer/{info.rank}", _encode_peer(host_id, names))

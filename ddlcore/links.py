@@ -20,21 +20,27 @@ from ddlcore.transports.base import Context, Pair, PeerInfo, Store, Transport
 
 
 def local_transports(spec: str) -> tuple[str, ...]:
-    """Names of the transports this process can run; a forced transport that cannot run here
-    is an error that says why."""
+    """Names of the transports this process can run, each made ready (`Transport.prepare`,
+    e.g. MPI_Init) as soon as it is found available, so later probes see what it loaded (the
+    MPICH wheel's own UCX, which ucxx's cannot share a process with). A forced transport that
+    cannot run here is an error that says why. Call before the rendezvous store is used."""
     if spec == "auto" or spec.startswith("auto:"):
-        return tuple(name for name, (ok, _) in transports.available().items() if ok)
-    ok, why = transports.load(spec).is_available()
+        names = []
+        for name in transports.names():
+            try:
+                cls = transports.load(name)
+            except TransportUnavailableError:
+                continue
+            if cls.is_available()[0]:
+                cls.prepare()
+                names.append(name)
+        return tuple(names)
+    cls = transports.load(spec)
+    ok, why = cls.is_available()
     if not ok:
         raise TransportUnavailableError(f"DDL_TRANSPORT={spec} cannot run here: {why}")
+    cls.prepare()
     return (spec,)
-
-
-def prepare(names: tuple[str, ...]) -> None:
-    """Let each transport this process may use do what must precede the rendezvous (see
-    `Transport.prepare`)."""
-    for name in names:
-        transports.load(name).prepare()
 
 
 def network_order(spec: str) -> tuple[str, ...]:

@@ -141,8 +141,8 @@ class Transport(abc.ABC):
 
     @classmethod
     def prepare(cls) -> None:
-        """Called on every rank that can run this transport, before the rendezvous store is
-        used. For work that must not wait until after it: MPI_Init holds the GIL until every
+        """Called on every rank that can run this transport, right after ``is_available`` says
+        yes and before the rendezvous store is used. For work that must not wait until after it: MPI_Init holds the GIL until every
         rank has joined, so run later on the rank that serves the store it would starve the
         store's threads while the other ranks still need them (a deadlock)."""
         return None  # most transports need nothing here

@@ -111,6 +111,7 @@ _LIVENESS_S = 0.05              # ... to look at the peers' pidfds
 # A waiting thread moves its pair's bytes itself for this long before it blocks on the request
 # (one wake-up per message instead of two: the doorbell wakes the waiter directly).
 _DRIVE_S = 0.05
+_SPIN_S = 50e-6                 # spin this long before sleeping on the doorbell (4 KB p2p: 66 -> 14 µs)
 _POLL_WHILE_DRIVEN_S = 0.0005  # how often the progress thread looks while waiters drive
 _CLOSE_WAIT_S = 5.0             # close() waits this long for waiting threads to step out
 
@@ -519,11 +520,17 @@ class ShmPair(Pair):
                 left = end - time.monotonic()
                 if req._done or left <= 0:
                     return
-                # Only while asleep must another thread's completion of req ring the bell.
-                req._driven = True
-                if not req._done:
-                    _shm.bell_wait(bell, seen, left)
-                req._driven = False
+                # Spin briefly first: a reply usually comes within microseconds, and a futex
+                # sleep costs a wake-up of tens of µs on a busy VM (the MPI transport does same).
+                spin_end = time.monotonic() + _SPIN_S
+                while _shm.bell_seq(bell) == seen and not req._done:
+                    if time.monotonic() > spin_end:
+                        # Only while asleep must another thread's completion ring the bell.
+                        req._driven = True
+                        if not req._done:
+                            _shm.bell_wait(bell, seen, left)
+                        req._driven = False
+                        break
         finally:
             req._driven = False
             with ctx._drivers:

@@ -41,6 +41,10 @@ Our defaults (_UCX_DEFAULTS) go in the context's config only for names the user 
 ucxx's package ``__init__`` writes a few ``UCX_*`` defaults into ``os.environ`` when first
 imported; we import it lazily and put the environment back as it was (see `_import_ucxx`).
 
+MPI beside UCX: the MPICH wheel bundles its own libucs; ucxx's UCX cannot load into a process
+that already runs it, so under ``mpiexec`` with ``auto`` the MPI transport is readied first and
+ucx reports itself unavailable, saying why (`_foreign_ucx`).
+
 Device memory: host buffers only for now. Device buffers will go through UCX's cuda_copy /
 cuda_ipc / GPUDirect RDMA transports (ucxx's ``Array`` already takes
 ``__cuda_array_interface__`` objects), which is where this transport is meant to grow.
@@ -121,6 +125,22 @@ _OP_SEND, _OP_RECV, _OP_TEMP, _OP_DRAIN, _OP_NOTICE = 0, 1, 2, 3, 4
 _UCX_DEFAULTS = {"KEEPALIVE_INTERVAL": "1s"}
 
 _import_lock = threading.Lock()
+
+
+def _foreign_ucx() -> str:
+    """The path of a UCX library loaded into this process from somewhere other than the libucx
+    wheel (the MPICH wheel bundles its own), or "" when there is none."""
+    if "mpi4py.MPI" not in sys.modules or "ucxx" in sys.modules:
+        return ""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "/libucs.so" in path and "/libucx/" not in path:
+                    return path
+    except OSError:
+        pass
+    return ""
 
 
 def _import_ucxx() -> tuple[Any, Any]:
@@ -849,6 +869,11 @@ class UcxTransport(Transport):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
+        clash = _foreign_ucx()
+        if clash:
+            return False, (f"this process already runs MPI with its own UCX ({clash}); ucxx's "
+                           "UCX cannot load beside it. Use DDL_TRANSPORT=mpi under mpiexec, or "
+                           "start the job with ddlrun/torchrun for ucx")
         try:
             lib, _ = _import_ucxx()
         except ImportError as exc:

@@ -147,3 +147,29 @@ def test_large_messages_mismatch_unexpected_and_mid_transfer(ucx):
     early, late = messages
     assert "rank 0 sent 1048576 bytes" in early and "rank 1 posted 1048575 bytes" in early
     assert "rank 0 sent 1048576 bytes" in late and "rank 1 posted 1048577 bytes" in late
+
+
+def test_refuses_to_load_beside_the_mpich_wheels_own_ucx():
+    """mpi4py with the MPICH wheel loads MPICH's bundled libucs; ucxx's UCX would clash with it
+    in the same process, so ucx says it is unavailable and why instead of failing to load."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        require(False, "mpi4py is not installed (pip install 'ddlcore[mpi]')")
+    code = ("from mpi4py import MPI\n"
+            "from ddlcore.transports.ucx import UcxTransport\n"
+            "print(UcxTransport.is_available())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "PMI_"))}
+    from importlib import metadata
+
+    try:
+        bundled = any("libucs" in str(f) for f in metadata.files("mpich") or ())
+    except metadata.PackageNotFoundError:
+        bundled = False
+    if not bundled:
+        pytest.skip("this MPI does not bundle its own UCX: nothing to clash with")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert res.returncode == 0, res.stderr
+    assert "(False," in res.stdout and "own UCX" in res.stdout and "DDL_TRANSPORT=mpi" in \
+        res.stdout, res.stdout
