@@ -1,5 +1,7 @@
 """Shared-memory transport: ranks on one host exchange tag-matched messages through lock-free
-single-producer/single-consumer byte rings in ``/dev/shm``.
+single-producer/single-consumer byte rings in ``/dev/shm``. This file is over the ~500-line guide
+because the ring protocol, the two ways of making progress and the failure rules only make sense
+together; the native half (atomics, futex, copies) is ``_shm.pyx`` / ``ddl_shm.h``.
 
 Layout. Every rank owns one *inbox* segment, ``/dev/shm/ddl-<pid>-<random>-r<rank>``, made at
 context creation and published in the store (``shm/inbox/<rank>``: name, pid). It holds a
@@ -21,8 +23,10 @@ copies arrived data straight into posted receive buffers (or, for a message nobo
 yet, into a new buffer that a later receive copies from: sends never wait for the receiver's
 program), and sleeps on a futex doorbell when there is nothing to do. Producers ring the
 consumer's bell when they publish data, consumers ring the producer's bell when they free space.
-``isend`` on an idle pair writes into the ring from the caller's thread (no hand-off for small
-messages). All copies release the GIL (``_shm.pyx``).
+``isend`` on an idle pair writes into the ring from the caller's thread, and a thread waiting on
+a request moves its pair's bytes itself (spinning briefly, then sleeping on the doorbell) while
+the progress thread stands back, so a small message costs no thread hand-off. All copies release
+the GIL (``_shm.pyx``).
 
 Lifetime and failures. A rank that first uses a pair maps the peer's inbox and marks its slot
 there ATTACHED (with its pid and inbox name, so the peer attaches back without the store).
