@@ -38,6 +38,11 @@ the inbox of a peer it saw die; ``ddlrun`` removes those of ranks that died befo
 noticed (`remove_segments_of`). Names carry the owner's pid and random bits, so two jobs on one
 host never collide.
 
+Single copy. A message of ``_CMA_MIN`` bytes or more travels as a CMA record (the address of the
+data in the sender); the receiver reads it with ``process_vm_readv`` straight into the posted
+buffer (or one of its own) and answers with an ACK record, which completes the send. Off where
+Yama forbids reading a peer's memory, or when the peer's pid does not name it here.
+
 Device memory is host-staged above this layer; CUDA IPC handles are where it would go here.
 """
 
@@ -108,8 +113,14 @@ _MAX_NAME = 255
 # Producer states.
 _NONE, _ATTACHED, _CLOSED, _ABORTED = 0, 1, 2, 3
 # Record kinds.
-_DATA = 1
-_RECORD = struct.Struct("<IIQQQ")   # kind, check, tag, nbytes, reserved
+_DATA = 1                       # header, then the payload through the ring
+_CMA = 2                        # header, then where the payload is: the receiver reads it itself
+_ACK = 3                        # the receiver has read CMA message ``msgno``: the send is done
+_RECORD = struct.Struct("<IIQQQ")   # kind, check, tag, nbytes, msgno (CMA, ACK)
+_CMA_BLOCK = struct.Struct("<QQQQ")  # address in the sender, 3 x reserved
+# From 256 KiB up one kernel copy (process_vm_readv) beats two copies through the ring even with
+# the ACK's round trip; below it the ring wins (measured with benchmarks/p2p.py).
+_CMA_MIN = 1 << 18
 _IDLE_WAIT_S = 0.05             # the progress thread wakes at least this often ...
 _LIVENESS_S = 0.05              # ... to look at the peers' pidfds
 # A waiting thread moves its pair's bytes itself for this long before it blocks on the request
@@ -197,14 +208,29 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
+def _cma_allowed() -> bool:
+    """Whether this kernel lets a process read a same-user peer's memory (process_vm_readv):
+    Yama's ptrace_scope 1 and up forbids it between processes that are not parent and child."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:  # no Yama: ordinary same-user ptrace rules, which allow it
+        return True
+
+
+_CMA_OK = _cma_allowed()
+
+
 class _Send:
-    """A send in the producer's queue: how much of its record is already in the ring."""
+    """An item of the producer's queue: its record (header, and for CMA where the data is), the
+    payload streamed after it (DATA), and how much of it is already in the ring."""
 
-    __slots__ = ("req", "view", "total", "written")
+    __slots__ = ("req", "view", "record", "total", "written", "kind")
 
-    def __init__(self, req: ThreadRequest) -> None:
-        self.req, self.view = req, req.view
-        self.total = _HDR + _pad(req.nbytes)
+    def __init__(self, req: ThreadRequest | None, record: bytes, kind: int,
+                 view: memoryview | None = None) -> None:
+        self.req, self.record, self.kind, self.view = req, record, kind, view
+        self.total = len(record) + (_pad(len(view)) if view is not None else 0)
         self.written = 0
 
 
@@ -252,6 +278,10 @@ class ShmPair(Pair):
         self._announced = _ATTACHED  # what we last told the peer (or will, once attached)
         self._abort_note: tuple[int, bytes] = (0, b"")
         self._watched = False
+        self._cma = _CMA_OK  # and the peer is in our pid namespace: see _attach
+        self._msgno = 0  # CMA messages sent (``_plock``)
+        self._await_ack: dict[int, ThreadRequest] = {}  # CMA sends the peer has not read yet
+        self._acks: deque[int] = deque()  # CMA messages read, to acknowledge (``_clock``)
         self._driving = 0  # threads in _drive on this pair (guarded by the context's _drivers)
 
     # --- attaching --------------------------------------------------------------------------
@@ -290,6 +320,7 @@ class ShmPair(Pair):
             self._pidfd = os.pidfd_open(pid)
         except OSError:  # already gone, or another pid namespace: the deadline still applies
             self._pidfd = -1
+            self._cma = False  # its pid may not name it here: keep data in the ring
         me = self._ctx.name.encode()
         _shm.store_u32(out + _S_PID, os.getpid())
         _shm.store_u32(out + _S_NAME_LEN, len(me))
@@ -319,7 +350,15 @@ class ShmPair(Pair):
             if self._failure is not None or self._gone is not None:
                 req._fail(self._error_for(req))
                 return req
-            self._sendq.append(_Send(req))
+            if self._cma and req.nbytes >= _CMA_MIN:
+                msgno = self._msgno = self._msgno + 1
+                self._await_ack[msgno] = req  # before the peer can possibly answer
+                record = _RECORD.pack(_CMA, check, tag, req.nbytes, msgno) + _CMA_BLOCK.pack(
+                    _shm.address_of(view), 0, 0, 0)
+                self._sendq.append(_Send(req, record, _CMA))
+            else:
+                self._sendq.append(_Send(req, _RECORD.pack(_DATA, check, tag, req.nbytes, 0),
+                                         _DATA, view))
             if len(self._sendq) == 1 and self.attached:
                 self._push()  # idle pair: straight into the ring from this thread
             pending = bool(self._sendq)
@@ -381,26 +420,27 @@ class ShmPair(Pair):
         published = head
         while queue and free > 0:
             item = queue[0]
-            req = item.req
             if item.written == 0:
-                if free < _HDR:
+                record = item.record
+                if free < len(record):
                     break
-                _shm.put_bytes(data + (head & (_CAP - 1)),
-                               _RECORD.pack(_DATA, req.check, req.tag, req.nbytes, 0))
-                head += _HDR
-                free -= _HDR
-                item.written = _HDR
+                _shm.ring_put(data, _CAP, head, record, 0, len(record))
+                head += len(record)
+                free -= len(record)
+                item.written = len(record)
             n = min(free, item.total - item.written, _PIECE)
-            lo = item.written - _HDR
-            copy = min(n, req.nbytes - lo)
-            if copy > 0:
-                _shm.ring_put(data, _CAP, head, item.view, lo, copy)
-            head += n
-            free -= n
-            item.written += n
+            if n > 0:
+                lo = item.written - _HDR
+                copy = min(n, len(item.view) - lo)
+                if copy > 0:
+                    _shm.ring_put(data, _CAP, head, item.view, lo, copy)
+                head += n
+                free -= n
+                item.written += n
             if item.written == item.total:
                 queue.popleft()
-                req._complete()
+                if item.kind == _DATA:
+                    item.req._complete()  # CMA sends complete on the peer's ACK
             if head - published >= _PIECE:  # let the consumer start on what is there
                 _shm.store_u64(out + _S_HEAD, head)
                 _shm.bell_ring(self._peer_bell)
@@ -421,8 +461,22 @@ class ShmPair(Pair):
             if cur is None:
                 if tail >= head:
                     break
-                kind, check, tag, nbytes, _ = _RECORD.unpack(
+                kind, check, tag, nbytes, msgno = _RECORD.unpack(
                     _shm.get_bytes(data + (tail & (_CAP - 1)), _HDR))
+                if kind == _ACK:
+                    tail += _HDR
+                    done = self._await_ack.pop(msgno, None)
+                    if done is not None:
+                        done._complete()
+                    continue
+                if kind == _CMA:
+                    if head - tail < _HDR + _CMA_BLOCK.size:
+                        break  # published whole by the producer: cannot happen, but be safe
+                    address = _CMA_BLOCK.unpack(
+                        _shm.get_bytes(data + ((tail + _HDR) & (_CAP - 1)), _CMA_BLOCK.size))[0]
+                    tail += _HDR + _CMA_BLOCK.size
+                    self._cma_receive(tag, check, nbytes, address, msgno)
+                    continue
                 tail += _HDR
                 if kind != _DATA or nbytes > 1 << 48:
                     raise DDLError(f"rank {self.rank}: corrupt record (kind {kind}, {nbytes} "
@@ -446,6 +500,41 @@ class ShmPair(Pair):
                 _shm.bell_ring(self._peer_bell)
             return True
         return False
+
+    def _cma_receive(self, tag: int, check: int, nbytes: int, address: int, msgno: int) -> None:
+        """Read a CMA message straight out of the sender's memory into the matched receive (or
+        a buffer of our own), then queue the ACK that completes the sender's request."""
+        cur = self._begin(tag, check, nbytes)
+        if cur.target is not None and nbytes:
+            rc = _shm.cma_read(_shm.load_u32(self._in + _S_PID), address, cur.target, 0, nbytes)
+            if rc != 0:
+                error = PeerFailureError(
+                    f"rank {self.rank} could not read the {nbytes}-byte message with tag {tag:#x} "
+                    f"out of rank {self.peer}'s memory (process_vm_readv: {os.strerror(-rc)}); "
+                    "ranks sharing memory must run as the same user, and Yama's "
+                    "kernel.yama.ptrace_scope must be 0 (or use DDL_TRANSPORT=tcp)", self.peer)
+                if cur.req is not None:
+                    cur.req._fail(error)
+                    cur.req = None
+                cur.data = None
+        cur.read = cur.total
+        self._finish(cur)
+        self._acks.append(msgno)
+
+    def _send_acks(self) -> None:
+        """Queue the ACKs of CMA messages read (``_clock`` not held: this takes ``_plock``)."""
+        with self._plock:
+            if self._failure is not None or self._gone is not None:
+                self._acks.clear()
+                return
+            while self._acks:
+                item = _Send(None, _RECORD.pack(_ACK, 0, 0, 0, self._acks.popleft()), _ACK)
+                if self._sendq and self._sendq[0].written:  # never cut into a record
+                    self._sendq.insert(1, item)
+                else:
+                    self._sendq.appendleft(item)
+            if self.attached:
+                self._push()
 
     def _begin(self, tag: int, check: int, nbytes: int) -> _Incoming:
         cur = _Incoming(tag, check, nbytes)
@@ -497,6 +586,8 @@ class ShmPair(Pair):
         with self._clock:
             if self._failure is None:
                 moved = self._pull() or moved
+        if self._acks:
+            self._send_acks()
         if state == _CLOSED and self._gone is None:
             self._peer_gone(f"rank {self.peer} closed its connection while")
             moved = True
@@ -571,8 +662,10 @@ class ShmPair(Pair):
             if self._gone is not None:
                 return
             self._gone = why
-            pending += [item.req for item in self._sendq]
+            pending += [item.req for item in self._sendq if item.req is not None]
+            pending += self._await_ack.values()
             self._sendq.clear()
+            self._await_ack.clear()
             pending += [r for waiting in self._posted.values() for r in waiting]
             self._posted.clear()
             if self._incoming is not None and self._incoming.req is not None:
@@ -587,8 +680,10 @@ class ShmPair(Pair):
             if self._failure is not None:
                 return
             self._failure = error
-            pending = [item.req for item in self._sendq]
+            pending = [item.req for item in self._sendq if item.req is not None]
+            pending += self._await_ack.values()
             self._sendq.clear()
+            self._await_ack.clear()
             pending += [r for waiting in self._posted.values() for r in waiting]
             self._posted.clear()
             self._unexpected.clear()

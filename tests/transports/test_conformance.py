@@ -49,6 +49,13 @@ def test_256_mb_message(transport):
     assert gbps > 0.05, f"{transport}: 256 MB took {elapsed:.1f} s"
 
 
+def test_large_message_paths(transport):
+    _, messages = run_ranks(conf.large_message_paths, 2, transport, timeout=JOB_TIMEOUT_S)
+    early, late = messages
+    assert "rank 0 sent 1048576 bytes" in early and "rank 1 posted 1048575 bytes" in early
+    assert "rank 0 sent 1048576 bytes" in late and "rank 1 posted 1048577 bytes" in late
+
+
 def test_traffic_in_both_directions(transport):
     run_ranks(conf.both_directions, 2, transport, timeout=JOB_TIMEOUT_S)
 
