@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from _thread import allocate_lock
+from collections import deque
 from typing import Any
 
 from ddlcore.transports.base import ABORT_MISMATCH, ABORT_TIMEOUT, Context, Request
@@ -25,6 +26,28 @@ from ddlcore.errors import (
 MAX_TAG = (1 << 64) - 1
 MAX_CHECK = (1 << 32) - 1
 ABORT_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
+
+
+def take_oldest(table: dict[int, deque], tag: int) -> Any:
+    """Remove and return the oldest entry queued under ``tag`` in a table of per-tag queues
+    (posted receives, unexpected messages), or None; an emptied queue leaves the table, so the
+    table only ever holds what is pending."""
+    queue = table.get(tag)
+    if not queue:
+        return None
+    item = queue.popleft()
+    if not queue:
+        del table[tag]
+    return item
+
+
+def queue_under(table: dict[int, deque], tag: int, item: Any) -> None:
+    """Append ``item`` to the queue of ``tag`` (matching takes the oldest first)."""
+    queue = table.get(tag)
+    if queue is None:
+        table[tag] = deque((item,))
+    else:
+        queue.append(item)
 
 
 def copy_error(error: DDLError) -> DDLError:

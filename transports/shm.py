@@ -77,7 +77,9 @@ from ddlcore.transports.common import (
     checks_match,
     copy_error,
     mismatch_error,
+    queue_under,
     recv_view,
+    take_oldest,
     timeout_error,
 )
 
@@ -370,19 +372,9 @@ class ShmPair(Pair):
         view = recv_view(view, tag, check)
         req = ShmRequest(self, view, tag, check, False)
         with self._clock:
-            arrived = self._unexpected.get(tag)
-            if arrived:
-                message = arrived.popleft()
-                if not arrived:
-                    del self._unexpected[tag]
-            elif self._failure is not None or self._gone is not None:
-                message = None
-            else:
-                waiting = self._posted.get(tag)
-                if waiting is None:
-                    self._posted[tag] = deque((req,))
-                else:
-                    waiting.append(req)
+            message = take_oldest(self._unexpected, tag)
+            if message is None and self._failure is None and self._gone is None:
+                queue_under(self._posted, tag, req)
                 return req
         if message is None:
             req._fail(self._error_for(req))
@@ -538,11 +530,8 @@ class ShmPair(Pair):
 
     def _begin(self, tag: int, check: int, nbytes: int) -> _Incoming:
         cur = _Incoming(tag, check, nbytes)
-        waiting = self._posted.get(tag)
-        if waiting:
-            req = waiting.popleft()
-            if not waiting:
-                del self._posted[tag]
+        req = take_oldest(self._posted, tag)
+        if req is not None:
             if nbytes != req.nbytes or not checks_match(check, req.check):
                 req._fail(mismatch_error(self.peer, self.rank, tag, nbytes, check, req.nbytes,
                                          req.check))
@@ -559,14 +548,11 @@ class ShmPair(Pair):
             return
         if cur.data is None:
             return  # drained
-        waiting = self._posted.get(cur.tag)
-        if waiting:
-            req = waiting.popleft()
-            if not waiting:
-                del self._posted[cur.tag]
+        req = take_oldest(self._posted, cur.tag)
+        if req is not None:
             self._deliver(req, cur.check, cur.data)
         else:
-            self._unexpected.setdefault(cur.tag, deque()).append((cur.check, cur.data))
+            queue_under(self._unexpected, cur.tag, (cur.check, cur.data))
 
     def _progress(self) -> bool:
         """One round for this pair: peer state, sends, receives. True if anything moved."""

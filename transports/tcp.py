@@ -55,8 +55,10 @@ from ddlcore.transports.common import (
     checks_match,
     copy_error,
     mismatch_error,
+    queue_under,
     recv_view,
     seconds,
+    take_oldest,
     timeout_error,
 )
 from ddlcore.transports.sockets import (
@@ -245,13 +247,7 @@ class _Channel:
     def on_data(self, sock: socket.socket, check: int, tag: int, nbytes: int) -> None:
         pair = self.pair
         with self.mlock:
-            waiting = self.posted.get(tag)
-            if waiting:
-                req = waiting.popleft()
-                if not waiting:
-                    del self.posted[tag]
-            else:
-                req = None
+            req = take_oldest(self.posted, tag)
         if req is None:
             if pair._failure is not None:  # nobody will ask for it any more
                 _discard(sock, nbytes)
@@ -260,13 +256,10 @@ class _Channel:
             if nbytes and not recv_exact(sock, memoryview(data)):
                 raise ConnectionResetError("EOF inside a message")
             with self.mlock:
-                waiting = self.posted.get(tag)
-                if not waiting:
-                    self.unexpected.setdefault(tag, deque()).append((check, data))
+                req = take_oldest(self.posted, tag)
+                if req is None:
+                    queue_under(self.unexpected, tag, (check, data))
                     return
-                req = waiting.popleft()
-                if not waiting:
-                    del self.posted[tag]
             pair._deliver(req, check, data)
             return
         try:
@@ -359,17 +352,9 @@ class TcpPair(Pair):
         message = None
         with ch.mlock:
             if self._failure is None:
-                arrived = ch.unexpected.get(tag)
-                if arrived:
-                    message = arrived.popleft()
-                    if not arrived:
-                        del ch.unexpected[tag]
-                elif ch.failure is None:
-                    waiting = ch.posted.get(tag)
-                    if waiting is None:
-                        ch.posted[tag] = deque((req,))
-                    else:
-                        waiting.append(req)
+                message = take_oldest(ch.unexpected, tag)
+                if message is None and ch.failure is None:
+                    queue_under(ch.posted, tag, req)
                     return req
         if message is None:
             req._fail(self._error_for(ch, req))

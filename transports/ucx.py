@@ -84,8 +84,10 @@ from ddlcore.transports.common import (
     checks_match,
     copy_error,
     mismatch_error,
+    queue_under,
     recv_view,
     seconds,
+    take_oldest,
     timeout_error,
 )
 
@@ -273,20 +275,13 @@ class UcxPair(Pair):
         msg = None
         with self._mlock:
             if self._failure is None:
-                arrived = self._unexpected.get(tag)
-                if arrived:
-                    msg = arrived.popleft()
-                    if not arrived:
-                        del self._unexpected[tag]
+                msg = take_oldest(self._unexpected, tag)
+                if msg is not None:
                     if not msg.done and not self._mismatched(req, msg.check, msg.nbytes):
                         msg.waiter = req  # the progress thread delivers when the payload is in
                         return req
                 elif self._lost is None:
-                    waiting = self._posted.get(tag)
-                    if waiting is None:
-                        self._posted[tag] = deque((req,))
-                    else:
-                        waiting.append(req)
+                    queue_under(self._posted, tag, req)
                     return req
         if msg is None:
             req._fail(self._error_for(req))
@@ -684,16 +679,12 @@ class UcxContext(PairTableContext):
         req = msg = None
         with pair._mlock:
             if pair._failure is None:
-                waiting = pair._posted.get(tag)
-                if waiting:
-                    req = waiting.popleft()
-                    if not waiting:
-                        del pair._posted[tag]
-                else:
+                req = take_oldest(pair._posted, tag)
+                if req is None:
                     msg = _Message(check, nbytes)
                     if eager is not None:
                         msg.data, msg.done = eager, True
-                    pair._unexpected.setdefault(tag, deque()).append(msg)
+                    queue_under(pair._unexpected, tag, msg)
         if req is not None and pair._mismatched(req, check, nbytes):
             req._fail(pair._mismatch(req, check, nbytes))
             req = None  # the payload (if separate) is drained below
