@@ -1,7 +1,8 @@
 """``python -m ddlcore info``: versions, transports, kernels, configuration and algorithm choice.
 
     python -m ddlcore info            # this process
-    python -m ddlcore info --np 8     # what an 8-rank job would choose
+    python -m ddlcore info --np 8     # what an 8-rank job on this host would choose
+    python -m ddlcore info --np 8 --hosts 2 --bytes 16e6   # ... on 2 hosts of 4 ranks
     ddlrun -np 4 python -m ddlcore info --init   # join the job and show per-pair transports
 """
 
@@ -13,7 +14,7 @@ import platform
 import sys
 
 import ddlcore.transports as transports
-from ddlcore import __version__, config, links, tuning
+from ddlcore import __version__, config, links, topology, tuning
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.errors import TransportUnavailableError
 
@@ -40,6 +41,7 @@ def _kernels() -> str:
 def info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddlcore info")
     parser.add_argument("--np", type=int, default=None, help="world size to plan for")
+    parser.add_argument("--hosts", type=int, default=1, help="hosts the --np ranks are spread over")
     parser.add_argument("--bytes", type=float, default=64e6, help="message size to plan for")
     parser.add_argument("--init", action="store_true", help="join the job (under a launcher)")
     args = parser.parse_args(argv)
@@ -60,9 +62,12 @@ def info(argv: list[str]) -> int:
         print(f"  {name:12s} {'available' if ok else 'unavailable: ' + why}")
     spec = config.get("DDL_TRANSPORT")
     print(f"links (DDL_TRANSPORT={spec}):")
+    level_transports: dict[str, str] = {}
     try:
         for level, name in links.plan(spec).items():
             print(f"  {level:12s} {name}")
+            if not name.startswith("none"):
+                level_transports["host" if level == "same host" else "network"] = name
     except TransportUnavailableError as exc:
         print(f"  {exc}")
     print("configuration (environment, parsed):")
@@ -79,12 +84,25 @@ def info(argv: list[str]) -> int:
         for peer, name in sorted(comm.transports.items()):
             print(f"  rank {comm.rank} <-> rank {peer}: {name}")
     size = size or 2
+    if comm is not None:
+        topo = comm.topology
+    else:
+        hosts = max(1, min(args.hosts, size))
+        host_ids = [f"host{r * hosts // size}" for r in range(size)]
+        topo = topology.build(host_ids, [""] * size, level_transports)
     algo = config.get("DDL_ALGO")
     chunk = config.get("DDL_CHUNK_BYTES")
-    print(f"algorithms for {size} ranks, {args.bytes:.3g} bytes (DDL_ALGO={algo}):")
+    print(f"topology ({size} ranks on {len(set(topo.node_of(r) for r in range(size)))} "
+          f"host(s)): box {topo.shape}: {topo.describe()}")
+    print(f"algorithms for {args.bytes:.3g} bytes (DDL_ALGO={algo}; cost model: ddlcore.tuning):")
     for coll in ALGORITHMS:
-        choice = tuning.choose(coll, size, int(args.bytes), algo, chunk)
-        print(f"  {coll:15s} {choice.algorithm} (chunks of {choice.chunk_bytes} B)")
+        choice = tuning.choose(coll, topo, int(args.bytes), algo, chunk)
+        print(f"  {coll:15s} {choice.describe()}")
+    for coll in tuning.SELECTABLE:
+        ranked = ", ".join(f"{c.algorithm}{'' if c.dim_order is None else list(c.dim_order)} "
+                           f"{c.predicted_s * 1e6:.0f} us"
+                           for c in tuning.candidates(coll, topo, args.bytes)[:4])
+        print(f"    {coll} candidates: {ranked}")
     if comm is not None:
         comm.close()
     return 0

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ddlcore import config, engine, topology, tuning
+from ddlcore import config, engine, probe, topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
@@ -54,26 +54,29 @@ class _Call:
         return self.inp.count if self.inp is not None else 0
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(collective: str, algorithm: str, rank: int, size: int, count: int, itemsize: int,
-              chunk_bytes: int, root: int) -> Schedule:
-    make = ALGORITHMS[collective][algorithm]
+def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int, count: int,
+                   itemsize: int, root: int, topo: topology.Topology) -> Schedule:
+    make = ALGORITHMS[collective][choice.algorithm]
     if collective == "barrier":
         return make(rank, size)
     if collective == "broadcast":
-        return make(rank, size, count, itemsize, chunk_bytes, root)
-    return make(rank, size, count, itemsize, chunk_bytes)
+        return make(rank, size, count, itemsize, choice.chunk_bytes, root)
+    if choice.dim_order is not None:
+        return make(rank, size, count, itemsize, choice.chunk_bytes, topo, dim_order=choice.dim_order)
+    return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
 
 
-def _encode_peer(host_id: str, names: tuple[str, ...]) -> bytes:
-    return f"{host_id}\n{','.join(names)}".encode()
+def _encode_peer(host_id: str, names: tuple[str, ...], rack_id: str) -> bytes:
+    return f"{host_id}\n{','.join(names)}\n{rack_id}".encode()
 
 
-def _decode_peer(rank: int, raw: bytes) -> PeerInfo:
+def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str]:
+    """A rank's init record: (what transports need to know of it, its rack id)."""
     if len(raw) > _MAX_PEER_RECORD:
         raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
-    host_id, _, names = raw.decode("utf-8", "replace").partition("\n")
-    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n))
+    host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
+    names, _, rack_id = rest.partition("\n")
+    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id
 
 
 class Communicator:
@@ -89,9 +92,10 @@ class Communicator:
 
     def __init__(self, info: RendezvousInfo, peers: list[PeerInfo], store: Any, links: Links | None,
                  timeout: float, environ: Mapping[str, str] | None = None,
-                 algo: str | None = None) -> None:
+                 algo: str | None = None, topo: topology.Topology | None = None) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
+        self.topology = topo or topology.flat(self.size, level="host")
         self.local_rank, self.local_size = self._layout.local_rank, self._layout.local_size
         self.peers = peers
         self.source = info.source
@@ -101,6 +105,8 @@ class Communicator:
         self._algo = algo.lower() if algo else config.get("DDL_ALGO", environ)
         tuning.validate_algo(self._algo)
         self._chunk_bytes = max(1, config.get("DDL_CHUNK_BYTES", environ))
+        # Schedules are pure functions of the call's shape on a fixed topology: keep the recent.
+        self._schedule = functools.lru_cache(maxsize=256)(self._build_schedule)
         self._depth = config.get("DDL_PIPELINE_DEPTH", environ)
         self._debug = config.get("DDL_DEBUG", environ)
         self._staging = engine.StagingPool()
@@ -122,12 +128,18 @@ class Communicator:
         return self._layout.nhosts
 
     def describe(self, collective: str, nbytes: int) -> tuning.Choice:
-        """The algorithm and chunking this communicator would use for a collective of ``nbytes``."""
-        return tuning.choose(collective, self.size, nbytes, self._algo, self._chunk_bytes)
+        """The algorithm, box-dimension order and chunking this communicator would use for a
+        collective of ``nbytes`` (the cost model's choice under ``DDL_ALGO=auto``)."""
+        return tuning.choose(collective, self.topology, nbytes, self._algo, self._chunk_bytes)
+
+    def _build_schedule(self, collective: str, count: int, itemsize: int, root: int) -> tuple[tuning.Choice, Schedule]:
+        choice = self.describe(collective, count * itemsize)
+        return choice, _make_schedule(collective, choice, self.rank, self.size, count, itemsize,
+                                      root, self.topology)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
-                f"local_size={self.local_size}, hosts={self.nhosts})")
+                f"local_size={self.local_size}, hosts={self.nhosts}, box={self.topology.shape})")
 
     # --- argument checking (before any communication) ------------------------------------------
     def _output(self, x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc, Any]:
@@ -214,13 +226,10 @@ class Communicator:
             if self._debug and self.size > 1:
                 self._check_agreement(call, seq, label)
             itemsize = call.inp.itemsize if call.inp is not None else 1
-            choice = tuning.choose(call.collective, self.size, call.count * itemsize, self._algo,
-                                   self._chunk_bytes)
-            sched = _schedule(call.collective, choice.algorithm, self.rank, self.size, call.count,
-                              itemsize, choice.chunk_bytes, call.root)
+            choice, sched = self._schedule(call.collective, call.count, itemsize, call.root)
             if self._debug:
-                log.debug("rank %d: %s via %s, chunks of %d B, %d steps, %d messages out",
-                          self.rank, label, sched.algorithm, choice.chunk_bytes, len(sched.steps),
+                log.debug("rank %d: %s via %s, box %s, %d steps, %d messages out", self.rank, label,
+                          choice.describe(), self.topology.shape, len(sched.steps),
                           sched.messages())
             empty = engine.Region(0, memoryview(bytearray()))
             host_in, host_out = self._host_arrays(call)
@@ -267,7 +276,7 @@ class Communicator:
                          int(call.op) if call.op is not None else -1, call.count, call.root],
                         np.int64)
         every = np.empty(self.size * mine.size, np.int64)
-        sched = _schedule("allgather", "ring", self.rank, self.size, mine.size, 8, 1 << 20, 0)
+        sched = ALGORITHMS["allgather"]["ring"](self.rank, self.size, mine.size, 8, 1 << 20)
         coll = engine.Collective((seq & 0x7FFFFFFF) | _DEBUG_SEQ, 0, 8, 7, None,
                                  f"{label} agreement check")
         engine.run(sched, coll, {Buf.INPUT: engine.Region.of(mine),
@@ -458,15 +467,20 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
     client, store = _store_for(info, timeout)
     try:
-        store.set(f"peer/{info.rank}", _encode_peer(host_id, names))
+        store.set(f"peer/{info.rank}", _encode_peer(host_id, names, topology.rack_identity(environ)))
         store.barrier("init", info.rank, info.size, timeout)
-        peers = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
+        records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
+        peers = [peer for peer, _ in records]
         links = Links(info.rank, info.size, spec, peers, store, timeout)
+        topo = topology.build([p.host_id for p in peers], [rack for _, rack in records],
+                              links.level_transports(), environ)
+        if config.get("DDL_LINK_PROBE", environ):
+            topo = probe.measure(topo, info.rank, links, store, timeout)
     except BaseException:
         client.close()
         raise
-    comm = Communicator(info, peers, client, links, timeout, environ, algo)
-    log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s", comm.rank,
-              comm.size, info.source, host_id, comm.local_rank, comm.local_size,
-              sorted(set(links.choice.values())))
+    comm = Communicator(info, peers, client, links, timeout, environ, algo, topo)
+    log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",
+              comm.rank, comm.size, info.source, host_id, comm.local_rank, comm.local_size,
+              sorted(set(links.choice.values())), topo.describe())
     return comm

@@ -55,6 +55,19 @@ def parse_dims(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    """Comma-separated positive numbers, e.g. "20e9,10e9"; empty means unset."""
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers like 20e9,10e9, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise ValueError(f"every value must be positive, got {text!r}")
+    return values
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -121,10 +134,24 @@ _declare("DDL_TRANSPORT", _transport_spec, "auto",
          "Transport for every peer pair: tcp, shm, mpi, ucx; 'auto' picks per pair "
          "(shm within a host, else the first available network transport); 'auto:ucx,tcp' sets that order.")
 _declare("DDL_ALGO", lambda s: s.strip().lower(), "auto",
-         "Collective algorithm: 'auto' (lowest predicted time) or a registered name such as 'ring'.")
+         "Algorithm of allreduce, reduce_scatter and allgather: 'auto' (lowest time predicted by "
+         "the cost model), 'ring', 'mdring' (multi-dimensional ring over the box), 'rhd' "
+         "(recursive halving-doubling) or 'rd' (recursive doubling, allreduce of small messages).")
 _declare("DDL_TOPOLOGY", parse_dims, (),
          "Box shape of the ranks, fastest level first, e.g. 4x2 (4 ranks per host, 2 hosts). "
          "Empty: derived from the hosts found at init.")
+_declare("DDL_RACK_ID", str, "",
+         "Rack (or switch) of this host; hosts with the same id form the box's rack level "
+         "(ranks-per-host x hosts-per-rack x racks). Empty: no rack level.")
+_declare("DDL_LINK_BW", _float_list, (),
+         "Link bandwidth in bytes/s along each box dimension, fastest first, comma-separated "
+         "(e.g. 20e9,10e9,9.5e9; one value applies to all; the last repeats). Empty: the "
+         "defaults of the transport carrying each level. Feeds the cost model.")
+_declare("DDL_LINK_LAT", _float_list, (),
+         "Per-message latency in seconds along each box dimension, like DDL_LINK_BW.")
+_declare("DDL_LINK_PROBE", parse_bool, False,
+         "Measure each box dimension's bandwidth and latency with a short ping-pong at init "
+         "(about 0.1 s) instead of using transport defaults.")
 _declare("DDL_TIMEOUT", _positive_float, 600.0,
          "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
          "fails with DDLTimeoutError naming the rank and collective.")

@@ -211,8 +211,10 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
                 lo, hi = span(s.dst, s.dst_off, s.count)
                 wait_sends_over(lo, hi)
                 slot = staged[i]
-                kernels.reduce_copy(lo, buffers[s.src].ptr + s.src_off * isz, slots[slot].ptr,
-                                    s.count, code, kop)
+                own, staged_ptr = buffers[s.src].ptr + s.src_off * isz, slots[slot].ptr
+                if s.staged_first:
+                    own, staged_ptr = staged_ptr, own
+                kernels.reduce_copy(lo, own, staged_ptr, s.count, code, kop)
                 if divide and s.finalize:
                     kernels.avg_finalize(lo, s.count, code, schedule.size)
                 free.append(slot)

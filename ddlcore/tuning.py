@@ -1,28 +1,59 @@
-"""Tuning: which algorithm runs a collective, and with what chunk size.
+"""Tuning: an alpha-beta-gamma cost model over the algorithms, and the choice it makes.
 
-``DDL_ALGO`` names an algorithm for the reduction collectives (allreduce, reduce_scatter,
-allgather); ``auto`` takes the best registered one. Broadcast and barrier have one algorithm each
-(pipelined chain, dissemination) and ignore ``DDL_ALGO``. The chunk size is ``DDL_CHUNK_BYTES``.
-The choice is what ``DDL_DEBUG=1`` logs for every collective and ``python -m ddlcore info``
-prints.
+A collective runs as phases; in a phase every rank takes ``steps`` steps, each sending ``m``
+bytes across one box dimension j (latency ``lat[j]``, bandwidth ``bw[j]``) and, in a
+reduce-scatter, reducing them (``gamma`` = seconds per byte of the reduction kernel)::
+
+    T = sum over phases of  steps * (lat[j] + m * share / bw[j] + m * gamma)
+
+``share`` is how many ranks of one host push bytes through the host's network adapter at the
+same time in that phase: 1 inside a host (point-to-point links), and the ranks per host (over
+the host's adapters, `Topology.adapters`) when every rank crosses the network at once (a multi-dimensional ring's network phases, halving-
+doubling's distant rounds). The flat ring crosses each host boundary with one flow, but every
+one of its 2(P - 1) steps waits for the slowest link. The simulator (``ddlcore.simulate``) runs
+the schedules themselves against the same link model and is how this formula is checked.
+
+``DDL_ALGO`` names the algorithm of the reduction collectives (those without it, e.g.
+reduce_scatter under ``rd``, fall back to ``auto``); ``auto`` takes the lowest predicted time (for mdring also over the order of the box dimensions). Broadcast and barrier have
+one algorithm each (pipelined chain, dissemination). The chunk size is ``DDL_CHUNK_BYTES``.
+``DDL_DEBUG=1`` logs each choice and ``python -m ddlcore info`` prints it.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 from ddlcore.algorithms import ALGORITHMS
+from ddlcore.algorithms.halving_doubling import virtual_shape
+from ddlcore.algorithms.mdring import active_dims
+from ddlcore.topology import Topology
 
 # Collectives for which DDL_ALGO selects among several algorithms.
 SELECTABLE = ("allreduce", "reduce_scatter", "allgather")
-# Preference of "auto" until a cost model ranks several candidates.
-AUTO_ORDER = ("ring",)
+# Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
+# project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.
+REDUCE_BW = 8e9
+# mdring dimension orders tried by auto: all of them up to this many dimensions.
+MAX_PERMUTED_DIMS = 4
 
 
 @dataclass(frozen=True)
 class Choice:
     algorithm: str
     chunk_bytes: int
+    dim_order: tuple[int, ...] | None = None   # mdring: the order of the ring phases
+    predicted_s: float = math.nan
+
+    def describe(self) -> str:
+        text = f"{self.algorithm}"
+        if self.dim_order is not None:
+            text += f" (dimensions in order {','.join(map(str, self.dim_order))})"
+        text += f", chunks of {self.chunk_bytes} B"
+        if not math.isnan(self.predicted_s):
+            text += f", predicted {self.predicted_s * 1e6:.1f} us"
+        return text
 
 
 def validate_algo(algo: str) -> None:
@@ -34,12 +65,119 @@ def validate_algo(algo: str) -> None:
         raise ValueError(f"DDL_ALGO={algo!r} is not an algorithm; use auto or one of {known}")
 
 
-def choose(collective: str, size: int, nbytes: int, algo: str, chunk_bytes: int) -> Choice:
-    candidates = ALGORITHMS[collective]
-    if collective not in SELECTABLE or algo == "auto":
-        name = next((n for n in AUTO_ORDER if n in candidates), next(iter(candidates)))
-    elif algo in candidates:
-        name = algo
-    else:
-        raise ValueError(f"DDL_ALGO={algo!r} has no {collective}; it has {sorted(candidates)}")
-    return Choice(name, chunk_bytes)
+# --- the model -----------------------------------------------------------------------------------
+
+def _phase(topo: Topology, dim: int, steps: int, nbytes: float, share: int, reduce: bool,
+           gamma: float) -> float:
+    if steps <= 0 or dim < 0:
+        return 0.0
+    return steps * (topo.lat[dim] + nbytes * share / topo.bw[dim] + (nbytes * gamma if reduce else 0.0))
+
+
+def _share(topo: Topology, dim: int, concurrent: int) -> int:
+    """Flows through one network adapter when ``concurrent`` ranks per host cross ``dim`` at
+    once (their flows are dealt over the host's adapters)."""
+    return 1 if dim < topo.host_dims else max(1, -(-concurrent // topo.adapters))
+
+
+def _ring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float) -> float:
+    p = topo.size
+    if p == 1:
+        return 0.0
+    # The ring follows the box order, so it crosses every dimension of size > 1 (each host
+    # boundary with one flow); its slowest hop sets the pace of every step.
+    m = nbytes / p
+    worst = max(topo.lat[j] + m / topo.bw[j] for j, d in enumerate(topo.dims) if d > 1)
+    steps = (p - 1) * (int(rs) + int(ag))
+    return steps * worst + ((p - 1) * m * gamma if rs else 0.0)
+
+
+def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
+            order: tuple[int, ...]) -> float:
+    t, m = 0.0, float(nbytes)
+    for j in active_dims(topo, order):
+        d = topo.dims[j]
+        seg = m / d
+        share = _share(topo, j, topo.ranks_per_node)
+        t += _phase(topo, j, (d - 1) * rs, seg, share, True, gamma)
+        t += _phase(topo, j, (d - 1) * ag, seg, share, False, gamma)
+        m = seg
+    return t
+
+
+def _rhd(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float, doubling_only: bool) -> float:
+    p2, extra = virtual_shape(topo.size)
+    t = 0.0
+    if extra:
+        fold_dim = topo.dim_between(0, 1)
+        t += _phase(topo, fold_dim, int(rs) + int(ag), nbytes, 1, rs, gamma)
+    d, m = p2 // 2, nbytes / 2
+    while d >= 1:
+        dim = topo.dim_between(topo.order[0], topo.order[min(d, topo.size - 1)])
+        share = _share(topo, dim, topo.ranks_per_node)
+        if doubling_only:
+            t += _phase(topo, dim, 1, nbytes, share, True, gamma)
+        else:
+            t += _phase(topo, dim, int(rs), m, share, True, gamma)
+            t += _phase(topo, dim, int(ag), m, share, False, gamma)
+        d, m = d // 2, m / 2
+    return t
+
+
+def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
+            dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW) -> float:
+    """Predicted seconds of ``collective`` moving ``nbytes`` (the allreduce / reduce_scatter
+    input, the allgather output) with ``algorithm`` on ``topo``."""
+    gamma = 1.0 / reduce_bw
+    rs = collective in ("allreduce", "reduce_scatter")
+    ag = collective in ("allreduce", "allgather")
+    if algorithm == "ring":
+        return _ring(topo, nbytes, rs, ag, gamma)
+    if algorithm == "mdring":
+        order = tuple(range(len(topo.dims))) if dim_order is None else dim_order
+        return _mdring(topo, nbytes, rs, ag, gamma, order)
+    if algorithm == "rhd":
+        return _rhd(topo, nbytes, rs, ag, gamma, doubling_only=False)
+    if algorithm == "rd":
+        return _rhd(topo, nbytes, rs, ag, gamma, doubling_only=True)
+    raise ValueError(f"no cost model for algorithm {algorithm!r}")
+
+
+def dim_orders(topo: Topology) -> list[tuple[int, ...]]:
+    """mdring phase orders auto tries: every permutation of a small box, else fastest first."""
+    k = len(topo.dims)
+    if k > MAX_PERMUTED_DIMS:
+        return [tuple(range(k))]
+    return list(itertools.permutations(range(k)))
+
+
+def candidates(collective: str, topo: Topology, nbytes: float) -> list[Choice]:
+    """Every (algorithm, dimension order) for ``collective`` with its predicted time, best first."""
+    out = []
+    for name in ALGORITHMS[collective]:
+        if name == "mdring":
+            if len(active_dims(topo)) <= 1:
+                continue  # a box with one dimension: mdring is the ring
+            for order in dim_orders(topo):
+                out.append(Choice(name, 0, order, predict(collective, name, topo, nbytes, order)))
+        else:
+            out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
+    # Ties go to the registry's order (the simplest first).
+    return sorted(out, key=lambda c: c.predicted_s)
+
+
+def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes: int) -> Choice:
+    """The algorithm for one call: ``algo`` if named and ``collective`` has it (``rd`` is an
+    allreduce only: the other collectives then take the cost model's choice), else the lowest
+    predicted time."""
+    candidates_of = ALGORITHMS[collective]
+    if collective not in SELECTABLE:
+        return Choice(next(iter(candidates_of)), chunk_bytes)
+    if algo != "auto" and algo in candidates_of:
+        if algo == "mdring":
+            best = min((Choice("mdring", chunk_bytes, order, predict(collective, algo, topo, nbytes, order))
+                        for order in dim_orders(topo)), key=lambda c: c.predicted_s)
+            return best
+        return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
+    best = candidates(collective, topo, nbytes)[0]
+    return Choice(best.algorithm, chunk_bytes, best.dim_order, best.predicted_s)

@@ -1,7 +1,10 @@
 """Chunked, pipelined ring reduce-scatter, allgather and allreduce (allreduce = RS + AG).
 
-The P ranks form a ring; rank r sends to r+1 and receives from r-1. The buffer is cut into P
-segments (the first ``count % P`` one element longer) and each segment into C chunks.
+The P ranks form a ring in the topology's order (host by host, so each host boundary is crossed
+once); the rank at ring position r sends to position r+1 and receives from r-1. The buffer is cut
+into P segments (the first ``count % P`` one element longer) and each segment into C chunks.
+Below, "rank r" means ring position r; `ring_phase` is the same program over any ring of ranks,
+which the multi-dimensional ring (``mdring``) runs once per box dimension.
 
 Reduce-scatter, P-1 steps; at step s rank r sends segment r-s-1 and receives segment r-s-2,
 reducing it with its own input, so after the last step it holds the full reduction of segment r::
@@ -26,6 +29,8 @@ consumed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ddlcore.algorithms.schedule import (
     Buf,
     Kind,
@@ -36,61 +41,67 @@ from ddlcore.algorithms.schedule import (
     nchunks_for,
     split,
 )
+from ddlcore.topology import Topology, flat
 
 NAME = "ring"
 
 
-def _ring_program(rank: int, size: int, segs: list[tuple[int, int]], nchunks: int,
-                  rs_steps: int, ag_steps: int, rs_dst: Buf, final_dst_off: int,
-                  ag_input_first: bool, slot_base: int = 0) -> list[Step]:
-    """Steps of rank ``rank`` for ``rs_steps`` reduce-scatter then ``ag_steps`` allgather steps.
+def ring_phase(ring: Sequence[int], pos: int, segs: Sequence[tuple[int, int]], nchunks: int,
+               rs_steps: int, ag_steps: int, *, rs_src: Buf = Buf.INPUT, rs_dst: Buf = Buf.OUTPUT,
+               final: tuple[Buf, int] | None = None, finalize: bool = True,
+               ag_buf: Buf = Buf.OUTPUT, ag_first_src: tuple[Buf, int] | None = None,
+               slot_base: int = 0) -> list[Step]:
+    """Steps of the member at ``pos`` of ``ring`` for ``rs_steps`` reduce-scatter then
+    ``ag_steps`` allgather steps over the segments ``segs`` (one per ring position).
 
-    ``segs`` are (offset, length) of each segment in the full-size buffers (INPUT for RS,
-    OUTPUT for AG). ``rs_dst`` is where intermediate reductions go (OUTPUT for allreduce,
-    SCRATCH for reduce-scatter). ``final_dst_off`` is where the final RS reduction goes (for
-    allreduce: the segment's own place; for reduce-scatter: OUTPUT[0]). When
-    ``ag_input_first`` (plain allgather), the first send comes from INPUT[0:].
+    ``segs`` are (offset, length) in the full-size buffers. The reduce-scatter reads its own
+    contribution from ``rs_src`` and writes partial reductions to ``rs_dst`` at the segment's
+    offsets; when it ends the phase (no allgather follows), the final reduction of the own
+    segment goes to ``final`` = (buffer, offset of the segment there), default in place in
+    ``rs_dst``, and is marked ``finalize`` if asked. The allgather works in place in ``ag_buf``;
+    with no reduce-scatter before it, its first send comes from ``ag_first_src`` (default: the
+    own segment in ``ag_buf``). Slots are ``slot_base`` .. ``slot_base + span_slots(...) - 1``.
     """
-    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    size = len(ring)
+    nxt, prv = ring[(pos + 1) % size], ring[(pos - 1) % size]
     total = rs_steps + ag_steps
     chunked = [chunks_of(off, length, nchunks) for off, length in segs]
 
     def rs_seg(s: int, sending: bool) -> int:
-        return (rank - s - (1 if sending else 2)) % size
+        return (pos - s - (1 if sending else 2)) % size
 
     def ag_seg(s: int, sending: bool) -> int:
-        return (rank - s - (0 if sending else 1)) % size
+        return (pos - s - (0 if sending else 1)) % size
 
-    # Where the data of global step g, chunk c lives after this rank received it (or, for the
-    # first send, before): (buffer, offset, count).
+    # Where the data of global step g, chunk c lives after this rank received it.
     def recv_place(g: int, c: int) -> tuple[Buf, int, int]:
         if g < rs_steps:
             seg = rs_seg(g, False)
             off, cnt = chunked[seg][c]
-            if g == rs_steps - 1 and ag_steps == 0:
-                return Buf.OUTPUT, final_dst_off + off - segs[seg][0], cnt
+            if g == rs_steps - 1 and ag_steps == 0 and final is not None:
+                return final[0], final[1] + off - segs[seg][0], cnt
             return rs_dst, off, cnt
         seg = ag_seg(g - rs_steps, False)
         off, cnt = chunked[seg][c]
-        return Buf.OUTPUT, off, cnt
+        return ag_buf, off, cnt
 
     def first_send(c: int) -> Step:
         if rs_steps:
-            seg = rs_seg(0, True)
-            off, cnt = chunked[seg][c]
-            return Step(Kind.SEND, nxt, slot_base + c, cnt, Buf.INPUT, off)
-        off, cnt = chunked[rank][c]
-        src, src_off = (Buf.INPUT, off - segs[rank][0]) if ag_input_first else (Buf.OUTPUT, off)
-        return Step(Kind.SEND, nxt, slot_base + c, cnt, src, src_off)
+            off, cnt = chunked[rs_seg(0, True)][c]
+            return Step(Kind.SEND, nxt, slot_base + c, cnt, rs_src, off)
+        off, cnt = chunked[pos][c]
+        if ag_first_src is None:
+            return Step(Kind.SEND, nxt, slot_base + c, cnt, ag_buf, off)
+        return Step(Kind.SEND, nxt, slot_base + c, cnt, ag_first_src[0],
+                    ag_first_src[1] + off - segs[pos][0])
 
     def unit(g: int, c: int) -> list[Step]:
         slot = slot_base + g * nchunks + c
         buf, off, cnt = recv_place(g, c)
         if g < rs_steps:
-            seg = rs_seg(g, False)
-            in_off = chunked[seg][c][0]
-            op = Step(Kind.RECV_REDUCE, prv, slot, cnt, Buf.INPUT, in_off, buf, off,
-                      finalize=(g == rs_steps - 1))
+            in_off = chunked[rs_seg(g, False)][c][0]
+            op = Step(Kind.RECV_REDUCE, prv, slot, cnt, rs_src, in_off, buf, off,
+                      finalize=finalize and g == rs_steps - 1)
         else:
             op = Step(Kind.RECV, prv, slot, cnt, dst=buf, dst_off=off)
         out = [op]
@@ -106,47 +117,61 @@ def _ring_program(rank: int, size: int, segs: list[tuple[int, int]], nchunks: in
     return steps
 
 
-def _chunk_elems(chunk_bytes: int, itemsize: int) -> int:
+def span_slots(rs_steps: int, ag_steps: int, nchunks: int) -> int:
+    """How many slots one `ring_phase` uses (the next phase on the same pairs starts after)."""
+    return (rs_steps + ag_steps + 1) * nchunks
+
+
+def chunk_elems(chunk_bytes: int, itemsize: int) -> int:
     return max(1, chunk_bytes // max(1, itemsize))
 
 
-def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int) -> Schedule:
-    chunk = _chunk_elems(chunk_bytes, itemsize)
+def local_copy(collective: str, rank: int, count: int, chunk: int, dst_off: int = 0) -> Schedule:
+    """A world of one: the result is the input."""
+    copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, dst_off),)
+    return Schedule(collective, NAME, rank, 1, count, chunk, drop_empty(copy))
+
+
+def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+              topo: Topology | None = None) -> Schedule:
+    chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, 0),)
-        return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(copy))
+        return local_copy("allreduce", rank, count, chunk)
+    topo = topo or flat(size)
     segs = split(count, size)
     nchunks = nchunks_for(segs[0][1], chunk)
-    steps = _ring_program(rank, size, segs, nchunks, size - 1, size - 1, Buf.OUTPUT,
-                          0, ag_input_first=False)
+    steps = ring_phase(topo.order, topo.position(rank), segs, nchunks, size - 1, size - 1)
     return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
 
 
-def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int) -> Schedule:
+def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+                   topo: Topology | None = None) -> Schedule:
     """``count`` is the input length (size * k); rank r's output is the reduced segment r."""
-    chunk = _chunk_elems(chunk_bytes, itemsize)
-    seg_len = count // size
+    chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, 0),)
-        return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(copy))
-    segs = [(i * seg_len, seg_len) for i in range(size)]
+        return local_copy("reduce_scatter", rank, count, chunk)
+    topo = topo or flat(size)
+    seg_len = count // size
+    segs = [(r * seg_len, seg_len) for r in topo.order]  # ring position p ends with rank order[p]'s block
     nchunks = nchunks_for(seg_len, chunk)
-    steps = _ring_program(rank, size, segs, nchunks, size - 1, 0, Buf.SCRATCH, 0,
-                          ag_input_first=False)
+    steps = ring_phase(topo.order, topo.position(rank), segs, nchunks, size - 1, 0,
+                       rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0))
     return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=count if size > 2 else 0)
 
 
-def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int) -> Schedule:
+def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+              topo: Topology | None = None) -> Schedule:
     """``count`` is the input length k; the output holds size * k elements, rank i's at i*k."""
-    chunk = _chunk_elems(chunk_bytes, itemsize)
-    own = Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, rank * count)
+    chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty((own,)))
-    segs = [(i * count, count) for i in range(size)]
+        return local_copy("allgather", rank, count, chunk, rank * count)
+    topo = topo or flat(size)
+    own = Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, rank * count)
+    segs = [(r * count, count) for r in topo.order]
     nchunks = nchunks_for(count, chunk)
-    steps = _ring_program(rank, size, segs, nchunks, 0, size - 1, Buf.OUTPUT, 0,
-                          ag_input_first=True)
+    steps = ring_phase(topo.order, topo.position(rank), segs, nchunks, 0, size - 1,
+                       ag_first_src=(Buf.INPUT, 0))
     # The local copy of our own block goes right after the first send, so the wire starts first.
     steps.insert(1, own)
     return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps))

@@ -11,7 +11,9 @@ Step vocabulary (after NCCL's primitives; composite ones are two consecutive ste
 * ``RECV_REDUCE`` -- receive into a staging slot, then ``dst[dst_off:] = src[src_off:] OP staged``
   (a fused reduce-copy; ``src`` and ``dst`` may be the same region). ``finalize`` marks the last
   reduction of a region: the engine applies avg's division there, so every rank ends up with
-  bit-identical values.
+  bit-identical values. ``staged_first`` swaps the operands (``staged OP src``): algorithms in
+  which two ranks compute the same combination (recursive doubling) put the lower rank's data
+  first on both, so even min/max of signed zeros agree bit for bit.
 * ``COPY``        -- local copy of ``count`` elements from ``src`` to ``dst``.
 
 Buffers are named by role: ``INPUT`` (the caller's data, never written), ``OUTPUT`` (the result),
@@ -23,6 +25,7 @@ builds the transport tag from the collective's sequence number and the slot, so 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +55,7 @@ class Step:
     dst: Buf = Buf.OUTPUT
     dst_off: int = 0
     finalize: bool = False
+    staged_first: bool = False
 
     def describe(self) -> str:
         if self.kind == Kind.SEND:
@@ -59,7 +63,7 @@ class Step:
         if self.kind == Kind.RECV:
             return f"recv      rank {self.peer} -> {self.dst.name}[{self.dst_off}:+{self.count}] (slot {self.slot})"
         if self.kind == Kind.RECV_REDUCE:
-            fin = " final" if self.finalize else ""
+            fin = (" final" if self.finalize else "") + (" (staged first)" if self.staged_first else "")
             return (f"recv-red  rank {self.peer} (+) {self.src.name}[{self.src_off}:+{self.count}] -> "
                     f"{self.dst.name}[{self.dst_off}]{fin} (slot {self.slot})")
         return f"copy      {self.src.name}[{self.src_off}:+{self.count}] -> {self.dst.name}[{self.dst_off}]"
@@ -111,5 +115,24 @@ def nchunks_for(longest: int, chunk_count: int) -> int:
 
 
 def drop_empty(steps: Iterable[Step]) -> tuple[Step, ...]:
-    """Remove zero-length data steps; both ends of a message see the same lengths, so they agree."""
-    return tuple(s for s in steps if s.count > 0)
+    """Remove zero-length data steps, then number each pair's messages 0, 1, 2 ... in slot order.
+
+    Both ends of a message see the same lengths, so they drop the same messages; and the slots a
+    rank sends to a peer are the slots that peer receives from it, so both ends renumber alike.
+    Starting every pair at slot 0 makes the first messages of two DIFFERENT collectives collide
+    on the same tag, where the transports compare the check words and report the mismatch,
+    instead of each waiting for a tag the other never sends."""
+    kept = [s for s in steps if s.count > 0]
+    slots: dict[tuple[bool, int], set[int]] = {}
+    for s in kept:
+        if s.kind != Kind.COPY:
+            slots.setdefault((s.kind == Kind.SEND, s.peer), set()).add(s.slot)
+    number = {key: {slot: i for i, slot in enumerate(sorted(used))} for key, used in slots.items()}
+    out = []
+    for s in kept:
+        if s.kind != Kind.COPY:
+            slot = number[(s.kind == Kind.SEND, s.peer)][s.slot]
+            if slot != s.slot:
+                s = dataclasses.replace(s, slot=slot)
+        out.append(s)
+    return tuple(out)

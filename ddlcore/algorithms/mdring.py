@@ -1,0 +1,148 @@
+"""The multi-dimensional ring (PowerAI DDL, section 4.3): ring phases along each box dimension.
+
+The ranks form a box d1 x d2 x ... x dk (`ddlcore.topology`), d1 the ranks sharing the fastest
+link. Allreduce of n elements on a 4 x 2 box (4 ranks per host, 2 hosts)::
+
+    RS along d1 (inside each host, 4-rank rings):  each rank keeps a reduced n/4
+    RS along d2 (across hosts, 2-rank rings):      each rank keeps a fully reduced n/8  (final)
+    AG along d2 (across hosts):                    each rank holds n/4
+    AG along d1 (inside each host):                each rank holds n
+
+Per rank, dimension j moves 2 (dj - 1)/dj x n/(d1...d(j-1)) elements, so the slowest links carry
+only n/(d1...d(k-1)) and the latency is sum 2(dj - 1) steps instead of 2(P - 1). The last
+dimension's reduce-scatter and allgather run as one ring program (`ring.ring_phase`), pipelined
+chunk by chunk; every phase is the flat ring's program over a ring of ``dj`` ranks.
+
+Each element is reduced once, by the rank that owns it at the end of the reduce-scatters, then
+copied: results are bit-identical on every rank. Reduce-scatter and allgather need rank r's block
+at position r of the output, but the phases split the buffer by box coordinates, dimension 1
+first; so they work in a scratch buffer in that order, with one local copy of the blocks in (RS)
+or out (AG). ``dim_order`` processes the dimensions in another order (the tuner may choose one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ddlcore.algorithms import ring
+from ddlcore.algorithms.schedule import Buf, Kind, Schedule, Step, drop_empty, nchunks_for, split
+from ddlcore.topology import Topology, flat
+
+NAME = "mdring"
+
+
+def active_dims(topo: Topology, dim_order: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The dimensions the phases run along, in order; dimensions of size 1 have no ring."""
+    order = tuple(range(len(topo.dims))) if dim_order is None else tuple(dim_order)
+    if sorted(order) != list(range(len(topo.dims))):
+        raise ValueError(f"dim_order {order} is not a permutation of the box's "
+                         f"{len(topo.dims)} dimensions")
+    return tuple(j for j in order if topo.dims[j] > 1)
+
+
+def _phases(topo: Topology, rank: int, dims: Sequence[int], total: int):
+    """For each dimension in ``dims``: (ring, position, segments, own region), where segments
+    split the region that the previous phases left this rank."""
+    coords = topo.coords(rank)
+    region = (0, total)
+    out = []
+    for j in dims:
+        d = topo.dims[j]
+        segs = [(region[0] + off, length) for off, length in split(region[1], d)]
+        out.append((topo.ring_along(rank, j), coords[j], segs))
+        region = segs[coords[j]]
+    return out
+
+
+def _block_index(topo: Topology, rank: int, dims: Sequence[int]) -> int:
+    """Where rank's block sits in the phase order (the first dimension most significant)."""
+    coords = topo.coords(rank)
+    index = 0
+    for j in dims:
+        index = index * topo.dims[j] + coords[j]
+    return index
+
+
+def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+              topo: Topology | None = None, dim_order: Sequence[int] | None = None) -> Schedule:
+    topo = topo or flat(size)
+    dims = active_dims(topo, dim_order)
+    if len(dims) <= 1:
+        return _renamed(ring.allreduce(rank, size, count, itemsize, chunk_bytes, topo))
+    chunk = ring.chunk_elems(chunk_bytes, itemsize)
+    steps: list[Step] = []
+    # Slots: phase i's rings are its members' only shared history, so phase i's base counts
+    # the slots of phases 0..i-1 (reduce-scatter and allgather of each reserved together).
+    slot = 0
+    plans = []
+    phases = _phases(topo, rank, dims, count)
+    for i, (members, pos, segs) in enumerate(phases):
+        last = i == len(phases) - 1
+        nchunks = nchunks_for(segs[0][1], chunk)
+        d = len(members)
+        steps += ring.ring_phase(members, pos, segs, nchunks, d - 1, d - 1 if last else 0,
+                                 rs_src=Buf.INPUT if i == 0 else Buf.OUTPUT,
+                                 finalize=last, slot_base=slot)
+        plans.append((members, pos, segs, nchunks, slot + ring.span_slots(d - 1, 0, nchunks)))
+        slot += ring.span_slots(d - 1, d - 1, nchunks)
+    for members, pos, segs, nchunks, ag_slot in reversed(plans[:-1]):
+        steps += ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1,
+                                 slot_base=ag_slot)
+    return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+
+
+def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+                   topo: Topology | None = None, dim_order: Sequence[int] | None = None) -> Schedule:
+    """``count`` = size * k; rank r ends with the reduced block r (k elements)."""
+    topo = topo or flat(size)
+    dims = active_dims(topo, dim_order)
+    if len(dims) <= 1:
+        return _renamed(ring.reduce_scatter(rank, size, count, itemsize, chunk_bytes, topo))
+    chunk = ring.chunk_elems(chunk_bytes, itemsize)
+    k = count // size
+    # Blocks into scratch in phase order: phase j's segments are then contiguous.
+    steps = [Step(Kind.COPY, -1, 0, k, Buf.INPUT, r * k, Buf.SCRATCH,
+                  _block_index(topo, r, dims) * k) for r in range(size)]
+    slot = 0
+    phases = _phases(topo, rank, dims, count)
+    for i, (members, pos, segs) in enumerate(phases):
+        last = i == len(phases) - 1
+        nchunks = nchunks_for(segs[0][1], chunk)
+        d = len(members)
+        steps += ring.ring_phase(members, pos, segs, nchunks, d - 1, 0, rs_src=Buf.SCRATCH,
+                                 rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0) if last else None,
+                                 finalize=last, slot_base=slot)
+        slot += ring.span_slots(d - 1, 0, nchunks)
+    return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
+                    scratch_count=count)
+
+
+def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+              topo: Topology | None = None, dim_order: Sequence[int] | None = None) -> Schedule:
+    """``count`` = k; the output holds size * k elements, rank r's block at r * k."""
+    topo = topo or flat(size)
+    dims = active_dims(topo, dim_order)
+    if len(dims) <= 1:
+        return _renamed(ring.allgather(rank, size, count, itemsize, chunk_bytes, topo))
+    chunk = ring.chunk_elems(chunk_bytes, itemsize)
+    total = size * count
+    mine = _block_index(topo, rank, dims) * count
+    steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.SCRATCH, mine)]
+    plans, slot = [], 0
+    for members, pos, segs in _phases(topo, rank, dims, total):
+        nchunks = nchunks_for(segs[0][1], chunk)
+        plans.append((members, pos, segs, nchunks, slot))  # slots as in allreduce
+        slot += ring.span_slots(0, len(members) - 1, nchunks)
+    for members, pos, segs, nchunks, base in reversed(plans):
+        steps += ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1,
+                                 ag_buf=Buf.SCRATCH, slot_base=base)
+    steps += [Step(Kind.COPY, -1, 0, count, Buf.SCRATCH, _block_index(topo, r, dims) * count,
+                   Buf.OUTPUT, r * count) for r in range(size)]
+    return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps),
+                    scratch_count=total)
+
+
+def _renamed(schedule: Schedule) -> Schedule:
+    """A box with one dimension is a ring; keep the name the caller asked for."""
+    return Schedule(schedule.collective, NAME, schedule.rank, schedule.size, schedule.count,
+                    schedule.chunk_count, schedule.steps, schedule.scratch_count)

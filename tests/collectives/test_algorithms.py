@@ -1,0 +1,55 @@
+"""Every algorithm on several box shapes (np up to 8, real processes over shared memory): the
+collective matrix (dtype x op x count, against NumPy), and identical results on every rank.
+
+``DDL_TOPOLOGY`` makes one host's ranks a box, so mdring runs its phases along each dimension;
+``DDL_ALGO`` forces the algorithm. The symbolic tests (tests/unit/test_schedules.py) cover many
+more shapes and sizes without processes; these prove the engine and transports run them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.collectives import matrix
+from tests.harness import run_ranks
+
+BOXES = {"2x2": 4, "2x3": 6, "2x2x2": 8, "4x2": 8}
+ALGOS = ["ring", "mdring", "rhd", "rd"]
+# Small counts keep np = 8 on two cores quick; 0, 1, primes and counts not divisible by np stay.
+COUNTS = "0,1,2,3,5,7,13,31,101,1009"
+
+
+def _collectives(algo: str) -> list[str]:
+    return ["allreduce"] if algo == "rd" else ["allreduce", "reduce_scatter", "allgather"]
+
+
+def _run_all(rank, size, collectives):
+    import ddlcore
+
+    out = {}
+    for collective in collectives:
+        out.update(matrix.run_matrix(rank, size, collective))
+    with ddlcore.init() as comm:
+        chosen = {c: comm.describe(c, 4096).algorithm for c in collectives}
+    return out, chosen
+
+
+# Only mdring's phases depend on the box's shape (ring and rhd see np ranks on one host), so
+# 4x2 runs for mdring alone.
+CASES = [(a, b) for a in ALGOS for b in BOXES if b != "4x2" or a == "mdring"]
+
+
+@pytest.mark.parametrize("algo,box", CASES)
+def test_algorithm_on_box(algo, box):
+    nprocs = BOXES[box]
+    env = {"DDL_ALGO": algo, "DDL_TOPOLOGY": box, "DDL_TRANSPORT": "shm",
+           "DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60", "MATRIX_COUNTS": COUNTS}
+    results = run_ranks(_run_all, nprocs, _collectives(algo), env=env, timeout=300)
+    digests0, chosen = results[0]
+    assert set(chosen.values()) == {algo}, chosen
+    assert len(digests0) > 100
+    for rank in range(1, nprocs):
+        digests = results[rank][0]
+        differ = [case for case in digests0 if not case.startswith("reduce_scatter")
+                  and digests[case] != digests0[case]]
+        assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"

@@ -1,0 +1,86 @@
+"""Topology: the box derived from host (and rack) identities or given, its placement of ranks,
+its links, and the errors a box that does not fit the job gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddlcore import topology
+
+
+def _build(hosts, racks=None, env=None, transports=None):
+    return topology.build(hosts, racks or [""] * len(hosts),
+                          transports or {"host": "shm", "network": "tcp"}, env or {})
+
+
+def test_ranks_per_host_times_hosts():
+    topo = _build(["a", "a", "b", "b", "c", "c"])
+    assert topo.dims == (2, 3) and topo.levels == ("host", "network")
+    assert topo.bw == (topology.LINK_DEFAULTS["shm"][0], topology.LINK_DEFAULTS["tcp"][0])
+    assert topo.ring_along(0, 1) == (0, 2, 4) and topo.ring_along(3, 0) == (2, 3)
+    assert topo.dim_between(0, 1) == 0 and topo.dim_between(1, 4) == 1
+    assert topo.host_dims == 1 and topo.ranks_per_node == 2 and topo.node_of(5) == 2
+
+
+def test_interleaved_hosts_are_placed_host_by_host():
+    topo = _build(["a", "b", "a", "b"])
+    assert topo.order == (0, 2, 1, 3)
+    assert topo.coords(2) == (1, 0) and topo.coords(1) == (0, 1)
+    assert topo.rank_at((1, 1)) == 3
+
+
+def test_racks_add_a_level():
+    hosts = [f"h{r // 2}" for r in range(8)]
+    racks = [f"r{r // 4}" for r in range(8)]
+    topo = _build(hosts, racks)
+    assert topo.dims == (2, 2, 2) and topo.levels == ("host", "rack", "cross-rack")
+
+
+def test_uneven_hosts_fall_back_to_a_flat_ring_that_says_why():
+    topo = _build(["a", "a", "a", "b", "b"])
+    assert topo.dims == (5,)
+    assert "3, 2" in topo.note and "flat" in topo.note
+    assert topo.order == (0, 1, 2, 3, 4)
+
+
+def test_given_box_refines_the_hosts():
+    topo = _build(["a"] * 4 + ["b"] * 4, env={"DDL_TOPOLOGY": "2x2x2"})
+    assert topo.dims == (2, 2, 2) and topo.levels == ("host", "host", "network")
+    assert topo.ranks_per_node == 4
+
+
+@pytest.mark.parametrize("shape,hosts,match", [
+    ("4x2", ["a"] * 6, "holds 8 ranks but the job has 6"),
+    ("4x2", ["a"] * 2 + ["b"] * 6, r"\[2, 6\] ranks"),
+    ("8x2", ["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 4, "splits a host"),
+    ("3x2", ["a"] * 2 + ["b"] * 2 + ["c"] * 2, "splits a host"),
+])
+def test_a_box_that_does_not_fit_says_what_was_found(shape, hosts, match):
+    with pytest.raises(ValueError, match=match) as info:
+        _build(hosts, env={"DDL_TOPOLOGY": shape})
+    assert "DDL_TOPOLOGY" in str(info.value)
+
+
+def test_link_overrides_per_dimension():
+    topo = _build(["a"] * 4, env={"DDL_TOPOLOGY": "2x2", "DDL_LINK_BW": "20e9,10e9",
+                                  "DDL_LINK_LAT": "1e-6"})
+    assert topo.bw == (20e9, 10e9) and topo.lat == (1e-6, 1e-6)
+    with pytest.raises(ValueError, match="DDL_LINK_BW: 3 values for a box of 2"):
+        _build(["a"] * 4, env={"DDL_TOPOLOGY": "2x2", "DDL_LINK_BW": "1,2,3"})
+    with pytest.raises(ValueError, match="DDL_LINK_BW"):
+        _build(["a"] * 4, env={"DDL_LINK_BW": "fast"})
+
+
+def test_short_link_lists_repeat_the_slowest():
+    assert topology.per_dim([20e9, 10e9], 3, "x") == (20e9, 10e9, 10e9)
+
+
+def test_box_rejects_a_wrong_order():
+    with pytest.raises(ValueError, match="does not hold"):
+        topology.Topology((2, 2), (0, 1, 2, 2), (1.0,) * 2, (1.0,) * 2, ("host", "network"))
+
+
+def test_adapters_share_the_network_round_robin():
+    topo = topology.box((4, 2), [1e9, 1e9], [1e-6, 1e-6], adapters=2)
+    assert [topo.adapter_of(r) for r in range(4)] == [(0, 0), (0, 1), (0, 0), (0, 1)]
+    assert topo.adapter_of(5) == (1, 1)
