@@ -35,6 +35,8 @@ SELECTABLE = ("allreduce", "reduce_scatter", "allgather")
 # Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
 # project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.
 REDUCE_BW = 8e9
+# Predictions this close count as a tie (the model is not that precise).
+TIE = 0.01
 # mdring dimension orders tried by auto: all of them up to this many dimensions.
 MAX_PERMUTED_DIMS = 4
 
@@ -105,22 +107,38 @@ def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
     return t
 
 
-def _rhd(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float, doubling_only: bool) -> float:
+def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_only: bool) -> float:
+    """Halving-doubling and recursive doubling, round by round as the schedules run them
+    (`ddlcore.algorithms.halving_doubling`): allreduce halves nearest partners first and
+    doubles back; reduce-scatter halves the largest distance first; allgather doubles from 1."""
     p2, extra = virtual_shape(topo.size)
+    rs = collective in ("allreduce", "reduce_scatter")
+    ag = collective in ("allreduce", "allgather")
     t = 0.0
-    if extra:
-        fold_dim = topo.dim_between(0, 1)
-        t += _phase(topo, fold_dim, int(rs) + int(ag), nbytes, 1, rs, gamma)
-    d, m = p2 // 2, nbytes / 2
-    while d >= 1:
-        dim = topo.dim_between(topo.order[0], topo.order[min(d, topo.size - 1)])
-        share = _share(topo, dim, topo.ranks_per_node)
-        if doubling_only:
-            t += _phase(topo, dim, 1, nbytes, share, True, gamma)
-        else:
-            t += _phase(topo, dim, int(rs), m, share, True, gamma)
-            t += _phase(topo, dim, int(ag), m, share, False, gamma)
-        d, m = d // 2, m / 2
+    if extra:  # fold and unfold: the even rank of each of the first pairs hands over everything
+        t += _phase(topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma)
+    near = [1 << i for i in range(p2.bit_length() - 1)]
+
+    def real(v: int) -> int:  # the rank virtual rank v runs on (halving_doubling._Fold.real)
+        return 2 * v + 1 if v < extra else v + extra
+
+    def dim_of(d: int) -> int:  # the slowest link any pair of the round crosses
+        return max(topo.dim_between(real(v), real(v ^ d)) for v in range(p2))
+
+    def cost(d: int, m: float, reduce: bool) -> float:
+        return _phase(topo, dim_of(d), 1, m, _share(topo, dim_of(d), topo.ranks_per_node),
+                      reduce, gamma)
+
+    if doubling_only:
+        return t + sum(cost(d, nbytes, True) for d in near)
+    halves = [nbytes / 2 ** (i + 1) for i in range(len(near))]   # n/2, n/4, ... per round
+    if collective == "allreduce":
+        t += sum(cost(d, m, True) for d, m in zip(near, halves, strict=True))
+        t += sum(cost(d, m, False) for d, m in zip(near, halves, strict=True))
+    elif collective == "reduce_scatter":
+        t += sum(cost(d, m, True) for d, m in zip(near[::-1], halves, strict=True))
+    else:
+        t += sum(cost(d, m, False) for d, m in zip(near, halves[::-1], strict=True))
     return t
 
 
@@ -137,9 +155,9 @@ def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
         order = tuple(range(len(topo.dims))) if dim_order is None else dim_order
         return _mdring(topo, nbytes, rs, ag, gamma, order)
     if algorithm == "rhd":
-        return _rhd(topo, nbytes, rs, ag, gamma, doubling_only=False)
+        return _rhd(topo, nbytes, collective, gamma, doubling_only=False)
     if algorithm == "rd":
-        return _rhd(topo, nbytes, rs, ag, gamma, doubling_only=True)
+        return _rhd(topo, nbytes, collective, gamma, doubling_only=True)
     raise ValueError(f"no cost model for algorithm {algorithm!r}")
 
 
@@ -179,5 +197,9 @@ def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes:
                         for order in dim_orders(topo)), key=lambda c: c.predicted_s)
             return best
         return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
-    best = candidates(collective, topo, nbytes)[0]
+    ranked = candidates(collective, topo, nbytes)
+    # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins.
+    order = list(candidates_of)
+    near = [c for c in ranked if c.predicted_s <= ranked[0].predicted_s * (1 + TIE)]
+    best = min(near, key=lambda c: order.index(c.algorithm))
     return Choice(best.algorithm, chunk_bytes, best.dim_order, best.predicted_s)

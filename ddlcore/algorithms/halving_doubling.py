@@ -7,15 +7,18 @@ are the P' "virtual" ranks v = 0 .. P'-1. At the end the odd ranks hand the resu
 rhd allreduce of n elements (virtual ranks; a rank's half is kept, the other half given away)::
 
     fold:      even 2i -> odd 2i+1: n (reduced there)                  [only when P is not 2^k]
-    halving:   v <-> v ^ P'/2: exchange n/2, reduce the kept half;  v <-> v ^ P'/4: n/4 ... 1
-    doubling:  v <-> v ^ 1: exchange the owned n/P';  v <-> v ^ 2: 2n/P' ... P'/2
+    halving:   v <-> v ^ 1: exchange n/2, reduce the kept half;  v <-> v ^ 2: n/4 ... P'/2
+    doubling:  v <-> v ^ P'/2: exchange the owned n/P';  ... v <-> v ^ 1: n/2
     unfold:    odd 2i+1 -> even 2i: n
+
+Nearest partners first: with ranks placed host by host the big halves stay inside a host, and
+the network carries n/L per rank for L ranks per host (the bytes of the multi-dimensional ring).
 
 2 log2 P' latency steps and 2 (P'-1)/P' n elements per rank (+2n on folded pairs): fewer steps
 than the ring for mid-sized messages. Each element is reduced once (by its owner), so the result
 is identical on every rank. Reduce-scatter is the fold and halving (virtual rank v owns the
-blocks of the ranks it stands for, kept in rank order, so halving with the largest distance first
-leaves every rank its own block); allgather is the doubling and unfold.
+blocks of the ranks it stands for, kept in rank order, so halving with the LARGEST distance first
+leaves every rank its own block); allgather is doubling from distance 1 and the unfold.
 
 rd allreduce exchanges the whole vector at every distance 1, 2, ..., P'/2 and reduces on both
 sides: log2 P' (+2) steps, the latency optimum for small messages. Both partners compute the same
@@ -104,18 +107,31 @@ def _units_blocks(size: int, k: int) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def _halving(fold: _Fold, src: Buf, work: Buf, final_dst, first_phase: int) -> tuple[list[Step], int]:
-    """Recursive halving from distance P'/2 down to 1; returns the steps and the phase after.
-    Partial reductions go to ``work`` at their own offsets; the last round's to
-    ``final_dst(piece)`` = (buffer, offset)."""
+def _distances(p2: int, nearest_first: bool) -> list[int]:
+    out = [1 << i for i in range(p2.bit_length() - 1)]
+    return out if nearest_first else out[::-1]
+
+
+def _halving(fold: _Fold, src: Buf, work: Buf, final_dst, first_phase: int,
+             nearest_first: bool = False) -> tuple[list[Step], int, list]:
+    """Recursive halving; returns the steps, the phase after, and each round's (kept range,
+    given range, peer) for `_undo_halving`. Partial reductions go to ``work`` at their own
+    offsets; the last round's to ``final_dst(piece)`` = (buffer, offset).
+
+    The range a rank keeps is the half its bit of the round's distance points to. Largest
+    distance first leaves virtual rank v the slot v (reduce-scatter needs that); nearest first
+    leaves it the bit-reversed slot, but moves the big halves between near ranks (same host,
+    with ranks placed host by host), which is what allreduce uses."""
     steps: list[Step] = []
-    lo, hi, d, phase = 0, fold.p2, fold.p2 // 2, first_phase
+    rounds = []
+    lo, hi, phase = 0, fold.p2, first_phase
     v = fold.v
-    while d >= 1:
+    distances = _distances(fold.p2, nearest_first)
+    for d in distances:
         mid = (lo + hi) // 2
         keep, give = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
         peer = fold.real(v ^ d)
-        last = d == 1
+        last = d == distances[-1]
         steps += fold.sends(fold.pieces(*give), peer, phase, src)
         base = phase * fold.stride
         for i, piece in enumerate(fold.pieces(*keep)):
@@ -123,9 +139,22 @@ def _halving(fold: _Fold, src: Buf, work: Buf, final_dst, first_phase: int) -> t
             buf, at = final_dst(piece) if last else (work, off)
             steps.append(Step(Kind.RECV_REDUCE, peer, base + i, n, src, off, buf, at,
                               finalize=last))
+        rounds.append((keep, give, peer))
         src = work  # later rounds reduce what this one wrote
-        lo, hi, d, phase = keep[0], keep[1], d // 2, phase + 1
-    return steps, phase
+        lo, hi, phase = keep[0], keep[1], phase + 1
+    return steps, phase, rounds
+
+
+def _undo_halving(fold: _Fold, rounds: list, buf: Buf, first_phase: int) -> list[Step]:
+    """The allgather that mirrors a halving: its rounds in reverse, each sending the range this
+    rank completed within the round's kept half and receiving the half it gave away."""
+    steps: list[Step] = []
+    phase = first_phase
+    for keep, give, peer in reversed(rounds):
+        steps += fold.sends(fold.pieces(*keep), peer, phase, buf)
+        steps += fold.recvs(fold.pieces(*give), peer, phase, buf)
+        phase += 1
+    return steps
 
 
 def _doubling(fold: _Fold, buf: Buf, first_phase: int) -> tuple[list[Step], int]:
@@ -158,9 +187,9 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     if fold.folds:
         steps += _recv_reduce_all(fold, everything, rank - 1, Buf.INPUT, Buf.OUTPUT)
         src = Buf.OUTPUT
-    halving, phase = _halving(fold, src, Buf.OUTPUT, lambda piece: (Buf.OUTPUT, piece[0]), 1)
-    doubling, _ = _doubling(fold, Buf.OUTPUT, phase)
-    steps += halving + doubling
+    halving, phase, rounds = _halving(fold, src, Buf.OUTPUT, lambda piece: (Buf.OUTPUT, piece[0]),
+                                      1, nearest_first=True)
+    steps += halving + _undo_halving(fold, rounds, Buf.OUTPUT, phase)
     if fold.folds:
         steps += fold.sends(everything, rank - 1, unfold_phase, Buf.OUTPUT)
     return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
@@ -191,7 +220,7 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
             return Buf.OUTPUT, piece[0] - rank * k
         return Buf.SCRATCH, piece[0]  # the folded rank's block, sent on below
 
-    halving, _ = _halving(fold, src, Buf.SCRATCH, final_dst, 1)
+    halving, _, _ = _halving(fold, src, Buf.SCRATCH, final_dst, 1)
     steps += halving
     if fold.folds:
         steps += fold.sends(_own(fold, rank - 1), rank - 1, unfold_phase, Buf.SCRATCH)

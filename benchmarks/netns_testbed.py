@@ -1,0 +1,487 @@
+"""Emulated multi-host testbed: N "hosts" as Linux network namespaces on this one machine.
+
+A "switch" namespace holds a Linux bridge; each host namespace is joined to it by a veth pair
+whose two ends are both rate-shaped with ``tc ... tbf`` (so each host's link is limited in and
+out). M ranks per host run this file's `worker` (ddl-bench's timing, in O(n) memory) inside their
+host's namespace (block placement: rank r on host r // M), so ranks of one host talk over shm and
+ranks of different hosts over TCP through the shaped links. It prints time and busbw per (shape,
+rate, algorithm, size) beside the inter-host link bound. Root only; everything it creates is
+named ``ddltb-<pid>-...`` and torn down at the end, also on errors, Ctrl-C, SIGTERM and
+``--timeout``.
+
+Limits: link DELAY is not emulated -- ``netem`` is not available in this kernel ("Specified qdisc
+kind is unknown"), so only the rate is shaped and latency is the veth's (microseconds). All hosts
+share this machine's CPU cores and memory bandwidth, so at high rates the CPU, not the link, is
+the limit (the measured/bound ratio shows it).
+
+    python benchmarks/netns_testbed.py --shapes 2x2,2x3,4x2 --rates 1gbit,10gbit \\
+        --sizes 1M,4M,16M,64M --algos ring,mdring,rhd --json benchmarks/results/netns_testbed.json
+
+A shape is ``MxH`` = M ranks per host x H hosts (DDL_TOPOLOGY's order: fastest level first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import itertools
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "ddltb"
+SUBNET = "10.213.0"          # private; only ever configured inside our own namespaces
+IFNAME = "eth0"              # the host end of each veth, inside its host namespace
+NO_DELAY_NOTE = ("link delay is NOT emulated (netem is not available in this kernel); "
+                 "links are rate-shaped with tbf only")
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3,
+          "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}  # tc's units: decimal; bps = bytes per second
+_SEQ = itertools.count()
+GRACE_S = 5.0                # after one rank fails, how long the others get to report theirs
+
+
+class Expired(BaseException):
+    """The whole run's --timeout passed (a BaseException, so no ``except Exception`` eats it)."""
+
+
+class JobFailed(RuntimeError):
+    """A rank failed or the job ran out of time; the message holds every rank's output."""
+
+
+def parse_rate(text: str) -> float:
+    """tc's rate syntax ("1gbit", "500mbit", "125mbps") -> bytes per second."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]*)\s*", text.lower())
+    if not m or (m.group(2) or "bit") not in _UNITS:
+        raise ValueError(f"expected a tc rate like 1gbit or 500mbit, got {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2) or "bit"] / 8
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``MxH`` -> (ranks per host, hosts)."""
+    try:
+        m, h = (int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"expected a shape like 2x3 (ranks/host x hosts), got {text!r}") from None
+    if m < 1 or not 1 <= h <= 250:
+        raise ValueError(f"shape {text!r}: need >= 1 rank per host and 1..250 hosts")
+    return m, h
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and res.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: exit {res.returncode}: {res.stderr.strip()}")
+    return res
+
+
+@dataclass
+class Rank:
+    rank: int
+    host: int
+    proc: subprocess.Popen
+    out: str
+    err: str
+
+    def output(self, tail: int = 4000) -> str:
+        """The end of this rank's stdout, then of its stderr."""
+        return "".join(pathlib.Path(p).read_text(errors="replace")[-tail:]
+                       for p in (self.out, self.err))
+
+
+@dataclass
+class Testbed:
+    """N host namespaces on a bridge in a switch namespace, links shaped to ``rate`` (None: not).
+
+    Use as a context manager; `down` is safe to call at any point of `up` and more than once.
+    """
+
+    hosts: int
+    rate: str | None = None
+    tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}-{next(_SEQ)}")
+    workdir: str | None = None    # rank logs go here; None: a temporary folder
+    created: list[str] = field(default_factory=list)
+    ranks: list[Rank] = field(default_factory=list)
+    keep_logs: bool = False       # set when a job fails, so its logs outlive `down`
+    _own_workdir: bool = field(default=False, repr=False)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.tag}-sw"
+
+    def namespace(self, host: int) -> str:
+        return f"{self.tag}-h{host}"
+
+    @staticmethod
+    def address(host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def up(self) -> Testbed:
+        try:
+            if self.workdir is None:
+                self.workdir, self._own_workdir = tempfile.mkdtemp(prefix=f"{self.tag}-"), True
+            self._add_ns(self.switch)
+            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for h in range(self.hosts):
+                ns, port = self.namespace(h), f"h{h}"
+                self._add_ns(ns)
+                # Made inside the switch namespace with the peer put straight into the host's, so
+                # no link of ours ever appears in the root namespace, even for a moment.
+                _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name",
+                     IFNAME, "netns", ns)
+                _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", IFNAME)
+                _run("ip", "-n", ns, "link", "set", IFNAME, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                if self.rate:
+                    self._shape(ns, IFNAME)            # host -> switch (the host's egress)
+                    self._shape(self.switch, port)     # switch -> host (the host's ingress)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _add_ns(self, ns: str) -> None:
+        _run("ip", "netns", "add", ns)
+        self.created.append(ns)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        assert self.rate
+        # tbf needs burst >= the largest packet, and veth hands it 64 KiB GSO packets; ~1 ms of
+        # line rate above that keeps the shaper's timer from being the limit at 10gbit.
+        burst = max(128 << 10, int(parse_rate(self.rate) / 1000))
+        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+             "burst", str(burst), "latency", "50ms")
+
+    def launch(self, ranks_per_host: int, argv: Sequence[str], logdir: str,
+               env: Mapping[str, str] | None = None, ddl_timeout: float = 60.0) -> list[Rank]:
+        """Start ``python argv...`` as rank r in host r // ranks_per_host's namespace."""
+        size = ranks_per_host * self.hosts
+        port = 20000 + os.getpid() % 20000    # namespaces are fresh, so any port is free there
+        base = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+        ranks = []
+        for r in range(size):
+            host = r // ranks_per_host
+            child = dict(base, DDL_RANK=str(r), DDL_SIZE=str(size),
+                         DDL_LOCAL_RANK=str(r % ranks_per_host),
+                         DDL_LOCAL_SIZE=str(ranks_per_host), DDL_MASTER_ADDR=self.address(0),
+                         DDL_MASTER_PORT=str(port), DDL_SOCKET_IFNAME=IFNAME,
+                         DDL_TIMEOUT=str(ddl_timeout), **(env or {}))
+            out, err = (os.path.join(logdir, f"rank{r}.{s}") for s in ("out", "err"))
+            with open(out, "w") as fo, open(err, "w") as fe:
+                proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host),
+                                         sys.executable, *argv], cwd=ROOT, env=child,
+                                        stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)  # own group: killed as one
+            ranks.append(Rank(r, host, proc, out, err))
+            self.ranks.append(ranks[-1])
+        return ranks
+
+    def run_job(self, ranks_per_host: int, argv: Sequence[str], timeout: float,
+                env: Mapping[str, str] | None = None, ddl_timeout: float = 60.0) -> list[Rank]:
+        """Launch, wait (killing everyone when one fails or time is up); JobFailed with logs."""
+        assert self.workdir, "call up() first"
+        logdir = tempfile.mkdtemp(prefix="job-", dir=self.workdir)
+        ranks = self.launch(ranks_per_host, argv, logdir, env, ddl_timeout)
+        deadline, failed_at = time.monotonic() + timeout, None
+        while None in (codes := [r.proc.poll() for r in ranks]):
+            now = time.monotonic()
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+                break
+            if failed_at is None and any(codes):
+                failed_at = now
+            time.sleep(0.05)
+        failed = [r.rank for r in ranks if r.proc.poll() not in (None, 0)]
+        stuck = [r.rank for r in ranks if r.proc.poll() is None]
+        kill(ranks)
+        if failed or stuck:
+            self.keep_logs = True
+            why = "; ".join([f"ranks {failed} failed"] * bool(failed) + [
+                f"ranks {stuck} still running after the job's {timeout:.0f} s"] * bool(stuck))
+            story = "\n".join(f"--- rank {r.rank} (host {r.host}, exit {r.proc.returncode}) ---\n"
+                              f"{r.output()}" for r in ranks)
+            raise JobFailed(f"{why}; logs in {logdir}\n{story}")
+        return ranks
+
+    def down(self) -> None:
+        """Kill our ranks and anything left in our namespaces, remove their shm, delete the ns."""
+        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # a 2nd Ctrl-C must not stop us
+        try:
+            kill(self.ranks)
+            for ns in self.created:
+                pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+                for pid in pids:   # in our private namespace, so started by us
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                from ddlcore.transports.shm import remove_segments_of
+                remove_segments_of({r.proc.pid for r in self.ranks})
+            except ImportError:
+                pass
+            # Hosts first: deleting a host namespace deletes its veth and so the peer on the
+            # bridge; the switch namespace goes last and takes the bridge with it.
+            for ns in reversed(self.created):
+                _run("ip", "netns", "del", ns, check=False)
+            self.created = [ns for ns in self.created if ns in namespaces()]
+            if self._own_workdir and self.workdir and not self.keep_logs:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def leftovers(self) -> list[str]:
+        """What of this testbed still exists (empty after `down`): namespaces, links, shm."""
+        left = [f"netns {ns}" for ns in namespaces() if ns.startswith(self.tag + "-")]
+        links = _run("ip", "-o", "link", check=False).stdout
+        left += [f"link {line.split()[1]}" for line in links.splitlines() if self.tag in line]
+        pids = {str(r.proc.pid) for r in self.ranks}
+        left += [f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
+                 if n.startswith("ddl-") and n.split("-")[1] in pids]
+        left += [f"pid {r.proc.pid}" for r in self.ranks if r.proc.poll() is None]
+        return left
+
+    def __enter__(self) -> Testbed:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def kill(ranks: Sequence[Rank]) -> None:
+    """SIGTERM each rank's process group, SIGKILL what is left after a moment, reap all."""
+    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        alive = [r for r in ranks if r.proc.poll() is None]
+        for r in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(r.proc.pid, sig)
+        end = time.monotonic() + wait
+        while any(r.proc.poll() is None for r in alive) and time.monotonic() < end:
+            time.sleep(0.02)
+
+
+def namespaces() -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def reap_stale() -> list[str]:
+    """Delete testbeds left by runs that were SIGKILLed (their pid, in the name, is gone)."""
+    stale = [ns for ns in namespaces() if (m := re.match(rf"{PREFIX}-(\d+)-", ns))
+             and not os.path.exists(f"/proc/{m.group(1)}")]
+    pids = {int(pid) for ns in stale for pid in _run("ip", "netns", "pids", ns).stdout.split()}
+    for pid in pids:                            # our ranks, orphaned in our namespaces
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    from ddlcore.transports.shm import remove_segments_of
+    remove_segments_of(pids)
+    for ns in stale:
+        _run("ip", "netns", "del", ns, check=False)
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), f"{ns.rsplit('-', 1)[0]}-*")):
+            shutil.rmtree(d, ignore_errors=True)   # its rank logs
+    return stale
+
+
+def netns_available() -> tuple[bool, str]:
+    """Whether this process can make network namespaces, and why not."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "iproute2 (ip, tc) is not installed"
+    probe = f"{PREFIX}-{os.getpid()}-probe"
+    res = _run("ip", "netns", "add", probe, check=False)
+    _run("ip", "netns", "del", probe, check=False)
+    return res.returncode == 0, f"ip netns add failed: {res.stderr.strip()}"
+
+
+def link_bytes(nbytes: int, parts: int) -> float:
+    """Allreduce lower bound on the bytes each of ``parts`` members sends (and receives) over its
+    link: 2(k-1)/k n. With k = hosts that is the bound for any algorithm; with k = ranks, what a
+    flat ring puts on each host link (it crosses each host boundary once)."""
+    return 2.0 * (parts - 1) / parts * nbytes
+
+
+def worker(sizes: list[int], iters: int, warmup: int, out: str) -> None:
+    """One rank of an allreduce measurement, run inside a host namespace: ddl-bench's timing
+    (slowest rank's mean after warm-ups; busbw = algbw x 2(P-1)/P) in O(n) memory per rank --
+    ddl-bench's Case keeps P float64 copies per rank (2.4 GB RSS at 64 MB with 8 ranks)."""
+    import numpy as np
+
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        p, rows = comm.size, []
+        for nbytes in sizes:
+            # Small integers: every partial sum is exact, so any reduction order gives `expect`.
+            pattern = (np.arange(nbytes // 4) % 3 + 1).astype(np.float32)
+            x, y = pattern * (comm.rank + 1), np.empty_like(pattern)
+            expect = pattern * (p * (p + 1) // 2)
+            for _ in range(warmup):
+                comm.allreduce(x, out=y)
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                comm.allreduce(x, out=y)
+            t = float(comm.allreduce(np.array([(time.perf_counter() - t0) / iters]), op="max")[0])
+            wrong = int(comm.allreduce(np.array([np.count_nonzero(y != expect)]))[0])
+            algbw = x.nbytes / t / 1e9
+            rows.append(dict(size=x.nbytes, count=x.size, time_us=t * 1e6, algbw=algbw,
+                             busbw=algbw * 2 * (p - 1) / p, wrong=wrong,
+                             algorithm=comm.describe("allreduce", x.nbytes).algorithm))
+        if comm.rank == 0:
+            with open(out, "w") as f:
+                json.dump({"algorithm": rows[-1]["algorithm"], "nhosts": comm.nhosts,
+                           "transports": sorted(set(comm.transports.values())), "rows": rows}, f)
+
+
+def measure(tb: Testbed, m: int, algo: str, sizes: list[int], args: argparse.Namespace,
+            deadline: float) -> dict[str, Any]:
+    """One job of M x H ranks running `worker` with DDL_ALGO=algo; returns rank 0's JSON."""
+    assert tb.workdir
+    path = os.path.join(tempfile.mkdtemp(prefix="json-", dir=tb.workdir), "rows.json")
+    argv = [os.path.abspath(__file__), "--rank-worker", ",".join(map(str, sizes)),
+            str(args.iters), str(args.warmup), path]
+    tb.run_job(m, argv, deadline - time.monotonic(), ddl_timeout=args.ddl_timeout,
+               env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport})
+    with open(path) as f:
+        return json.load(f)
+
+
+HEAD = (f"{'shape':>5s} {'rate':>7s} {'algo':>8s} {'size(B)':>10s} {'time(us)':>10s} "
+        f"{'busbw':>6s} {'bound(us)':>10s} {'meas/bd':>7s} {'link B bound':>12s} "
+        f"{'link B ring':>12s} {'#wrong':>6s}")
+
+
+def table_row(r: dict[str, Any]) -> str:
+    nan, algo = float("nan"), r["algo"] if r["algo"] != "auto" else f"a:{r['algorithm']}"
+    return (f"{r['shape']:>5s} {r['rate'] or '-':>7s} {algo:>8s} {r['size']:10d} "
+            f"{r['time_us']:10.0f} {r['busbw']:6.3f} {r['bound_us'] or nan:10.0f} "
+            f"{r['ratio_to_bound'] or nan:7.2f} {r['link_bytes_bound']:12.0f} "
+            f"{r['link_bytes_flat_ring']:12.0f} {r['wrong']:6d}")
+
+
+def run_all(args: argparse.Namespace, algos: list[str], sizes: list[int],
+            results: list[dict[str, Any]]) -> int:
+    """Every (shape, rate, algorithm), one testbed per (shape, rate); rows appended to results."""
+    status, deadline = 0, time.monotonic() + args.timeout
+    rates = [None if r.lower() == "none" else r for r in args.rates.split(",")]
+    for (m, h), rate in itertools.product(args.shapes, rates):
+        with Testbed(h, rate) as tb:
+            for algo in algos:
+                t0, load = time.monotonic(), os.getloadavg()[0]  # others' work skews timings here
+                try:
+                    got = measure(tb, m, algo, sizes, args, deadline)
+                except JobFailed as exc:
+                    print(f"# {m}x{h} {rate} {algo}: FAILED\n{exc}", file=sys.stderr)
+                    status = 1
+                    continue
+                print(f"# {m}x{h} at {rate or 'unshaped'}, {algo} (ran {got['algorithm']}, "
+                      f"{got['nhosts']} hosts, {'+'.join(got['transports'])}): "
+                      f"{time.monotonic() - t0:.1f} s, load {load:.1f} before, "
+                      f"{os.getloadavg()[0]:.1f} after", flush=True)
+                for row in got["rows"]:
+                    bound_us = (link_bytes(row["size"], h) / parse_rate(rate) * 1e6
+                                if rate and h > 1 else None)
+                    results.append(dict(
+                        shape=f"{m}x{h}", ranks_per_host=m, hosts=h, rate=rate, algo=algo,
+                        algorithm_used=got["algorithm"], transports=got["transports"],
+                        loadavg_before=load, loadavg_after=os.getloadavg()[0], bound_us=bound_us,
+                        ratio_to_bound=row["time_us"] / bound_us if bound_us else None, **row,
+                        link_bytes_bound=link_bytes(row["size"], h),
+                        link_bytes_flat_ring=link_bytes(row["size"], m * h)))
+                    status |= int(row["wrong"] > 0)
+                    print(table_row(results[-1]), flush=True)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ddlcore.algorithms import ALGORITHMS
+    from ddlcore.config import parse_size
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", "--shape", default=[(2, 2)],
+                   type=lambda s: [parse_shape(x) for x in s.split(",")],
+                   help="comma list of MxH = M ranks per host x H hosts (default 2x2)")
+    p.add_argument("--rates", "--rate", default="1gbit", help="comma list of tc rates, or none")
+    p.add_argument("--sizes", default="1M,4M,16M,64M", help="comma list of byte counts",
+                   type=lambda s: [parse_size(x) for x in s.split(",")])
+    p.add_argument("--algos", default="ring,mdring,rhd",
+                   help="comma list; names not registered in ddlcore are skipped with a note")
+    p.add_argument("-n", "--iters", type=int, default=5)
+    p.add_argument("-w", "--warmup", type=int, default=1)
+    p.add_argument("--transport", default="auto:tcp",
+                   help="DDL_TRANSPORT of the ranks (default auto:tcp: shm in a host, tcp across; "
+                        "plain auto would take ucx across hosts when it is installed)")
+    p.add_argument("--ddl-timeout", type=float, default=60.0, help="DDL_TIMEOUT of the ranks")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds for the whole run; on expiry kill everything and tear down")
+    p.add_argument("--json", help="write every row (and the command) to this file")
+    args = p.parse_args(argv)
+    for r in args.rates.split(","):
+        if r.lower() != "none":
+            parse_rate(r)
+    known = ALGORITHMS["allreduce"]
+    algos = [a for a in args.algos.split(",") if a == "auto" or a in known]
+    for a in sorted(set(args.algos.split(",")) - set(algos)):
+        print(f"# skipping --algos {a}: not a registered allreduce ({', '.join(known)})")
+    ok, why = netns_available()
+    if not ok:
+        p.error(why)
+    for ns in reap_stale():
+        print(f"# removed namespace {ns}, left behind by a killed run")
+
+    def stop(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGALRM:
+            raise Expired(f"--timeout {args.timeout:.0f} s passed")
+        print(f"# netns_testbed: signal {signum}; tearing down", file=sys.stderr)
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM):
+        signal.signal(sig, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
+    signal.setitimer(signal.ITIMER_REAL, args.timeout)
+
+    print(f"# {NO_DELAY_NOTE}; {os.cpu_count()} CPU cores shared by all hosts")
+    results: list[dict[str, Any]] = []
+    try:
+        status = run_all(args, algos, args.sizes, results)
+    except Expired as exc:
+        print(f"# netns_testbed: {exc}; killed the ranks, tore the testbed down", file=sys.stderr)
+        status = 124
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    print(f"\n# allreduce, iters {args.iters}, warmup {args.warmup}; time = slowest rank's mean; "
+          f"bound = 2(H-1)/H n / rate; link B = bytes per host link: the bound's, and a flat "
+          f"ring's (2(P-1)/P n)\n{HEAD}")
+    print("\n".join(table_row(r) for r in results))
+    if args.json:
+        meta = {"command": " ".join(["python", "benchmarks/netns_testbed.py",
+                                     *(sys.argv[1:] if argv is None else argv)]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "kernel": platform.release(),
+                "cpus": os.cpu_count(), "note": NO_DELAY_NOTE}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": results}, f, indent=1)
+    return status
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank-worker"]:
+        sizes, iters, warmup, out = sys.argv[2:6]
+        worker([int(s) for s in sizes.split(",")], int(iters), int(warmup), out)
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Collectives across emulated hosts: 2 network namespaces x 2 ranks, every registered algorithm.
+
+Uses the testbed of ``benchmarks/netns_testbed.py`` (loaded by path: ``benchmarks`` is not a
+package). Ranks in one namespace must talk over shm and across namespaces over tcp, results must
+match NumPy on every rank, and nothing (namespaces, links, /dev/shm segments, processes) may be
+left behind, also when a rank fails. Needs root and iproute2; CI runs it as root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from ddlcore.algorithms import ALGORITHMS
+from tests.harness import require
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = pathlib.Path(__file__).parent / "scripts" / "netns_collectives.py"
+RANKS_PER_HOST, HOSTS = 2, 2
+
+
+def _testbed():
+    path = ROOT / "benchmarks" / "netns_testbed.py"
+    spec = importlib.util.spec_from_file_location("netns_testbed", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("netns_testbed", module)  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def netns():
+    module = _testbed()
+    ok, why = module.netns_available()
+    require(ok, why)
+    return module
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS["allreduce"]))
+def test_collectives_across_namespaces(netns, algo):
+    # Unshaped: this checks correctness; speed is the benchmark's business.
+    with netns.Testbed(HOSTS) as tb:
+        ranks = tb.run_job(RANKS_PER_HOST, [str(WORKER), str(RANKS_PER_HOST)], timeout=45,
+                           env={"DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp"}, ddl_timeout=30)
+        lines = sorted(r.output().strip() for r in ranks)
+    assert lines == [f"rank {r} on host {r // RANKS_PER_HOST}: {algo} ok, transports "
+                     "['shm', 'tcp']" for r in range(HOSTS * RANKS_PER_HOST)], lines
+    assert tb.leftovers() == []
+
+
+def test_failing_rank_stops_the_job_and_nothing_is_left(netns, tmp_path):
+    # Rank 1 fails at once; the others would sleep far past the job's timeout.
+    code = "import os, sys, time; os.environ['DDL_RANK'] == '1' and sys.exit(3); time.sleep(60)"
+    with netns.Testbed(HOSTS, rate="1gbit", workdir=str(tmp_path)) as tb:
+        with pytest.raises(netns.JobFailed,
+                           match=r"ranks \[1\] failed; ranks \[0, 2, 3\] still running") as info:
+            tb.run_job(RANKS_PER_HOST, ["-c", code], timeout=30)
+    assert "rank 1 (host 0, exit 3)" in str(info.value)
+    assert tb.leftovers() == []
+
+
+def test_job_timeout_kills_every_rank(netns, tmp_path):
+    with netns.Testbed(HOSTS, workdir=str(tmp_path)) as tb:
+        with pytest.raises(netns.JobFailed,
+                           match=r"^ranks \[0, 1\] still running after the job's 1 s"):
+            tb.run_job(1, ["-c", "import time; time.sleep(60)"], timeout=1)
+        assert all(r.proc.poll() is not None for r in tb.ranks)
+    assert tb.leftovers() == []
