@@ -6,6 +6,8 @@ reduce-scatter, reducing them (``gamma`` = seconds per byte of the reduction ker
 
     T = sum over phases of  steps * (lat[j] + m * share / bw[j] + m * gamma)
 
+(with the reduction overlapped, max instead of +, when m streams in several pipeline chunks).
+
 ``share`` is how many ranks of one host push bytes through the host's network adapter at the
 same time in that phase: 1 inside a host (point-to-point links), and the ranks per host (over
 the host's adapters, `Topology.adapters`) when every rank crosses the network at once (a multi-dimensional ring's network phases, halving-
@@ -35,6 +37,8 @@ SELECTABLE = ("allreduce", "reduce_scatter", "allgather")
 # Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
 # project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.
 REDUCE_BW = 8e9
+# The pipeline chunk the ring's prediction assumes (DDL_CHUNK_BYTES's default).
+CHUNK_BYTES = 1 << 20
 # Predictions this close count as a tie (the model is not that precise).
 TIE = 0.01
 # mdring dimension orders tried by auto: all of them up to this many dimensions.
@@ -70,10 +74,16 @@ def validate_algo(algo: str) -> None:
 # --- the model -----------------------------------------------------------------------------------
 
 def _phase(topo: Topology, dim: int, steps: int, nbytes: float, share: int, reduce: bool,
-           gamma: float) -> float:
+           gamma: float, chunk_bytes: float = 0.0) -> float:
+    """``steps`` steps of ``nbytes`` across ``dim``; a reduce-scatter step reduces them too,
+    overlapped with the transfer when they stream in several chunks (chunk k is reduced while
+    chunk k+1 is on the wire)."""
     if steps <= 0 or dim < 0:
         return 0.0
-    return steps * (topo.lat[dim] + nbytes * share / topo.bw[dim] + (nbytes * gamma if reduce else 0.0))
+    transfer = nbytes * share / topo.bw[dim]
+    work = nbytes * gamma if reduce else 0.0
+    body = max(transfer, work) if chunk_bytes and nbytes > chunk_bytes else transfer + work
+    return steps * (topo.lat[dim] + body)
 
 
 def _share(topo: Topology, dim: int, concurrent: int) -> int:
@@ -82,32 +92,44 @@ def _share(topo: Topology, dim: int, concurrent: int) -> int:
     return 1 if dim < topo.host_dims else max(1, -(-concurrent // topo.adapters))
 
 
-def _ring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float) -> float:
+def _ring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
+          chunk_bytes: float) -> float:
     p = topo.size
     if p == 1:
         return 0.0
-    # The ring follows the box order, so it crosses every dimension of size > 1 (each host
-    # boundary with one flow); its slowest hop sets the pace of every step.
+    # The ring follows the box order, crossing each host boundary with one flow. Its steps form
+    # one dependency chain around the ring (rank r's step g waits for rank r-1's step g-1), so
+    # it pays the MEAN hop's latency per step; when segments stream in several chunks every
+    # hop carries all steps' bytes and the slowest sets the pace, else the chain pays the mean
+    # hop's transfer too.
+    hops = [topo.dim_between(topo.order[i], topo.order[(i + 1) % p]) for i in range(p)]
     m = nbytes / p
-    worst = max(topo.lat[j] + m / topo.bw[j] for j, d in enumerate(topo.dims) if d > 1)
-    steps = (p - 1) * (int(rs) + int(ag))
-    return steps * worst + ((p - 1) * m * gamma if rs else 0.0)
+    latency = sum(topo.lat[j] for j in hops) / p
+    reduce = m * gamma
+    if m > chunk_bytes:  # streaming: chunk k is reduced while chunk k+1 is on the wire
+        transfer = max(m / topo.bw[j] for j in hops)
+        rs_step = max(transfer, reduce)
+    else:
+        transfer = sum(m / topo.bw[j] for j in hops) / p
+        rs_step = transfer + reduce
+    return (p - 1) * (int(rs) * (latency + rs_step) + int(ag) * (latency + transfer))
 
 
 def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
-            order: tuple[int, ...]) -> float:
+            order: tuple[int, ...], chunk_bytes: float) -> float:
     t, m = 0.0, float(nbytes)
     for j in active_dims(topo, order):
         d = topo.dims[j]
         seg = m / d
         share = _share(topo, j, topo.ranks_per_node)
-        t += _phase(topo, j, (d - 1) * rs, seg, share, True, gamma)
-        t += _phase(topo, j, (d - 1) * ag, seg, share, False, gamma)
+        t += _phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes)
+        t += _phase(topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes)
         m = seg
     return t
 
 
-def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_only: bool) -> float:
+def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_only: bool,
+         chunk_bytes: float) -> float:
     """Halving-doubling and recursive doubling, round by round as the schedules run them
     (`ddlcore.algorithms.halving_doubling`): allreduce halves nearest partners first and
     doubles back; reduce-scatter halves the largest distance first; allgather doubles from 1."""
@@ -116,7 +138,8 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     ag = collective in ("allreduce", "allgather")
     t = 0.0
     if extra:  # fold and unfold: the even rank of each of the first pairs hands over everything
-        t += _phase(topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma)
+        t += _phase(topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma,
+                    chunk_bytes)
     near = [1 << i for i in range(p2.bit_length() - 1)]
 
     def real(v: int) -> int:  # the rank virtual rank v runs on (halving_doubling._Fold.real)
@@ -127,7 +150,7 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
 
     def cost(d: int, m: float, reduce: bool) -> float:
         return _phase(topo, dim_of(d), 1, m, _share(topo, dim_of(d), topo.ranks_per_node),
-                      reduce, gamma)
+                      reduce, gamma, chunk_bytes)
 
     if doubling_only:
         return t + sum(cost(d, nbytes, True) for d in near)
@@ -143,21 +166,22 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
 
 
 def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
-            dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW) -> float:
+            dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW,
+            chunk_bytes: float = CHUNK_BYTES) -> float:
     """Predicted seconds of ``collective`` moving ``nbytes`` (the allreduce / reduce_scatter
     input, the allgather output) with ``algorithm`` on ``topo``."""
     gamma = 1.0 / reduce_bw
     rs = collective in ("allreduce", "reduce_scatter")
     ag = collective in ("allreduce", "allgather")
     if algorithm == "ring":
-        return _ring(topo, nbytes, rs, ag, gamma)
+        return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes)
     if algorithm == "mdring":
         order = tuple(range(len(topo.dims))) if dim_order is None else dim_order
-        return _mdring(topo, nbytes, rs, ag, gamma, order)
+        return _mdring(topo, nbytes, rs, ag, gamma, order, chunk_bytes)
     if algorithm == "rhd":
-        return _rhd(topo, nbytes, collective, gamma, doubling_only=False)
+        return _rhd(topo, nbytes, collective, gamma, False, chunk_bytes)
     if algorithm == "rd":
-        return _rhd(topo, nbytes, collective, gamma, doubling_only=True)
+        return _rhd(topo, nbytes, collective, gamma, True, chunk_bytes)
     raise ValueError(f"no cost model for algorithm {algorithm!r}")
 
 
