@@ -26,7 +26,7 @@ from ddlcore.algorithms import ALGORITHMS, Buf, Schedule
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
 from ddlcore.handles import Executor, Handle
-from ddlcore.links import Links, local_transports
+from ddlcore.links import Links, level_transports, local_transports
 from ddlcore.ops import Op, as_op
 from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
 from ddlcore.transports.base import PeerInfo
@@ -471,9 +471,12 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         store.barrier("init", info.rank, info.size, timeout)
         records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
         peers = [peer for peer, _ in records]
-        links = Links(info.rank, info.size, spec, peers, store, timeout)
+        # Every rank has read every record before any can fail on the topology (a box that does
+        # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
+        store.barrier("peers", info.rank, info.size, timeout)
         topo = topology.build([p.host_id for p in peers], [rack for _, rack in records],
-                              links.level_transports(), environ)
+                              level_transports(spec, peers), environ)
+        links = Links(info.rank, info.size, spec, peers, store, timeout)
         if config.get("DDL_LINK_PROBE", environ):
             topo = probe.measure(topo, info.rank, links, store, timeout)
     except BaseException:

@@ -95,6 +95,20 @@ def plan(spec: str) -> dict[str, str]:
     return out
 
 
+def level_transports(spec: str, peers: list[PeerInfo]) -> dict[str, str]:
+    """The transport between two ranks of one host ("host") and of two hosts ("network"),
+    named from the first such pair's published lists alone (`nominal`), so that every rank
+    names the same: the topology's link defaults come from it, and every rank must predict
+    the same costs to choose the same algorithm."""
+    by_host: dict[str, list[PeerInfo]] = {}
+    for p in peers:
+        by_host.setdefault(p.host_id, []).append(p)
+    groups = list(by_host.values())
+    pairs = {"host": next((g[:2] for g in groups if len(g) > 1), None),
+             "network": [groups[0][0], groups[1][0]] if len(groups) > 1 else None}
+    return {level: nominal(spec, *pair) for level, pair in pairs.items() if pair}
+
+
 class Links:
     """Per-peer transport pairs of one communicator."""
 
@@ -103,26 +117,12 @@ class Links:
         self.rank, self.size = rank, size
         me = peers[rank]
         instances = {name: transports.load(name)() for name in me.transports}
-        self._spec, self._peers, self._instances = spec, peers, instances
         self.choice: dict[int, str] = {
             p.rank: choose(spec, me, p, instances) for p in peers if p.rank != rank}
         self.contexts: dict[str, Context] = {}
         for name in sorted(set(self.choice.values())):
             self.contexts[name] = instances[name].create_context(rank, size, store, timeout)
         self._pairs: dict[int, Pair] = {}
-
-    def level_transports(self) -> dict[str, str]:
-        """The transport between two ranks of one host ("host") and of two hosts ("network"),
-        named from the first such pair's published lists alone (`nominal`), so that every rank
-        names the same: the topology's link defaults come from it, and every rank must predict
-        the same costs to choose the same algorithm."""
-        by_host: dict[str, list[PeerInfo]] = {}
-        for p in self._peers:
-            by_host.setdefault(p.host_id, []).append(p)
-        groups = list(by_host.values())
-        pairs = {"host": next((g[:2] for g in groups if len(g) > 1), None),
-                 "network": [groups[0][0], groups[1][0]] if len(groups) > 1 else None}
-        return {level: nominal(self._spec, *pair) for level, pair in pairs.items() if pair}
 
     def pair(self, peer: int) -> Pair:
         p = self._pairs.get(peer)

@@ -31,6 +31,7 @@ def _run_all(rank, size, collectives):
         out.update(matrix.run_matrix(rank, size, collective))
     with ddlcore.init() as comm:
         chosen = {c: comm.describe(c, 4096).algorithm for c in collectives}
+        comm.barrier()  # rank 0 serves the store: it must not exit while others still set up
     return out, chosen
 
 

@@ -46,7 +46,7 @@ def test_missing_rank_is_reported_with_counts():
         assert "2 of 3 ranks" in message and "missing ranks: [2]" in message, message
 
 
-def test_debug_logs_algorithm_and_chunking(tmp_path):
+def test_debug_logs_algorithm_box_and_chunking(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import numpy as np, ddlcore\n"
                       "with ddlcore.init() as comm:\n"
@@ -56,5 +56,8 @@ def test_debug_logs_algorithm_and_chunking(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
                          capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stderr
-    assert "allreduce #0 (1000 x float32, sum) via ring, chunks of 1024 B" in res.stderr, res.stderr
+    # 4 KB on two ranks: the cost model takes recursive doubling (one exchange).
+    assert "allreduce #0 (1000 x float32, sum) via rd, chunks of 1024 B, predicted" in res.stderr, \
+        res.stderr
+    assert "box 2," in res.stderr
     assert "transports ['shm']" in res.stderr  # auto: shared memory between ranks of one host
