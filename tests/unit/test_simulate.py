@@ -146,8 +146,7 @@ CASES = [pytest.param(algo, box, contended, nbytes,
 @pytest.mark.parametrize("algo, box, contended, nbytes", CASES)
 def test_agrees_with_cost_model(algo, box, contended, nbytes):
     """Within 25% with the default reduction speed; contended: one adapter per host,
-    uncontended: one per rank. rhd's large messages are near the edge (simulated / model
-    0.75-0.86: the model adds the reductions, which overlap the arrivals in the schedule)."""
+    uncontended: one per rank."""
     topo = _box(box, adapters=1 if contended else BOXES[box][0][0])
     res = simulate.simulate("allreduce", algo, topo, nbytes)
     assert res.time_s == pytest.approx(res.predicted_s, rel=0.25)
