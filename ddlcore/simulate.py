@@ -27,7 +27,7 @@ It is a discrete-event simulation: a heap of ranks by their clock; the earliest 
 its clock stays the earliest, so messages claim ports in global issue order. Schedules are
 compiled to flat arrays first (`Program`), so the event loop creates no per-step objects.
 Generating the schedules costs the algorithm modules ~10 us per step (the event loop ~3 us).
-The flat ring and rhd at 4096 ranks have ~67M steps (the ring took 12 min of CPU and 1.7 GB);
+The flat ring and rhd at 4096 ranks have ~67M steps (12 and 19 min of CPU, 1.7 and 4 GB);
 runs estimated above ``max_steps`` are refused with `TooLargeToSimulate` (the CLI prints NOT
 SIMULATED and why, exit status 3; ``--max-steps 1e8`` runs them), never replaced by a formula.
 
@@ -55,8 +55,9 @@ from ddlcore.errors import DDLError
 
 _SEND, _RECV_REDUCE = int(Kind.SEND), int(Kind.RECV_REDUCE)
 _COPY = int(Kind.COPY)
-# Default step budget: 16M steps take ~3 minutes of CPU to generate and simulate on this project's
-# VM (~11 us/step in all; 67M steps took 713 s); mdring at 4096 ranks is ~6.5M.
+# Default step budget: 16M steps take 3-5 minutes of CPU to generate and simulate on this
+# project's VM (11-18 us/step in all: 67M steps took 713 s for the ring, 1160 s for rhd);
+# mdring at 4096 ranks is ~6.5M.
 MAX_STEPS = 16_000_000
 DEFAULT_CHUNK_BYTES = 1 << 20  # DDL_CHUNK_BYTES's default
 # The CLI's default links, the PowerAI DDL paper's cluster (Cho et al. 2017): NVLink inside a host,
@@ -151,8 +152,9 @@ def compile_program(collective: str, algorithm: str, topo: topology.Topology, nb
         raise TooLargeToSimulate(
             f"{collective} via {algorithm} on {size} ranks has ~{estimate / 1e6:.1f}M steps "
             f"({max(len(s.steps) for s in ends)} per rank), over the budget of "
-            f"{max_steps / 1e6:.1f}M (max_steps / --max-steps); it would take ~"
-            f"{estimate * 11e-6 / 60:.0f} min of CPU and ~{estimate * 26 / 1e9:.1f} GB here")
+            f"{max_steps / 1e6:.1f}M (max_steps / --max-steps); it would take "
+            f"{estimate * 11e-6 / 60:.0f}-{estimate * 18e-6 / 60:.0f} min of CPU and "
+            f"{estimate * 25 / 1e9:.1f}-{estimate * 60 / 1e9:.1f} GB here")
     scheds = itertools.chain(ends[:1], (schedule(r) for r in range(1, size - 1)), ends[1:size])
     return Program.from_schedules(scheds, size, itemsize, dim_order)
 
