@@ -28,34 +28,32 @@ def _tag(dim: int, i: int) -> int:
     return ((_SEQ | dim) << 32) | i
 
 
+def _round_trips(pair, there: memoryview, back: memoryview, dim: int, first_tag: int,
+                 rounds: int, leader: bool, timeout: float) -> list[float]:
+    """``rounds`` exchanges of ``there`` (leader -> follower) answered by ``back``; the
+    seconds each took. Tags from ``first_tag`` on, two per round."""
+    times = []
+    for i in range(first_tag, first_tag + 2 * rounds, 2):
+        start = time.perf_counter()
+        if leader:
+            pair.isend(there, _tag(dim, i), _CHECK).wait(timeout)
+            pair.irecv(back, _tag(dim, i + 1), _CHECK).wait(timeout)
+        else:
+            pair.irecv(there, _tag(dim, i), _CHECK).wait(timeout)
+            pair.isend(back, _tag(dim, i + 1), _CHECK).wait(timeout)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _ping_pong(pair, dim: int, leader: bool, timeout: float) -> tuple[float, float]:
     """Run the exchange with ``pair``; the leader returns (bandwidth B/s, latency s)."""
     small = memoryview(bytearray(8))
     big = memoryview(bytearray(b"\x01") * _BW_BYTES)
-    i = 0
-    rtts, one_way = [], []
-    for _ in range(_LAT_ROUNDS):
-        start = time.perf_counter()
-        if leader:
-            pair.isend(small, _tag(dim, i), _CHECK).wait(timeout)
-            pair.irecv(small, _tag(dim, i + 1), _CHECK).wait(timeout)
-        else:
-            pair.irecv(small, _tag(dim, i), _CHECK).wait(timeout)
-            pair.isend(small, _tag(dim, i + 1), _CHECK).wait(timeout)
-        rtts.append(time.perf_counter() - start)
-        i += 2
+    rtts = _round_trips(pair, small, small, dim, 0, _LAT_ROUNDS, leader, timeout)
     lat = statistics.median(rtts) / 2
-    for _ in range(_BW_ROUNDS):
-        start = time.perf_counter()
-        if leader:
-            pair.isend(big, _tag(dim, i), _CHECK).wait(timeout)
-            pair.irecv(small, _tag(dim, i + 1), _CHECK).wait(timeout)
-        else:
-            pair.irecv(big, _tag(dim, i), _CHECK).wait(timeout)
-            pair.isend(small, _tag(dim, i + 1), _CHECK).wait(timeout)
-        one_way.append(time.perf_counter() - start - 2 * lat)
-        i += 2
-    return _BW_BYTES / max(min(one_way), 1e-9), lat
+    big_trips = _round_trips(pair, big, small, dim, 2 * _LAT_ROUNDS, _BW_ROUNDS, leader, timeout)
+    one_way = min(big_trips) - 2 * lat
+    return _BW_BYTES / max(one_way, 1e-9), lat
 
 
 def measure(topo: Topology, rank: int, links, store, timeout: float) -> Topology:

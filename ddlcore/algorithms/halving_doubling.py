@@ -174,13 +174,12 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
               topo: Topology | None = None) -> Schedule:
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return _named(local_copy("allreduce", rank, count, chunk))
+        return local_copy("allreduce", rank, count, chunk, algorithm=NAME)
     fold = _Fold(rank, size, _units_even(count, virtual_shape(size)[0]), chunk)
     everything = fold.pieces(0, fold.p2)
     unfold_phase = 2 * fold.rounds + 1
     if fold.v < 0:
-        steps = fold.sends(everything, rank + 1, 0, Buf.INPUT)
-        steps += fold.recvs(everything, rank + 1, unfold_phase, Buf.OUTPUT)
+        steps = _folded_away(fold, everything, unfold_phase)
         return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
     steps = []
     src = Buf.INPUT
@@ -200,7 +199,7 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     """``count`` = size * k; rank r ends with the reduced block r."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return _named(local_copy("reduce_scatter", rank, count, chunk))
+        return local_copy("reduce_scatter", rank, count, chunk, algorithm=NAME)
     k = count // size
     fold = _Fold(rank, size, _units_blocks(size, k), chunk)
     everything = fold.pieces(0, fold.p2)
@@ -233,7 +232,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     """``count`` = k; the output holds size * k elements, rank r's block at r * k."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return _named(local_copy("allgather", rank, count, chunk, rank * count))
+        return local_copy("allgather", rank, count, chunk, rank * count, NAME)
     fold = _Fold(rank, size, _units_blocks(size, count), chunk)
     everything = fold.pieces(0, fold.p2)
     unfold_phase = fold.rounds + 1
@@ -257,13 +256,12 @@ def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_by
     """``rd``: the whole vector at every distance, reduced on both sides (small messages)."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return _named(local_copy("allreduce", rank, count, chunk), RD_NAME)
+        return local_copy("allreduce", rank, count, chunk, algorithm=RD_NAME)
     fold = _Fold(rank, size, [[(0, count, -1)]], chunk)
     everything = fold.pieces(0, 1)
     unfold_phase = fold.rounds + 1
     if fold.v < 0:
-        steps = fold.sends(everything, rank + 1, 0, Buf.INPUT)
-        steps += fold.recvs(everything, rank + 1, unfold_phase, Buf.OUTPUT)
+        steps = _folded_away(fold, everything, unfold_phase)
         return Schedule("allreduce", RD_NAME, rank, size, count, chunk, drop_empty(steps))
     steps = []
     src = Buf.INPUT
@@ -283,6 +281,13 @@ def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_by
     return Schedule("allreduce", RD_NAME, rank, size, count, chunk, drop_empty(steps))
 
 
+def _folded_away(fold: _Fold, everything: list[Piece], unfold_phase: int) -> list[Step]:
+    """An allreduce on an even rank the fold leaves out: its whole input to the odd rank after
+    it, the whole result back at the unfold."""
+    return (fold.sends(everything, fold.rank + 1, 0, Buf.INPUT)
+            + fold.recvs(everything, fold.rank + 1, unfold_phase, Buf.OUTPUT))
+
+
 def _own(fold: _Fold, rank: int) -> list[Piece]:
     """The pieces of ``rank``'s block (rank is one that virtual rank v stands for)."""
     v = rank // 2 if rank < 2 * fold.extra else rank - fold.extra
@@ -295,8 +300,3 @@ def _recv_reduce_all(fold: _Fold, pieces: list[Piece], peer: int, src: Buf, dst:
     base = phase * fold.stride
     return [Step(Kind.RECV_REDUCE, peer, base + i, n, src, off, dst, off, finalize=finalize,
                  staged_first=staged_first) for i, (off, n, _) in enumerate(pieces)]
-
-
-def _named(schedule: Schedule, name: str = NAME) -> Schedule:
-    return Schedule(schedule.collective, name, schedule.rank, schedule.size, schedule.count,
-                    schedule.chunk_count, schedule.steps, schedule.scratch_count)

@@ -22,6 +22,7 @@ or out (AG). ``dim_order`` processes the dimensions in another order (the tuner 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from ddlcore.algorithms import ring
@@ -68,7 +69,7 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return _renamed(ring.allreduce(rank, size, count, itemsize, chunk_bytes, topo))
+        return _as_mdring(ring.allreduce(rank, size, count, itemsize, chunk_bytes, topo))
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     steps: list[Step] = []
     # Slots: phase i's rings are its members' only shared history, so phase i's base counts
@@ -97,7 +98,7 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return _renamed(ring.reduce_scatter(rank, size, count, itemsize, chunk_bytes, topo))
+        return _as_mdring(ring.reduce_scatter(rank, size, count, itemsize, chunk_bytes, topo))
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     k = count // size
     # Blocks into scratch in phase order: phase j's segments are then contiguous.
@@ -123,7 +124,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return _renamed(ring.allgather(rank, size, count, itemsize, chunk_bytes, topo))
+        return _as_mdring(ring.allgather(rank, size, count, itemsize, chunk_bytes, topo))
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     total = size * count
     mine = _block_index(topo, rank, dims) * count
@@ -142,7 +143,6 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
                     scratch_count=total)
 
 
-def _renamed(schedule: Schedule) -> Schedule:
+def _as_mdring(schedule: Schedule) -> Schedule:
     """A box with one dimension is a ring; keep the name the caller asked for."""
-    return Schedule(schedule.collective, NAME, schedule.rank, schedule.size, schedule.count,
-                    schedule.chunk_count, schedule.steps, schedule.scratch_count)
+    return dataclasses.replace(schedule, algorithm=NAME)

@@ -126,10 +126,11 @@ def chunk_elems(chunk_bytes: int, itemsize: int) -> int:
     return max(1, chunk_bytes // max(1, itemsize))
 
 
-def local_copy(collective: str, rank: int, count: int, chunk: int, dst_off: int = 0) -> Schedule:
-    """A world of one: the result is the input."""
+def local_copy(collective: str, rank: int, count: int, chunk: int, dst_off: int = 0,
+               algorithm: str = NAME) -> Schedule:
+    """A world of one: the result is the input (every algorithm's schedule for size 1)."""
     copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, dst_off),)
-    return Schedule(collective, NAME, rank, 1, count, chunk, drop_empty(copy))
+    return Schedule(collective, algorithm, rank, 1, count, chunk, drop_empty(copy))
 
 
 def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
