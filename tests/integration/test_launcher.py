@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -121,8 +122,8 @@ def test_hosts_mode_hands_off_to_mpiexec():
     require(launcher.find_mpiexec() is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
     res = _run(["-np", "2", "--hosts", "localhost:2", "--timeout", "30", str(SCRIPTS / "show_env.py")])
     assert res.returncode == 0, res.stderr
-    ranks = sorted(line.split("PMI_RANK=")[1] for line in res.stdout.splitlines())
-    assert ranks == ["0", "1"]
+    ranks = sorted(re.findall(r"PMI_RANK=(\d+)", res.stdout))
+    assert ranks == ["0", "1"], (res.stdout, res.stderr)
     assert "DDL_TIMEOUT=30" in res.stdout
 
 

@@ -222,6 +222,11 @@ def test_close_joins_the_server_threads():
 def test_close_lingers_until_clients_leave():
     srv = StoreServer("127.0.0.1", 0)
     c = client(srv)
+    # connect() returns once the kernel queues the connection; the server counts it when its
+    # accept thread picks it up
+    deadline = time.monotonic() + 5.0
+    while srv.clients() == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
     threading.Timer(0.2, c.close).start()
     t0 = time.monotonic()
     srv.close(linger=5.0)
