@@ -107,7 +107,21 @@ def _from_device(obj: Any, argname: str) -> BufferDesc:
 def _torch_wrap(arr: np.ndarray) -> Any:
     import torch
 
-    return torch.from_numpy(arr) if arr.dtype.kind != "V" else torch.from_dlpack(arr)
+    if arr.dtype.kind == "V":  # bfloat16: DLPack has no code for it, share the bits as int16
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _torch_host_view(obj: Any) -> np.ndarray | None:
+    """A NumPy view of a PyTorch CPU bfloat16 tensor (NumPy's DLPack import refuses that dtype),
+    or None for anything else."""
+    import torch
+
+    if not isinstance(obj, torch.Tensor) or obj.dtype != torch.bfloat16 or obj.device.type != "cpu":
+        return None
+    from ml_dtypes import bfloat16
+
+    return np.from_dlpack(obj.detach().view(torch.int16)).view(bfloat16)
 
 
 def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
@@ -126,6 +140,8 @@ def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
         return _from_device(obj, argname)
     if hasattr(obj, "__dlpack__"):
         module = type(obj).__module__.split(".")[0]
+        if module == "torch" and (arr := _torch_host_view(obj)) is not None:
+            return _from_numpy(arr, argname, _torch_wrap)
         try:
             arr = np.from_dlpack(obj)
         except (BufferError, TypeError, RuntimeError) as exc:

@@ -158,6 +158,11 @@ _declare("DDL_TIMEOUT", _positive_float, 600.0,
 _declare("DDL_CHUNK_BYTES", parse_size, 1 << 20,
          "Pipeline chunk size in bytes (suffixes K, M, G): one chunk is on the wire while the "
          "previous one is reduced. 1 MiB measured best on TCP loopback (BENCHMARKS.md).")
+_declare("DDL_FUSION_BYTES", parse_size, 25 << 20,
+         "Gradient fusion threshold of the PyTorch DistributedOptimizer (suffixes K, M, G): "
+         "gradients are packed into buckets of up to this many bytes, each allreduced as soon as "
+         "backward has produced it. 25 MiB is DDP's default bucket size; smaller buckets start "
+         "communicating earlier in backward, larger ones pay the per-collective latency less.")
 _declare("DDL_PIPELINE_DEPTH", _positive_int, 8,
          "How many chunks the engine keeps posted ahead of the one it is reducing.")
 _declare("DDL_NCHANNELS", _positive_int, 1,

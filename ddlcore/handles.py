@@ -9,12 +9,15 @@ move and reduce the data.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError
+
+_log = logging.getLogger("ddlcore")
 
 
 class Handle:
@@ -26,10 +29,37 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._default_timeout = default_timeout
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Handle], Any]] | None = []
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._event.set()
+        with self._lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks or [], None
+        for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[[Handle], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:  # a callback's bug must not take the communicator's worker down
+            _log.exception("ddlcore: a done-callback of %s raised", self.label)
+
+    def add_done_callback(self, fn: Callable[[Handle], Any]) -> None:
+        """Call ``fn(handle)`` once the collective finishes, successfully or not.
+
+        ``fn`` runs on the communicator's worker thread (or at once, on this thread, if the
+        collective already finished); it should be short and must not start a collective of the
+        same communicator, which would wait behind the one that is calling it. Inside ``fn``,
+        ``handle.wait(0)`` returns the result or raises the collective's error. An exception
+        ``fn`` raises is logged, not propagated.
+        """
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not); never blocks."""

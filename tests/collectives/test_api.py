@@ -3,6 +3,7 @@ other array kinds, and argument errors raised before any communication."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -62,6 +63,18 @@ def _async(rank, size):
         np.testing.assert_array_equal(h.wait(), 0)
         h = comm.reduce_scatter_async(np.ones(size * 2, np.float64), op="avg")
         np.testing.assert_array_equal(h.wait(), 1.0)
+        # done-callbacks: run once each, after the result is there, also when added late
+        seen, called = [], threading.Event()
+        h = comm.allreduce_async(np.full(1000, rank, np.int64))
+        h.add_done_callback(lambda hd: (seen.append(("early", int(hd.wait(0)[0]))), called.set()))
+        h.wait()
+        assert called.wait(30)  # callbacks run right after waiters are woken, like concurrent.futures
+        h.add_done_callback(lambda hd: seen.append(("late", int(hd.wait(0)[-1]))))
+        total = sum(range(size))
+        assert seen == [("early", total), ("late", total)], seen
+        h = comm.allreduce_async(np.ones(3, np.float32))
+        h.add_done_callback(lambda hd: 1 / 0)  # logged, not raised into the worker
+        np.testing.assert_array_equal(h.wait(), size)
     return True
 
 

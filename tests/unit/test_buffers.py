@@ -62,6 +62,17 @@ def test_torch_tensors_round_trip():
     assert isinstance(out.wrap(out.array), torch.Tensor)
 
 
+def test_torch_bfloat16_tensors_are_viewed_without_a_copy():
+    torch = pytest.importorskip("torch")
+    t = torch.randn(7).bfloat16()
+    d = as_buffer(t)
+    assert d.ptr == t.data_ptr() and d.count == 7 and d.dtype.name == "bfloat16"
+    back = d.wrap(d.array)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == t.data_ptr()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        as_buffer(torch.randn(3, 4).bfloat16().t())
+
+
 def test_cuda_array_without_a_usable_gpu_gets_a_clear_message():
     class DeviceArray:  # what CuPy or PyTorch would hand us, on a machine with no GPU
         __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (1 << 20, False),

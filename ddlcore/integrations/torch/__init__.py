@@ -1,0 +1,39 @@
+"""PyTorch integration: DDP communication hooks, a Horovod-style optimizer wrapper, broadcasts.
+
+Three ways in, all over a `ddlcore.Communicator` (``comm = ddlcore.init()``):
+
+* DDP keeps its bucketing and hands each gradient bucket to ddlcore (`hooks`)::
+
+      model = DDP(model)                                  # needs torch.distributed (gloo) for setup
+      model.register_comm_hook(comm, allreduce_hook)      # or fp16_/bf16_allreduce_hook
+
+* No DDP at all, Horovod's way (`optimizer`, `broadcast`)::
+
+      broadcast_parameters(model, comm)                   # every rank starts from rank 0's weights
+      opt = DistributedOptimizer(opt, comm, model.named_parameters())
+      broadcast_optimizer_state(opt, comm)
+
+  Gradients are fused into buckets of up to ``DDL_FUSION_BYTES``, each allreduced
+  asynchronously the moment backward has produced it; `step()` waits for the last ones.
+
+Tensors are handed to ddlcore without copies (DLPack on the host, ``__cuda_array_interface__``
+on a GPU, whose data takes ddlcore's GPU path). ``pip install 'ddlcore[torch]'``.
+"""
+
+from ddlcore.integrations.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
+from ddlcore.integrations.torch.hooks import (
+    allreduce_hook,
+    bf16_allreduce_hook,
+    fp16_allreduce_hook,
+)
+from ddlcore.integrations.torch.optimizer import DistributedOptimizer, ParametersDifferError
+
+__all__ = [
+    "DistributedOptimizer",
+    "ParametersDifferError",
+    "allreduce_hook",
+    "bf16_allreduce_hook",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "fp16_allreduce_hook",
+]

@@ -1,0 +1,83 @@
+"""What the PyTorch integration's parts share: argument checks, CUDA stream ordering, packing many
+tensors into one flat buffer (the fused host pack kernel), and the check that every rank holds the
+same tensors."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddlcore.communicator import Communicator
+from ddlcore.errors import CollectiveMismatchError
+from ddlcore.kernels import pack, unpack
+
+_WIRE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16}
+
+
+def communicator(comm: Any, what: str) -> Communicator:
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"{what} needs a ddlcore Communicator (comm = ddlcore.init()), "
+                        f"not {type(comm).__name__}")
+    return comm
+
+
+def wire_dtype(compression: Any) -> torch.dtype | None:
+    if compression is None or compression in (torch.float16, torch.bfloat16):
+        return compression
+    if isinstance(compression, str) and compression.lower() in _WIRE_DTYPES:
+        return _WIRE_DTYPES[compression.lower()]
+    raise ValueError(f"compression={compression!r}: use None, 'fp16' or 'bf16'")
+
+
+def settle_stream(tensor: torch.Tensor) -> None:
+    """Work queued on the tensor's CUDA stream finishes before ddlcore reads or writes it."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``tensors`` one after another into ``flat`` (same dtype and device)."""
+    if flat.is_cuda or not all(t.is_contiguous() for t in tensors):
+        # the one-launch device pack kernel is issue 5's; torch.cat is one launch too
+        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+        return
+    addrs = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
+    sizes = np.fromiter((nbytes(t) for t in tensors), np.uint64, len(tensors))
+    pack(flat.data_ptr(), addrs, sizes)
+
+
+def unpack_from(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """The inverse of `pack_into`: write consecutive pieces of ``flat`` into ``tensors``."""
+    if flat.is_cuda or not all(t.is_contiguous() for t in tensors):
+        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(piece.view_as(t))
+        return
+    addrs = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
+    sizes = np.fromiter((nbytes(t) for t in tensors), np.uint64, len(tensors))
+    unpack(flat.data_ptr(), addrs, sizes)
+
+
+def check_same_layout(comm: Communicator, entries: list[tuple[str, torch.Tensor]],
+                       what: str) -> None:
+    """Every rank has the same tensors (names, shapes, dtypes, in order), or every rank raises
+    `CollectiveMismatchError` naming the first rank that differs from rank 0."""
+    layout = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in entries)
+    mine = np.array([len(entries), sum(t.numel() for _, t in entries),
+                     zlib.crc32(layout.encode())], np.int64)
+    every = comm.allgather(mine).reshape(comm.size, 3)
+    for rank in range(1, comm.size):
+        if not np.array_equal(every[rank], every[0]):
+            raise CollectiveMismatchError(
+                f"{what}: rank {rank} has {every[rank][0]} tensors with {every[rank][1]} "
+                f"elements, rank 0 has {every[0][0]} with {every[0][1]}"
+                + (" (same counts, different shapes, dtypes or names)"
+                   if np.array_equal(every[rank][:2], every[0][:2]) else "")
+                + "; build the same model on every rank")
