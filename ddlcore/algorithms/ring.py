@@ -109,9 +109,12 @@ def ring_phase(ring: Sequence[int], pos: int, segs: Sequence[tuple[int, int]], n
             out.append(Step(Kind.SEND, nxt, slot + nchunks, cnt, buf, off))
         return out
 
+    # Within a wavefront the newest chunk goes first: chunk c+1's first send is emitted before
+    # chunk c's receive-reduce, so it is on the wire while c is reduced (in the other order a
+    # 2-rank ring, one step per phase, alternates transfer and reduction).
     steps: list[Step] = []
     for wave in range(total + nchunks):
-        for c in range(max(0, wave - total), min(nchunks - 1, wave) + 1):
+        for c in range(min(nchunks - 1, wave), max(0, wave - total) - 1, -1):
             g = wave - 1 - c
             steps.extend([first_send(c)] if g < 0 else unit(g, c))
     return steps
