@@ -15,7 +15,7 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,8 @@ class Communicator:
         self._staging_device: Any = None
         self._scratch = np.empty(0, np.uint8)
         self._executor = Executor(f"ddlcore-rank{self.rank}")
+        self._before_collective: list[Callable[[], Any]] = []
+        self._in_hooks = threading.local()
         self._broken: str | None = None
         self._closed = False
         self._close_lock = threading.Lock()
@@ -291,11 +293,35 @@ class Communicator:
                 f"rank {self.rank}: {label}: ranks called different collectives "
                 f"(DDL_DEBUG check):\n  " + "\n  ".join(lines))
 
+    def add_before_collective(self, fn: Callable[[], Any]) -> Callable[[], None]:
+        """Call ``fn()`` on the calling thread before each collective this communicator starts
+        (synchronous or async), so that work a layer above has deferred goes first, in the same
+        order on every rank. Collectives ``fn`` itself starts do not call the hooks again.
+        Returns a function that removes the hook.
+
+        The PyTorch `DistributedOptimizer` uses it to send the gradient buckets backward has not
+        completed before a collective the training loop issues between backward and ``step()``.
+        """
+        self._before_collective.append(fn)
+        return lambda: self._before_collective.remove(fn)
+
+    def _run_hooks(self) -> None:
+        if not self._before_collective or getattr(self._in_hooks, "active", False):
+            return
+        self._in_hooks.active = True
+        try:
+            for fn in list(self._before_collective):
+                fn()
+        finally:
+            self._in_hooks.active = False
+
     def _run(self, call: _Call) -> Any:
+        self._run_hooks()
         handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
         return self._executor.run_inline(functools.partial(self._execute, call), handle)
 
     def _submit(self, call: _Call) -> Handle:
+        self._run_hooks()
         handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
         return self._executor.submit(functools.partial(self._execute, call), handle)
 

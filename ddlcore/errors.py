@@ -39,3 +39,8 @@ class TransportUnavailableError(DDLError):
 
 class CommunicatorClosedError(DDLError):
     """The communicator was closed, or broken by an earlier failure, and cannot run collectives."""
+
+
+class ParametersDifferError(DDLError):
+    """Data-parallel training found the ranks' parameters different where they must be equal
+    (the PyTorch `DistributedOptimizer` checks at its first step)."""

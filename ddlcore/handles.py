@@ -43,7 +43,7 @@ class Handle:
     def _call(self, fn: Callable[[Handle], Any]) -> None:
         try:
             fn(self)
-        except Exception:  # a callback's bug must not take the communicator's worker down
+        except BaseException:  # a callback's bug must not take the communicator's worker down
             _log.exception("ddlcore: a done-callback of %s raised", self.label)
 
     def add_done_callback(self, fn: Callable[[Handle], Any]) -> None:

@@ -20,13 +20,14 @@ Tensors are handed to ddlcore without copies (DLPack on the host, ``__cuda_array
 on a GPU, whose data takes ddlcore's GPU path). ``pip install 'ddlcore[torch]'``.
 """
 
+from ddlcore.errors import ParametersDifferError
 from ddlcore.integrations.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from ddlcore.integrations.torch.hooks import (
     allreduce_hook,
     bf16_allreduce_hook,
     fp16_allreduce_hook,
 )
-from ddlcore.integrations.torch.optimizer import DistributedOptimizer, ParametersDifferError
+from ddlcore.integrations.torch.optimizer import DistributedOptimizer
 
 __all__ = [
     "DistributedOptimizer",

@@ -19,6 +19,7 @@ _WIRE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.b
 
 
 def communicator(comm: Any, what: str) -> Communicator:
+    """``comm``, checked to be a ddlcore Communicator (``what`` names the caller)."""
     if not isinstance(comm, Communicator):
         raise TypeError(f"{what} needs a ddlcore Communicator (comm = ddlcore.init()), "
                         f"not {type(comm).__name__}")
@@ -26,6 +27,7 @@ def communicator(comm: Any, what: str) -> Communicator:
 
 
 def wire_dtype(compression: Any) -> torch.dtype | None:
+    """The dtype gradients travel in for a ``compression`` argument (None: their own)."""
     if compression is None or compression in (torch.float16, torch.bfloat16):
         return compression
     if isinstance(compression, str) and compression.lower() in _WIRE_DTYPES:
@@ -40,6 +42,7 @@ def settle_stream(tensor: torch.Tensor) -> None:
 
 
 def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
     return t.numel() * t.element_size()
 
 

@@ -24,21 +24,26 @@ from ddlcore.integrations.torch._common import (
 
 
 def _broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], root: int) -> None:
-    """Broadcast ``tensors`` from ``root`` in place: one collective per (dtype, device) group."""
-    groups: dict[tuple[str, str], list[torch.Tensor]] = {}
+    """Broadcast ``tensors`` from ``root`` in place, as bytes: one collective per device, for
+    any dtype (bool buffers, complex ...), non-contiguous tensors through a contiguous copy."""
+    by_device: dict[str, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault((str(t.dtype), str(t.device)), []).append(t)
-    for key in sorted(groups):
-        members = [t for t in groups[key] if t.numel()]
-        if not members:
-            continue
-        flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype,
+        if t.numel():
+            by_device.setdefault(str(t.device), []).append(t)
+    for device in sorted(by_device):
+        members = by_device[device]
+        staged = [t if t.is_contiguous() else t.contiguous() for t in members]
+        raw = [t.reshape(-1).view(torch.uint8) for t in staged]
+        flat = torch.empty(sum(r.numel() for r in raw), dtype=torch.uint8,
                            device=members[0].device)
         if comm.rank == root:
-            pack_into(flat, members)
+            pack_into(flat, raw)
         settle_stream(flat)
         comm.broadcast(flat, root=root)
-        unpack_from(flat, members)
+        unpack_from(flat, raw)
+        for t, copy in zip(members, staged, strict=True):
+            if copy is not t:
+                t.copy_(copy)
 
 
 def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
@@ -67,6 +72,7 @@ def broadcast_parameters(params: Any, comm: Communicator, root: int = 0) -> None
         A module stands for its ``state_dict()`` (parameters and buffers, e.g. batch-norm
         statistics).
     comm : Communicator
+        The ranks to make alike.
     root : int
         The rank whose values everyone takes.
 
@@ -82,12 +88,22 @@ def broadcast_parameters(params: Any, comm: Communicator, root: int = 0) -> None
         _broadcast_tensors(comm, [t.detach() for _, t in entries], root)
 
 
+# The dtypes a description may name: the wire selects from this table, it never looks a name up.
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
+
+
 def _describe(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
     """A JSON-able description of ``value``; tensors become references into ``tensors``."""
     if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TypeError(f"broadcast_optimizer_state: {where} has dtype {value.dtype}, "
+                            f"not one of {', '.join(_DTYPES)}")
         tensors.append(value.detach())
-        return {"tensor": len(tensors) - 1, "shape": list(value.shape),
-                "dtype": str(value.dtype).removeprefix("torch."), "cpu": not value.is_cuda}
+        return {"tensor": len(tensors) - 1, "shape": list(value.shape), "dtype": dtype,
+                "cpu": not value.is_cuda}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     if isinstance(value, (list, tuple)):
@@ -98,13 +114,14 @@ def _describe(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
             raise TypeError(f"broadcast_optimizer_state: {where} has keys that are not str or int")
         return {"map": [[k, _describe(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]}
     raise TypeError(f"broadcast_optimizer_state: {where} is a {type(value).__name__}, which "
-                    "cannot be sent without pickling (tensors, numbers, strings, lists, dicts can)")
+                    "cannot be sent without pickling (tensors, Python numbers, strings, lists, "
+                    "dicts can; convert NumPy scalars with float() or int())")
 
 
 def _rebuild(desc: Any, tensors: list[torch.Tensor]) -> Any:
     if "tensor" in desc:
         device = "cpu" if desc["cpu"] else torch.device("cuda", torch.cuda.current_device())
-        t = torch.empty(desc["shape"], dtype=getattr(torch, desc["dtype"]), device=device)
+        t = torch.empty(desc["shape"], dtype=_DTYPES[desc["dtype"]], device=device)
         tensors.append(t)
         return t
     if "value" in desc:
@@ -115,10 +132,13 @@ def _rebuild(desc: Any, tensors: list[torch.Tensor]) -> Any:
     return {k: _rebuild(d, tensors) for k, d in desc["map"]}
 
 
-def _broadcast_bytes(comm: Communicator, payload: bytes, root: int) -> bytes:
-    length = np.array([len(payload)], np.int64)
+def _broadcast_bytes(comm: Communicator, payload: bytes | None, root: int) -> bytes | None:
+    """``root``'s payload on every rank; None everywhere if the root has none (it failed)."""
+    length = np.array([-1 if payload is None else len(payload)], np.int64)
     comm.broadcast(length, root=root)
-    buf = np.frombuffer(payload, np.uint8).copy() if comm.rank == root else \
+    if length[0] < 0:
+        return None
+    buf = np.frombuffer(payload, np.uint8).copy() if payload is not None else \
         np.empty(int(length[0]), np.uint8)
     comm.broadcast(buf, root=root)
     return buf.tobytes()
@@ -132,28 +152,47 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Communicat
     The structure goes as JSON, the tensors as packed buffers; nothing is pickled. Works when
     the other ranks have no state yet (a fresh optimizer) as well as when they have some.
 
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The same kind of optimizer over the same parameters on every rank (a
+        `DistributedOptimizer` too).
+    comm : Communicator
+        The ranks to make alike.
+    root : int
+        The rank whose state everyone takes.
+
     Raises
     ------
     TypeError
-        The state holds a value that is not a tensor, number, string, list or dict.
+        The state holds a value that is not a tensor, number, string, list or dict (on every
+        rank: the root says which value).
     CollectiveMismatchError
         The optimizers manage different parameters on different ranks.
     """
     comm = communicator(comm, "broadcast_optimizer_state")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     check_same_layout(comm, [(str(i), p) for i, p in enumerate(params)],
-                       "broadcast_optimizer_state")
-    state = optimizer.state_dict()
+                      "broadcast_optimizer_state")
     sent: list[torch.Tensor] = []
-    payload = json.dumps(_describe(state, sent, "state_dict()")).encode() \
-        if comm.rank == root else b""
-    desc = json.loads(_broadcast_bytes(comm, payload, root).decode())
+    payload, failure = None, None
+    if comm.rank == root:
+        try:
+            payload = json.dumps(_describe(optimizer.state_dict(), sent, "state_dict()")).encode()
+        except TypeError as exc:
+            failure = exc  # told to the other ranks first, so that they do not wait for it
+    received = _broadcast_bytes(comm, payload, root)
+    if failure is not None:
+        raise failure
+    if received is None:
+        raise TypeError(f"broadcast_optimizer_state: rank {root}'s optimizer state cannot be "
+                        f"sent (rank {root} raised the reason)")
     if comm.rank == root:
         with torch.no_grad():
-            _broadcast_tensors(comm, [t.contiguous() for t in sent], root)
+            _broadcast_tensors(comm, sent, root)
         return
-    received: list[torch.Tensor] = []
-    new_state = _rebuild(desc, received)
+    tensors: list[torch.Tensor] = []
+    new_state = _rebuild(json.loads(received.decode()), tensors)
     with torch.no_grad():
-        _broadcast_tensors(comm, received, root)
+        _broadcast_tensors(comm, tensors, root)
     optimizer.load_state_dict(new_state)

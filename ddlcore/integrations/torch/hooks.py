@@ -21,13 +21,14 @@ def _allreduce_future(comm: Communicator, tensor: torch.Tensor,
                       wire_dtype: torch.dtype | None) -> torch.futures.Future[torch.Tensor]:
     """Average ``tensor`` over the ranks, in place; the future completes with ``tensor``.
 
-    With a ``wire_dtype`` the data travels compressed: cast, divided by the number of ranks
-    before the sum (an fp16 sum of undivided gradients overflows sooner), cast back."""
+    With a ``wire_dtype`` the data travels compressed: divided by the number of ranks first (in
+    the bucket's dtype: one rounding, and an fp16 sum of undivided gradients overflows sooner),
+    cast, summed, cast back."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if wire_dtype is None or wire_dtype == tensor.dtype:
         wire, op = tensor, "avg"
     else:
-        wire, op = tensor.to(wire_dtype).div_(comm.size), "sum"
+        wire, op = tensor.div_(comm.size).to(wire_dtype), "sum"
     settle_stream(wire)
 
     def settle(handle: Handle) -> None:

@@ -45,7 +45,8 @@ def _data(passes: int = 1):
 def _optimizer(kind: str, params):
     if kind == "adam":
         return torch.optim.Adam(params, lr=0.01)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # weight decay: a parameter handed a zero gradient instead of None would still move
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
 def _train(model, opt, rank: int, size: int, passes: int = 1) -> None:
@@ -91,8 +92,9 @@ def _optimizer_body(rank, size, kind, compression, passes):
                                    model.named_parameters(), fusion_bytes=300,
                                    compression=compression, backward_passes_per_step=passes)
         assert isinstance(opt, type(_optimizer(kind, [torch.zeros(1, requires_grad=True)])))
-        assert len(opt._ddl_buckets) >= 3  # 300-byte buckets: several per backward
+        assert len(opt._ddl.buckets) >= 3  # 300-byte buckets: several per backward
         _train(model, opt, rank, size, passes)
+        assert model.unused.grad is None  # no rank computed one
         return _params(model)
 
 
@@ -341,3 +343,209 @@ def test_misuse_fails_on_every_rank_with_a_clear_message():
         assert "already a DistributedOptimizer" in messages["twice"]
         assert "compression='int4'" in messages["compression"]
         assert "ddlcore Communicator" in messages["comm"]
+
+
+# --- the training loop's hazards -----------------------------------------------------------------
+
+def _two_heads(seed: int = 0):
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict({"body": torch.nn.Linear(6, 8), "a": torch.nn.Linear(8, 3),
+                                "b": torch.nn.Linear(8, 3)})
+
+
+def _local_loss(model, x, y, rank: int, step: int):
+    """Head b is in the loss on rank 0 only, and only on even steps: which parameters get a
+    gradient depends on the rank and the data."""
+    h = torch.tanh(model["body"](x))
+    loss = torch.nn.functional.cross_entropy(model["a"](h), y)
+    if rank == 0 and step % 2 == 0:
+        loss = loss + model["b"](h).square().mean()
+    return loss
+
+
+def _hazards_reference(size: int) -> dict[str, np.ndarray]:
+    """One process: the mean over the ranks' losses, the same schedule."""
+    model = _two_heads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _data()
+    k = GLOBAL_BATCH // size
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = sum(_local_loss(model, x[step, 0, r * k:(r + 1) * k], y[step, 0, r * k:(r + 1) * k],
+                                r, step) for r in range(size)) / size
+        total.backward()
+        opt.step()
+        sched.step()
+    return _params(model)
+
+
+def _hazards_body(rank, size):
+    torch.set_num_threads(1)
+    import ddlcore
+    from ddlcore.integrations.torch import DistributedOptimizer
+
+    out = {}
+    with ddlcore.init() as comm:
+        model = _two_heads()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)  # before wrapping
+        opt = DistributedOptimizer(base, comm, model.named_parameters(), fusion_bytes=64)
+        pre_hook_calls = []
+        opt.register_step_pre_hook(lambda *_: pre_hook_calls.append(1))
+        x, y = _data()
+        k = GLOBAL_BATCH // size
+        shard = slice(rank * k, (rank + 1) * k)
+        losses = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            # a pass whose gradients are thrown away (e.g. a skipped batch): zero_grad drops them
+            _local_loss(model, x[step, 0, shard] + 1.0, y[step, 0, shard], rank, step).backward()
+            opt.zero_grad()
+            loss = _local_loss(model, x[step, 0, shard], y[step, 0, shard], rank, step)
+            loss.backward()
+            # a collective between backward and step(): the buckets backward left go first
+            losses.append(float(comm.allreduce(loss.detach().reshape(1), op="avg")[0]))
+            opt.step()
+            sched.step()
+        out["params"] = _params(model)
+        out["losses"] = losses
+        out["pre_hook_calls"] = len(pre_hook_calls)
+
+        # one backward too many before step(): every rank refuses, and zero_grad recovers
+        opt.zero_grad()
+        for _ in range(2):
+            try:
+                _local_loss(model, x[0, 0, shard], y[0, 0, shard], rank, 1).backward()
+            except ddlcore.DDLError as exc:
+                out["twice"] = str(exc)
+        opt.zero_grad()
+        _local_loss(model, x[0, 0, shard], y[0, 0, shard], rank, 1).backward()
+        opt.step()
+        out["after"] = _params(model)
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_training_loop_hazards(nprocs):
+    """Data-dependent unused parameters with a collective between backward and step(), a pass
+    dropped by zero_grad, an LR scheduler made before wrapping, step hooks called once."""
+    want = _hazards_reference(nprocs)
+    results = run_ranks(_hazards_body, nprocs, timeout=120)
+    for out in results:
+        _assert_close(out["params"], want, rtol=1e-5, atol=1e-6)
+        assert out["pre_hook_calls"] == STEPS
+        assert "got a gradient after its bucket was sent" in out["twice"], out.get("twice")
+        assert out["losses"] == results[0]["losses"]
+        _assert_close(out["after"], results[0]["after"], rtol=0, atol=0)
+
+
+def _add_group_and_closure_body(rank, size):
+    torch.set_num_threads(1)
+    import ddlcore
+    from ddlcore.integrations.torch import DistributedOptimizer
+
+    with ddlcore.init() as comm:
+        model = _model()
+        first, last = list(model[:4].parameters()), list(model[4].parameters())
+        opt = DistributedOptimizer(torch.optim.SGD(first, lr=0.1), comm, fusion_bytes=256)
+        opt.add_param_group({"params": last, "lr": 0.05})  # gets buckets and hooks too
+        _train(model, opt, rank, size)
+        sgd = _params(model)
+
+        model = _model()
+        opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4),
+                                   comm, fusion_bytes=256)
+        x, y = _data()
+        shard = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x[0, 0, shard]), y[0, 0, shard])
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return sgd, _params(model)
+
+
+def test_add_param_group_and_closure():
+    model = _model()
+    opt = torch.optim.SGD(list(model[:4].parameters()), lr=0.1)
+    opt.add_param_group({"params": list(model[4].parameters()), "lr": 0.05})
+    _train(model, opt, 0, 1)
+    want_sgd = _params(model)
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = _data()
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[0, 0]), y[0, 0])
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    want_lbfgs = _params(model)
+    for sgd, lbfgs in run_ranks(_add_group_and_closure_body, 2, timeout=120):
+        _assert_close(sgd, want_sgd, rtol=1e-5, atol=1e-6)
+        _assert_close(lbfgs, want_lbfgs, rtol=1e-4, atol=1e-5)
+
+
+def _sum_compressed_body(rank, size):
+    torch.set_num_threads(1)
+    import ddlcore
+    from ddlcore.integrations.torch import DistributedOptimizer
+
+    with ddlcore.init() as comm:
+        model = _model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 / size), comm,
+                                   fusion_bytes=300, compression="fp16", op="sum")
+        _train(model, opt, rank, size)
+        return _params(model)
+
+
+def test_sum_of_compressed_gradients():
+    model = _model()
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 0, 1)
+    want = _params(model)
+    for got in run_ranks(_sum_compressed_body, 3, timeout=120):
+        _assert_close(got, want, rtol=0, atol=2e-3)
+
+
+def _odd_buffers_body(rank, size):
+    torch.set_num_threads(1)
+    import ddlcore
+    from ddlcore.integrations.torch import broadcast_optimizer_state, broadcast_parameters
+
+    out = {}
+    with ddlcore.init() as comm:
+        model = _model(seed=rank)
+        model.register_buffer("mask", torch.arange(7) % (rank + 2) == 0)
+        model.register_buffer("counts", torch.arange(5, dtype=torch.int16) * (rank + 1))
+        model.register_buffer("phase", torch.full((3,), complex(rank, -rank)))
+        model.register_buffer("strided", torch.arange(12.0).reshape(3, 4).t() * (rank + 1),
+                              persistent=True)
+        broadcast_parameters(model, comm)
+        out["buffers"] = {k: v.clone().numpy() for k, v in model.named_buffers()}
+        out["strided_contiguous"] = model.strided.is_contiguous()
+
+        opt = torch.optim.SGD(model.parameters(), lr=np.float32(0.1))  # NumPy scalar: no JSON
+        try:
+            broadcast_optimizer_state(opt, comm)
+        except TypeError as exc:
+            out["error"] = str(exc)
+    return out
+
+
+def test_broadcast_any_dtype_and_a_root_side_error_reaches_every_rank():
+    results = run_ranks(_odd_buffers_body, 3, timeout=120)
+    for out in results:
+        for name, value in results[0]["buffers"].items():
+            np.testing.assert_array_equal(out["buffers"][name], value, err_msg=name)
+        assert not out["strided_contiguous"]
+    np.testing.assert_array_equal(results[1]["buffers"]["mask"], np.arange(7) % 2 == 0)
+    assert "float32" in results[0]["error"] and "cannot be sent without pickling" in \
+        results[0]["error"]
+    for out in results[1:]:
+        assert "rank 0's optimizer state cannot be sent" in out["error"]
