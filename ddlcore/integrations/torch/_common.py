@@ -46,15 +46,20 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _ranges(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Addresses and byte counts of host tensors, as the pack/unpack kernels take them."""
+    addrs = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
+    sizes = np.fromiter((nbytes(t) for t in tensors), np.uint64, len(tensors))
+    return addrs, sizes
+
+
 def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy ``tensors`` one after another into ``flat`` (same dtype and device)."""
     if flat.is_cuda or not all(t.is_contiguous() for t in tensors):
         # the one-launch device pack kernel is issue 5's; torch.cat is one launch too
         torch.cat([t.reshape(-1) for t in tensors], out=flat)
         return
-    addrs = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
-    sizes = np.fromiter((nbytes(t) for t in tensors), np.uint64, len(tensors))
-    pack(flat.data_ptr(), addrs, sizes)
+    pack(flat.data_ptr(), *_ranges(tensors))
 
 
 def unpack_from(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -63,9 +68,7 @@ def unpack_from(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))
         return
-    addrs = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
-    sizes = np.fromiter((nbytes(t) for t in tensors), np.uint64, len(tensors))
-    unpack(flat.data_ptr(), addrs, sizes)
+    unpack(flat.data_ptr(), *_ranges(tensors))
 
 
 def check_same_layout(comm: Communicator, entries: list[tuple[str, torch.Tensor]],

@@ -1,7 +1,7 @@
 """Broadcasts that make every rank start alike: parameters and buffers, and optimizer state.
 
 Nothing is pickled: the optimizer state's structure goes as JSON (shapes, dtypes, plain scalars)
-and its tensors as packed buffers, one broadcast per (dtype, device).
+and its tensors as packed bytes, one broadcast per device.
 """
 
 from __future__ import annotations

@@ -118,7 +118,9 @@ class _GradientSync:
         self.next = 0  # the next bucket to send
         self.dirty = False  # a hook fired since the last finish()
         self.lock = threading.Lock()
-        self.local = threading.local()  # .busy: this thread is starting our own collectives
+        # .busy: this thread is starting a bucket's allreduce with the lock held, so the
+        # communicator's before-collective hook (flush) must not take the lock again
+        self.local = threading.local()
         self.hooks: list[Any] = []
         self.unwrapped: Any = None  # the optimizer given to DistributedOptimizer
         comm.add_before_collective(self.flush)
@@ -138,12 +140,8 @@ class _GradientSync:
                     self.names.setdefault(id(p), f"param_groups[{g}][{i}]")
         for name, p in named_parameters or ():
             self.names[id(p)] = name
-        self.local.busy = True
-        try:
-            check_same_layout(self.comm, [(self.names[id(p)], p) for p in params],
-                              "DistributedOptimizer")
-        finally:
-            self.local.busy = False
+        check_same_layout(self.comm, [(self.names[id(p)], p) for p in params],
+                          "DistributedOptimizer")
         for hook in self.hooks:
             hook.remove()
         self.params = params
@@ -195,6 +193,11 @@ class _GradientSync:
         finally:
             self.local.busy = False
 
+    def _send_rest(self) -> None:
+        """Start every bucket not sent yet, in order (lock held)."""
+        while self.next < len(self.buckets):
+            self._send_next()
+
     def flush(self) -> None:
         """Before another collective on the communicator: send every bucket not sent yet, so
         that collective comes after the same buckets on every rank."""
@@ -203,8 +206,7 @@ class _GradientSync:
         with self.lock:
             if not self.dirty:
                 return
-            while self.next < len(self.buckets):
-                self._send_next()
+            self._send_rest()
 
     # --- before the update ----------------------------------------------------------------------
     def finish(self, apply: bool) -> None:
@@ -213,8 +215,7 @@ class _GradientSync:
         with self.lock:
             if not self.dirty:
                 return
-            while self.next < len(self.buckets):
-                self._send_next()
+            self._send_rest()
             buckets = list(self.buckets)
         try:
             with torch.no_grad():
@@ -253,11 +254,7 @@ class _GradientSync:
     def verify_parameters(self) -> None:
         """Once, before the first update: the ranks' parameters agree, or every rank raises."""
         mine = np.array([_checksum(p) for p in self.params], np.int64)
-        self.local.busy = True
-        try:
-            every = self.comm.allgather(mine).reshape(self.comm.size, -1)
-        finally:
-            self.local.busy = False
+        every = self.comm.allgather(mine).reshape(self.comm.size, -1)
         for rank in range(1, self.comm.size):
             differ = np.flatnonzero(every[rank] != every[0])
             if differ.size:
