@@ -1,4 +1,4 @@
-"""Build only the Cython extensions (CPU kernels, the shm transport's native half); everything
+"""Build only the Cython extensions (CPU kernels, the shm transport's and the host collectives' native halves); everything
 else is declared in pyproject.toml."""
 
 import numpy
@@ -18,6 +18,12 @@ extensions = [
         "ddlcore.kernels.cpu._pack",
         ["kernels/cpu/_pack.pyx"],
         include_dirs=["kernels/cpu", numpy.get_include()],
+        extra_compile_args=COMPILE_ARGS,
+    ),
+    Extension(
+        "ddlcore.transports._arena",
+        ["transports/_arena.pyx"],
+        include_dirs=["transports", "kernels/cpu"],
         extra_compile_args=COMPILE_ARGS,
     ),
     Extension(

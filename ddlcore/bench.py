@@ -9,7 +9,9 @@ warm-ups; algbw = size / time; busbw = algbw x 2(n-1)/n for allreduce, (n-1)/n f
 reduce_scatter, 1 for broadcast (nccl-tests' definitions, so numbers compare across tools).
 ``--compare`` runs the same sizes through MPI_Allreduce (mpi4py; the job must be started by
 mpiexec) and torch.distributed's gloo backend in the same processes, alternating size by size so
-both see the same machine, and prints each peer's busbw and ddlcore's ratio to it.
+both see the same machine, and prints each peer's busbw and ddlcore's ratio to it. ``--membw``
+adds the physical reference: the memory bandwidth with every rank streaming at once, and each
+allreduce's busbw as a percentage of the single-copy bound (`single_copy_bound`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,36 @@ def _time(comm, run: Callable[[], None], warmup: int, iters: int) -> float:
     return float(worst[0])
 
 
+def memory_bandwidth(comm, nbytes: int = 64 << 20, reps: int = 5) -> dict[str, float]:
+    """Copy and a += b bandwidth (GB/s, bytes read + written) of one rank while every rank of
+    ``comm`` streams at the same time, as they do in a collective: the slowest rank's best of
+    ``reps``. The physical reference for collectives on one host."""
+    n = nbytes // 4
+    a = np.random.default_rng(comm.rank).random(n, np.float32)
+    b = np.random.default_rng(comm.rank + 1).random(n, np.float32)
+    c = np.empty_like(a)
+    best = {"copy": float("inf"), "add": float("inf")}
+    for _ in range(reps):
+        for name, fn in (("copy", lambda: np.copyto(c, a)), ("add", lambda: np.add(a, b, out=a))):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    slowest = comm.allreduce(np.array([best["copy"], best["add"]]), op="max")
+    return {"copy_GBps": 2 * nbytes / slowest[0] / 1e9, "add_GBps": 3 * nbytes / slowest[1] / 1e9}
+
+
+def single_copy_bound(collective: str, n: int, add_gbps: float) -> float:
+    """The allreduce busbw (GB/s) a single-copy algorithm cannot exceed on one host: each rank
+    reads every rank's 1/n slice of the input (n/n of the data), writes its reduced slice, and
+    copies the n - 1 other slices of the result, (3n - 1)/n bytes of memory traffic per input
+    byte, at the a += b bandwidth; busbw = 2(n - 1)/(3n - 1) x that bandwidth (n = 2: 40%).
+    NaN for the other collectives and for one rank."""
+    if collective != "allreduce" or n < 2:
+        return float("nan")
+    return 2 * (n - 1) / (3 * n - 1) * add_gbps
+
+
 class _MpiPeer:
     name = "mpi"
 
@@ -278,6 +310,16 @@ def run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     lead = comm.rank == 0
     sweep = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    bound = float("nan")
+    membw: dict[str, float] | None = None
+    if args.membw:
+        membw = memory_bandwidth(comm)
+        bound = single_copy_bound(args.collective, n, membw["add_GBps"])
+        if lead:
+            print(f"# memory bandwidth, all {n} ranks streaming at once (64 MiB, bytes read + "
+                  f"written, per rank): copy {membw['copy_GBps']:.1f} GB/s, a+=b "
+                  f"{membw['add_GBps']:.1f} GB/s; single-copy allreduce bound {bound:.2f} GB/s "
+                  "busbw")
     if lead:
         choice = comm.describe(args.collective, args.maxbytes)
         print(f"# ddl-bench: {args.collective}, {n} ranks on {comm.nhosts} host(s), "
@@ -286,6 +328,7 @@ def run(args: argparse.Namespace) -> list[Row]:
               f"{args.memory} memory, "
               f"warmup {args.warmup}, iters {args.iters}")
         peer_head = "".join(f" {p.name + ':busbw':>11s} {'ratio':>6s}" for p in peers)
+        peer_head += f" {'%bound':>6s}" if args.membw else ""
         print("#" + " " * 54 + "out-of-place" + " " * 23 + "in-place")
         print(f"# {'size':>10s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s} "
               f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s} "
@@ -319,6 +362,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                 bw = row.peers.get(peer.name)
                 ratio = row.busbw / bw if bw else float("nan")
                 peer_cols += f" {bw if bw is not None else float('nan'):11.2f} {ratio:6.2f}"
+            if args.membw:
+                peer_cols += f" {100 * row.busbw / bound:6.0f}"
             print(f"  {row.size:10d} {row.count:12d} {row.type:>8s} {row.redop:>6s} {row.root:5d} "
                   f"{row.time_us:9.1f} {row.algbw:7.2f} {row.busbw:7.2f} {row.wrong:6d} "
                   f"{row.ip_time_us:9.1f} {row.ip_algbw:7.2f} {row.ip_busbw:7.2f} {row.ip_wrong:6d}"
@@ -336,7 +381,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             vals = [r.peers[peer.name] for r in rows if peer.name in r.peers]
             if vals:
                 print(f"# Avg bus bandwidth {peer.name:5s}: {sum(vals) / len(vals):.4g}")
-        _write_outputs(args, rows, n)
+        _write_outputs(args, rows, n, membw, bound)
     for peer in peers:
         if hasattr(peer, "close"):
             peer.close()
@@ -344,11 +389,16 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int) -> None:
+def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int,
+                   membw: dict[str, float] | None, bound: float) -> None:
     if args.json:
+        doc: dict[str, Any] = {"collective": args.collective, "nranks": n,
+                               "rows": [asdict(r) for r in rows]}
+        if membw is not None:
+            doc["memory_bandwidth"] = membw
+            doc["single_copy_bound_busbw"] = bound
         with open(args.json, "w") as f:
-            json.dump({"collective": args.collective, "nranks": n, "rows": [asdict(r) for r in rows]},
-                      f, indent=1)
+            json.dump(doc, f, indent=1)
     if args.csv:
         with open(args.csv, "w") as f:
             peers = sorted({p for r in rows for p in r.peers})
@@ -374,6 +424,8 @@ def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int) -> None:
         for p in sorted({p for r in rows for p in r.peers}):
             ax.plot([r.size for r in rows if p in r.peers], [r.peers[p] for r in rows if p in r.peers],
                     marker="s", label=p)
+        if membw is not None and bound == bound:
+            ax.axhline(bound, color="grey", linestyle="--", label="single-copy memory bound")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("bus bandwidth (GB/s)")
@@ -406,6 +458,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write the rows as CSV to this file")
     p.add_argument("--plot", default=None, help="draw busbw vs size to this PNG (matplotlib)")
     p.add_argument("--progress", action="store_true", help="progress on stderr")
+    p.add_argument("--membw", action="store_true",
+                   help="measure the memory bandwidth with every rank streaming, and print each "
+                        "allreduce size's busbw as a percentage of the single-copy bound")
     return p
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ddlcore import device
+from ddlcore.kernels.cpu import array_address
 from ddlcore.kernels.dtypes import SUPPORTED_DTYPES, DType, dtype_code
 
 
@@ -28,9 +29,10 @@ class MemoryKind(str, enum.Enum):
     CUDA = "cuda"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BufferDesc:
-    """One contiguous buffer as the engine sees it."""
+    """One contiguous buffer as the engine sees it (treat as immutable; not frozen because
+    frozen dataclasses cost microseconds to build, and one is built per buffer per call)."""
 
     ptr: int
     nbytes: int
@@ -69,7 +71,7 @@ def _from_numpy(arr: np.ndarray, argname: str, wrap: Callable[[np.ndarray], Any]
         raise ValueError(f"{argname} is not C-contiguous (strides {arr.strides}); "
                          f"pass np.ascontiguousarray({argname})")
     return BufferDesc(
-        ptr=arr.ctypes.data if arr.size else 0,
+        ptr=array_address(arr) if arr.size else 0,
         nbytes=arr.nbytes,
         count=arr.size,
         dtype=arr.dtype,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import struct
 import sys
 import threading
@@ -21,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from ddlcore import config, engine, probe, topology, tuning
+from ddlcore import config, engine, hostcoll, probe, topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
 from ddlcore.handles import Executor, Handle
+from ddlcore.kernels.cpu import array_address
 from ddlcore.links import Links, level_transports, local_transports
 from ddlcore.ops import Op, as_op
 from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
@@ -33,7 +35,7 @@ from ddlcore.transports.base import PeerInfo
 
 log = logging.getLogger("ddlcore")
 
-_KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
+_KIND = hostcoll.KIND
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
 _MAX_PEER_RECORD = 4096
 
@@ -92,7 +94,8 @@ class Communicator:
 
     def __init__(self, info: RendezvousInfo, peers: list[PeerInfo], store: Any, links: Links | None,
                  timeout: float, environ: Mapping[str, str] | None = None,
-                 algo: str | None = None, topo: topology.Topology | None = None) -> None:
+                 algo: str | None = None, topo: topology.Topology | None = None,
+                 host: hostcoll.HostCollectives | None = None) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
         self.topology = topo or topology.flat(self.size, level="host")
@@ -102,6 +105,7 @@ class Communicator:
         self.timeout = timeout
         self._store = store
         self._links = links
+        self._host = host
         self._algo = algo.lower() if algo else config.get("DDL_ALGO", environ)
         tuning.validate_algo(self._algo)
         self._chunk_bytes = max(1, config.get("DDL_CHUNK_BYTES", environ))
@@ -131,11 +135,17 @@ class Communicator:
 
     def describe(self, collective: str, nbytes: int) -> tuning.Choice:
         """The algorithm, box-dimension order and chunking this communicator would use for a
-        collective of ``nbytes`` (the cost model's choice under ``DDL_ALGO=auto``)."""
+        collective of ``nbytes`` of input (the cost model's choice under ``DDL_ALGO=auto``, or
+        the host collectives when every rank is on this host)."""
+        if self._host is not None and (direct := self._host.wants(nbytes)) is not None:
+            return tuning.Choice(hostcoll.NAME, hostcoll.CHUNK_BYTES if direct else nbytes)
+        return self._choose(collective, nbytes)
+
+    def _choose(self, collective: str, nbytes: int) -> tuning.Choice:
         return tuning.choose(collective, self.topology, nbytes, self._algo, self._chunk_bytes)
 
     def _build_schedule(self, collective: str, count: int, itemsize: int, root: int) -> tuple[tuning.Choice, Schedule]:
-        choice = self.describe(collective, count * itemsize)
+        choice = self._choose(collective, count * itemsize)
         return choice, _make_schedule(collective, choice, self.rank, self.size, count, itemsize,
                                       root, self.topology)
 
@@ -155,7 +165,7 @@ class Communicator:
                              "same device")
         if desc.dtype != x.dtype:
             raise TypeError(f"out has dtype {desc.dtype} but x has {x.dtype}")
-        expected = int(np.prod(shape, dtype=np.int64))
+        expected = math.prod(shape)
         if desc.count != expected:
             raise ValueError(f"out has {desc.count} elements, expected {expected} (shape {shape})")
         if desc.readonly:
@@ -200,7 +210,7 @@ class Communicator:
         if call.collective == "barrier":
             return f"barrier #{seq}"
         assert call.inp is not None
-        desc = f"{call.count} x {call.inp.dtype}"
+        desc = f"{call.count} x {call.inp.dtype.name}"
         if call.op is not None:
             desc += f", {call.op.name.lower()}"
         if call.collective == "broadcast":
@@ -223,34 +233,71 @@ class Communicator:
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
                 f"({self._broken}); create a new one with ddlcore.init()")
-        label = self._label(call, seq)
+        itemsize = call.inp.itemsize if call.inp is not None else 1
+        host = self._host
+        on_host = False
         try:
             if self._debug and self.size > 1:
-                self._check_agreement(call, seq, label)
-            itemsize = call.inp.itemsize if call.inp is not None else 1
-            choice, sched = self._schedule(call.collective, call.count, itemsize, call.root)
-            if self._debug:
-                log.debug("rank %d: %s via %s, box %s, %d steps, %d messages out", self.rank, label,
-                          choice.describe(), self.topology.shape, len(sched.steps),
-                          sched.messages())
-            empty = engine.Region(0, memoryview(bytearray()))
+                self._check_agreement(call, seq, self._label(call, seq))
             host_in, host_out = self._host_arrays(call)
-            buffers = {
-                Buf.INPUT: engine.Region.of(host_in) if host_in is not None else empty,
-                Buf.OUTPUT: engine.Region.of(host_out) if host_out is not None else empty,
-            }
-            if sched.scratch_count:
-                buffers[Buf.SCRATCH] = self._scratch_region(sched.scratch_count * itemsize)
-            coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
-                                     int(call.inp.code) if call.inp is not None else 0,
-                                     call.op, label)
-            engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
+            direct = host.wants(call.count * itemsize) if host is not None else None
+            if direct is not None:
+                on_host = True
+                self._run_on_host(call, seq, host_in, host_out, itemsize, direct)
+            else:
+                self._run_schedule(call, seq, host_in, host_out, itemsize)
             if call.out is not None and call.out.memory == MemoryKind.CUDA:
                 self._device_staging().upload(host_out, call.out.array)
         except DDLError as exc:
             self._broken = str(exc)
+            # Whichever path failed has told its own peers; tell the other path's too, so that
+            # nobody waits out its deadline there (the reason without our "rank R: " prefix).
+            reason = str(exc).split(": ", 1)[-1]
+            if on_host and self._links is not None:
+                self._links.abort(engine.abort_code(exc), reason)
+            elif not on_host and host is not None:
+                host.abort(engine.abort_code(exc), reason)
             raise
         return call.result
+
+    def _run_on_host(self, call: _Call, seq: int, host_in: np.ndarray | None,
+                     host_out: np.ndarray | None, itemsize: int, direct: bool) -> None:
+        assert self._host is not None
+        op = call.op
+        inp = out = 0
+        if host_in is not None and host_out is not None and host_in.size:
+            if call.inp is not None and call.inp.memory == MemoryKind.HOST:
+                inp, out = call.inp.ptr, call.out.ptr  # type: ignore[union-attr]
+            else:  # device buffers, staged in host memory
+                inp, out = array_address(host_in), array_address(host_out)
+        if self._debug:
+            log.debug("rank %d: %s via %s, %s", self.rank, self._label(call, seq), hostcoll.NAME,
+                      "reading the peers' buffers" if direct else "through the shared slots")
+        self._host.run(_KIND[call.collective], inp, out, call.count, itemsize,
+                       int(call.inp.code) if call.inp is not None else 0,
+                       int(Op.SUM if op is None or op == Op.AVG else op),
+                       self.size if op == Op.AVG else 0, call.root, self._check_word(call),
+                       lambda: self._label(call, seq), direct)
+
+    def _run_schedule(self, call: _Call, seq: int, host_in: np.ndarray | None,
+                      host_out: np.ndarray | None, itemsize: int) -> None:
+        label = self._label(call, seq)
+        choice, sched = self._schedule(call.collective, call.count, itemsize, call.root)
+        if self._debug:
+            log.debug("rank %d: %s via %s, box %s, %d steps, %d messages out", self.rank, label,
+                      choice.describe(), self.topology.shape, len(sched.steps),
+                      sched.messages())
+        empty = engine.Region(0, memoryview(bytearray()))
+        buffers = {
+            Buf.INPUT: engine.Region.of(host_in) if host_in is not None else empty,
+            Buf.OUTPUT: engine.Region.of(host_out) if host_out is not None else empty,
+        }
+        if sched.scratch_count:
+            buffers[Buf.SCRATCH] = self._scratch_region(sched.scratch_count * itemsize)
+        coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
+                                 int(call.inp.code) if call.inp is not None else 0,
+                                 call.op, label)
+        engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
 
     def _device_staging(self) -> Any:
         if self._staging_device is None:
@@ -317,8 +364,9 @@ class Communicator:
 
     def _run(self, call: _Call) -> Any:
         self._run_hooks()
-        handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
-        return self._executor.run_inline(functools.partial(self._execute, call), handle)
+        return self._executor.run_inline(
+            functools.partial(self._execute, call),
+            lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()))
 
     def _submit(self, call: _Call) -> Handle:
         self._run_hooks()
@@ -408,6 +456,8 @@ class Communicator:
                 self._executor.drain(self.timeout)
         finally:
             self._executor.close(5.0)
+            if self._host is not None:
+                self._host.close()
             if self._links is not None:
                 self._links.close()
             if self._store is not None:
@@ -437,6 +487,35 @@ def _store_for(info: RendezvousInfo, timeout: float) -> Any:
         _generation[key] = generation + 1
     client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size)
     return client, PrefixStore(client, f"g{generation}/")
+
+
+def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links, store: Any,
+                      timeout: float, algo: str) -> hostcoll.HostCollectives | None:
+    """The shared-memory host collectives, when every rank is on this host and talks shm (and
+    DDL_ALGO leaves the choice to us); an error if DDL_ALGO=direct asks for them elsewhere."""
+    why = None
+    if len({p.host_id for p in peers}) > 1:
+        why = "the ranks are on more than one host"
+    elif set(links.choice.values()) != {"shm"}:
+        why = f"the ranks talk {', '.join(sorted(set(links.choice.values())))}, not shm"
+    elif info.size > hostcoll.MAX_RANKS:
+        why = f"{info.size} ranks share this host (at most {hostcoll.MAX_RANKS})"
+    if algo not in ("auto", hostcoll.NAME):
+        return None
+    if why is not None:
+        if algo == hostcoll.NAME:
+            # Every rank comes to this; none may leave (taking rank 0's store) before all have.
+            store.barrier("direct", info.rank, info.size, timeout)
+            raise ValueError(f"DDL_ALGO={hostcoll.NAME} needs every rank on one host over the shm "
+                             f"transport, but {why}")
+        return None
+    host = hostcoll.HostCollectives(info.rank, info.size, store, timeout)
+    try:
+        host.connect(store)
+    except BaseException:
+        host.close()
+        raise
+    return host
 
 
 def init(*, rank: int | None = None, size: int | None = None, master_addr: str | None = None,
@@ -505,10 +584,12 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         links = Links(info.rank, info.size, spec, peers, store, timeout)
         if config.get("DDL_LINK_PROBE", environ):
             topo = probe.measure(topo, info.rank, links, store, timeout)
+        host = _host_collectives(info, peers, links, store, timeout,
+                                 algo.lower() if algo else config.get("DDL_ALGO", environ))
     except BaseException:
         client.close()
         raise
-    comm = Communicator(info, peers, client, links, timeout, environ, algo, topo)
+    comm = Communicator(info, peers, client, links, timeout, environ, algo, topo, host)
     log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",
               comm.rank, comm.size, info.source, host_id, comm.local_rank, comm.local_size,
               sorted(set(links.choice.values())), topo.describe())

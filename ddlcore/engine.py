@@ -50,7 +50,8 @@ class Region:
     @classmethod
     def of(cls, array: np.ndarray) -> Region:
         flat = array.reshape(-1).view(np.uint8)
-        return cls(flat.ctypes.data if flat.size else 0, memoryview(flat))  # type: ignore[arg-type]
+        return cls(kernels.array_address(flat) if flat.size else 0,
+                   memoryview(flat))  # type: ignore[arg-type]
 
 
 class StagingPool:

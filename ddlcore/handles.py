@@ -118,11 +118,12 @@ class Executor:
             self._cv.notify()
         return handle
 
-    def run_inline(self, job: Callable[[int], Any], handle: Handle) -> Any:
-        """Run ``job(seq)`` now if nothing is queued (the fast path), else queue it and wait."""
+    def run_inline(self, job: Callable[[int], Any], make_handle: Callable[[], Handle]) -> Any:
+        """Run ``job(seq)`` now if nothing is queued (the fast path), else queue it behind the
+        others with a handle from ``make_handle()`` and wait for it."""
         with self._cv:
             if self._closed:
-                raise CommunicatorClosedError(f"{handle.label}: the communicator is closed")
+                raise CommunicatorClosedError(f"{make_handle().label}: the communicator is closed")
             idle = not self._queue and not self._run_lock.locked()
             if idle:
                 self._run_lock.acquire()
@@ -132,7 +133,7 @@ class Executor:
                 return job(seq)
             finally:
                 self._run_lock.release()
-        return self.submit(job, handle).wait()
+        return self.submit(job, make_handle()).wait()
 
     def _loop(self) -> None:
         while True:

@@ -62,13 +62,19 @@ class Choice:
         return text
 
 
+# The host collectives' name (``ddlcore.hostcoll``): not a schedule, a whole collective through
+# shared memory, taken under ``auto`` whenever every rank is on one host and talks shm.
+DIRECT = "direct"
+
+
 def validate_algo(algo: str) -> None:
     """ValueError naming DDL_ALGO if no reduction collective knows ``algo``."""
-    if algo == "auto":
+    if algo in ("auto", DIRECT):
         return
     known = sorted({name for coll in SELECTABLE for name in ALGORITHMS[coll]})
     if algo not in known:
-        raise ValueError(f"DDL_ALGO={algo!r} is not an algorithm; use auto or one of {known}")
+        raise ValueError(f"DDL_ALGO={algo!r} is not an algorithm; use auto, {DIRECT} or one of "
+                         f"{known}")
 
 
 # --- the model -----------------------------------------------------------------------------------

@@ -17,7 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from ddlcore.kernels.cpu import avg_finalize, copy_bytes, pack, reduce_copy, reduce_into, unpack
+from ddlcore.kernels.cpu import (
+    array_address,
+    avg_finalize,
+    copy_bytes,
+    pack,
+    reduce_copy,
+    reduce_into,
+    unpack,
+)
 from ddlcore.kernels.dtypes import DType, dtype_code
 
 from ddlcore.ops import Op, as_op
@@ -87,5 +95,5 @@ def describe() -> str:
             f"{', '.join(d.name.lower() for d in DType)}; reduce-copy; pack/unpack")
 
 
-__all__ = ["DType", "avg_finalize", "copy_bytes", "describe", "pack", "pack_arrays",
+__all__ = ["DType", "array_address", "avg_finalize", "copy_bytes", "describe", "pack", "pack_arrays",
            "reduce_arrays", "reduce_copy", "reduce_into", "unpack", "unpack_arrays"]

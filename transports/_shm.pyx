@@ -24,6 +24,7 @@ cdef extern from "ddl_shm.h" nogil:
     void ddl_ring_put(uint8_t *ring, uint64_t cap, uint64_t pos, const uint8_t *src, uint64_t n)
     void ddl_ring_get(const uint8_t *ring, uint64_t cap, uint64_t pos, uint8_t *dst, uint64_t n)
     int64_t ddl_cma_read(int pid, uint64_t remote, uint8_t *local, uint64_t n)
+    int64_t ddl_cma_write(int pid, uint64_t remote, const uint8_t *local, uint64_t n)
 
 cdef extern from "<errno.h>":
     int errno
@@ -119,4 +120,15 @@ def cma_read(int pid, uint64_t remote, uint8_t[::1] dst, uint64_t offset, uint64
     if n:
         with nogil:
             rc = ddl_cma_read(pid, remote, &dst[0] + offset, n)
+    return rc
+
+
+def cma_write(int pid, uint64_t remote, const uint8_t[::1] src, uint64_t offset, uint64_t n):
+    """Write ``src[offset:offset + n]`` to ``remote`` in process ``pid``; 0 or -errno."""
+    cdef int64_t rc = 0
+    if offset + n > <uint64_t>src.shape[0]:
+        raise ValueError("cma_write beyond the source buffer")
+    if n:
+        with nogil:
+            rc = ddl_cma_write(pid, remote, &src[0] + offset, n)
     return rc

@@ -97,4 +97,21 @@ static inline int64_t ddl_cma_read(int pid, uint64_t remote, uint8_t *local, uin
     return 0;
 }
 
+/* Write n bytes from `local` to `remote` in process `pid` (process_vm_writev). 0 or -errno. */
+static inline int64_t ddl_cma_write(int pid, uint64_t remote, const uint8_t *local, uint64_t n) {
+    while (n > 0) {
+        struct iovec l = {(void *)local, n}, r = {(void *)(uintptr_t)remote, n};
+        ssize_t put = process_vm_writev((pid_t)pid, &l, 1, &r, 1, 0);
+        if (put < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (put == 0) return -EFAULT;
+        local += put;
+        remote += (uint64_t)put;
+        n -= (uint64_t)put;
+    }
+    return 0;
+}
+
 #endif

@@ -152,6 +152,23 @@ def _reserve(fd: int, offset: int, length: int, what: str) -> None:
                        "DDL_TRANSPORT=tcp") from None
 
 
+def create_segment(name: str, nbytes: int, reserve: int, what: str) -> tuple[str, int]:
+    """Create ``/dev/shm/<name>`` (owner-only) of ``nbytes``, its first ``reserve`` bytes
+    allocated now, and map it; returns (path, address). Names start with `PREFIX` and the
+    owner's pid, which is how `remove_segments_of` finds a dead rank's segments."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        _reserve(fd, 0, reserve, what)
+        return path, _shm.map_shared(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 def remove_segments_of(pids: set[int]) -> list[str]:
     """Unlink the segments owned by the given (dead) processes; returns the names removed.
     The launcher calls this for ranks that died, whose survivors may not have noticed."""
@@ -721,18 +738,10 @@ class ShmContext(PairTableContext):
             raise ValueError(f"rank={rank} must be in [0, size={size})")
         self.rank, self.size, self.store, self.timeout = rank, size, store, float(timeout)
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-r{rank}"
-        self.path = os.path.join(SHM_DIR, self.name)
         self._bytes = _inbox_bytes(size)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self._bytes)  # sparse: pages appear as peers attach
-            _reserve(fd, 0, _INBOX_HEADER, f"rank {rank}'s inbox")
-            self._base = _shm.map_shared(fd, self._bytes)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
+        # Sparse: the slots' pages appear as peers attach.
+        self.path, self._base = create_segment(self.name, self._bytes, _INBOX_HEADER,
+                                               f"rank {rank}'s inbox")
         # A process that exits without close() still takes its segment's name with it.
         self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, self.path)
         base = self._base

@@ -5,6 +5,13 @@ GIL for the whole loop, so the engine's reductions overlap with the transports' 
 """
 
 from ddlcore.kernels.cpu._pack import pack, unpack
-from ddlcore.kernels.cpu._reduce import avg_finalize, copy_bytes, reduce_copy, reduce_into
+from ddlcore.kernels.cpu._reduce import (
+    array_address,
+    avg_finalize,
+    copy_bytes,
+    reduce_copy,
+    reduce_into,
+)
 
-__all__ = ["avg_finalize", "copy_bytes", "pack", "reduce_copy", "reduce_into", "unpack"]
+__all__ = ["array_address", "avg_finalize", "copy_bytes", "pack", "reduce_copy", "reduce_into",
+           "unpack"]

@@ -7,8 +7,11 @@ the integer codes of ``ddlcore.kernels.dtypes.DType`` and ``ddlcore.ops.Op`` (SU
 MAX; AVG is SUM followed by `avg_finalize`). The loops are in ``ddl_kernels.h``.
 """
 
+cimport numpy as cnp
 from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy, memmove
+
+cnp.import_array()
 
 
 cdef extern from "ddl_kernels.h" nogil:
@@ -66,3 +69,9 @@ def copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes):
         return
     with nogil:
         memmove(<void *>dst, <const void *>src, <size_t>nbytes)
+
+
+def array_address(cnp.ndarray a):
+    """The address of a NumPy array's first element (``a.ctypes.data`` in ~1/30 of the time:
+    buffer intake asks for it on every call)."""
+    return <uintptr_t>cnp.PyArray_DATA(a)

@@ -56,8 +56,15 @@ def test_debug_logs_algorithm_box_and_chunking(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
                          capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stderr
-    # 4 KB on two ranks: the cost model takes recursive doubling (one exchange).
+    # Both ranks on this host over shm: the host collectives take it, through the shared slots.
+    assert "allreduce #0 (1000 x float32, sum) via direct, through the shared slots" in res.stderr, \
+        res.stderr
+    assert "transports ['shm']" in res.stderr  # auto: shared memory between ranks of one host
+    # Over TCP the schedules run: 4 KB on two ranks, the cost model takes recursive doubling.
+    env["DDL_TRANSPORT"] = "tcp"
+    res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
     assert "allreduce #0 (1000 x float32, sum) via rd, chunks of 1024 B, predicted" in res.stderr, \
         res.stderr
     assert "box 2," in res.stderr
-    assert "transports ['shm']" in res.stderr  # auto: shared memory between ranks of one host

@@ -158,6 +158,7 @@ def test_no_shared_memory_left_when_ranks_die(tmp_path):
                 str(SCRIPTS / "shm_then_die.py"), str(tmp_path)])
     assert res.returncode != 0
     made = [n for f in tmp_path.glob("*.shm") for n in f.read_text().split()]
-    assert len(made) == 3, (made, res.stderr)
+    # Each rank's shm inbox and its host-collective board, named after its pid.
+    assert len({n.split("-")[1] for n in made}) == 3 and len(made) == 6, (made, res.stderr)
     left = [n for n in made if os.path.exists(f"/dev/shm/{n}")]
     assert not left, f"segments left after ddlrun: {left}\n{res.stderr}"

@@ -1,0 +1,263 @@
+"""The host collectives (``ddlcore.hostcoll``): every rank on one host over shm runs each
+collective through shared boards, small inputs through the slots and large ones by reading the
+peers' buffers. The collective matrix (test_collectives.py, transport shm) covers dtype x op x
+count on both paths; this file covers what is particular to them: sizes at the slot and chunk
+boundaries, in place, async interleaving, failures, and the choice itself."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tests.collectives import matrix
+from tests.harness import run_ranks
+
+SMALL_MAX = 1 << 17
+CHUNK = 1 << 18
+TIMEOUT_S = 20.0
+
+
+def _boundaries(rank, size):
+    """In- and out-of-place allreduce, and the other collectives, at counts around the slot
+    size and the direct-read chunk, for every op on float32 and int64."""
+    from ddlcore.kernels import reference
+
+    import ddlcore
+
+    digests = {}
+    with ddlcore.init() as comm:
+        assert comm.describe("allreduce", SMALL_MAX).algorithm == "direct"
+        assert comm._host is not None and comm._host.direct
+        for dtype in (np.float32, np.int64, np.float16):
+            isz = np.dtype(dtype).itemsize
+            counts = sorted({SMALL_MAX // isz - 1, SMALL_MAX // isz, SMALL_MAX // isz + 1,
+                             size * CHUNK // isz + 3, 3 * size * CHUNK // isz - 1, 1_000_003})
+            for count in counts:
+                for op in matrix.OPS:
+                    xs = [matrix.random_input(dtype, count, r, count, op) for r in range(size)]
+                    want = reference.reduce_ref(xs, op)
+                    case = f"{np.dtype(dtype).name} {op} count={count}"
+                    got = comm.allreduce(xs[rank].copy(), op=op)
+                    matrix.check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
+                    inplace = xs[rank].copy()
+                    assert comm.allreduce(inplace, op=op, out=inplace) is inplace
+                    matrix.check_close(inplace, want, dtype, op, size, f"rank {rank}: in place {case}")
+                    assert matrix.digest(inplace) == matrix.digest(got), case
+                    digests[case] = matrix.digest(got)
+                k = count // size
+                xs = [matrix.random_input(dtype, k * size, r, count, "sum") for r in range(size)]
+                got = comm.reduce_scatter(xs[rank])
+                want = reference.reduce_ref(xs, "sum")[rank * k:(rank + 1) * k]
+                matrix.check_close(got, want, dtype, "sum", size, f"reduce_scatter {count}")
+                got = comm.allgather(xs[rank][:k])
+                np.testing.assert_array_equal(got, np.concatenate([x[:k] for x in xs]))
+                b = xs[rank].copy()
+                comm.broadcast(b, root=size - 1)
+                np.testing.assert_array_equal(b, xs[size - 1])
+    return digests
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_sizes_around_slot_and_chunk(nprocs):
+    results = run_ranks(_boundaries, nprocs, env={"DDL_TRANSPORT": "shm"}, timeout=240)
+    for rank in range(1, nprocs):
+        assert results[rank] == results[0], f"rank {rank} differs from rank 0"
+
+
+def _same_as_schedules(rank, size):
+    """Exact ops (integers, min/max) give the same bits through the boards and the ring."""
+    import ddlcore
+
+    out = {}
+    for algo in ("auto", "ring"):
+        with ddlcore.init(algo=algo) as comm:
+            assert (comm._host is not None) == (algo == "auto")
+            for count in (5, 4099, 700_001):
+                for dtype, op in ((np.int32, "sum"), (np.float32, "max"), (np.int64, "prod")):
+                    x = matrix.random_input(dtype, count, rank, 7, op)
+                    out[(algo, count, np.dtype(dtype).name, op)] = matrix.digest(
+                        comm.allreduce(x, op=op))
+    return out
+
+
+def test_results_match_the_ring_schedule_bit_for_bit():
+    for res in run_ranks(_same_as_schedules, 3, env={"DDL_TRANSPORT": "shm"}, timeout=120):
+        for (algo, *case), digest in res.items():
+            if algo == "auto":
+                assert digest == res[("ring", *case)], case
+
+
+def _async_interleaved(rank, size):
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        xs = [np.full(n, rank + 1, np.float32) for n in (10, 300_000, 7, 2_000_000)]
+        handles = [comm.allreduce_async(x) for x in xs]
+        mid = comm.allreduce(np.full(3, rank, np.int64))  # queues behind the async ones
+        for h, x in zip(handles, xs, strict=True):
+            np.testing.assert_array_equal(h.wait(), np.full(x.size, size * (size + 1) / 2))
+        np.testing.assert_array_equal(mid, np.full(3, size * (size - 1) // 2))
+        comm.barrier()
+    return True
+
+
+def test_async_and_sync_calls_keep_their_order():
+    assert all(run_ranks(_async_interleaved, 3, timeout=60))
+
+
+def _mismatch(rank, size, nbytes):
+    import ddlcore
+
+    comm = ddlcore.init()
+    n = nbytes // 4
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            comm.allreduce(np.ones(n, np.float32))
+        else:
+            comm.allgather(np.ones(n, np.float32))
+    except ddlcore.CollectiveMismatchError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("different collectives were not detected")
+
+
+@pytest.mark.parametrize("nbytes", [4096, 4 << 20])
+def test_different_collectives_fail_at_once_naming_both(nbytes):
+    results = run_ranks(_mismatch, 2, nbytes, env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=60)
+    for rank, (message, elapsed) in enumerate(results):
+        assert elapsed < 2.0, (elapsed, message)
+        assert f"rank {rank}: " in message and "via direct" in message, message
+        assert "allreduce of" in message and "allgather of" in message, message
+
+
+def _dies(rank, size, victim, nbytes):
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.barrier()
+    if rank == victim:
+        time.sleep(0.2)
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(np.ones(nbytes // 4, np.float32))
+    except ddlcore.PeerFailureError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("the dead rank was not noticed")
+
+
+@pytest.mark.parametrize("nbytes", [4096, 4 << 20])
+def test_dead_rank_is_named_within_milliseconds(nbytes):
+    results = run_ranks(_dies, 3, 1, nbytes, may_die={1},
+                        env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=60)
+    for rank in (0, 2):
+        message, elapsed = results[rank]
+        assert elapsed < 2.0, (elapsed, message)
+        assert f"rank {rank}: allreduce #1" in message and "rank 1" in message, message
+
+
+def _silent(rank, size):
+    import ddlcore
+
+    comm = ddlcore.init(timeout=1.0)
+    comm.barrier()
+    if rank == 1:
+        time.sleep(3.0)
+        return "slept"
+    try:
+        comm.allreduce(np.ones(10, np.float32))
+    except ddlcore.DDLTimeoutError as exc:
+        return str(exc)
+    raise AssertionError("no timeout")
+
+
+def test_silent_rank_times_out_with_its_name():
+    results = run_ranks(_silent, 2, timeout=60)
+    assert "rank 1 did not reach sync point" in results[0] and "DDL_TIMEOUT=1" in results[0], \
+        results[0]
+
+
+def _one_path_fails(rank, size, board_rank):
+    """Rank 0 gives up after 1 s; rank 1 (deadline 20 s) waits on the other path: on the boards
+    if ``board_rank`` is 1, in a schedule over the shm transport otherwise (direct reads off, so a
+    1 MB allreduce takes the schedules). Each path's failure must reach the other's waiters."""
+    import ddlcore
+    from ddlcore import hostcoll
+
+    hostcoll._cma_allowed = lambda: False
+    comm = ddlcore.init(timeout=1.0 if rank == 0 else TIMEOUT_S)
+    comm.barrier()
+    n = 1000 if rank == board_rank else 1 << 18
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(np.ones(n, np.float32))
+    except ddlcore.DDLError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    raise AssertionError("mismatched paths not detected")
+
+
+@pytest.mark.parametrize("board_rank", [0, 1])
+def test_a_failure_on_one_path_reaches_waiters_on_the_other(board_rank):
+    results = run_ranks(_one_path_fails, 2, board_rank, timeout=60)
+    assert results[0][0] == "DDLTimeoutError", results[0]
+    name, message, elapsed = results[1]
+    assert elapsed < 5.0, (elapsed, message)
+    assert "rank 0 aborted" in message, message
+
+
+def _no_direct_reads(rank, size):
+    import ddlcore
+    from ddlcore import hostcoll
+
+    hostcoll._cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
+    with ddlcore.init() as comm:
+        assert not comm._host.direct
+        assert comm.describe("allreduce", 4096).algorithm == "direct"
+        assert comm.describe("allreduce", 1 << 20).algorithm != "direct"
+        x = np.arange(1_000_003, dtype=np.float64) * (rank + 1)
+        np.testing.assert_array_equal(comm.allreduce(x), np.arange(1_000_003) * 3.0)
+        np.testing.assert_array_equal(comm.allreduce(x[:5]), np.arange(5) * 3.0)
+    return True
+
+
+def test_without_direct_reads_large_messages_take_the_schedules():
+    assert all(run_ranks(_no_direct_reads, 2, timeout=60))
+
+
+def _boards_of(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/ddl-{pid}-*-board-*")
+
+
+def _closes(rank, size):
+    import ddlcore
+
+    comm = ddlcore.init()
+    mine = _boards_of(os.getpid())
+    assert len(mine) == 1, mine
+    comm.allreduce(np.ones(4, np.float32))
+    comm.close()
+    return _boards_of(os.getpid())
+
+
+def test_close_removes_the_board():
+    assert run_ranks(_closes, 2, timeout=60) == [[], []]
+
+
+def _forced(rank, size):
+    import ddlcore
+
+    try:
+        ddlcore.init(algo="direct")
+    except ValueError as exc:
+        return str(exc)
+    return "initialised"
+
+
+def test_direct_forced_where_it_cannot_run_says_why():
+    for message in run_ranks(_forced, 2, env={"DDL_TRANSPORT": "tcp"}, timeout=60):
+        assert "DDL_ALGO=direct needs every rank on one host" in message, message
+        assert "talk tcp" in message, message

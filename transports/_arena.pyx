@@ -1,0 +1,131 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Native half of the host collectives (``ddlcore.hostcoll``): a rank's view of every local
+rank's board and the collective bodies of ``ddl_arena.h``, each one call with the GIL released.
+
+Addresses are plain integers; the Python side validated the buffers and computes deadlines on
+``time.monotonic()`` (CLOCK_MONOTONIC, the clock the C side reads).
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+
+cdef extern from "ddl_arena.h" nogil:
+    enum: DDL_ARENA_MAX
+    enum: DDL_A_HEADER
+    enum: DDL_A_ABORT_CODE
+    enum: DDL_A_ABORT_LEN
+    enum: DDL_A_ABORT
+    enum: DDL_E_COUNT
+    enum: DDL_E_KIND
+    enum: DDL_E_DTYPE
+    enum: DDL_E_OP
+    enum: DDL_E_ROOT
+    ctypedef struct ddl_arena:
+        int rank, size
+        uint8_t *boards[64]
+        int pids[64]
+        int pidfds[64]
+        uint64_t slot_bytes
+        uint64_t epoch
+        uint64_t chunk
+        uint8_t *temp[3]
+        int bad_rank
+        int64_t err
+    ctypedef struct ddl_call:
+        int kind, dtype, op, root
+        int64_t count
+        int itemsize
+        int64_t divisor
+        uint64_t check
+        uint8_t *inp "in"
+        uint8_t *out
+        int64_t deadline_ns
+    int ddl_arena_small(ddl_arena *a, const ddl_call *c)
+    int ddl_arena_direct(ddl_arena *a, const ddl_call *c)
+    void ddl_arena_abort(ddl_arena *a, uint32_t code, const uint8_t *reason, uint32_t len)
+    uint8_t *ddl_entry(const ddl_arena *a, int q, uint64_t epoch)
+    uint32_t ddl_load_acquire_u32(const void *p)
+    uint64_t ddl_get_u64(const uint8_t *p)
+
+MAX_RANKS = DDL_ARENA_MAX
+HEADER_BYTES = DDL_A_HEADER
+
+
+cdef class Arena:
+    """This rank's handle on the boards of ``size`` local ranks (``boards[q]``: the address where
+    rank q's board is mapped here; ``pidfds[q]``: -1 for this rank)."""
+
+    cdef ddl_arena a
+
+    def __cinit__(self, int rank, int size, boards, pids, pidfds, uint64_t slot_bytes,
+                  uint64_t chunk):
+        if not 1 < size <= DDL_ARENA_MAX or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} of size {size}: host collectives take 2 to "
+                             f"{DDL_ARENA_MAX} ranks")
+        self.a.rank, self.a.size = rank, size
+        for q in range(size):
+            self.a.boards[q] = <uint8_t *><uintptr_t>boards[q]
+            self.a.pids[q] = pids[q]
+            self.a.pidfds[q] = pidfds[q]
+        self.a.slot_bytes, self.a.chunk, self.a.epoch = slot_bytes, chunk, 0
+        self.a.temp[0] = <uint8_t *>malloc(3 * chunk)
+        if self.a.temp[0] == NULL:
+            raise MemoryError("host collectives: no memory for the direct-read staging")
+        self.a.temp[1] = self.a.temp[0] + chunk
+        self.a.temp[2] = self.a.temp[1] + chunk
+        self.a.bad_rank, self.a.err = -1, 0
+
+    def __dealloc__(self):
+        free(self.a.temp[0])
+
+    def run(self, bint direct, int kind, uintptr_t inp, uintptr_t out, int64_t count,
+            int itemsize, int dtype, int op, int64_t divisor, int root, uint64_t check,
+            double deadline):
+        """Run one collective; returns a status (0: done; see ``hostcoll`` for the others)."""
+        cdef ddl_call c
+        cdef int st
+        c.kind, c.dtype, c.op, c.root = kind, dtype, op, root
+        c.count, c.itemsize, c.divisor, c.check = count, itemsize, divisor, check
+        c.inp, c.out = <uint8_t *>inp, <uint8_t *>out
+        c.deadline_ns = <int64_t>(deadline * 1e9)
+        self.a.bad_rank, self.a.err = -1, 0
+        with nogil:
+            if direct:
+                st = ddl_arena_direct(&self.a, &c)
+            else:
+                st = ddl_arena_small(&self.a, &c)
+        return st
+
+    @property
+    def bad_rank(self):
+        return self.a.bad_rank
+
+    @property
+    def err(self):
+        return self.a.err
+
+    @property
+    def epoch(self):
+        return self.a.epoch
+
+    def entry(self, int q):
+        """What rank q published at our current epoch: (kind, dtype, op, root, count)."""
+        cdef const uint8_t *e = ddl_entry(&self.a, q, self.a.epoch)
+        return ((<const uint32_t *>(e + DDL_E_KIND))[0], (<const uint32_t *>(e + DDL_E_DTYPE))[0],
+                (<const uint32_t *>(e + DDL_E_OP))[0], (<const uint32_t *>(e + DDL_E_ROOT))[0],
+                ddl_get_u64(e + DDL_E_COUNT))
+
+    def abort_note(self, int q):
+        """Rank q's abort (code, reason bytes); code 0 if it has not aborted."""
+        cdef uint8_t *b = self.a.boards[q]
+        cdef uint32_t code = ddl_load_acquire_u32(b + DDL_A_ABORT_CODE)
+        if not code:
+            return 0, b""
+        cdef uint32_t n = ddl_load_acquire_u32(b + DDL_A_ABORT_LEN)
+        return code, bytes(b[DDL_A_ABORT:DDL_A_ABORT + min(n, 1024)])
+
+    def abort(self, uint32_t code, bytes reason):
+        """Leave our abort note (the first one stays) and wake the peers."""
+        cdef const uint8_t *p = reason
+        ddl_arena_abort(&self.a, code, p, <uint32_t>len(reason))
