@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 from ddlcore.kernels.cpu import (
     array_address,
+    arrays_between,
     avg_finalize,
     copy_bytes,
     pack,
@@ -62,29 +63,19 @@ def reduce_arrays(dst: np.ndarray, src: np.ndarray, op: str | Op = "sum",
 
 def pack_arrays(arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate the bytes of contiguous arrays into one uint8 buffer (one C loop)."""
-    for i, a in enumerate(arrays):
-        if not a.flags.c_contiguous:
-            raise ValueError(f"arrays[{i}] is not C-contiguous")
-    sizes = np.fromiter((a.nbytes for a in arrays), np.uint64, len(arrays))
-    total = int(sizes.sum())
-    flat = np.empty(total, np.uint8) if out is None else out
-    if flat.nbytes < total:
-        raise ValueError(f"out holds {flat.nbytes} bytes, needs {total}")
-    addrs = np.fromiter((a.ctypes.data for a in arrays), np.uint64, len(arrays))
-    pack(flat.ctypes.data, addrs, sizes)
-    return flat
+    if out is None:
+        out = np.empty(sum(a.nbytes for a in arrays), np.uint8)
+    if not out.flags.c_contiguous:
+        raise ValueError("out is not C-contiguous")
+    arrays_between(array_address(out) if out.nbytes else 0, out.nbytes, arrays, True)
+    return out
 
 
 def unpack_arrays(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
     """Split ``flat`` (as written by `pack_arrays`) back into ``arrays``, in order."""
-    for i, a in enumerate(arrays):
-        if not a.flags.c_contiguous or not a.flags.writeable:
-            raise ValueError(f"arrays[{i}] is not a writable C-contiguous array")
-    sizes = np.fromiter((a.nbytes for a in arrays), np.uint64, len(arrays))
-    if int(sizes.sum()) > flat.nbytes:
-        raise ValueError(f"flat holds {flat.nbytes} bytes, arrays need {int(sizes.sum())}")
-    addrs = np.fromiter((a.ctypes.data for a in arrays), np.uint64, len(arrays))
-    unpack(flat.ctypes.data, addrs, sizes)
+    if not flat.flags.c_contiguous:
+        raise ValueError("flat is not C-contiguous")
+    arrays_between(array_address(flat) if flat.nbytes else 0, flat.nbytes, arrays, False)
 
 
 def describe() -> str:

@@ -4,7 +4,7 @@ All take raw addresses and element counts (see ``_reduce.pyx`` and ``_pack.pyx``
 GIL for the whole loop, so the engine's reductions overlap with the transports' threads.
 """
 
-from ddlcore.kernels.cpu._pack import pack, unpack
+from ddlcore.kernels.cpu._pack import arrays_between, pack, unpack
 from ddlcore.kernels.cpu._reduce import (
     array_address,
     avg_finalize,
@@ -13,5 +13,5 @@ from ddlcore.kernels.cpu._reduce import (
     reduce_into,
 )
 
-__all__ = ["array_address", "avg_finalize", "copy_bytes", "pack", "reduce_copy", "reduce_into",
+__all__ = ["array_address", "arrays_between", "avg_finalize", "copy_bytes", "pack", "reduce_copy", "reduce_into",
            "unpack"]

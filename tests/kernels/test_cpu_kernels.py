@@ -138,6 +138,23 @@ def test_pack_unpack_round_trip(k):
         assert same_bits(got, want)
 
 
+def test_pack_arrays_refuses_what_it_cannot_copy():
+    a = np.arange(10, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"arrays\[1\] is not a C-contiguous"):
+        kernels.pack_arrays([a, a[::2]])
+    with pytest.raises(TypeError, match=r"arrays\[0\] is a list"):
+        kernels.pack_arrays([[1, 2]], out=np.empty(8, np.uint8))
+    with pytest.raises(ValueError, match="holds 8 bytes, the arrays 40"):
+        kernels.pack_arrays([a], out=np.empty(8, np.uint8))
+    flat = kernels.pack_arrays([a])
+    frozen = a.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"arrays\[0\] is not a writable"):
+        kernels.unpack_arrays(flat, [frozen])
+    with pytest.raises(ValueError, match="holds 40 bytes, the arrays 80"):
+        kernels.unpack_arrays(flat, [np.empty(20, np.float32)])
+
+
 def test_pack_pointer_api_with_numpy_tables():
     arrays = [np.arange(i + 1, dtype=np.float64) for i in range(10)]
     sizes = np.array([a.nbytes for a in arrays], np.uint64)
