@@ -134,9 +134,11 @@ _declare("DDL_TRANSPORT", _transport_spec, "auto",
          "Transport for every peer pair: tcp, shm, mpi, ucx; 'auto' picks per pair "
          "(shm within a host, else the first available network transport); 'auto:ucx,tcp' sets that order.")
 _declare("DDL_ALGO", lambda s: s.strip().lower(), "auto",
-         "Algorithm of allreduce, reduce_scatter and allgather: 'auto' (lowest time predicted by "
-         "the cost model), 'ring', 'mdring' (multi-dimensional ring over the box), 'rhd' "
-         "(recursive halving-doubling) or 'rd' (recursive doubling, allreduce of small messages).")
+         "Algorithm of allreduce, reduce_scatter and allgather: 'auto' (the host collectives "
+         "when every rank is on one host over shm, else the lowest time predicted by the cost "
+         "model), 'direct' (the host collectives), 'ring', 'mdring' (multi-dimensional ring "
+         "over the box), 'rhd' (recursive halving-doubling) or 'rd' (recursive doubling, "
+         "allreduce of small messages).")
 _declare("DDL_TOPOLOGY", parse_dims, (),
          "Box shape of the ranks, fastest level first, e.g. 4x2 (4 ranks per host, 2 hosts). "
          "Empty: derived from the hosts found at init.")
