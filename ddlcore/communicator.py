@@ -137,8 +137,10 @@ class Communicator:
         """The algorithm, box-dimension order and chunking this communicator would use for a
         collective of ``nbytes`` of input (the cost model's choice under ``DDL_ALGO=auto``, or
         the host collectives when every rank is on this host)."""
-        if self._host is not None and (direct := self._host.wants(nbytes)) is not None:
-            return tuning.Choice(hostcoll.NAME, hostcoll.CHUNK_BYTES if direct else nbytes)
+        mode = self._host.mode(nbytes) if self._host is not None else hostcoll.SYNC_ONLY
+        if mode != hostcoll.SYNC_ONLY:
+            return tuning.Choice(hostcoll.NAME,
+                                 hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes)
         return self._choose(collective, nbytes)
 
     def _choose(self, collective: str, nbytes: int) -> tuning.Choice:
@@ -240,11 +242,12 @@ class Communicator:
             if self._debug and self.size > 1:
                 self._check_agreement(call, seq, self._label(call, seq))
             host_in, host_out = self._host_arrays(call)
-            direct = host.wants(call.count * itemsize) if host is not None else None
-            if direct is not None:
+            mode = host.mode(call.count * itemsize) if host is not None else None
+            if mode is not None:
                 on_host = True
-                self._run_on_host(call, seq, host_in, host_out, itemsize, direct)
-            else:
+                self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
+            if mode is None or mode == hostcoll.SYNC_ONLY:
+                on_host = False
                 self._run_schedule(call, seq, host_in, host_out, itemsize)
             if call.out is not None and call.out.memory == MemoryKind.CUDA:
                 self._device_staging().upload(host_out, call.out.array)
@@ -261,7 +264,7 @@ class Communicator:
         return call.result
 
     def _run_on_host(self, call: _Call, seq: int, host_in: np.ndarray | None,
-                     host_out: np.ndarray | None, itemsize: int, direct: bool) -> None:
+                     host_out: np.ndarray | None, itemsize: int, mode: int) -> None:
         assert self._host is not None
         op = call.op
         inp = out = 0
@@ -271,13 +274,16 @@ class Communicator:
             else:  # device buffers, staged in host memory
                 inp, out = array_address(host_in), array_address(host_out)
         if self._debug:
+            how = {hostcoll.SLOTS: "through the shared slots",
+                   hostcoll.DIRECT: "reading and writing the peers' buffers",
+                   hostcoll.SYNC_ONLY: "agreement only (the schedules run it)"}[mode]
             log.debug("rank %d: %s via %s, %s", self.rank, self._label(call, seq), hostcoll.NAME,
-                      "reading the peers' buffers" if direct else "through the shared slots")
+                      how)
         self._host.run(_KIND[call.collective], inp, out, call.count, itemsize,
                        int(call.inp.code) if call.inp is not None else 0,
                        int(Op.SUM if op is None or op == Op.AVG else op),
                        self.size if op == Op.AVG else 0, call.root, self._check_word(call),
-                       lambda: self._label(call, seq), direct)
+                       lambda: self._label(call, seq), mode, (host_in, host_out))
 
     def _run_schedule(self, call: _Call, seq: int, host_in: np.ndarray | None,
                       host_out: np.ndarray | None, itemsize: int) -> None:

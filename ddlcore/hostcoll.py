@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -82,6 +83,11 @@ _CLOSED = 0xFFFF  # abort code of a rank that closed its communicator
 KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
 _KIND_NAME = {v: k for k, v in KIND.items()}
 _STATUS_TIMEOUT, _STATUS_DEAD, _STATUS_ABORTED, _STATUS_MISMATCH, _STATUS_CMA = 1, 2, 3, 4, 5
+# How a call runs (_arena.Arena.run's mode).
+SLOTS, DIRECT, SYNC_ONLY = 0, 1, 2
+# After a failed direct call, how long to wait for peers to stop touching our buffers (they look
+# for abort notes before every chunk); also how long close() waits for a call in progress.
+_SETTLE_S = 5.0
 
 
 def _board_bytes() -> int:
@@ -116,6 +122,9 @@ class HostCollectives:
         self._arena: Any = None
         self.direct = False  # every rank can read every other's memory (agreed in connect)
         self._closed = False
+        self._lock = threading.Condition()
+        self._busy = 0      # calls in native code (close() waits for them)
+        self._pinned: list[Any] = []  # buffers of failed calls a stopped peer may still write
         try:
             store.set(f"board/{rank}", f"{self.name} {os.getpid()}".encode())
         except BaseException:
@@ -198,29 +207,44 @@ class HostCollectives:
         return True
 
     # --- collectives --------------------------------------------------------------------------
-    def wants(self, in_bytes: int) -> bool | None:
-        """Whether a call runs here: False (through the slots), True (direct reads), or None
-        (too large for the slots and direct reads are off: run the schedules instead)."""
+    def mode(self, in_bytes: int) -> int:
+        """How a call of ``in_bytes`` runs: `SLOTS`, `DIRECT`, or `SYNC_ONLY` (too large for the
+        slots and direct reads are off: the schedules run it, after a sync point here that
+        compares the ranks' calls, so a size mismatch across `SMALL_MAX` is still caught at
+        once)."""
         if in_bytes <= SMALL_MAX:
-            return False
-        return True if self.direct else None
+            return SLOTS
+        return DIRECT if self.direct else SYNC_ONLY
 
     def run(self, kind: int, inp: int, out: int, count: int, itemsize: int, dtype: int, op: int,
             divisor: int, root: int, check: int, label: Callable[[], str],
-            direct: bool = False) -> None:
+            mode: int = SLOTS, keep: Any = None) -> None:
         """Run one collective on host addresses: ``kind`` as `KIND`, ``count`` input elements,
         ``op`` a kernel op code (SUM for avg, with ``divisor`` the number of ranks; 0 for no
-        division). On failure, leaves an abort note the peers see at once and raises a
-        `DDLError` naming this rank, ``label()`` and the peer concerned."""
-        if self._closed:
-            raise CommunicatorClosedError(f"rank {self.rank}: {label()}: the communicator is "
-                                          "closed")
-        st = self._arena.run(direct, kind, inp, out, count, itemsize, dtype, op, divisor, root,
-                             check, time.monotonic() + self.timeout)
-        if st:
-            err = self._error(st, label())
-            self.abort(abort_code(err), str(err).split(": ", 1)[1])
-            raise err
+        division); ``mode`` `SLOTS`, `DIRECT`, or `SYNC_ONLY` (compare the call at a sync point
+        before it runs on the schedules). On failure, leaves an abort note the peers see at once
+        and raises a `DDLError` naming this rank, ``label()`` and the peer concerned; ``keep``
+        (the buffers behind ``inp`` and ``out``) is then held for good if a peer might still be
+        writing into them."""
+        with self._lock:
+            if self._closed:
+                raise CommunicatorClosedError(f"rank {self.rank}: {label()}: the communicator "
+                                              "is closed")
+            self._busy += 1
+        try:
+            st = self._arena.run(mode, kind, inp, out, count, itemsize, dtype, op, divisor, root,
+                                 check, time.monotonic() + self.timeout)
+            if st:
+                err = self._error(st, label())
+                self.abort(abort_code(err), str(err).split(": ", 1)[1])
+                if mode == DIRECT and not self._arena.settle(time.monotonic() + _SETTLE_S):
+                    # A stopped peer may still write into them: never give them back.
+                    self._pinned.append(keep)
+                raise err
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify_all()
 
     def _error(self, status: int, label: str) -> DDLError:
         q = self._arena.bad_rank
@@ -234,6 +258,9 @@ class HostCollectives:
             return PeerFailureError(f"{where}: rank {q} (pid {self._pids[q]}) exited", q)
         if status == _STATUS_ABORTED:
             code, reason = self._arena.abort_note(q)
+            if q == self.rank:
+                return CommunicatorClosedError(f"{where}: the communicator was closed (or failed) "
+                                               "on another thread during the call")
             if code == _CLOSED:
                 return PeerFailureError(f"{where}: rank {q} closed its communicator", q)
             told = abort_error(code - 1, q, reason.decode("utf-8", "replace"), peer=q)
@@ -247,23 +274,28 @@ class HostCollectives:
                 f"{where}: ranks called different collectives: rank {self.rank} "
                 f"{_describe(mine)}, rank {q} {_describe(theirs)}")
         if status == _STATUS_CMA:
-            return PeerFailureError(f"{where}: reading rank {q}'s memory failed: "
+            return PeerFailureError(f"{where}: reading or writing rank {q}'s memory failed: "
                                     f"{os.strerror(-self._arena.err)}", q)
         return DDLError(f"{where}: internal error (status {status})")
 
     # --- failure and lifetime -----------------------------------------------------------------
     def abort(self, code: int, reason: str) -> None:
         """Leave an abort note (transport abort ``code``) that ends the peers' waits at once."""
-        if self._arena is not None and not self._closed:
+        if self._arena is not None:
             raw = reason.encode("utf-8", "replace")[:min(1024, MAX_ABORT_REASON_BYTES)]
             self._arena.abort(code + 1, raw)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        if self._arena is not None:
-            self._arena.abort(_CLOSED, b"closed")
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._arena is not None:
+                self._arena.abort(_CLOSED, b"closed")  # ends our own waits too
+            if not self._lock.wait_for(lambda: self._busy == 0, _SETTLE_S):
+                log.warning("rank %d: a host collective is still running at close(); its "
+                            "shared memory stays mapped", self.rank)
+                return
         for fd in self._pidfds:
             if fd >= 0:
                 os.close(fd)

@@ -30,6 +30,8 @@ cdef extern from "ddl_arena.h" nogil:
         uint64_t epoch
         uint64_t chunk
         uint8_t *temp[3]
+        uint64_t exposed
+        int saved
         int bad_rank
         int64_t err
     ctypedef struct ddl_call:
@@ -43,6 +45,8 @@ cdef extern from "ddl_arena.h" nogil:
         int64_t deadline_ns
     int ddl_arena_small(ddl_arena *a, const ddl_call *c)
     int ddl_arena_direct(ddl_arena *a, const ddl_call *c)
+    int ddl_arena_sync(ddl_arena *a, const ddl_call *c, const void *inp, const void *out)
+    int ddl_arena_settle(ddl_arena *a, int64_t deadline_ns)
     void ddl_arena_abort(ddl_arena *a, uint32_t code, const uint8_t *reason, uint32_t len)
     uint8_t *ddl_entry(const ddl_arena *a, int q, uint64_t epoch)
     uint32_t ddl_load_acquire_u32(const void *p)
@@ -50,6 +54,11 @@ cdef extern from "ddl_arena.h" nogil:
 
 MAX_RANKS = DDL_ARENA_MAX
 HEADER_BYTES = DDL_A_HEADER
+
+
+cdef int64_t _deadline_ns(double deadline):
+    # A timeout of years (or inf) must not overflow into the past.
+    return <int64_t>(min(deadline, 4e9) * 1e9)
 
 
 cdef class Arena:
@@ -69,6 +78,7 @@ cdef class Arena:
             self.a.pids[q] = pids[q]
             self.a.pidfds[q] = pidfds[q]
         self.a.slot_bytes, self.a.chunk, self.a.epoch = slot_bytes, chunk, 0
+        self.a.exposed, self.a.saved = 0, 0
         self.a.temp[0] = <uint8_t *>malloc(3 * chunk)
         if self.a.temp[0] == NULL:
             raise MemoryError("host collectives: no memory for the direct-read staging")
@@ -79,23 +89,36 @@ cdef class Arena:
     def __dealloc__(self):
         free(self.a.temp[0])
 
-    def run(self, bint direct, int kind, uintptr_t inp, uintptr_t out, int64_t count,
+    def run(self, int mode, int kind, uintptr_t inp, uintptr_t out, int64_t count,
             int itemsize, int dtype, int op, int64_t divisor, int root, uint64_t check,
             double deadline):
-        """Run one collective; returns a status (0: done; see ``hostcoll`` for the others)."""
+        """Run one collective (mode 0: through the slots, 1: direct, 2: only a sync point
+        comparing the call, before it runs elsewhere); returns a status (0: done; see
+        ``hostcoll`` for the others)."""
         cdef ddl_call c
         cdef int st
         c.kind, c.dtype, c.op, c.root = kind, dtype, op, root
         c.count, c.itemsize, c.divisor, c.check = count, itemsize, divisor, check
         c.inp, c.out = <uint8_t *>inp, <uint8_t *>out
-        c.deadline_ns = <int64_t>(deadline * 1e9)
+        c.deadline_ns = _deadline_ns(deadline)
         self.a.bad_rank, self.a.err = -1, 0
         with nogil:
-            if direct:
+            if mode == 1:
                 st = ddl_arena_direct(&self.a, &c)
+            elif mode == 2:
+                st = ddl_arena_sync(&self.a, &c, NULL, NULL)
             else:
                 st = ddl_arena_small(&self.a, &c)
         return st
+
+    def settle(self, double deadline):
+        """After a failed direct call: True once no peer can still touch our buffers, False if
+        ``deadline`` passed first."""
+        cdef int64_t ns = _deadline_ns(deadline)
+        cdef int ok
+        with nogil:
+            ok = ddl_arena_settle(&self.a, ns)
+        return bool(ok)
 
     @property
     def bad_rank(self):

@@ -94,6 +94,8 @@ typedef struct {
     uint64_t chunk;          /* bytes per direct-read chunk */
     uint8_t *temp[3];        /* direct-read staging: chunks, cache resident (temp[2]: our own
                                 input chunk, saved when reducing in place) */
+    uint64_t exposed;        /* epoch from which peers may touch our buffers (0: none) */
+    int saved;               /* the current chunk of our input is in temp[2] */
     /* What went wrong: the peer concerned and, for CMA, -errno. */
     int bad_rank;
     int64_t err;
@@ -156,7 +158,7 @@ static inline void ddl_arena_publish(ddl_arena *a, const ddl_call *c, const void
 /* A peer that aborted or died: DDL_A_ABORTED / DDL_A_DEAD with a->bad_rank set, else OK. */
 static inline int ddl_arena_peers_failed(ddl_arena *a) {
     for (int q = 0; q < a->size; q++) {
-        if (q == a->rank) continue;
+        /* Our own note too: close() on another thread ends a wait in progress. */
         if (ddl_load_acquire_u32(a->boards[q] + DDL_A_ABORT_CODE)) {
             a->bad_rank = q;
             return DDL_A_ABORTED;
@@ -181,6 +183,12 @@ static inline int ddl_arena_peers_failed(ddl_arena *a) {
 }
 
 /* Wait until every peer published our epoch; then compare their check words with ours. */
+static inline int ddl_arena_all_reached(const ddl_arena *a, uint64_t e) {
+    for (int q = 0; q < a->size; q++)
+        if (q != a->rank && ddl_load_acquire_u64(a->boards[q] + DDL_A_EPOCH) < e) return 0;
+    return 1;
+}
+
 static inline int ddl_arena_wait(ddl_arena *a, const ddl_call *c) {
     uint64_t e = a->epoch;
     uint8_t *bell = a->boards[a->rank] + DDL_A_BELL;
@@ -193,8 +201,11 @@ static inline int ddl_arena_wait(ddl_arena *a, const ddl_call *c) {
         if (q == a->size) break;
         int64_t now = ddl_now_ns();
         if (!start) start = now;
+        /* A peer that arrived, then closed or exited, did finish this sync: look at the epochs
+         * again after seeing a note or an exit (both come after the peer's epoch store). */
         if (now >= c->deadline_ns) {
             int st = ddl_arena_peers_failed(a);
+            if (ddl_arena_all_reached(a, e)) continue;
             if (st != DDL_A_OK) return st;
             a->bad_rank = q;
             return DDL_A_TIMEOUT;
@@ -203,7 +214,7 @@ static inline int ddl_arena_wait(ddl_arena *a, const ddl_call *c) {
         if (waited < DDL_A_PAUSE_NS) { ddl_cpu_relax(); continue; }
         if (now >= next_look) {
             int st = ddl_arena_peers_failed(a);
-            if (st != DDL_A_OK) return st;
+            if (st != DDL_A_OK && !ddl_arena_all_reached(a, e)) return st;
             next_look = now + DDL_A_SLEEP_NS;
         }
         if (waited < DDL_A_YIELD_NS) { sched_yield(); continue; }
@@ -276,9 +287,23 @@ static inline int ddl_arena_small(ddl_arena *a, const ddl_call *c) {
 
 /* --- large messages: direct reads out of the peers' buffers ------------------------------ */
 
+/* Before touching a peer's buffers: has anyone left an abort note? A failed rank may already
+ * have returned its buffers to its program (see ddl_arena_settle). */
+static inline int ddl_arena_check_notes(ddl_arena *a) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < a->size; q++)
+        if (q != a->rank && ddl_load_acquire_u32(a->boards[q] + DDL_A_ABORT_CODE)) {
+            a->bad_rank = q;
+            return DDL_A_ABORTED;
+        }
+    return DDL_A_OK;
+}
+
 static inline int ddl_arena_read(ddl_arena *a, int q, uint64_t remote, uint8_t *local,
                                  uint64_t n) {
     if (!n) return DDL_A_OK;
+    int st = ddl_arena_check_notes(a);
+    if (st != DDL_A_OK) return st;
     int64_t rc = ddl_cma_read(a->pids[q], remote, local, n);
     if (rc == 0) return DDL_A_OK;
     a->bad_rank = q;
@@ -301,12 +326,9 @@ static inline int ddl_arena_write(ddl_arena *a, int q, uint64_t remote, const ui
 static inline int ddl_operand(ddl_arena *a, const ddl_call *c, const uint64_t *ins, int q,
                               uint64_t boff, uint64_t nb, int which, const uint8_t **p) {
     if (q == a->rank) {
-        *p = c->in + boff;
-        if (q >= 2 && c->in == c->out && c->kind == DDL_K_ALLREDUCE) {
-            /* In place, our chunk of the input was overwritten by the operands before ours:
-             * ddl_reduce_direct saved it in temp[2]. */
-            *p = a->temp[2];
-        }
+        /* Our input chunk may be the output chunk (in place), overwritten by the operands
+         * before ours: ddl_reduce_direct saved it in temp[2]. */
+        *p = a->saved ? a->temp[2] : c->in + boff;
         return DDL_A_OK;
     }
     *p = a->temp[which];
@@ -325,9 +347,11 @@ static inline int ddl_reduce_direct(ddl_arena *a, const ddl_call *c, const uint6
         uint64_t boff = (uint64_t)(i + done) * c->itemsize, nb = (uint64_t)m * c->itemsize;
         uint8_t *dst = c->out + (uint64_t)(o + done) * c->itemsize;
         const uint8_t *x, *y;
-        if (a->rank >= 2 && c->in == c->out && c->kind == DDL_K_ALLREDUCE)
-            memcpy(a->temp[2], dst, nb);
-        int st = ddl_operand(a, c, ins, 0, boff, nb, 0, &x);
+        int st = ddl_arena_check_notes(a);
+        if (st != DDL_A_OK) return st;
+        a->saved = a->rank >= 2 && c->in + boff == dst;
+        if (a->saved) memcpy(a->temp[2], dst, nb);
+        st = ddl_operand(a, c, ins, 0, boff, nb, 0, &x);
         if (st == DDL_A_OK) st = ddl_operand(a, c, ins, 1, boff, nb, 1, &y);
         if (st != DDL_A_OK) return st;
         ddl_reduce(dst, x, y, m, c->dtype, c->op);
@@ -348,6 +372,7 @@ static inline int ddl_reduce_direct(ddl_arena *a, const ddl_call *c, const uint6
 static inline int ddl_arena_direct(ddl_arena *a, const ddl_call *c) {
     uint64_t ins[DDL_ARENA_MAX], outs[DDL_ARENA_MAX];
     uint64_t nbytes = (uint64_t)c->count * (uint64_t)c->itemsize;
+    a->exposed = a->epoch + 1;  /* peers may touch our buffers from this sync on */
     int st = ddl_arena_sync(a, c, c->in, c->out);
     if (st != DDL_A_OK) return st;
     for (int q = 0; q < a->size; q++) {
@@ -388,8 +413,39 @@ static inline int ddl_arena_direct(ddl_arena *a, const ddl_call *c) {
     default:
         return DDL_A_BAD_ARGS;
     }
-    /* Nobody may return (and reuse its buffers) before every peer has finished reading them. */
-    return ddl_arena_sync(a, c, NULL, NULL);
+    /* Nobody may return (and reuse its buffers) before every peer has finished with them. */
+    st = ddl_arena_sync(a, c, NULL, NULL);
+    if (st == DDL_A_OK) a->exposed = 0;
+    return st;
+}
+
+/* After a failed direct call (and our abort note): wait, at most until `deadline_ns`, until no
+ * peer can still be touching our buffers: each has not reached the call's first sync (it will
+ * see our note before it touches anything), has passed its second, left a note, or exited.
+ * Returns 1 when settled, 0 when the deadline passed (the caller keeps the buffers alive). */
+static inline int ddl_arena_settle(ddl_arena *a, int64_t deadline_ns) {
+    uint64_t e = a->exposed;
+    if (!e) return 1;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (;;) {
+        int busy = 0;
+        for (int q = 0; q < a->size && !busy; q++) {
+            if (q == a->rank) continue;
+            uint64_t eq = ddl_load_acquire_u64(a->boards[q] + DDL_A_EPOCH);
+            if (eq != e || ddl_load_acquire_u32(a->boards[q] + DDL_A_ABORT_CODE)) continue;
+            if (a->pidfds[q] >= 0) {
+                struct pollfd fd = {a->pidfds[q], POLLIN, 0};
+                if (poll(&fd, 1, 0) > 0) continue;
+            }
+            busy = 1;
+        }
+        if (!busy) {
+            a->exposed = 0;
+            return 1;
+        }
+        if (ddl_now_ns() >= deadline_ns) return 0;
+        sched_yield();
+    }
 }
 
 /* Tell the peers we failed (or closed): their waits end with DDL_A_ABORTED naming us. */

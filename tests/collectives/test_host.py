@@ -181,32 +181,49 @@ def test_silent_rank_times_out_with_its_name():
         results[0]
 
 
-def _one_path_fails(rank, size, board_rank):
-    """Rank 0 gives up after 1 s; rank 1 (deadline 20 s) waits on the other path: on the boards
-    if ``board_rank`` is 1, in a schedule over the shm transport otherwise (direct reads off, so a
-    1 MB allreduce takes the schedules). Each path's failure must reach the other's waiters."""
+def _sizes_across_paths(rank, size):
+    """Direct reads off (Yama): 4 KB runs on the boards, 1 MB on the schedules. Ranks that
+    disagree across that line still meet at a sync point on the boards and fail at once."""
     import ddlcore
     from ddlcore import hostcoll
 
     hostcoll._cma_allowed = lambda: False
-    comm = ddlcore.init(timeout=1.0 if rank == 0 else TIMEOUT_S)
+    comm = ddlcore.init(timeout=TIMEOUT_S)
     comm.barrier()
-    n = 1000 if rank == board_rank else 1 << 18
     t0 = time.monotonic()
     try:
-        comm.allreduce(np.ones(n, np.float32))
-    except ddlcore.DDLError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    raise AssertionError("mismatched paths not detected")
+        comm.allreduce(np.ones(1000 if rank == 0 else 1 << 18, np.float32))
+    except ddlcore.CollectiveMismatchError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("mismatched sizes not detected")
 
 
-@pytest.mark.parametrize("board_rank", [0, 1])
-def test_a_failure_on_one_path_reaches_waiters_on_the_other(board_rank):
-    results = run_ranks(_one_path_fails, 2, board_rank, timeout=60)
-    assert results[0][0] == "DDLTimeoutError", results[0]
-    name, message, elapsed = results[1]
-    assert elapsed < 5.0, (elapsed, message)
-    assert "rank 0 aborted" in message, message
+def test_a_size_mismatch_across_the_paths_fails_at_once():
+    for message, elapsed in run_ranks(_sizes_across_paths, 2, timeout=60):
+        assert elapsed < 2.0, (elapsed, message)
+        assert "allreduce of 1000 elements" in message and "allreduce of 262144" in message, \
+            message
+
+
+def _reduce_scatter_into_own_block(rank, size):
+    """out = this rank's block of x: the direct path must read our block before writing it."""
+    from ddlcore.kernels import reference
+
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        for k in (5, 300_001):
+            xs = [matrix.random_input(np.float32, k * size, r, k, "sum") for r in range(size)]
+            x = xs[rank].copy()
+            block = x[rank * k:(rank + 1) * k]
+            comm.reduce_scatter(x, out=block)
+            want = reference.reduce_ref(xs, "sum")[rank * k:(rank + 1) * k]
+            matrix.check_close(block, want, np.float32, "sum", size, f"rank {rank} k={k}")
+    return True
+
+
+def test_reduce_scatter_into_its_own_block_of_the_input():
+    assert all(run_ranks(_reduce_scatter_into_own_block, 4, timeout=60))
 
 
 def _no_direct_reads(rank, size):
