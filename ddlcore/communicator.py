@@ -499,6 +499,8 @@ def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links,
                       timeout: float, algo: str) -> hostcoll.HostCollectives | None:
     """The shared-memory host collectives, when every rank is on this host and talks shm (and
     DDL_ALGO leaves the choice to us); an error if DDL_ALGO=direct asks for them elsewhere."""
+    if algo not in ("auto", hostcoll.NAME):
+        return None
     why = None
     if len({p.host_id for p in peers}) > 1:
         why = "the ranks are on more than one host"
@@ -506,8 +508,6 @@ def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links,
         why = f"the ranks talk {', '.join(sorted(set(links.choice.values())))}, not shm"
     elif info.size > hostcoll.MAX_RANKS:
         why = f"{info.size} ranks share this host (at most {hostcoll.MAX_RANKS})"
-    if algo not in ("auto", hostcoll.NAME):
-        return None
     if why is not None:
         if algo == hostcoll.NAME:
             # Every rank comes to this; none may leave (taking rank 0's store) before all have.

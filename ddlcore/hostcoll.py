@@ -172,8 +172,9 @@ class HostCollectives:
             raise PeerFailureError(f"rank {self.rank} cannot open rank {q}'s board {path}: that "
                                    "rank closed or exited", q) from None
         try:
-            if os.fstat(fd).st_size != self._bytes:
-                raise PeerFailureError(f"rank {q}'s board {path} has {os.fstat(fd).st_size} "
+            found = os.fstat(fd).st_size
+            if found != self._bytes:
+                raise PeerFailureError(f"rank {q}'s board {path} has {found} "
                                        f"bytes, rank {self.rank} expected {self._bytes}: "
                                        "different ddlcore versions?", q)
             base = _shm.map_shared(fd, self._bytes)

@@ -155,15 +155,27 @@ static inline void ddl_arena_publish(ddl_arena *a, const ddl_call *c, const void
         if (q != a->rank) ddl_bell_ring(a->boards[q] + DDL_A_BELL);
 }
 
-/* A peer that aborted or died: DDL_A_ABORTED / DDL_A_DEAD with a->bad_rank set, else OK. */
-static inline int ddl_arena_peers_failed(ddl_arena *a) {
-    for (int q = 0; q < a->size; q++) {
-        /* Our own note too: close() on another thread ends a wait in progress. */
-        if (ddl_load_acquire_u32(a->boards[q] + DDL_A_ABORT_CODE)) {
+/* Before touching a peer's buffers: has anyone left an abort note? A failed rank may already
+ * have returned its buffers to its program (see ddl_arena_settle). */
+static inline int ddl_arena_check_notes(ddl_arena *a) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < a->size; q++)
+        if (q != a->rank && ddl_load_acquire_u32(a->boards[q] + DDL_A_ABORT_CODE)) {
             a->bad_rank = q;
             return DDL_A_ABORTED;
         }
+    return DDL_A_OK;
+}
+
+/* A peer that aborted or died: DDL_A_ABORTED / DDL_A_DEAD with a->bad_rank set, else OK. */
+static inline int ddl_arena_peers_failed(ddl_arena *a) {
+    /* Our own note too: close() on another thread ends a wait in progress. */
+    if (ddl_load_acquire_u32(a->boards[a->rank] + DDL_A_ABORT_CODE)) {
+        a->bad_rank = a->rank;
+        return DDL_A_ABORTED;
     }
+    int st = ddl_arena_check_notes(a);
+    if (st != DDL_A_OK) return st;
     struct pollfd fds[DDL_ARENA_MAX];
     int idx[DDL_ARENA_MAX], n = 0;
     for (int q = 0; q < a->size; q++)
@@ -286,18 +298,6 @@ static inline int ddl_arena_small(ddl_arena *a, const ddl_call *c) {
 }
 
 /* --- large messages: direct reads out of the peers' buffers ------------------------------ */
-
-/* Before touching a peer's buffers: has anyone left an abort note? A failed rank may already
- * have returned its buffers to its program (see ddl_arena_settle). */
-static inline int ddl_arena_check_notes(ddl_arena *a) {
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (int q = 0; q < a->size; q++)
-        if (q != a->rank && ddl_load_acquire_u32(a->boards[q] + DDL_A_ABORT_CODE)) {
-            a->bad_rank = q;
-            return DDL_A_ABORTED;
-        }
-    return DDL_A_OK;
-}
 
 static inline int ddl_arena_read(ddl_arena *a, int q, uint64_t remote, uint8_t *local,
                                  uint64_t n) {
