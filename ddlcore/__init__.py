@@ -9,7 +9,8 @@
 See DESIGN.md for the architecture and the public contract.
 """
 
-from ddlcore.communicator import Communicator, init
+from ddlcore.bootstrap import init
+from ddlcore.communicator import Communicator
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,

@@ -1,19 +1,20 @@
-"""The public API: `init()` and `Communicator` with its collectives.
+"""The public API's `Communicator` and its collectives (`ddlcore.bootstrap.init` makes one).
 
-`init()` finds the job (see ``rendezvous``), meets the other ranks at rank 0's store, learns which
-ranks share a host (``topology``), picks a transport per peer pair (``links``) and returns a
-`Communicator`. Each collective validates its arguments before any communication (bad input is a
-ValueError/TypeError naming the argument), turns buffers into descriptors (``buffers``), asks
-``tuning`` for an algorithm, builds that algorithm's schedule and has the ``engine`` execute it.
+Each collective validates its arguments before any communication (bad input is a
+ValueError/TypeError naming the argument) and turns buffers into descriptors (``buffers``). Then
+it runs one of three ways: all ranks on this host, as one call through the shared boards
+(``hostcoll``); an allreduce whose box has host and network dimensions, as mdring with its host
+dimensions on the boards and the rest as schedules; or otherwise ``tuning`` picks an algorithm
+whose schedule the ``engine`` executes over the transports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import struct
-import sys
 import threading
 import zlib
 from collections.abc import Callable, Mapping
@@ -22,22 +23,22 @@ from typing import Any
 
 import numpy as np
 
-from ddlcore import config, engine, hostcoll, probe, topology, tuning
-from ddlcore.algorithms import ALGORITHMS, Buf, Schedule
+from ddlcore import config, engine, hostcoll, topology, tuning
+from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
+from ddlcore.algorithms.schedule import split
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
 from ddlcore.handles import Executor, Handle
 from ddlcore.kernels.cpu import array_address
-from ddlcore.links import Links, level_transports, local_transports
+from ddlcore.links import Links
 from ddlcore.ops import Op, as_op
-from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
+from ddlcore.rendezvous import RendezvousInfo
 from ddlcore.transports.base import PeerInfo
 
 log = logging.getLogger("ddlcore")
 
 _KIND = hostcoll.KIND
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
-_MAX_PEER_RECORD = 4096
 
 
 @dataclass
@@ -68,19 +69,6 @@ def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int,
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
 
 
-def _encode_peer(host_id: str, names: tuple[str, ...], rack_id: str) -> bytes:
-    return f"{host_id}\n{','.join(names)}\n{rack_id}".encode()
-
-
-def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str]:
-    """A rank's init record: (what transports need to know of it, its rack id)."""
-    if len(raw) > _MAX_PEER_RECORD:
-        raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
-    host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
-    names, _, rack_id = rest.partition("\n")
-    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id
-
-
 class Communicator:
     """A group of ranks that run collectives together. Create it with `ddlcore.init`.
 
@@ -95,7 +83,8 @@ class Communicator:
     def __init__(self, info: RendezvousInfo, peers: list[PeerInfo], store: Any, links: Links | None,
                  timeout: float, environ: Mapping[str, str] | None = None,
                  algo: str | None = None, topo: topology.Topology | None = None,
-                 host: hostcoll.HostCollectives | None = None) -> None:
+                 host: hostcoll.HostCollectives | None = None,
+                 node: hostcoll.HostCollectives | None = None) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
         self.topology = topo or topology.flat(self.size, level="host")
@@ -105,12 +94,16 @@ class Communicator:
         self.timeout = timeout
         self._store = store
         self._links = links
-        self._host = host
+        self._host = host    # every rank on this host: all collectives through the boards
+        self._node = node    # this host's ranks, when there are others: mdring's host dimensions
         self._algo = algo.lower() if algo else config.get("DDL_ALGO", environ)
         tuning.validate_algo(self._algo)
         self._chunk_bytes = max(1, config.get("DDL_CHUNK_BYTES", environ))
         # Schedules are pure functions of the call's shape on a fixed topology: keep the recent.
         self._schedule = functools.lru_cache(maxsize=256)(self._build_schedule)
+        self._staged = functools.lru_cache(maxsize=256)(self._host_stage)
+        self._schedule_across = functools.lru_cache(maxsize=256)(self._build_across)
+        self._on_boards = False  # where the call in progress is (whom to tell if it fails)
         self._depth = config.get("DDL_PIPELINE_DEPTH", environ)
         self._debug = config.get("DDL_DEBUG", environ)
         self._staging = engine.StagingPool()
@@ -141,15 +134,37 @@ class Communicator:
         if mode != hostcoll.SYNC_ONLY:
             return tuning.Choice(hostcoll.NAME,
                                  hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes)
-        return self._choose(collective, nbytes)
+        staged = self._host_stage(collective, nbytes)
+        return staged[0] if staged is not None else self._choose(collective, nbytes)
 
     def _choose(self, collective: str, nbytes: int) -> tuning.Choice:
-        return tuning.choose(collective, self.topology, nbytes, self._algo, self._chunk_bytes)
+        boards = self._node is not None and collective == "allreduce" and \
+            self._node.mode(nbytes) != hostcoll.SYNC_ONLY
+        return tuning.choose(collective, self.topology, nbytes, self._algo, self._chunk_bytes,
+                             boards)
+
+    def _host_stage(self, collective: str, nbytes: int) -> tuple[tuning.Choice, int] | None:
+        """(choice, mode of the boards) when an allreduce of ``nbytes`` runs as mdring with its
+        host dimensions through this host's boards; None when it runs as a schedule."""
+        if self._node is None or collective != "allreduce":
+            return None
+        mode = self._node.mode(nbytes)
+        choice = self._choose(collective, nbytes)
+        if mode == hostcoll.SYNC_ONLY or choice.algorithm != mdring.NAME or \
+                not tuning.host_first(self.topology, choice.dim_order):
+            return None
+        return dataclasses.replace(choice, host_path=hostcoll.NAME), mode
 
     def _build_schedule(self, collective: str, count: int, itemsize: int, root: int) -> tuple[tuning.Choice, Schedule]:
         choice = self._choose(collective, count * itemsize)
         return choice, _make_schedule(collective, choice, self.rank, self.size, count, itemsize,
                                       root, self.topology)
+
+    def _build_across(self, count: int, itemsize: int,
+                      choice: tuning.Choice) -> tuple[tuning.Choice, Schedule]:
+        return choice, mdring.allreduce_across_hosts(self.rank, self.size, count, itemsize,
+                                                     choice.chunk_bytes, self.topology,
+                                                     choice.dim_order)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
@@ -219,10 +234,11 @@ class Communicator:
             desc += f", root {call.root}"
         return f"{call.collective} #{seq} ({desc})"
 
-    def _check_word(self, call: _Call) -> int:
+    def _check_word(self, call: _Call, kind: str | None = None) -> int:
         code = int(call.inp.code) if call.inp is not None else 255
         op = int(call.op) if call.op is not None else 255
-        raw = struct.pack("<BBBqq", _KIND[call.collective], code, op, call.count, call.root)
+        raw = struct.pack("<BBBqq", _KIND[kind or call.collective], code, op, call.count,
+                          call.root)
         return zlib.crc32(raw) | 1
 
     def _scratch_region(self, nbytes: int) -> engine.Region:
@@ -236,18 +252,23 @@ class Communicator:
                 f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
                 f"({self._broken}); create a new one with ddlcore.init()")
         itemsize = call.inp.itemsize if call.inp is not None else 1
-        host = self._host
-        on_host = False
+        boards = self._host or self._node
+        self._on_boards = False
         try:
             if self._debug and self.size > 1:
                 self._check_agreement(call, seq, self._label(call, seq))
             host_in, host_out = self._host_arrays(call)
-            mode = host.mode(call.count * itemsize) if host is not None else None
-            if mode is not None:
-                on_host = True
+            nbytes = call.count * itemsize
+            mode = self._host.mode(nbytes) if self._host is not None else None
+            staged = self._staged(call.collective, nbytes) if self._node is not None else None
+            if mode is not None and mode != hostcoll.SYNC_ONLY:
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
-            if mode is None or mode == hostcoll.SYNC_ONLY:
-                on_host = False
+            elif staged is not None:
+                self._run_host_staged(call, seq, host_in, host_out, itemsize, *staged)
+            else:
+                if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
+                    self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
+                self._on_boards = False
                 self._run_schedule(call, seq, host_in, host_out, itemsize)
             if call.out is not None and call.out.memory == MemoryKind.CUDA:
                 self._device_staging().upload(host_out, call.out.array)
@@ -256,10 +277,10 @@ class Communicator:
             # Whichever path failed has told its own peers; tell the other path's too, so that
             # nobody waits out its deadline there (the reason without our "rank R: " prefix).
             reason = str(exc).split(": ", 1)[-1]
-            if on_host and self._links is not None:
+            if self._on_boards and self._links is not None:
                 self._links.abort(engine.abort_code(exc), reason)
-            elif not on_host and host is not None:
-                host.abort(engine.abort_code(exc), reason)
+            elif not self._on_boards and boards is not None:
+                boards.abort(engine.abort_code(exc), reason)
             raise
         return call.result
 
@@ -267,28 +288,61 @@ class Communicator:
                      host_out: np.ndarray | None, itemsize: int, mode: int) -> None:
         assert self._host is not None
         op = call.op
+        self._run_boards(self._host, call.collective, call, seq, host_in, host_out, itemsize,
+                         mode, self.size if op == Op.AVG else 0)
+
+    def _run_boards(self, boards: hostcoll.HostCollectives, kind: str, call: _Call, seq: int,
+                    host_in: np.ndarray | None, host_out: np.ndarray | None, itemsize: int,
+                    mode: int, divisor: int) -> None:
+        """Run ``kind`` (a `hostcoll.KIND`) of ``call`` through ``boards``."""
+        self._on_boards = True
+        op = call.op
         inp = out = 0
         if host_in is not None and host_out is not None and host_in.size:
             if call.inp is not None and call.inp.memory == MemoryKind.HOST:
                 inp, out = call.inp.ptr, call.out.ptr  # type: ignore[union-attr]
             else:  # device buffers, staged in host memory
                 inp, out = array_address(host_in), array_address(host_out)
+        if kind == "allreduce, host allgather":
+            inp = out  # the parts are in the output by now
         if self._debug:
             how = {hostcoll.SLOTS: "through the shared slots",
                    hostcoll.DIRECT: "reading and writing the peers' buffers",
                    hostcoll.SYNC_ONLY: "agreement only (the schedules run it)"}[mode]
-            log.debug("rank %d: %s via %s, %s", self.rank, self._label(call, seq), hostcoll.NAME,
-                      how)
-        self._host.run(_KIND[call.collective], inp, out, call.count, itemsize,
-                       int(call.inp.code) if call.inp is not None else 0,
-                       int(Op.SUM if op is None or op == Op.AVG else op),
-                       self.size if op == Op.AVG else 0, call.root, self._check_word(call),
-                       lambda: self._label(call, seq), mode, (host_in, host_out))
+            part = "" if kind == call.collective else f", {kind.split(', ', 1)[1]}"
+            log.debug("rank %d: %s%s via %s, %s", self.rank, self._label(call, seq), part,
+                      hostcoll.NAME, how)
+        boards.run(_KIND[kind], inp, out, call.count, itemsize,
+                   int(call.inp.code) if call.inp is not None else 0,
+                   int(Op.SUM if op is None or op == Op.AVG else op), divisor, call.root,
+                   self._check_word(call, kind), lambda: self._label(call, seq), mode,
+                   (host_in, host_out))
+
+    def _run_host_staged(self, call: _Call, seq: int, host_in: np.ndarray | None,
+                         host_out: np.ndarray | None, itemsize: int, choice: tuning.Choice,
+                         mode: int) -> None:
+        """Allreduce as mdring whose host dimensions run through this host's boards: each local
+        rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
+        that part (schedules over the network links), then the local ranks copy each other's
+        parts (boards)."""
+        node = self._node
+        assert node is not None and host_out is not None
+        self._run_boards(node, "allreduce, host reduce-scatter", call, seq, host_in, host_out,
+                         itemsize, mode, 0)
+        off, length = split(call.count, node.size)[node.rank]
+        part = host_out.reshape(-1)[off:off + length]
+        self._on_boards = False
+        self._run_schedule(call, seq, part, part, itemsize,
+                           self._schedule_across(length, itemsize, choice))
+        self._run_boards(node, "allreduce, host allgather", call, seq, host_in, host_out,
+                         itemsize, mode, 0)
 
     def _run_schedule(self, call: _Call, seq: int, host_in: np.ndarray | None,
-                      host_out: np.ndarray | None, itemsize: int) -> None:
+                      host_out: np.ndarray | None, itemsize: int,
+                      planned: tuple[tuning.Choice, Schedule] | None = None) -> None:
         label = self._label(call, seq)
-        choice, sched = self._schedule(call.collective, call.count, itemsize, call.root)
+        choice, sched = planned or self._schedule(call.collective, call.count, itemsize,
+                                                  call.root)
         if self._debug:
             log.debug("rank %d: %s via %s, box %s, %d steps, %d messages out", self.rank, label,
                       choice.describe(), self.topology.shape, len(sched.steps),
@@ -462,8 +516,9 @@ class Communicator:
                 self._executor.drain(self.timeout)
         finally:
             self._executor.close(5.0)
-            if self._host is not None:
-                self._host.close()
+            for boards in (self._host, self._node):
+                if boards is not None:
+                    boards.close()
             if self._links is not None:
                 self._links.close()
             if self._store is not None:
@@ -474,129 +529,3 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_servers: dict[tuple[str, int], Any] = {}
-_servers_lock = threading.Lock()
-_generation: dict[tuple[str, int], int] = {}
-
-
-def _store_for(info: RendezvousInfo, timeout: float) -> Any:
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
-
-    assert info.master_addr is not None and info.master_port is not None
-    key = (info.master_addr, info.master_port)
-    with _servers_lock:
-        if info.rank == 0 and key not in _servers:
-            _servers[key] = StoreServer(info.master_addr, info.master_port)
-        generation = _generation.get(key, 0)
-        _generation[key] = generation + 1
-    client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size)
-    return client, PrefixStore(client, f"g{generation}/")
-
-
-def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links, store: Any,
-                      timeout: float, algo: str) -> hostcoll.HostCollectives | None:
-    """The shared-memory host collectives, when every rank is on this host and talks shm (and
-    DDL_ALGO leaves the choice to us); an error if DDL_ALGO=direct asks for them elsewhere."""
-    if algo not in ("auto", hostcoll.NAME):
-        return None
-    why = None
-    if len({p.host_id for p in peers}) > 1:
-        why = "the ranks are on more than one host"
-    elif set(links.choice.values()) != {"shm"}:
-        why = f"the ranks talk {', '.join(sorted(set(links.choice.values())))}, not shm"
-    elif info.size > hostcoll.MAX_RANKS:
-        why = f"{info.size} ranks share this host (at most {hostcoll.MAX_RANKS})"
-    if why is not None:
-        if algo == hostcoll.NAME:
-            # Every rank comes to this; none may leave (taking rank 0's store) before all have.
-            store.barrier("direct", info.rank, info.size, timeout)
-            raise ValueError(f"DDL_ALGO={hostcoll.NAME} needs every rank on one host over the shm "
-                             f"transport, but {why}")
-        return None
-    host = hostcoll.HostCollectives(info.rank, info.size, store, timeout)
-    try:
-        host.connect(store)
-    except BaseException:
-        host.close()
-        raise
-    return host
-
-
-def init(*, rank: int | None = None, size: int | None = None, master_addr: str | None = None,
-         master_port: int | None = None, transport: str | None = None,
-         timeout: float | None = None, algo: str | None = None,
-         environ: Mapping[str, str] | None = None) -> Communicator:
-    """Join the job and return its `Communicator`.
-
-    Parameters
-    ----------
-    rank, size, master_addr, master_port : optional
-        Override what the launcher's variables say (ddlrun, torchrun, mpiexec, srun). With no
-        launcher and no arguments, the process is a world of one.
-    transport : str, optional
-        Like ``DDL_TRANSPORT``: "auto", "tcp", ...
-    timeout : float, optional
-        Seconds any wait may last (``DDL_TIMEOUT``, default 600).
-    algo : str, optional
-        Like ``DDL_ALGO``: "auto", "ring", ...
-    environ : mapping, optional
-        Read configuration from this mapping instead of ``os.environ``.
-
-    Raises
-    ------
-    RendezvousError
-        The other ranks did not all arrive within the timeout; says how many did.
-    TransportUnavailableError
-        The requested transport cannot run here, and why.
-    """
-    info = detect(environ)
-    if rank is not None or size is not None:
-        info = RendezvousInfo(info.rank if rank is None else rank,
-                              info.size if size is None else size,
-                              info.master_addr, info.master_port, "arguments")
-    if master_addr is not None or master_port is not None:
-        info = RendezvousInfo(info.rank, info.size, master_addr or info.master_addr,
-                              master_port or info.master_port, info.source)
-    if not 0 <= info.rank < info.size:
-        raise ValueError(f"rank={info.rank} must be in [0, size={info.size})")
-    timeout = config.get("DDL_TIMEOUT", environ) if timeout is None else float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout={timeout} must be positive")
-    spec = config.VARS["DDL_TRANSPORT"].parse(transport) if transport else config.get(
-        "DDL_TRANSPORT", environ)
-    if config.get("DDL_DEBUG", environ) and not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[ddlcore] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.DEBUG)
-    host_id = topology.host_identity(environ)
-    if info.size == 1:
-        return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
-    info = resolve_master(info, environ)
-    names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
-    client, store = _store_for(info, timeout)
-    try:
-        store.set(f"peer/{info.rank}", _encode_peer(host_id, names, topology.rack_identity(environ)))
-        store.barrier("init", info.rank, info.size, timeout)
-        records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
-        peers = [peer for peer, _ in records]
-        # Every rank has read every record before any can fail on the topology (a box that does
-        # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
-        store.barrier("peers", info.rank, info.size, timeout)
-        topo = topology.build([p.host_id for p in peers], [rack for _, rack in records],
-                              level_transports(spec, peers), environ)
-        links = Links(info.rank, info.size, spec, peers, store, timeout)
-        if config.get("DDL_LINK_PROBE", environ):
-            topo = probe.measure(topo, info.rank, links, store, timeout)
-        host = _host_collectives(info, peers, links, store, timeout,
-                                 algo.lower() if algo else config.get("DDL_ALGO", environ))
-    except BaseException:
-        client.close()
-        raise
-    comm = Communicator(info, peers, client, links, timeout, environ, algo, topo, host)
-    log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",
-              comm.rank, comm.size, info.source, host_id, comm.local_rank, comm.local_size,
-              sorted(set(links.choice.values())), topo.describe())
-    return comm

@@ -27,6 +27,13 @@ bit-identical everywhere. Each sync compares the ranks' check words, so ranks ca
 collectives fail at once with both calls named; a peer that dies is seen through its pidfd; every
 wait has the communicator's deadline. ``DDL_ALGO=ring`` (or any schedule algorithm) turns this
 path off and runs the schedules over the shm transport instead.
+
+When the ranks span several hosts, each host's ranks get boards of their own, and an allreduce
+that the tuner runs as mdring with the host dimensions first takes its host phases here: the
+"host reduce-scatter" (rank r reduces part r of every local input into its output, as above but
+without writing it out), then the rings across hosts on that part (schedules), then the "host
+allgather" (each rank reads the others' final parts out of their outputs). Four sync points, and
+nobody touches another rank's memory while the network phases run.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,7 +87,10 @@ _OFF_MAGIC, _OFF_VERSION, _OFF_SIZE, _OFF_SLOT, _OFF_PID, _OFF_CMA_OK, _OFF_SELF
     0, 8, 12, 16, 24, 28, 32, 40
 _CLOSED = 0xFFFF  # abort code of a rank that closed its communicator
 # Collective kinds (ddl_arena.h's DDL_K_*).
-KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
+KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5,
+        # an allreduce's halves around its network phases (mdring across hosts): each rank
+        # reduces its part of everyone's input; later each copies the others' parts
+        "allreduce, host reduce-scatter": 6, "allreduce, host allgather": 7}
 _KIND_NAME = {v: k for k, v in KIND.items()}
 _STATUS_TIMEOUT, _STATUS_DEAD, _STATUS_ABORTED, _STATUS_MISMATCH, _STATUS_CMA = 1, 2, 3, 4, 5
 # How a call runs (_arena.Arena.run's mode).
@@ -97,13 +107,20 @@ def _board_bytes() -> int:
 class HostCollectives:
     """This rank's board and its view of the other local ranks' boards.
 
-    Create it on every rank of a communicator whose ranks all share this host, then call
-    `connect` (collective: it waits for every rank's board and agrees on direct reads)."""
+    Create it on every rank of a communicator whose ranks all share this host, or on the ranks
+    of one host (``rank``/``size`` within them, ``group`` naming them apart from other hosts',
+    ``ranks`` their ranks in the communicator),
+    then call `connect` (collective: it waits for every rank's board and agrees on direct
+    reads)."""
 
-    def __init__(self, rank: int, size: int, store: Any, timeout: float) -> None:
+    def __init__(self, rank: int, size: int, store: Any, timeout: float, group: str = "",
+                 ranks: Sequence[int] | None = None) -> None:
         if not 1 < size <= _arena.MAX_RANKS:
             raise ValueError(f"host collectives take 2 to {_arena.MAX_RANKS} ranks, not {size}")
         self.rank, self.size, self.timeout = rank, size, timeout
+        self._key = f"board/{group}"
+        # The communicator's rank of each member, for messages (``rank`` and ``q`` index them).
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-board-r{rank}"
         self._bytes = _board_bytes()
         self.path, self._base = create_segment(self.name, self._bytes, self._bytes,
@@ -126,7 +143,7 @@ class HostCollectives:
         self._busy = 0      # calls in native code (close() waits for them)
         self._pinned: list[Any] = []  # buffers of failed calls a stopped peer may still write
         try:
-            store.set(f"board/{rank}", f"{self.name} {os.getpid()}".encode())
+            store.set(f"{self._key}{rank}", f"{self.name} {os.getpid()}".encode())
         except BaseException:
             self._release()
             raise
@@ -158,25 +175,27 @@ class HostCollectives:
                   self.size, "on" if self.direct else "off")
 
     def _lookup(self, store: Any, q: int) -> tuple[str, int]:
-        raw = store.get(f"board/{q}", self.timeout)
+        raw = store.get(f"{self._key}{q}", self.timeout)
         name, _, pid = raw.decode("utf-8", "replace").partition(" ")
         if not name.startswith(PREFIX) or "/" in name or len(name) > 255 or not pid.isdigit():
-            raise PeerFailureError(f"rank {q} published a bad board name {name!r}", q)
+            raise PeerFailureError(f"rank {self.ranks[q]} published a bad board name {name!r}",
+                                   self.ranks[q])
         return name, int(pid)
 
     def _map_peer(self, q: int, name: str) -> int:
         path = os.path.join(SHM_DIR, name)
+        me, peer = self.ranks[self.rank], self.ranks[q]
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            raise PeerFailureError(f"rank {self.rank} cannot open rank {q}'s board {path}: that "
-                                   "rank closed or exited", q) from None
+            raise PeerFailureError(f"rank {me} cannot open rank {peer}'s board {path}: that "
+                                   "rank closed or exited", peer) from None
         try:
             found = os.fstat(fd).st_size
             if found != self._bytes:
-                raise PeerFailureError(f"rank {q}'s board {path} has {found} "
-                                       f"bytes, rank {self.rank} expected {self._bytes}: "
-                                       "different ddlcore versions?", q)
+                raise PeerFailureError(f"rank {peer}'s board {path} has {found} "
+                                       f"bytes, rank {me} expected {self._bytes}: "
+                                       "different ddlcore versions?", peer)
             base = _shm.map_shared(fd, self._bytes)
         finally:
             os.close(fd)
@@ -185,7 +204,7 @@ class HostCollectives:
                 _shm.load_u32(base + _OFF_VERSION) != _VERSION or \
                 _shm.load_u32(base + _OFF_SIZE) != self.size:
             raise PeerFailureError(f"{path} is not a board of this job's size {self.size} "
-                                   f"(protocol version {_VERSION})", q)
+                                   f"(protocol version {_VERSION})", peer)
         return base
 
     def _probe_direct(self, boards: list[int]) -> bool:
@@ -229,8 +248,8 @@ class HostCollectives:
         writing into them."""
         with self._lock:
             if self._closed:
-                raise CommunicatorClosedError(f"rank {self.rank}: {label()}: the communicator "
-                                              "is closed")
+                raise CommunicatorClosedError(f"rank {self.ranks[self.rank]}: {label()}: the "
+                                              "communicator is closed")
             self._busy += 1
         try:
             st = self._arena.run(mode, kind, inp, out, count, itemsize, dtype, op, divisor, root,
@@ -249,34 +268,35 @@ class HostCollectives:
 
     def _error(self, status: int, label: str) -> DDLError:
         q = self._arena.bad_rank
-        where = f"rank {self.rank}: {label} via {NAME}"
+        peer = self.ranks[q]
+        where = f"rank {self.ranks[self.rank]}: {label} via {NAME}"
         if status == _STATUS_TIMEOUT:
             return DDLTimeoutError(
-                f"{where}: rank {q} did not reach sync point {self._arena.epoch} within "
+                f"{where}: rank {peer} did not reach sync point {self._arena.epoch} within "
                 f"DDL_TIMEOUT={self.timeout:g} s. A peer may have died, be stuck, or be calling "
                 "a different collective; raise DDL_TIMEOUT if the job is just slow")
         if status == _STATUS_DEAD:
-            return PeerFailureError(f"{where}: rank {q} (pid {self._pids[q]}) exited", q)
+            return PeerFailureError(f"{where}: rank {peer} (pid {self._pids[q]}) exited", peer)
         if status == _STATUS_ABORTED:
             code, reason = self._arena.abort_note(q)
             if q == self.rank:
                 return CommunicatorClosedError(f"{where}: the communicator was closed (or failed) "
                                                "on another thread during the call")
             if code == _CLOSED:
-                return PeerFailureError(f"{where}: rank {q} closed its communicator", q)
-            told = abort_error(code - 1, q, reason.decode("utf-8", "replace"), peer=q)
+                return PeerFailureError(f"{where}: rank {peer} closed its communicator", peer)
+            told = abort_error(code - 1, peer, reason.decode("utf-8", "replace"), peer=peer)
             if isinstance(told, PeerFailureError):
-                return PeerFailureError(f"{where}: {told}", q)
+                return PeerFailureError(f"{where}: {told}", peer)
             return type(told)(f"{where}: {told}")
         if status == _STATUS_MISMATCH:
             mine = self._arena.entry(self.rank)
             theirs = self._arena.entry(q)
             return CollectiveMismatchError(
-                f"{where}: ranks called different collectives: rank {self.rank} "
-                f"{_describe(mine)}, rank {q} {_describe(theirs)}")
+                f"{where}: ranks called different collectives: rank {self.ranks[self.rank]} "
+                f"{_describe(mine)}, rank {peer} {_describe(theirs)}")
         if status == _STATUS_CMA:
-            return PeerFailureError(f"{where}: reading or writing rank {q}'s memory failed: "
-                                    f"{os.strerror(-self._arena.err)}", q)
+            return PeerFailureError(f"{where}: reading or writing rank {peer}'s memory failed: "
+                                    f"{os.strerror(-self._arena.err)}", peer)
         return DDLError(f"{where}: internal error (status {status})")
 
     # --- failure and lifetime -----------------------------------------------------------------

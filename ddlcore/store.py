@@ -186,6 +186,11 @@ class StoreServer:
         with self._cond:
             return len(self._conns)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no client is connected (at most ``timeout`` seconds); True if none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._conns, timeout)
+
     def close(self, timeout: float = 5.0, linger: float = 0.0) -> None:
         """Stop serving: drop every client connection and join the server's threads.
 

@@ -15,6 +15,11 @@ doubling's distant rounds). The flat ring crosses each host boundary with one fl
 one of its 2(P - 1) steps waits for the slowest link. The simulator (``ddlcore.simulate``) runs
 the schedules themselves against the same link model and is how this formula is checked.
 
+Where an allreduce's host dimensions can run through the shared boards (``ddlcore.hostcoll``,
+``host_path=True``), mdring's host phases with those dimensions first are priced as the boards
+run them: two native calls of two sync points each, every rank reading (d - 1)/d of its share
+with ``process_vm_readv`` (and reducing it, in the first).
+
 ``DDL_ALGO`` names the algorithm of the reduction collectives (those without it, e.g.
 reduce_scatter under ``rd``, fall back to ``auto``); ``auto`` takes the lowest predicted time (for mdring also over the order of the box dimensions). Broadcast and barrier have
 one algorithm each (pipelined chain, dissemination). The chunk size is ``DDL_CHUNK_BYTES``.
@@ -39,6 +44,11 @@ SELECTABLE = ("allreduce", "reduce_scatter", "allgather")
 REDUCE_BW = 8e9
 # The pipeline chunk the ring's prediction assumes (DDL_CHUNK_BYTES's default).
 CHUNK_BYTES = 1 << 20
+# The host collectives (mdring's host phases on the boards): one sync point of the host's ranks,
+# and the rate of process_vm_readv into cache (measured 8-11 GB/s on this project's VM, np = 2;
+# BENCHMARKS.md "Host collectives").
+BOARD_SYNC_S = 5e-6
+BOARD_BW = 8e9
 # Predictions this close count as a tie (the model is not that precise).
 TIE = 0.01
 # mdring dimension orders tried by auto: all of them up to this many dimensions.
@@ -51,11 +61,14 @@ class Choice:
     chunk_bytes: int
     dim_order: tuple[int, ...] | None = None   # mdring: the order of the ring phases
     predicted_s: float = math.nan
+    host_path: str = ""   # mdring: the host dimensions run as this host collective instead
 
     def describe(self) -> str:
         text = f"{self.algorithm}"
         if self.dim_order is not None:
             text += f" (dimensions in order {','.join(map(str, self.dim_order))})"
+        if self.host_path:
+            text += f", host dimensions through shared memory ({self.host_path})"
         text += f", chunks of {self.chunk_bytes} B"
         if not math.isnan(self.predicted_s):
             text += f", predicted {self.predicted_s * 1e6:.1f} us"
@@ -123,12 +136,26 @@ def _ring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
     return max(chain, steps * slowest)
 
 
+def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
+    """Does mdring in this order run every host dimension before any network one (and has
+    both)? Then an allreduce's host phases can run through the boards."""
+    inside = [j < topo.host_dims for j in active_dims(topo, order)]
+    return bool(inside) and inside[0] and not inside[-1] and \
+        inside == sorted(inside, reverse=True)
+
+
 def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
-            order: tuple[int, ...], chunk_bytes: float) -> float:
+            order: tuple[int, ...], chunk_bytes: float, host_path: bool = False) -> float:
     t, m = 0.0, float(nbytes)
+    boards = host_path and rs and ag and host_first(topo, order)
     for j in active_dims(topo, order):
         d = topo.dims[j]
         seg = m / d
+        if boards and j < topo.host_dims:
+            # Reduce-scatter and allgather halves on the boards, each two sync points.
+            t += 4 * BOARD_SYNC_S + (d - 1) * seg * (2 / BOARD_BW + gamma)
+            m = seg
+            continue
         share = _share(topo, j, topo.ranks_per_node)
         t += _phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes)
         t += _phase(topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes)
@@ -175,9 +202,10 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
 
 def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
             dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW,
-            chunk_bytes: float = CHUNK_BYTES) -> float:
+            chunk_bytes: float = CHUNK_BYTES, host_path: bool = False) -> float:
     """Predicted seconds of ``collective`` moving ``nbytes`` (the allreduce / reduce_scatter
-    input, the allgather output) with ``algorithm`` on ``topo``."""
+    input, the allgather output) with ``algorithm`` on ``topo``; ``host_path``: an allreduce's
+    host dimensions may run through the boards (mdring)."""
     gamma = 1.0 / reduce_bw
     rs = collective in ("allreduce", "reduce_scatter")
     ag = collective in ("allreduce", "allgather")
@@ -185,7 +213,7 @@ def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
         return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes)
     if algorithm == "mdring":
         order = tuple(range(len(topo.dims))) if dim_order is None else dim_order
-        return _mdring(topo, nbytes, rs, ag, gamma, order, chunk_bytes)
+        return _mdring(topo, nbytes, rs, ag, gamma, order, chunk_bytes, host_path)
     if algorithm == "rhd":
         return _rhd(topo, nbytes, collective, gamma, False, chunk_bytes)
     if algorithm == "rd":
@@ -201,7 +229,8 @@ def dim_orders(topo: Topology) -> list[tuple[int, ...]]:
     return list(itertools.permutations(range(k)))
 
 
-def candidates(collective: str, topo: Topology, nbytes: float) -> list[Choice]:
+def candidates(collective: str, topo: Topology, nbytes: float,
+               host_path: bool = False) -> list[Choice]:
     """Every (algorithm, dimension order) for ``collective`` with its predicted time, best first."""
     out = []
     for name in ALGORITHMS[collective]:
@@ -209,27 +238,30 @@ def candidates(collective: str, topo: Topology, nbytes: float) -> list[Choice]:
             if len(active_dims(topo)) <= 1:
                 continue  # a box with one dimension: mdring is the ring
             for order in dim_orders(topo):
-                out.append(Choice(name, 0, order, predict(collective, name, topo, nbytes, order)))
+                out.append(Choice(name, 0, order, predict(collective, name, topo, nbytes, order,
+                                                          host_path=host_path)))
         else:
             out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
     # Ties go to the registry's order (the simplest first).
     return sorted(out, key=lambda c: c.predicted_s)
 
 
-def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes: int) -> Choice:
+def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes: int,
+           host_path: bool = False) -> Choice:
     """The algorithm for one call: ``algo`` if named and ``collective`` has it (``rd`` is an
     allreduce only: the other collectives then take the cost model's choice), else the lowest
-    predicted time."""
+    predicted time (``host_path``: as `predict`)."""
     candidates_of = ALGORITHMS[collective]
     if collective not in SELECTABLE:
         return Choice(next(iter(candidates_of)), chunk_bytes)
     if algo != "auto" and algo in candidates_of:
         if algo == "mdring":
-            best = min((Choice("mdring", chunk_bytes, order, predict(collective, algo, topo, nbytes, order))
+            best = min((Choice("mdring", chunk_bytes, order,
+                               predict(collective, algo, topo, nbytes, order, host_path=host_path))
                         for order in dim_orders(topo)), key=lambda c: c.predicted_s)
             return best
         return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
-    ranked = candidates(collective, topo, nbytes)
+    ranked = candidates(collective, topo, nbytes, host_path)
     # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins.
     order = list(candidates_of)
     near = [c for c in ranked if c.predicted_s <= ranked[0].predicted_s * (1 + TIE)]

@@ -18,6 +18,9 @@
  * process_vm_readv/writev (one copy, kernel to kernel): rank r reduces slice r of the result,
  * reading it from every rank's input chunk by chunk, and writes each reduced chunk, still in
  * cache, into every rank's output; two syncs (addresses published; everybody done writing).
+ * An allreduce split around network phases (mdring across hosts) runs as its two halves, each
+ * with the same two syncs: DDL_K_RS_PART (reduce our part, write nobody else's output) and
+ * DDL_K_AG_PART (read every peer's final part out of its output).
  *
  * Every wait has a deadline, watches the peers' abort notes and their pidfds (a dead peer is a
  * named failure within milliseconds), and spins briefly, yields, then sleeps on the futex.
@@ -76,6 +79,11 @@
 #define DDL_K_ALLGATHER 3
 #define DDL_K_BROADCAST 4
 #define DDL_K_BARRIER 5
+/* The two halves of an allreduce whose middle runs elsewhere (mdring across hosts): rank r
+ * reduces part r (ddl_part) of every rank's input into part r of its output; later, every rank
+ * copies part q of rank q's buffer into part q of its own (the buffer is read as the input). */
+#define DDL_K_RS_PART 6
+#define DDL_K_AG_PART 7
 
 /* Spin with `pause` this long, then yield the CPU (ranks may outnumber cores) until
  * DDL_A_YIELD_NS, then sleep on the doorbell in slices of at most DDL_A_SLEEP_NS, looking at the
@@ -271,8 +279,15 @@ static inline int ddl_arena_small(ddl_arena *a, const ddl_call *c) {
     uint64_t nbytes = (uint64_t)c->count * (uint64_t)c->itemsize;
     uint64_t e = a->epoch + 1;
     if (nbytes > a->slot_bytes) return DDL_A_BAD_ARGS;
-    if (nbytes && (c->kind != DDL_K_BROADCAST || c->root == a->rank))
+    if (c->kind == DDL_K_AG_PART) {  /* only our part is news to the peers */
+        int64_t off, len;
+        ddl_part(c->count, a->size, a->rank, &off, &len);
+        if (len)
+            memcpy(ddl_slot(a, a->rank, e) + off * c->itemsize, c->in + off * c->itemsize,
+                   (size_t)(len * c->itemsize));
+    } else if (nbytes && (c->kind != DDL_K_BROADCAST || c->root == a->rank)) {
         memcpy(ddl_slot(a, a->rank, e), c->in, nbytes);
+    }
     int st = ddl_arena_sync(a, c, NULL, NULL);
     if (st != DDL_A_OK) return st;
     switch (c->kind) {
@@ -284,6 +299,21 @@ static inline int ddl_arena_small(ddl_arena *a, const ddl_call *c) {
         ddl_reduce_slots(a, c, c->out, k, (uint64_t)(a->rank * k * c->itemsize));
         break;
     }
+    case DDL_K_RS_PART: {
+        int64_t off, len;
+        ddl_part(c->count, a->size, a->rank, &off, &len);
+        ddl_reduce_slots(a, c, c->out + off * c->itemsize, len, (uint64_t)(off * c->itemsize));
+        break;
+    }
+    case DDL_K_AG_PART:
+        for (int q = 0; q < a->size; q++) {
+            int64_t off, len;
+            ddl_part(c->count, a->size, q, &off, &len);
+            if (len && q != a->rank)
+                memcpy(c->out + off * c->itemsize, ddl_slot(a, q, e) + off * c->itemsize,
+                       (size_t)(len * c->itemsize));
+        }
+        break;
     case DDL_K_ALLGATHER:
         for (int q = 0; q < a->size; q++)
             if (nbytes) memcpy(c->out + q * nbytes, ddl_slot(a, q, e), nbytes);
@@ -394,6 +424,22 @@ static inline int ddl_arena_direct(ddl_arena *a, const ddl_call *c) {
         if ((st = ddl_reduce_direct(a, c, ins, NULL, a->rank * k, k, 0)) != DDL_A_OK) return st;
         break;
     }
+    case DDL_K_RS_PART:
+        /* As allreduce, without writing into the peers' outputs. */
+        ddl_part(c->count, a->size, a->rank, &off, &len);
+        if ((st = ddl_reduce_direct(a, c, ins, NULL, off, len, off)) != DDL_A_OK) return st;
+        break;
+    case DDL_K_AG_PART:
+        /* Part q of rank q's buffer is final and nobody writes it during this call. */
+        for (int q = 0; q < a->size; q++) {
+            ddl_part(c->count, a->size, q, &off, &len);
+            if (q != a->rank &&
+                (st = ddl_arena_read(a, q, ins[q] + (uint64_t)(off * c->itemsize),
+                                     c->out + off * c->itemsize,
+                                     (uint64_t)(len * c->itemsize))) != DDL_A_OK)
+                return st;
+        }
+        break;
     case DDL_K_ALLGATHER:
         for (int q = 0; q < a->size; q++) {
             if (q == a->rank) {

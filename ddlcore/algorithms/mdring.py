@@ -18,6 +18,12 @@ copied: results are bit-identical on every rank. Reduce-scatter and allgather ne
 at position r of the output, but the phases split the buffer by box coordinates, dimension 1
 first; so they work in a scratch buffer in that order, with one local copy of the blocks in (RS)
 or out (AG). ``dim_order`` processes the dimensions in another order (the tuner may choose one).
+
+Where ranks share hosts, the communicator runs an allreduce's host dimensions through shared
+memory instead of as rings (``ddlcore.hostcoll``: each local rank reduces its part of the host's
+inputs straight out of the others' buffers, and copies the others' final parts back at the end);
+`allreduce_across_hosts` is then the schedule of the middle: the network dimensions' phases on
+that part, the same phases as in `allreduce`.
 """
 
 from __future__ import annotations
@@ -70,6 +76,23 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
         return _as_mdring(ring.allreduce(rank, size, count, itemsize, chunk_bytes, topo))
+    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims)
+
+
+def allreduce_across_hosts(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+                           topo: Topology, dim_order: Sequence[int] | None = None) -> Schedule:
+    """The phases along the dimensions that leave the host, on ``count`` elements: the middle
+    of an allreduce whose host dimensions run through shared memory (``ddlcore.hostcoll``'s
+    part reduce-scatter before it and part allgather after it). The rings keep this rank's
+    host coordinates, so each carries the part this rank reduced inside its host."""
+    dims = tuple(j for j in active_dims(topo, dim_order) if j >= topo.host_dims)
+    if not dims:
+        raise ValueError(f"box {topo.shape} has no dimension across hosts")
+    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims)
+
+
+def _allreduce_along(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+                     topo: Topology, dims: Sequence[int]) -> Schedule:
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     steps: list[Step] = []
     # Slots: phase i's rings are its members' only shared history, so phase i's base counts

@@ -58,6 +58,24 @@ def check_close(got: np.ndarray, want: np.ndarray, dtype, op: str, size: int, wh
                              f"want {want.ravel()[bad]}")
 
 
+def allreduce_both_ways(comm, dtype, count: int, op: str) -> str:
+    """Allreduce random inputs out of place and in place; check both against the reference and
+    against each other (same bits); return the result's digest."""
+    from ddlcore.kernels import reference
+
+    rank, size = comm.rank, comm.size
+    xs = [random_input(dtype, count, r, count, op) for r in range(size)]
+    want = reference.reduce_ref(xs, op)
+    case = f"{np.dtype(dtype).name} {op} count={count}"
+    got = comm.allreduce(xs[rank].copy(), op=op)
+    check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
+    inplace = xs[rank].copy()
+    assert comm.allreduce(inplace, op=op, out=inplace) is inplace
+    check_close(inplace, want, dtype, op, size, f"rank {rank}: in place {case}")
+    assert digest(inplace) == digest(got), case
+    return digest(got)
+
+
 def run_matrix(rank: int, size: int, collective: str, seed: int = 0) -> dict[str, str]:
     """Run ``collective`` over dtype x op x count; return {case: digest of this rank's result}."""
     from ddlcore.kernels import reference

@@ -1,0 +1,209 @@
+"""Joining a job: `init()` finds the job (see ``rendezvous``), meets the other ranks at rank 0's
+store, learns which ranks share a host (``topology``), picks a transport per peer pair
+(``links``), sets up the shared-memory host collectives where ranks share a host (``hostcoll``)
+and returns a `Communicator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ddlcore import config, hostcoll, probe, topology
+from ddlcore.algorithms import mdring
+from ddlcore.communicator import Communicator
+from ddlcore.errors import DDLError
+from ddlcore.links import Links, level_transports, local_transports
+from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
+from ddlcore.transports.base import PeerInfo
+
+log = logging.getLogger("ddlcore")
+
+_MAX_PEER_RECORD = 4096
+# After a failed init, how long the rank serving the store waits for the others to leave it.
+_LINGER_S = 5.0
+
+
+def _encode_peer(host_id: str, names: tuple[str, ...], rack_id: str) -> bytes:
+    return f"{host_id}\n{','.join(names)}\n{rack_id}".encode()
+
+
+def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str]:
+    """A rank's init record: (what transports need to know of it, its rack id)."""
+    if len(raw) > _MAX_PEER_RECORD:
+        raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
+    host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
+    names, _, rack_id = rest.partition("\n")
+    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id
+
+
+_servers: dict[tuple[str, int], Any] = {}
+_servers_lock = threading.Lock()
+_generation: dict[tuple[str, int], int] = {}
+
+
+def _store_for(info: RendezvousInfo, timeout: float) -> Any:
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    assert info.master_addr is not None and info.master_port is not None
+    key = (info.master_addr, info.master_port)
+    with _servers_lock:
+        if info.rank == 0 and key not in _servers:
+            _servers[key] = StoreServer(info.master_addr, info.master_port)
+        generation = _generation.get(key, 0)
+        _generation[key] = generation + 1
+    client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size)
+    return client, PrefixStore(client, f"g{generation}/")
+
+
+def _let_peers_finish(info: RendezvousInfo, timeout: float) -> None:
+    """On the rank serving the store, after a failed init: let the other ranks (failing too, as
+    a rule) get their last answers and disconnect before this process may exit and take the
+    store with it; else they would report a lost store instead of their own error."""
+    server = _servers.get((info.master_addr, info.master_port))  # type: ignore[arg-type]
+    if server is not None:
+        server.wait_idle(min(timeout, _LINGER_S))
+
+
+def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links, store: Any,
+                      timeout: float, algo: str) -> hostcoll.HostCollectives | None:
+    """The shared-memory host collectives, when every rank is on this host and talks shm (and
+    DDL_ALGO leaves the choice to us); an error if DDL_ALGO=direct asks for them elsewhere."""
+    if algo not in ("auto", hostcoll.NAME):
+        return None
+    why = None
+    if len({p.host_id for p in peers}) > 1:
+        why = "the ranks are on more than one host"
+    elif set(links.choice.values()) != {"shm"}:
+        why = f"the ranks talk {', '.join(sorted(set(links.choice.values())))}, not shm"
+    elif info.size > hostcoll.MAX_RANKS:
+        why = f"{info.size} ranks share this host (at most {hostcoll.MAX_RANKS})"
+    if why is not None:
+        if algo == hostcoll.NAME:
+            # Every rank comes to this; none may leave (taking rank 0's store) before all have.
+            store.barrier("direct", info.rank, info.size, timeout)
+            raise ValueError(f"DDL_ALGO={hostcoll.NAME} needs every rank on one host over the shm "
+                             f"transport, but {why}")
+        return None
+    return _connected(hostcoll.HostCollectives(info.rank, info.size, store, timeout), store)
+
+
+def _node_collectives(info: RendezvousInfo, peers: list[PeerInfo], topo: topology.Topology,
+                      links: Links, store: Any, timeout: float,
+                      algo: str) -> hostcoll.HostCollectives | None:
+    """Host collectives among the ranks of this host, when the box has host and network
+    dimensions: mdring then runs its host dimensions through them (`Communicator`)."""
+    if algo not in ("auto", mdring.NAME) or topo.host_dims == 0 or \
+            topo.host_dims == len(topo.dims):
+        return None
+    per_node = topo.ranks_per_node
+    node = topo.node_of(info.rank)
+    group = [topo.order[node * per_node + g] for g in range(per_node)]
+    if not 1 < per_node <= hostcoll.MAX_RANKS or \
+            any(peers[q].host_id != peers[info.rank].host_id for q in group) or \
+            any(links.choice.get(q) != "shm" for q in group if q != info.rank):
+        return None  # the same on every rank of this host
+    index = topo.position(info.rank) % per_node
+    return _connected(hostcoll.HostCollectives(index, per_node, store, timeout, f"n{node}/",
+                                               group), store)
+
+
+def _connected(host: hostcoll.HostCollectives, store: Any) -> hostcoll.HostCollectives:
+    try:
+        host.connect(store)
+    except BaseException:
+        host.close()
+        raise
+    return host
+
+
+def init(*, rank: int | None = None, size: int | None = None, master_addr: str | None = None,
+         master_port: int | None = None, transport: str | None = None,
+         timeout: float | None = None, algo: str | None = None,
+         environ: Mapping[str, str] | None = None) -> Communicator:
+    """Join the job and return its `Communicator`.
+
+    Parameters
+    ----------
+    rank, size, master_addr, master_port : optional
+        Override what the launcher's variables say (ddlrun, torchrun, mpiexec, srun). With no
+        launcher and no arguments, the process is a world of one.
+    transport : str, optional
+        Like ``DDL_TRANSPORT``: "auto", "tcp", ...
+    timeout : float, optional
+        Seconds any wait may last (``DDL_TIMEOUT``, default 600).
+    algo : str, optional
+        Like ``DDL_ALGO``: "auto", "ring", ...
+    environ : mapping, optional
+        Read configuration from this mapping instead of ``os.environ``.
+
+    Raises
+    ------
+    RendezvousError
+        The other ranks did not all arrive within the timeout; says how many did.
+    TransportUnavailableError
+        The requested transport cannot run here, and why.
+    """
+    info = detect(environ)
+    if rank is not None or size is not None:
+        info = RendezvousInfo(info.rank if rank is None else rank,
+                              info.size if size is None else size,
+                              info.master_addr, info.master_port, "arguments")
+    if master_addr is not None or master_port is not None:
+        info = RendezvousInfo(info.rank, info.size, master_addr or info.master_addr,
+                              master_port or info.master_port, info.source)
+    if not 0 <= info.rank < info.size:
+        raise ValueError(f"rank={info.rank} must be in [0, size={info.size})")
+    timeout = config.get("DDL_TIMEOUT", environ) if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout} must be positive")
+    spec = config.VARS["DDL_TRANSPORT"].parse(transport) if transport else config.get(
+        "DDL_TRANSPORT", environ)
+    if config.get("DDL_DEBUG", environ) and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[ddlcore] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+    host_id = topology.host_identity(environ)
+    if info.size == 1:
+        return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
+    info = resolve_master(info, environ)
+    names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
+    client, store = _store_for(info, timeout)
+    links: Links | None = None
+    host = node = None
+    try:
+        store.set(f"peer/{info.rank}", _encode_peer(host_id, names, topology.rack_identity(environ)))
+        store.barrier("init", info.rank, info.size, timeout)
+        records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
+        peers = [peer for peer, _ in records]
+        # Every rank has read every record before any can fail on the topology (a box that does
+        # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
+        store.barrier("peers", info.rank, info.size, timeout)
+        topo = topology.build([p.host_id for p in peers], [rack for _, rack in records],
+                              level_transports(spec, peers), environ)
+        links = Links(info.rank, info.size, spec, peers, store, timeout)
+        if config.get("DDL_LINK_PROBE", environ):
+            topo = probe.measure(topo, info.rank, links, store, timeout)
+        algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
+        host = _host_collectives(info, peers, links, store, timeout, algo_name)
+        node = None if host is not None else \
+            _node_collectives(info, peers, topo, links, store, timeout, algo_name)
+        comm = Communicator(info, peers, client, links, timeout, environ, algo, topo, host, node)
+    except BaseException:
+        for part in (host, node, links):
+            try:
+                if part is not None:
+                    part.close()
+            except Exception:  # the error being raised is the one to report
+                log.debug("rank %d: closing after a failed init", info.rank, exc_info=True)
+        client.close()
+        _let_peers_finish(info, timeout)
+        raise
+    log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",
+              comm.rank, comm.size, info.source, host_id, comm.local_rank, comm.local_size,
+              sorted(set(links.choice.values())), topo.describe())
+    return comm

@@ -1,0 +1,120 @@
+"""mdring with its host dimensions on the boards: when the box has host and network dimensions,
+an allreduce is a reduce-scatter of parts among each host's ranks through shared memory
+(``hostcoll``), the rings across hosts on each rank's part (schedules over TCP), and an allgather
+of the parts through shared memory again. Hosts are told apart by DDL_HOST_ID, so the "hosts" of
+these tests share this machine; the transports between them are TCP as between real hosts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.collectives import matrix
+from tests.collectives.test_host import _dies
+from tests.harness import run_ranks
+
+SMALL_MAX = 1 << 17  # hostcoll.SMALL_MAX: the slots below, direct reads above
+TIMEOUT_S = 20.0
+
+
+def _hosts(*names):
+    return {r: {"DDL_HOST_ID": h} for r, h in enumerate(names)}
+
+
+# A slow network, as between real hosts: the cost model picks mdring for every size here.
+SLOW_NET = {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"}
+
+
+def _matrix(rank, size):
+    """Every op on float32, int32 and float64 at sizes 0, 1, primes, not divisible by the
+    ranks or by the hosts, on both sides of the slots' size; in and out of place."""
+    from ddlcore.kernels import reference
+
+    import ddlcore
+
+    digests = {}
+    with ddlcore.init() as comm:
+        choice = comm.describe("allreduce", 16 << 20)
+        assert choice.algorithm == "mdring" and choice.host_path == "direct", choice
+        assert comm._node is not None and comm._node.size == comm.local_size
+        for dtype in (np.float32, np.int32, np.float64):
+            isz = np.dtype(dtype).itemsize
+            # Up to 64 KB the cost model picks recursive doubling; at 128 KB mdring through
+            # the slots, above that through direct reads.
+            for count in (0, 1, 7, 1009, SMALL_MAX // isz, SMALL_MAX // isz + 1, 300_007):
+                for op in matrix.OPS:
+                    case = f"{np.dtype(dtype).name} {op} count={count}"
+                    digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
+        # The other collectives still run as schedules, between these allreduces.
+        k = 1001
+        xs = [matrix.random_input(np.float32, k * size, r, k, "sum") for r in range(size)]
+        got = comm.reduce_scatter(xs[rank])
+        want = reference.reduce_ref(xs, "sum")[rank * k:(rank + 1) * k]
+        matrix.check_close(got, want, np.float32, "sum", size, "reduce_scatter")
+        np.testing.assert_array_equal(comm.allgather(xs[rank][:k]),
+                                      np.concatenate([x[:k] for x in xs]))
+    return digests
+
+
+@pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc"])
+def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts):
+    """2 x 2, 3 ranks x 2 hosts, 2 ranks x 3 hosts: results are right and the same bits on
+    every rank."""
+    results = run_ranks(_matrix, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET,
+                        timeout=300)
+    for rank in range(1, len(hosts)):
+        assert results[rank] == results[0], f"rank {rank} differs from rank 0"
+
+
+def _choices(rank, size):
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        x = np.full(50_000, rank + 1.0, np.float32)
+        np.testing.assert_array_equal(comm.allreduce(x), np.full(50_000, size * (size + 1) / 2))
+        return (comm._node is not None, comm.describe("allreduce", 1 << 20).describe(),
+                comm.describe("allgather", 1 << 20).host_path)
+
+
+def test_forced_ring_leaves_the_boards_out():
+    for has_node, text, _ in run_ranks(_choices, 4, rank_envs=_hosts(*"abab"),
+                                       env={**SLOW_NET, "DDL_ALGO": "ring"}, timeout=90):
+        assert not has_node and text.startswith("ring"), text
+
+
+def test_the_choice_names_the_host_path():
+    for has_node, text, other in run_ranks(_choices, 4, rank_envs=_hosts(*"abab"),
+                                           env=SLOW_NET, timeout=90):
+        assert has_node and "host dimensions through shared memory (direct)" in text, text
+        assert other == ""  # only allreduce takes it
+
+
+def _without_direct_reads(rank, size):
+    import ddlcore
+    from ddlcore import hostcoll
+
+    hostcoll._cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
+    with ddlcore.init() as comm:
+        assert comm.describe("allreduce", SMALL_MAX).host_path == "direct"  # the slots
+        assert comm.describe("allreduce", 1 << 20).host_path == ""          # the schedule
+        for n in (SMALL_MAX // 8, 300_007):
+            x = np.arange(n, dtype=np.float64) * (rank + 1)
+            np.testing.assert_array_equal(comm.allreduce(x), np.arange(n) * 10.0)
+    return True
+
+
+def test_without_direct_reads_large_messages_take_the_whole_schedule():
+    assert all(run_ranks(_without_direct_reads, 4, rank_envs=_hosts(*"abab"), env=SLOW_NET,
+                         timeout=90))
+
+
+@pytest.mark.parametrize("nbytes", [4000, 4 << 20])
+def test_a_dead_rank_fails_every_survivor_quickly(nbytes):
+    """Its host neighbour sees it on the boards, the other host through TCP or through the
+    abort notes passed on between the paths: nobody waits out DDL_TIMEOUT."""
+    results = run_ranks(_dies, 4, 1, nbytes, may_die={1}, rank_envs=_hosts(*"abab"),
+                        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+    for rank in (0, 2, 3):
+        message, elapsed = results[rank]
+        assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
+        assert f"rank {rank}: allreduce #1" in message and "rank 1" in message, message
