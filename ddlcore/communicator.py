@@ -134,7 +134,7 @@ class Communicator:
         if mode != hostcoll.SYNC_ONLY:
             return tuning.Choice(hostcoll.NAME,
                                  hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes)
-        staged = self._host_stage(collective, nbytes)
+        staged = self._staged(collective, nbytes)
         return staged[0] if staged is not None else self._choose(collective, nbytes)
 
     def _choose(self, collective: str, nbytes: int) -> tuning.Choice:
@@ -303,8 +303,6 @@ class Communicator:
                 inp, out = call.inp.ptr, call.out.ptr  # type: ignore[union-attr]
             else:  # device buffers, staged in host memory
                 inp, out = array_address(host_in), array_address(host_out)
-        if kind == "allreduce, host allgather":
-            inp = out  # the parts are in the output by now
         if self._debug:
             how = {hostcoll.SLOTS: "through the shared slots",
                    hostcoll.DIRECT: "reading and writing the peers' buffers",
@@ -327,15 +325,15 @@ class Communicator:
         parts (boards)."""
         node = self._node
         assert node is not None and host_out is not None
-        self._run_boards(node, "allreduce, host reduce-scatter", call, seq, host_in, host_out,
-                         itemsize, mode, 0)
+        self._run_boards(node, hostcoll.RS_PART, call, seq, host_in, host_out, itemsize, mode,
+                         0)
         off, length = split(call.count, node.size)[node.rank]
         part = host_out.reshape(-1)[off:off + length]
         self._on_boards = False
         self._run_schedule(call, seq, part, part, itemsize,
                            self._schedule_across(length, itemsize, choice))
-        self._run_boards(node, "allreduce, host allgather", call, seq, host_in, host_out,
-                         itemsize, mode, 0)
+        self._run_boards(node, hostcoll.AG_PART, call, seq, host_in, host_out, itemsize, mode,
+                         0)
 
     def _run_schedule(self, call: _Call, seq: int, host_in: np.ndarray | None,
                       host_out: np.ndarray | None, itemsize: int,

@@ -87,10 +87,11 @@ _OFF_MAGIC, _OFF_VERSION, _OFF_SIZE, _OFF_SLOT, _OFF_PID, _OFF_CMA_OK, _OFF_SELF
     0, 8, 12, 16, 24, 28, 32, 40
 _CLOSED = 0xFFFF  # abort code of a rank that closed its communicator
 # Collective kinds (ddl_arena.h's DDL_K_*).
+# An allreduce's halves around its network phases (mdring across hosts): each rank reduces its
+# part of everyone's input into its output; later each copies the others' parts from theirs.
+RS_PART, AG_PART = "allreduce, host reduce-scatter", "allreduce, host allgather"
 KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5,
-        # an allreduce's halves around its network phases (mdring across hosts): each rank
-        # reduces its part of everyone's input; later each copies the others' parts
-        "allreduce, host reduce-scatter": 6, "allreduce, host allgather": 7}
+        RS_PART: 6, AG_PART: 7}
 _KIND_NAME = {v: k for k, v in KIND.items()}
 _STATUS_TIMEOUT, _STATUS_DEAD, _STATUS_ABORTED, _STATUS_MISMATCH, _STATUS_CMA = 1, 2, 3, 4, 5
 # How a call runs (_arena.Arena.run's mode).

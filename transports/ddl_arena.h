@@ -81,7 +81,7 @@
 #define DDL_K_BARRIER 5
 /* The two halves of an allreduce whose middle runs elsewhere (mdring across hosts): rank r
  * reduces part r (ddl_part) of every rank's input into part r of its output; later, every rank
- * copies part q of rank q's buffer into part q of its own (the buffer is read as the input). */
+ * copies part q of rank q's output into part q of its own (the input is not used). */
 #define DDL_K_RS_PART 6
 #define DDL_K_AG_PART 7
 
@@ -283,7 +283,7 @@ static inline int ddl_arena_small(ddl_arena *a, const ddl_call *c) {
         int64_t off, len;
         ddl_part(c->count, a->size, a->rank, &off, &len);
         if (len)
-            memcpy(ddl_slot(a, a->rank, e) + off * c->itemsize, c->in + off * c->itemsize,
+            memcpy(ddl_slot(a, a->rank, e) + off * c->itemsize, c->out + off * c->itemsize,
                    (size_t)(len * c->itemsize));
     } else if (nbytes && (c->kind != DDL_K_BROADCAST || c->root == a->rank)) {
         memcpy(ddl_slot(a, a->rank, e), c->in, nbytes);
@@ -430,11 +430,11 @@ static inline int ddl_arena_direct(ddl_arena *a, const ddl_call *c) {
         if ((st = ddl_reduce_direct(a, c, ins, NULL, off, len, off)) != DDL_A_OK) return st;
         break;
     case DDL_K_AG_PART:
-        /* Part q of rank q's buffer is final and nobody writes it during this call. */
+        /* Part q of rank q's output is final and nobody writes it during this call. */
         for (int q = 0; q < a->size; q++) {
             ddl_part(c->count, a->size, q, &off, &len);
             if (q != a->rank &&
-                (st = ddl_arena_read(a, q, ins[q] + (uint64_t)(off * c->itemsize),
+                (st = ddl_arena_read(a, q, outs[q] + (uint64_t)(off * c->itemsize),
                                      c->out + off * c->itemsize,
                                      (uint64_t)(len * c->itemsize))) != DDL_A_OK)
                 return st;
