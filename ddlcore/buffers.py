@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ddlcore import device
@@ -92,7 +93,8 @@ def _from_device(obj: Any, argname: str) -> BufferDesc:
     except Exception as exc:  # numba's CudaSupportError and friends: no driver, no device
         raise TypeError(f"{argname} is a CUDA array but CUDA is not usable in this process: "
                         f"{exc}") from None
-    dtype = np.dtype(nb.dtype)
+    # a PyTorch bfloat16 tensor arrives as its int16 bits (Numba has no bfloat16 arrays)
+    dtype = np.dtype(ml_dtypes.bfloat16) if device.torch_bfloat16(obj) else np.dtype(nb.dtype)
     code = dtype_code(dtype)
     if code is None:
         names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)

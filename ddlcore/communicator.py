@@ -5,7 +5,8 @@ ValueError/TypeError naming the argument) and turns buffers into descriptors (``
 it runs one of three ways: all ranks on this host, as one call through the shared boards
 (``hostcoll``); an allreduce whose box has host and network dimensions, as mdring with its host
 dimensions on the boards and the rest as schedules; or otherwise ``tuning`` picks an algorithm
-whose schedule the ``engine`` executes over the transports.
+whose schedule the ``engine`` executes over the transports (``device_engine`` for device
+buffers, chunks pipelined on CUDA streams; the board paths stage device buffers whole).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ddlcore import config, engine, hostcoll, topology, tuning
+from ddlcore import config, device, device_engine, engine, hostcoll, topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
 from ddlcore.algorithms.schedule import split
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
@@ -51,6 +52,7 @@ class _Call:
     op: Op | None = None
     root: int = 0
     result: Any = None
+    ready: Any = None  # device buffers: an event on the caller's stream, recorded at the call
 
     @property
     def count(self) -> int:
@@ -108,6 +110,7 @@ class Communicator:
         self._debug = config.get("DDL_DEBUG", environ)
         self._staging = engine.StagingPool()
         self._staging_device: Any = None
+        self._slots_device: device_engine.DeviceSlots | None = None
         self._scratch = np.empty(0, np.uint8)
         self._executor = Executor(f"ddlcore-rank{self.rank}")
         self._before_collective: list[Callable[[], Any]] = []
@@ -220,7 +223,8 @@ class Communicator:
             od, result = xd, x
         else:  # pragma: no cover - internal misuse
             raise AssertionError(collective)
-        return _Call(collective, xd, od, rop, int(root), result)
+        ready = device.ready_event(x) if xd.memory == MemoryKind.CUDA else None
+        return _Call(collective, xd, od, rop, int(root), result, ready)
 
     # --- execution ------------------------------------------------------------------------------
     def _label(self, call: _Call, seq: int) -> str:
@@ -257,10 +261,17 @@ class Communicator:
         try:
             if self._debug and self.size > 1:
                 self._check_agreement(call, seq, self._label(call, seq))
-            host_in, host_out = self._host_arrays(call)
             nbytes = call.count * itemsize
             mode = self._host.mode(nbytes) if self._host is not None else None
             staged = self._staged(call.collective, nbytes) if self._node is not None else None
+            on_boards = (mode is not None and mode != hostcoll.SYNC_ONLY) or staged is not None
+            if call.inp is not None and call.inp.memory == MemoryKind.CUDA and not on_boards:
+                if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
+                    self._run_on_host(call, seq, None, None, itemsize, mode)
+                self._on_boards = False
+                self._run_device(call, seq, itemsize)
+                return call.result
+            host_in, host_out = self._host_arrays(call)
             if mode is not None and mode != hostcoll.SYNC_ONLY:
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
             elif staged is not None:
@@ -357,11 +368,33 @@ class Communicator:
                                  call.op, label)
         engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
 
+    def _run_device(self, call: _Call, seq: int, itemsize: int) -> None:
+        """Run the call's schedule on its device buffers, chunks pipelined on CUDA streams."""
+        assert call.inp is not None and call.out is not None
+        label = self._label(call, seq)
+        choice, sched = self._schedule(call.collective, call.count, itemsize, call.root)
+        if self._debug:
+            log.debug("rank %d: %s via %s on CUDA streams, box %s, %d steps, %d messages out",
+                      self.rank, label, choice.describe(), self.topology.shape,
+                      len(sched.steps), sched.messages())
+        slots = self._device_slots()
+        buffers = {Buf.INPUT: device.region_of(call.inp.array),
+                   Buf.OUTPUT: device.region_of(call.out.array)}
+        if sched.scratch_count:
+            buffers[Buf.SCRATCH] = slots.scratch(sched.scratch_count * itemsize)
+        coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
+                                 int(call.inp.code), call.op, label)
+        device_engine.run(sched, coll, buffers, self._links, slots, self._depth, self.timeout,
+                          call.ready)
+
+    def _device_slots(self) -> device_engine.DeviceSlots:
+        if self._slots_device is None:
+            self._slots_device = device_engine.DeviceSlots(device_engine.NumbaStreams())
+        return self._slots_device
+
     def _device_staging(self) -> Any:
         if self._staging_device is None:
-            from ddlcore.device import DeviceStaging
-
-            self._staging_device = DeviceStaging()
+            self._staging_device = device.DeviceStaging()
         return self._staging_device
 
     def _host_arrays(self, call: _Call) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -372,6 +405,8 @@ class Communicator:
         if call.inp.memory != MemoryKind.CUDA:
             return call.inp.array, call.out.array
         stage = self._device_staging()
+        if call.ready is not None:
+            call.ready.synchronize()
         host_in = stage.download(call.inp.array, "in", call.inp.dtype, call.inp.count)
         if call.out.ptr == call.inp.ptr and call.out.count == call.inp.count:
             return host_in, host_in  # in place (and broadcast)

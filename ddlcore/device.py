@@ -1,15 +1,16 @@
-"""Device (CUDA) buffers: intake, allocation of results of the same kind, and host staging.
+"""Device (CUDA) buffers: intake, allocation of results of the same kind, the caller's stream,
+and whole-buffer host staging.
 
 Imported only when a caller passes device memory, and it imports ``numba.cuda`` lazily, so a
 CPU-only user never pays for CUDA. Anything with ``__cuda_array_interface__`` (CuPy, Numba device
 arrays, PyTorch CUDA tensors) is accepted, and so are the device arrays of Numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``), which is how the test suite runs this path without a GPU.
 
-Data path today: the input is copied to a pinned host buffer, the host schedule runs, and the
-result is copied back to the device; copies are ordered after the work already queued on the
-producer's stream (the interface's ``stream`` entry, which Numba honours). The chunk-pipelined
-path on CUDA streams (device-to-host, network, host-to-device and reduce kernels overlapping) is
-the next step and replaces `DeviceStaging` without changing the layers above.
+Data paths: a collective that runs as a schedule goes through `ddlcore.device_engine` (chunks
+pipelined over CUDA streams through pinned slots). The paths through the host boards
+(`ddlcore.hostcoll`), which read and write host memory, stage the whole buffer instead:
+`DeviceStaging` downloads the input into reused pinned memory and uploads the result. Either way
+the collective first waits for the work already queued on the caller's stream (`ready_event`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,30 @@ _SIM_MODULE = "numba.cuda.simulator.cudadrv.devicearray"
 
 
 def is_device_array(obj: Any) -> bool:
-    return hasattr(obj, "__cuda_array_interface__") or type(obj).__module__ == _SIM_MODULE
+    if type(obj).__module__ == _SIM_MODULE:
+        return True
+    try:
+        return hasattr(obj, "__cuda_array_interface__")
+    except TypeError:  # PyTorch: a CUDA tensor of a dtype the interface cannot name (bfloat16)
+        return torch_bfloat16(obj)
 
 
-def _cuda():
+def torch_bfloat16(obj: Any) -> bool:
+    if type(obj).__module__.split(".")[0] != "torch":
+        return False
+    import torch
+
+    return isinstance(obj, torch.Tensor) and obj.dtype == torch.bfloat16
+
+
+def cuda_module() -> Any:
+    """``numba.cuda``, imported on first use."""
     from numba import cuda
 
     return cuda
+
+
+_cuda = cuda_module  # the short name the functions below use
 
 
 def cuda_usable() -> bool:
@@ -43,6 +61,10 @@ def numba_view(obj: Any) -> Any:
     """A Numba device array viewing ``obj``'s memory (the object itself for simulator arrays)."""
     if type(obj).__module__ == _SIM_MODULE or type(obj).__module__.startswith("numba"):
         return obj
+    if torch_bfloat16(obj):  # its bits as int16: Numba has no bfloat16 arrays
+        import torch
+
+        return _cuda().as_cuda_array(obj.detach().view(torch.int16))
     return _cuda().as_cuda_array(obj)
 
 
@@ -65,13 +87,66 @@ def pointer_of(obj: Any) -> int:
     return int(obj._ary.ctypes.data) if hasattr(obj, "_ary") else 0
 
 
+def _external(ptr: int) -> Any:
+    return _cuda().external_stream(ptr)
+
+
+def producer_stream(obj: Any) -> Any:
+    """The stream on which the caller's work on ``obj`` is queued, as a Numba stream, or None
+    when that is the legacy default stream (which our streams already wait for: they are
+    created blocking) or unknown (Numba's simulator: everything has happened already)."""
+    module = type(obj).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        ptr = int(torch.cuda.current_stream(obj.device).cuda_stream)
+    elif module == "cupy":
+        import cupy
+
+        ptr = int(cupy.cuda.get_current_stream().ptr)
+    elif module == "numba" and type(obj).__module__ != _SIM_MODULE:
+        stream = getattr(obj, "stream", 0)
+        return stream if stream else None
+    else:
+        cai = getattr(obj, "__cuda_array_interface__", None) or {}
+        ptr = cai.get("stream") or 0
+    # 1 and 2 are the legacy and per-thread default streams' reserved handles
+    return _external(ptr) if ptr not in (0, 1, 2) else None
+
+
+def ready_event(obj: Any) -> Any:
+    """An event recorded now on ``obj``'s producer stream (see `producer_stream`), or None.
+
+    Called on the caller's thread when the collective is issued, so an async collective waits
+    for exactly the work queued before it, without blocking the caller."""
+    stream = producer_stream(obj)
+    if stream is None:
+        return None
+    ev = _cuda().event(timing=False)
+    ev.record(stream)
+    return ev
+
+
+def region_of(array: Any) -> Any:
+    """The engine's `DeviceRegion` of a contiguous Numba device array: its base address and a
+    flat uint8 view."""
+    from ddlcore.device_engine import DeviceRegion
+
+    count = int(array.size)
+    if count == 0:
+        return DeviceRegion(0, None)
+    return DeviceRegion(pointer_of(array), array.reshape(count).view(np.uint8))
+
+
 def result_wrapper(obj: Any):
     """Turns a Numba device array into the caller's kind of object (torch, CuPy or Numba)."""
     module = type(obj).__module__.split(".")[0]
     if module == "torch":
         import torch
 
-        device = obj.device
+        device, dtype = obj.device, obj.dtype
+        if dtype == torch.bfloat16:
+            return lambda nb: torch.as_tensor(nb, device=device).view(torch.bfloat16)
         return lambda nb: torch.as_tensor(nb, device=device)
     if module == "cupy":
         import cupy
@@ -81,7 +156,18 @@ def result_wrapper(obj: Any):
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    return _cuda().device_array(shape, dtype=dtype)
+    """A device array; bfloat16 is held as int16 bits where Numba cannot type it (a GPU; the
+    simulator's arrays are NumPy's and take it as it is)."""
+    cuda = _cuda()
+    if dtype.kind == "V" and dtype.itemsize == 2 and not is_simulator():
+        dtype = np.dtype(np.int16)
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def is_simulator() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)  # type: ignore[attr-defined]
 
 
 class DeviceStaging:
@@ -100,11 +186,11 @@ class DeviceStaging:
     def download(self, nb: Any, role: str, dtype: np.dtype, count: int) -> np.ndarray:
         """Copy device array ``nb`` into the pinned buffer ``role``; returns the host array."""
         host = self.host(role, count * dtype.itemsize).view(dtype)
-        if count:
-            nb.reshape(count).copy_to_host(host)
+        if count:  # as bytes: a bfloat16 buffer's device array holds int16
+            nb.reshape(count).view(np.uint8).copy_to_host(host.view(np.uint8))
         return host
 
     @staticmethod
     def upload(host: np.ndarray, nb: Any) -> None:
         if host.size:
-            nb.reshape(host.size).copy_to_device(host)
+            nb.reshape(host.size).view(np.uint8).copy_to_device(host.view(np.uint8))

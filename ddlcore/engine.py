@@ -223,15 +223,23 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
             _, _, req = sends.popleft()
             req.wait(remaining())
     except DDLError as exc:
-        step = steps[min(i, nsteps - 1)].describe()
-        message = (f"rank {schedule.rank}: {coll.label} via {schedule.algorithm} failed at step "
-                   f"{i + 1} of {nsteps} [{step}]: {exc}")
-        if isinstance(exc, DDLTimeoutError):
-            message += (". A peer may have died, be stuck, or be calling a different collective; "
-                        "raise DDL_TIMEOUT if the job is just slow")
-        err = type(exc)(message)
-        if isinstance(exc, PeerFailureError):
-            err.peer = exc.peer  # type: ignore[attr-defined]
-        # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
-        links.abort(abort_code(exc), message.split(": ", 1)[1])
-        raise err from None
+        raise failure(schedule, coll, i, exc, links) from None
+
+
+def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) -> DDLError:
+    """The error to raise for ``exc`` at step ``i``: the same class, with the rank, the
+    collective, its sequence number and the step in the message. Tells the peers first
+    (``links.abort``) so that every rank fails fast instead of waiting out its own timeout."""
+    steps = schedule.steps
+    step = steps[min(i, len(steps) - 1)].describe()
+    message = (f"rank {schedule.rank}: {coll.label} via {schedule.algorithm} failed at step "
+               f"{i + 1} of {len(steps)} [{step}]: {exc}")
+    if isinstance(exc, DDLTimeoutError):
+        message += (". A peer may have died, be stuck, or be calling a different collective; "
+                    "raise DDL_TIMEOUT if the job is just slow")
+    err = type(exc)(message)
+    if isinstance(exc, PeerFailureError):
+        err.peer = exc.peer  # type: ignore[attr-defined]
+    # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
+    links.abort(abort_code(exc), message.split(": ", 1)[1])
+    return err

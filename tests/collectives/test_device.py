@@ -1,15 +1,19 @@
 """Device arrays through the public API, on Numba's CUDA simulator (no GPU needed): every
-collective, results of the same kind, in place and async, and mixing host and device refused."""
+collective, results of the same kind, in place and async, and mixing host and device refused;
+through the host boards (whole-buffer staging, the default on one host) and through the
+stream-pipelined device engine (any schedule algorithm)."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from tests.harness import require, run_ranks
 
 SIM = {"NUMBA_ENABLE_CUDASIM": "1"}
-DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int32,
+          np.int64]
 COUNTS = [0, 1, 7, 1001]
 
 
@@ -21,7 +25,7 @@ def _numba_cuda_installed() -> bool:
     return True
 
 
-def _device_collectives(rank, size):
+def _device_collectives(rank, size, engine_expected=None):
     from ddlcore.kernels import reference
     from numba import cuda
 
@@ -52,6 +56,8 @@ def _device_collectives(rank, size):
                 np.testing.assert_array_equal(b.copy_to_host(), xs[size - 1][:count])
         h = comm.allreduce_async(cuda.to_device(np.full(5, rank + 1, np.float32)), op="sum")
         np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
+        if engine_expected is not None:  # which data path the calls took
+            assert (comm._slots_device is not None) == engine_expected
         try:
             comm.allreduce(cuda.to_device(np.ones(3, np.float32)), out=np.ones(3, np.float32))
         except ValueError as exc:
@@ -65,6 +71,16 @@ def _device_collectives(rank, size):
 def test_device_arrays_on_the_simulator(nprocs):
     require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
     run_ranks(_device_collectives, nprocs, env=SIM, timeout=240)
+
+
+@pytest.mark.parametrize("nprocs,algo,transport", [(2, "ring", "tcp"), (3, "ring", "shm"),
+                                                   (3, "rhd", "tcp")])
+def test_device_arrays_through_the_stream_engine(nprocs, algo, transport):
+    """A schedule algorithm: chunks pipelined over (simulated) CUDA streams, small chunks so
+    every size above a few elements takes many."""
+    require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+    env = dict(SIM, DDL_ALGO=algo, DDL_TRANSPORT=transport, DDL_CHUNK_BYTES="256")
+    run_ranks(_device_collectives, nprocs, True, env=env, timeout=240)
 
 
 def _gpu_present() -> bool:

@@ -1,0 +1,387 @@
+"""The engine for device (CUDA) buffers: the same `Schedule` the host engine runs, with every
+chunk pipelined over three CUDA streams.
+
+Data moves through pinned host slots (the transports send and receive host memory); the GPU
+work for each step is queued on a stream and ordered by events, never by synchronising the
+device::
+
+    SEND         d2h:      [wait last write of the span] device span -> pinned send slot
+                 host:     isend the slot once the copy's event has fired
+    RECV_REDUCE  host:     irecv into a pinned receive slot (posted up to `depth` steps ahead)
+                 h2d:      pinned slot -> device slot
+                 compute:  [wait h2d] dst = src OP device slot  (+ avg's division when final)
+    RECV         compute:  pinned slot -> device span
+    COPY         compute:  device span -> device span
+
+    time ->   chunk k:   net ===== h2d == reduce == d2h == net =====
+              chunk k+1:           net ===== h2d == reduce == d2h == net =====
+
+While chunk k+1 is on the wire, chunk k is uploaded, reduced and downloaded, and the transports'
+threads move chunk k-1's bytes. All writes to the caller's buffers happen on ``compute`` in
+program order; ``d2h`` reads a span only after the event of the last write to it, and a write
+waits for the downloads still reading its span (regions are compared by address, so in-place
+calls are safe). The host thread never blocks on the network while a download it has queued
+is unsent, so no rank can wait for a message that sits in its own queue.
+
+What touches CUDA is behind `DeviceOps` (`NumbaStreams` in production, Numba's simulator in
+CI); the tests also drive the engine with ops that run queued work in random valid orders, which
+is how the ordering above is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ddlcore.algorithms.schedule import Buf, Kind, Schedule
+from ddlcore.engine import Collective, failure
+from ddlcore.errors import DDLError, DDLTimeoutError
+from ddlcore.kernels.dtypes import DType, numpy_dtype
+from ddlcore.ops import Op
+
+_SEND, _RECV, _RECV_REDUCE, _COPY = Kind.SEND, Kind.RECV, Kind.RECV_REDUCE, Kind.COPY
+_PRUNE_AT = 32  # ordering records kept before finished ones are dropped (keeps overlap scans short)
+
+
+@dataclass
+class DeviceRegion:
+    """A device buffer as the engine sees it: base address and a flat uint8 device array."""
+
+    ptr: int
+    array: Any
+
+
+class DeviceOps(Protocol):
+    """Streams, events, copies and kernels: everything the engine asks of the device."""
+
+    compute: Any
+    d2h: Any
+    h2d: Any
+
+    def record(self, stream: Any) -> Any: ...
+    def wait(self, stream: Any, event: Any) -> None: ...
+    def done(self, event: Any) -> bool: ...
+    def sync(self, event: Any) -> None: ...
+    def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None: ...
+    def upload(self, host: np.ndarray, dst: DeviceRegion, off: int, stream: Any) -> None: ...
+    def copy(self, dst: DeviceRegion, dst_off: int, src: DeviceRegion, src_off: int,
+             nbytes: int, stream: Any) -> None: ...
+    def reduce(self, dst: DeviceRegion, dst_off: int, a: DeviceRegion, a_off: int,
+               b: DeviceRegion, b_off: int, count: int, code: DType, op: Op,
+               stream: Any) -> None: ...
+    def scale(self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int,
+              stream: Any) -> None: ...
+    def pinned(self, nbytes: int) -> np.ndarray: ...
+    def device(self, nbytes: int) -> DeviceRegion: ...
+
+
+class DeviceSlots:
+    """Pinned send slots, pinned receive slots and device staging slots, allocated once per
+    communicator and reused by every collective (grown when a larger message comes along)."""
+
+    def __init__(self, ops: DeviceOps) -> None:
+        self.ops = ops
+        self.nbytes = 0
+        self.send: list[np.ndarray] = []
+        self.recv: list[np.ndarray] = []
+        self.staged: list[DeviceRegion] = []
+        self._scratch: DeviceRegion | None = None
+        self._scratch_bytes = 0
+
+    def ensure(self, nslots: int, nbytes: int) -> None:
+        if len(self.send) >= nslots and self.nbytes >= nbytes:
+            return
+        nslots = max(nslots, len(self.send))
+        self.nbytes = size = max(nbytes, self.nbytes, 64)
+        self.send = [self.ops.pinned(size) for _ in range(nslots)]
+        self.recv = [self.ops.pinned(size) for _ in range(nslots)]
+        self.staged = [self.ops.device(size) for _ in range(nslots)]
+
+    def scratch(self, nbytes: int) -> DeviceRegion:
+        if self._scratch is None or self._scratch_bytes < nbytes:
+            self._scratch, self._scratch_bytes = self.ops.device(max(nbytes, 64)), nbytes
+        return self._scratch
+
+
+def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], links,
+        slots: DeviceSlots, depth: int, timeout: float, ready: Any = None) -> None:
+    """Execute ``schedule`` on device buffers within ``timeout`` seconds.
+
+    ``ready`` is an event recorded on the caller's stream (or None): every stream waits for it,
+    so work the caller queued before the collective is seen. Returns when the result is in the
+    output buffer (the compute stream has been synchronised). Failures raise as in
+    `ddlcore.engine.run`, after aborting the links."""
+    steps = schedule.steps
+    nsteps = len(steps)
+    if nsteps == 0:
+        return
+    ops = slots.ops
+    compute, d2h, h2d = ops.compute, ops.d2h, ops.h2d
+    isz = coll.itemsize
+    tag_base = (coll.seq & 0xFFFFFFFF) << 32
+    check = coll.check
+    kop = Op.SUM if coll.op in (None, Op.AVG) else coll.op
+    code = DType(coll.dtype_code)
+    divide = coll.op == Op.AVG and schedule.size > 1
+    pairs: dict[int, Any] = {}
+    max_bytes = max((s.count for s in steps if s.kind != _COPY), default=0) * isz
+    nslots = max(2, depth)
+    slots.ensure(nslots, max_bytes)
+    free_send = list(range(nslots))
+    free_recv = list(range(nslots))
+    busy_recv: deque = deque()   # (slot, event after which its pinned and device slots are free)
+    writes: list = []            # (lo, hi, event) of compute-stream writes to the buffers
+    reads: list = []             # (lo, hi, event) of downloads reading the buffers
+    queued: deque = deque()      # (event, slot, peer, tag, nbytes): downloads not yet sent
+    inflight: deque = deque()    # (slot, request) of sends on the wire
+    posted: list = [None] * nsteps
+    recv_slot = [-1] * nsteps
+    monotonic = time.monotonic
+    deadline = monotonic() + timeout
+    i = 0
+
+    def pair(peer: int):
+        p = pairs.get(peer)
+        if p is None:
+            p = pairs[peer] = links.pair(peer)
+        return p
+
+    def remaining() -> float:
+        left = deadline - monotonic()
+        if left <= 0:
+            raise DDLTimeoutError(f"no progress within DDL_TIMEOUT={timeout:g} s")
+        return left
+
+    def span(buf: Buf, off: int, count: int) -> tuple[int, int]:
+        lo = buffers[buf].ptr + off * isz
+        return lo, lo + count * isz
+
+    def prune(records: list) -> list:
+        return [r for r in records if not ops.done(r[2])] if len(records) > _PRUNE_AT else records
+
+    def after_reads(stream, lo: int, hi: int) -> None:
+        """Make ``stream`` wait for the downloads still reading [lo, hi)."""
+        for rlo, rhi, ev in reads:
+            if rlo < hi and lo < rhi:
+                ops.wait(stream, ev)
+
+    def after_last_write(stream, lo: int, hi: int) -> None:
+        # compute is in order: the last overlapping write's event covers the earlier ones
+        for wlo, whi, ev in reversed(writes):
+            if wlo < hi and lo < whi:
+                ops.wait(stream, ev)
+                return
+
+    def send_queued(block: bool) -> None:
+        """isend the downloads whose copies have finished (all of them when ``block``)."""
+        while queued and (block or ops.done(queued[0][0])):
+            ev, slot, peer, tag, nbytes = queued.popleft()
+            ops.sync(ev)
+            inflight.append((slot, pair(peer).isend(memoryview(slots.send[slot])[:nbytes],
+                                                    tag, check)))
+
+    def wait_request(req) -> None:
+        """Wait for a network request; first send everything queued, so that no peer waits
+        for a message that only our own queue holds."""
+        if queued and not req.test():
+            send_queued(True)
+        req.wait(remaining())
+
+    def send_slot() -> int:
+        while not free_send:
+            if not inflight:
+                send_queued(True)
+            slot, req = inflight.popleft()
+            wait_request(req)
+            free_send.append(slot)
+        return free_send.pop()
+
+    def recv_slot_for(early: bool) -> int:
+        while busy_recv and ops.done(busy_recv[0][1]):
+            free_recv.append(busy_recv.popleft()[0])
+        if not free_recv:
+            if early or not busy_recv:
+                return -1
+            slot, ev = busy_recv.popleft()
+            ops.sync(ev)
+            free_recv.append(slot)
+        return free_recv.pop()
+
+    def post_recv(j: int, early: bool) -> bool:
+        s = steps[j]
+        slot = recv_slot_for(early)
+        if slot < 0:
+            return False
+        recv_slot[j] = slot
+        view = memoryview(slots.recv[slot])[:s.count * isz]  # type: ignore[arg-type]
+        posted[j] = pair(s.peer).irecv(view, tag_base | s.slot, check)
+        return True
+
+    def wrote(lo: int, hi: int, slot: int = -1) -> None:
+        nonlocal writes, reads
+        ev = ops.record(compute)
+        writes = prune(writes)
+        reads = prune(reads)
+        writes.append((lo, hi, ev))
+        if slot >= 0:
+            busy_recv.append((slot, ev))
+
+    nxt = 0
+    try:
+        if ready is not None:
+            for stream in (compute, d2h, h2d):
+                ops.wait(stream, ready)
+        for i in range(nsteps):
+            if nxt < i:
+                nxt = i
+            while nxt < nsteps and nxt - i < depth:
+                kind = steps[nxt].kind
+                if (kind == _RECV or kind == _RECV_REDUCE) and not post_recv(nxt, nxt > i):
+                    break
+                nxt += 1
+            send_queued(False)
+            while inflight and inflight[0][1].test():
+                free_send.append(inflight.popleft()[0])
+
+            s = steps[i]
+            kind = s.kind
+            if kind == _SEND:
+                lo, hi = span(s.src, s.src_off, s.count)
+                slot = send_slot()
+                after_last_write(d2h, lo, hi)
+                base = buffers[s.src]
+                ops.download(base, lo - base.ptr, slots.send[slot][:hi - lo], d2h)
+                ev = ops.record(d2h)
+                reads.append((lo, hi, ev))
+                queued.append((ev, slot, s.peer, tag_base | s.slot, hi - lo))
+                continue
+            if kind == _COPY:
+                lo, hi = span(s.dst, s.dst_off, s.count)
+                src_lo = buffers[s.src].ptr + s.src_off * isz
+                if src_lo != lo:
+                    after_reads(compute, lo, hi)
+                    dst, src = buffers[s.dst], buffers[s.src]
+                    ops.copy(dst, lo - dst.ptr, src, src_lo - src.ptr, hi - lo, compute)
+                    wrote(lo, hi)
+                continue
+            if posted[i] is None:
+                post_recv(i, False)
+                if nxt == i:
+                    nxt = i + 1
+            wait_request(posted[i])
+            posted[i] = None
+            slot = recv_slot[i]
+            lo, hi = span(s.dst, s.dst_off, s.count)
+            dst = buffers[s.dst]
+            if kind == _RECV:
+                after_reads(compute, lo, hi)
+                ops.upload(slots.recv[slot][:hi - lo], dst, lo - dst.ptr, compute)
+                wrote(lo, hi, slot)
+                continue
+            staged = slots.staged[slot]
+            ops.upload(slots.recv[slot][:hi - lo], staged, 0, h2d)
+            ops.wait(compute, ops.record(h2d))
+            after_reads(compute, lo, hi)
+            src = buffers[s.src]
+            own, own_off, other, other_off = src, s.src_off * isz, staged, 0
+            if s.staged_first:
+                own, own_off, other, other_off = staged, 0, src, s.src_off * isz
+            ops.reduce(dst, lo - dst.ptr, own, own_off, other, other_off, s.count, code, kop,
+                       compute)
+            if divide and s.finalize:
+                ops.scale(dst, lo - dst.ptr, s.count, code, schedule.size, compute)
+            wrote(lo, hi, slot)
+        send_queued(True)
+        while inflight:
+            inflight.popleft()[1].wait(remaining())
+        ops.sync(ops.record(compute))
+    except DDLError as exc:
+        # Let queued device work finish before the slots it reads can be reused or freed.
+        for stream in (compute, d2h, h2d):
+            ops.sync(ops.record(stream))
+        raise failure(schedule, coll, i, exc, links) from None
+
+
+class NumbaStreams:
+    """`DeviceOps` through ``numba.cuda``: a GPU, or Numba's simulator (where streams and events
+    exist but every operation completes at once)."""
+
+    def __init__(self) -> None:
+        from ddlcore import device
+        from ddlcore.kernels import cuda as kcuda
+
+        self._cuda = cuda = device.cuda_module()
+        self._kernels = kcuda
+        self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
+        try:
+            cuda.event(timing=False)
+            self._event: Any = lambda: cuda.event(timing=False)
+        except TypeError:  # the simulator's events take no arguments
+            self._event = cuda.event
+
+    def record(self, stream: Any) -> Any:
+        ev = self._event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream: Any, event: Any) -> None:
+        event.wait(stream)
+
+    def done(self, event: Any) -> bool:
+        query = getattr(event, "query", None)  # the simulator's events have finished already
+        return True if query is None else bool(query())
+
+    def sync(self, event: Any) -> None:
+        event.synchronize()
+
+    def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None:
+        if host.size:
+            src.array[off:off + host.size].copy_to_host(host, stream=stream)
+
+    def upload(self, host: np.ndarray, dst: DeviceRegion, off: int, stream: Any) -> None:
+        if host.size:
+            dst.array[off:off + host.size].copy_to_device(host, stream=stream)
+
+    def copy(self, dst: DeviceRegion, dst_off: int, src: DeviceRegion, src_off: int,
+             nbytes: int, stream: Any) -> None:
+        if nbytes:
+            dst.array[dst_off:dst_off + nbytes].copy_to_device(
+                src.array[src_off:src_off + nbytes], stream=stream)
+
+    @staticmethod
+    def _typed(region: DeviceRegion, off: int, count: int, code: DType) -> Any:
+        # Numba has no bfloat16 arrays: the kernels take its bits as uint16 (dtype="bfloat16")
+        dtype = np.dtype(np.uint16) if code == DType.BFLOAT16 else numpy_dtype(code)
+        return region.array[off:off + count * dtype.itemsize].view(dtype)
+
+    @staticmethod
+    def _marker(code: DType) -> dict[str, str]:
+        return {"dtype": "bfloat16"} if code == DType.BFLOAT16 else {}
+
+    def reduce(self, dst: DeviceRegion, dst_off: int, a: DeviceRegion, a_off: int,
+               b: DeviceRegion, b_off: int, count: int, code: DType, op: Op,
+               stream: Any) -> None:
+        if count:
+            self._kernels.reduce_copy(self._typed(dst, dst_off, count, code),
+                                      self._typed(a, a_off, count, code),
+                                      self._typed(b, b_off, count, code), op, stream,
+                                      **self._marker(code))
+
+    def scale(self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int,
+              stream: Any) -> None:
+        if count:
+            self._kernels.avg_scale(self._typed(dst, off, count, code), divisor, stream,
+                                    **self._marker(code))
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return self._cuda.pinned_array(nbytes, dtype=np.uint8)
+
+    def device(self, nbytes: int) -> DeviceRegion:
+        from ddlcore import device
+
+        arr = self._cuda.device_array(nbytes, dtype=np.uint8)
+        return DeviceRegion(device.pointer_of(arr), arr)
