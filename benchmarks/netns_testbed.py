@@ -3,9 +3,13 @@
 A "switch" namespace holds a Linux bridge; each host namespace is joined to it by a veth pair
 whose two ends are both rate-shaped with ``tc ... tbf`` (so each host's link is limited in and
 out). M ranks per host run this file's `worker` (ddl-bench's timing, in O(n) memory) inside their
-host's namespace (block placement: rank r on host r // M), so ranks of one host talk over shm and
-ranks of different hosts over TCP through the shaped links. It prints time and busbw per (shape,
-rate, algorithm, size) beside the inter-host link bound. Root only; everything it creates is
+host's namespace, so ranks of one host talk over shm and ranks of different hosts over TCP
+through the shaped links. ``--placement`` says which ranks share a host: ``block`` puts rank r on
+host r // M (ranks host by host, ``mpiexec --map-by slot``), ``cyclic`` on host r % H (dealt
+round-robin, Slurm ``--distribution=cyclic``, ``mpiexec --map-by node``): there the rank-order
+ring (``DDL_ALGO=ring``) crosses hosts at every hop, as a topology-oblivious ring does. It prints
+time and busbw per (shape, placement, rate, algorithm, size) beside the inter-host link bound and
+the simulator's prediction for the same rank -> host map (`simulated`). Root only; everything it creates is
 named ``ddltb-<pid>-...`` and torn down at the end, also on errors, Ctrl-C, SIGTERM and
 ``--timeout``.
 
@@ -15,9 +19,12 @@ share this machine's CPU cores and memory bandwidth, so at high rates the CPU, n
 the limit (the measured/bound ratio shows it).
 
     python benchmarks/netns_testbed.py --shapes 2x2,2x3,4x2 --rates 1gbit,10gbit \\
-        --sizes 1M,4M,16M,64M --algos ring,mdring,rhd --json benchmarks/results/netns_testbed.json
+        --sizes 1M,4M,16M,64M --algos ring,mdring,rhd --placement block,cyclic --repeat 3 \\
+        --json benchmarks/results/netns_testbed.json
 
 A shape is ``MxH`` = M ranks per host x H hosts (DDL_TOPOLOGY's order: fastest level first).
+One file (~600 lines) because the testbed, its rank worker and the tables are used together
+(``tests/integration/test_netns.py`` loads it by path: ``benchmarks`` is not a package).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +59,13 @@ _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 
           "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}  # tc's units: decimal; bps = bytes per second
 _SEQ = itertools.count()
 GRACE_S = 5.0                # after one rank fails, how long the others get to report theirs
+PLACEMENTS = ("block", "cyclic")
+# The simulator's links for the testbed (BENCHMARKS.md, "Simulator vs testbed"): shm among ranks
+# sharing 2 cores, 3 GB/s and 20 us; TCP through tbf carries ~0.956 of the shaped rate as payload
+# (1x2 at 1 Gbit/s: 562 ms for 64 MB) with ~60 us per message; reductions 3 GB/s.
+SIM_HOST_LINK = (3e9, 20e-6)
+SIM_NET_EFFICIENCY, SIM_NET_LAT = 0.956, 60e-6
+SIM_REDUCE_BW = 3e9
 
 
 class Expired(BaseException):
@@ -67,6 +82,21 @@ def parse_rate(text: str) -> float:
     if not m or (m.group(2) or "bit") not in _UNITS:
         raise ValueError(f"expected a tc rate like 1gbit or 500mbit, got {text!r}")
     return float(m.group(1)) * _UNITS[m.group(2) or "bit"] / 8
+
+
+def host_of(rank: int, ranks_per_host: int, hosts: int, placement: str = "block") -> int:
+    """The host of ``rank``: block, r // M (host by host); cyclic, r % H (round-robin)."""
+    if placement == "block":
+        return rank // ranks_per_host
+    if placement == "cyclic":
+        return rank % hosts
+    raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+
+
+def _placement(text: str) -> str:
+    if text not in PLACEMENTS:
+        raise ValueError(f"placement {text!r}: expected one of {', '.join(PLACEMENTS)}")
+    return text
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -167,16 +197,18 @@ class Testbed:
              "burst", str(burst), "latency", "50ms")
 
     def launch(self, ranks_per_host: int, argv: Sequence[str], logdir: str,
-               env: Mapping[str, str] | None = None, ddl_timeout: float = 60.0) -> list[Rank]:
-        """Start ``python argv...`` as rank r in host r // ranks_per_host's namespace."""
+               env: Mapping[str, str] | None = None, ddl_timeout: float = 60.0,
+               placement: str = "block") -> list[Rank]:
+        """Start ``python argv...`` as rank r in the namespace of host `host_of` (r)."""
         size = ranks_per_host * self.hosts
         port = 20000 + os.getpid() % 20000    # namespaces are fresh, so any port is free there
         base = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
         ranks = []
         for r in range(size):
-            host = r // ranks_per_host
-            child = dict(base, DDL_RANK=str(r), DDL_SIZE=str(size),
-                         DDL_LOCAL_RANK=str(r % ranks_per_host),
+            host = host_of(r, ranks_per_host, self.hosts, placement)
+            local = sum(1 for q in range(r) if host_of(q, ranks_per_host, self.hosts,
+                                                       placement) == host)
+            child = dict(base, DDL_RANK=str(r), DDL_SIZE=str(size), DDL_LOCAL_RANK=str(local),
                          DDL_LOCAL_SIZE=str(ranks_per_host), DDL_MASTER_ADDR=self.address(0),
                          DDL_MASTER_PORT=str(port), DDL_SOCKET_IFNAME=IFNAME,
                          DDL_TIMEOUT=str(ddl_timeout), **(env or {}))
@@ -191,11 +223,12 @@ class Testbed:
         return ranks
 
     def run_job(self, ranks_per_host: int, argv: Sequence[str], timeout: float,
-                env: Mapping[str, str] | None = None, ddl_timeout: float = 60.0) -> list[Rank]:
+                env: Mapping[str, str] | None = None, ddl_timeout: float = 60.0,
+                placement: str = "block") -> list[Rank]:
         """Launch, wait (killing everyone when one fails or time is up); JobFailed with logs."""
         assert self.workdir, "call up() first"
         logdir = tempfile.mkdtemp(prefix="job-", dir=self.workdir)
-        ranks = self.launch(ranks_per_host, argv, logdir, env, ddl_timeout)
+        ranks = self.launch(ranks_per_host, argv, logdir, env, ddl_timeout, placement)
         deadline, failed_at = time.monotonic() + timeout, None
         while None in (codes := [r.proc.poll() for r in ranks]):
             now = time.monotonic()
@@ -311,9 +344,43 @@ def netns_available() -> tuple[bool, str]:
 
 def link_bytes(nbytes: int, parts: int) -> float:
     """Allreduce lower bound on the bytes each of ``parts`` members sends (and receives) over its
-    link: 2(k-1)/k n. With k = hosts that is the bound for any algorithm; with k = ranks, what a
-    flat ring puts on each host link (it crosses each host boundary once)."""
+    link: 2(k-1)/k n. With k = hosts that is the bound for any algorithm; with k = ranks, what
+    one flow of a flat ring carries (see `ring_flows`)."""
     return 2.0 * (parts - 1) / parts * nbytes
+
+
+def ring_flows(m: int, h: int, placement: str) -> int:
+    """How many hops of the rank-order ring leave the busiest host (1 with block placement,
+    M with cyclic, 0 on one host): its host link carries that many times 2(P-1)/P n."""
+    p, out = m * h, [0] * h
+    for r in range(p):
+        a = host_of(r, m, h, placement)
+        out[a] += a != host_of((r + 1) % p, m, h, placement)
+    return max(out)
+
+
+def box_order(m: int, h: int, placement: str) -> list[int]:
+    """The box order ddlcore must find (`ddlcore.topology.build`: host by host, by rank)."""
+    return sorted(range(m * h), key=lambda r: (host_of(r, m, h, placement), r))
+
+
+def simulated(m: int, h: int, placement: str, rate: str | None, algorithm: str,
+              nbytes: int) -> float | None:
+    """Seconds the simulator predicts for one allreduce of ``nbytes`` via ``algorithm`` with this
+    rank -> host map and the testbed's links (`SIM_HOST_LINK`, ...); None where the links are
+    not shaped or the algorithm is no schedule (``direct``, one host)."""
+    from ddlcore import simulate, topology
+    from ddlcore.algorithms import ALGORITHMS
+
+    if not rate or h == 1 or algorithm not in ALGORITHMS["allreduce"]:
+        return None
+    hosts = [f"h{host_of(r, m, h, placement)}" for r in range(m * h)]
+    found = topology.build(hosts, [""] * len(hosts), {"host": "shm", "network": "tcp"}, {})
+    net = (parse_rate(rate) * SIM_NET_EFFICIENCY, SIM_NET_LAT)
+    links = [SIM_HOST_LINK if level == "host" else net for level in found.levels]
+    topo = topology.Topology(found.dims, found.order, tuple(b for b, _ in links),
+                             tuple(t for _, t in links), found.levels, found.note)
+    return simulate.simulate("allreduce", algorithm, topo, nbytes, reduce_bw=SIM_REDUCE_BW).time_s
 
 
 def worker(sizes: list[int], iters: int, warmup: int, out: str) -> None:
@@ -346,64 +413,104 @@ def worker(sizes: list[int], iters: int, warmup: int, out: str) -> None:
         if comm.rank == 0:
             with open(out, "w") as f:
                 json.dump({"algorithm": rows[-1]["algorithm"], "nhosts": comm.nhosts,
-                           "transports": sorted(set(comm.transports.values())), "rows": rows}, f)
+                           "transports": sorted(set(comm.transports.values())),
+                           "box": comm.topology.shape, "order": list(comm.topology.order),
+                           "rows": rows}, f)
 
 
 def measure(tb: Testbed, m: int, algo: str, sizes: list[int], args: argparse.Namespace,
-            deadline: float) -> dict[str, Any]:
+            deadline: float, placement: str = "block") -> dict[str, Any]:
     """One job of M x H ranks running `worker` with DDL_ALGO=algo; returns rank 0's JSON."""
     assert tb.workdir
     path = os.path.join(tempfile.mkdtemp(prefix="json-", dir=tb.workdir), "rows.json")
     argv = [os.path.abspath(__file__), "--rank-worker", ",".join(map(str, sizes)),
             str(args.iters), str(args.warmup), path]
     tb.run_job(m, argv, deadline - time.monotonic(), ddl_timeout=args.ddl_timeout,
-               env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport})
+               env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport}, placement=placement)
     with open(path) as f:
         return json.load(f)
 
 
-HEAD = (f"{'shape':>5s} {'rate':>7s} {'algo':>8s} {'size(B)':>10s} {'time(us)':>10s} "
-        f"{'busbw':>6s} {'bound(us)':>10s} {'meas/bd':>7s} {'link B bound':>12s} "
-        f"{'link B ring':>12s} {'#wrong':>6s}")
+HEAD = (f"{'shape':>5s} {'place':>6s} {'rate':>7s} {'algo':>9s} {'size(B)':>10s} "
+        f"{'time(us)':>10s} {'busbw':>6s} {'bound(us)':>10s} {'meas/bd':>7s} {'sim(us)':>10s} "
+        f"{'sim/meas':>8s} {'link B bound':>12s} {'link B ring':>12s} {'#wrong':>6s}")
 
 
 def table_row(r: dict[str, Any]) -> str:
     nan, algo = float("nan"), r["algo"] if r["algo"] != "auto" else f"a:{r['algorithm']}"
-    return (f"{r['shape']:>5s} {r['rate'] or '-':>7s} {algo:>8s} {r['size']:10d} "
-            f"{r['time_us']:10.0f} {r['busbw']:6.3f} {r['bound_us'] or nan:10.0f} "
-            f"{r['ratio_to_bound'] or nan:7.2f} {r['link_bytes_bound']:12.0f} "
-            f"{r['link_bytes_flat_ring']:12.0f} {r['wrong']:6d}")
+    sim = r.get("sim_us")
+    return (f"{r['shape']:>5s} {r.get('placement', 'block'):>6s} {r['rate'] or '-':>7s} "
+            f"{algo:>9s} {r['size']:10d} {r['time_us']:10.0f} {r['busbw']:6.3f} "
+            f"{r['bound_us'] or nan:10.0f} {r['ratio_to_bound'] or nan:7.2f} "
+            f"{sim or nan:10.0f} {sim / r['time_us'] if sim else nan:8.2f} "
+            f"{r['link_bytes_bound']:12.0f} {r['link_bytes_flat_ring']:12.0f} {r['wrong']:6d}")
+
+
+def summary(results: list[dict[str, Any]]) -> list[str]:
+    """Per (shape, placement, rate, size, algo) over the repeats: median time, its spread
+    ((max - min) / median), ratio to the bound, speed-up over the ring of the same placement,
+    and the simulator's prediction over the median."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        key = (r["shape"], r.get("placement", "block"), r["rate"], r["size"], r["algo"])
+        groups.setdefault(key, []).append(r)
+    median = {k: statistics.median(r["time_us"] for r in rows) for k, rows in groups.items()}
+    lines = [f"{'shape':>5s} {'place':>6s} {'rate':>7s} {'size(B)':>10s} {'algo':>9s} {'n':>2s} "
+             f"{'median us':>10s} {'spread':>6s} {'meas/bd':>7s} {'vs ring':>7s} {'sim/meas':>8s}"]
+    for key, rows in groups.items():
+        t, times, nan = median[key], [r["time_us"] for r in rows], float("nan")
+        ring = median.get(key[:4] + ("ring",))
+        bound, sim = rows[0]["bound_us"], rows[0].get("sim_us")
+        used = "/".join(sorted({r["algorithm"] for r in rows}))
+        algo = key[4] if key[4] != "auto" else f"a:{used}"
+        lines.append(f"{key[0]:>5s} {key[1]:>6s} {key[2] or '-':>7s} {key[3]:10d} {algo:>9s} "
+                     f"{len(rows):2d} {t:10.0f} {(max(times) - min(times)) / t:6.1%} "
+                     f"{t / bound if bound else nan:7.2f} {ring / t if ring else nan:7.2f} "
+                     f"{sim / t if sim else nan:8.2f}")
+    return lines
 
 
 def run_all(args: argparse.Namespace, algos: list[str], sizes: list[int],
             results: list[dict[str, Any]]) -> int:
-    """Every (shape, rate, algorithm), one testbed per (shape, rate); rows appended to results."""
+    """Every (shape, rate, placement, repeat, algorithm), one testbed per (shape, rate); rows
+    appended to results. Repeats go round all algorithms, so a change of the machine's load
+    during the run shows in every algorithm's spread alike."""
     status, deadline = 0, time.monotonic() + args.timeout
     rates = [None if r.lower() == "none" else r for r in args.rates.split(",")]
     for (m, h), rate in itertools.product(args.shapes, rates):
         with Testbed(h, rate) as tb:
-            for algo in algos:
+            for placement, rep, algo in itertools.product(args.placement, range(args.repeat),
+                                                          algos):
                 t0, load = time.monotonic(), os.getloadavg()[0]  # others' work skews timings here
                 try:
-                    got = measure(tb, m, algo, sizes, args, deadline)
+                    got = measure(tb, m, algo, sizes, args, deadline, placement)
                 except JobFailed as exc:
-                    print(f"# {m}x{h} {rate} {algo}: FAILED\n{exc}", file=sys.stderr)
+                    print(f"# {m}x{h} {placement} {rate} {algo}: FAILED\n{exc}", file=sys.stderr)
                     status = 1
                     continue
-                print(f"# {m}x{h} at {rate or 'unshaped'}, {algo} (ran {got['algorithm']}, "
-                      f"{got['nhosts']} hosts, {'+'.join(got['transports'])}): "
+                print(f"# {m}x{h} {placement} at {rate or 'unshaped'}, {algo} #{rep} (ran "
+                      f"{got['algorithm']}, {got['nhosts']} hosts, box {got['box']} order "
+                      f"{got['order']}, {'+'.join(got['transports'])}): "
                       f"{time.monotonic() - t0:.1f} s, load {load:.1f} before, "
                       f"{os.getloadavg()[0]:.1f} after", flush=True)
+                if got["order"] != box_order(m, h, placement):
+                    print(f"# box order {got['order']}, expected {box_order(m, h, placement)}",
+                          file=sys.stderr)
+                    status = 1
                 for row in got["rows"]:
                     bound_us = (link_bytes(row["size"], h) / parse_rate(rate) * 1e6
                                 if rate and h > 1 else None)
+                    sim_s = simulated(m, h, placement, rate, row["algorithm"], row["size"])
                     results.append(dict(
-                        shape=f"{m}x{h}", ranks_per_host=m, hosts=h, rate=rate, algo=algo,
-                        algorithm_used=got["algorithm"], transports=got["transports"],
+                        shape=f"{m}x{h}", ranks_per_host=m, hosts=h, placement=placement,
+                        repeat=rep, rate=rate, algo=algo, algorithm_used=got["algorithm"],
+                        transports=got["transports"], box=got["box"], box_order=got["order"],
                         loadavg_before=load, loadavg_after=os.getloadavg()[0], bound_us=bound_us,
                         ratio_to_bound=row["time_us"] / bound_us if bound_us else None, **row,
+                        sim_us=sim_s * 1e6 if sim_s is not None else None,
                         link_bytes_bound=link_bytes(row["size"], h),
-                        link_bytes_flat_ring=link_bytes(row["size"], m * h)))
+                        link_bytes_flat_ring=ring_flows(m, h, placement) *
+                        link_bytes(row["size"], m * h)))
                     status |= int(row["wrong"] > 0)
                     print(table_row(results[-1]), flush=True)
     return status
@@ -423,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
                    type=lambda s: [parse_size(x) for x in s.split(",")])
     p.add_argument("--algos", default="ring,mdring,rhd",
                    help="comma list; names not registered in ddlcore are skipped with a note")
+    p.add_argument("--placement", "--placements", default=["block"],
+                   type=lambda s: [_placement(x) for x in s.split(",")],
+                   help="comma list: block (rank r on host r // M, the default) or cyclic "
+                        "(rank r on host r % H)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each (shape, placement, algorithm) this many times")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-w", "--warmup", type=int, default=1)
     p.add_argument("--transport", default="auto:tcp",
@@ -433,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds for the whole run; on expiry kill everything and tear down")
     p.add_argument("--json", help="write every row (and the command) to this file")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     for r in args.rates.split(","):
         if r.lower() != "none":
             parse_rate(r)
@@ -466,9 +581,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     print(f"\n# allreduce, iters {args.iters}, warmup {args.warmup}; time = slowest rank's mean; "
-          f"bound = 2(H-1)/H n / rate; link B = bytes per host link: the bound's, and a flat "
-          f"ring's (2(P-1)/P n)\n{HEAD}")
+          f"bound = 2(H-1)/H n / rate; sim = the simulator's time for the algorithm that ran, "
+          f"same rank -> host map; link B = bytes per host link: the bound's, and the rank-order "
+          f"ring's (flows x 2(P-1)/P n)\n{HEAD}")
     print("\n".join(table_row(r) for r in results))
+    if args.repeat > 1 or len(args.placement) > 1:
+        print(f"\n# over {args.repeat} repeat(s): median, spread = (max - min) / median, "
+              "vs ring = the ring's median / this median (same placement)")
+        print("\n".join(summary(results)))
     if args.json:
         meta = {"command": " ".join(["python", "benchmarks/netns_testbed.py",
                                      *(sys.argv[1:] if argv is None else argv)]),

@@ -8,10 +8,14 @@ global rank within each host, hosts by their lowest global rank.
 The box (the multi-dimensional ring's arrangement, DESIGN.md) is ``d1 x d2 x ... x dk``, the
 fastest level first: derived as ranks-per-host x hosts-per-rack x racks, or given with
 ``DDL_TOPOLOGY``. Ranks are placed in it by (rack, host, local rank), so every host is a sub-box
-of the leading dimensions. Each dimension has a link bandwidth and latency: defaults from the
-transport that carries that level, ``DDL_LINK_BW`` / ``DDL_LINK_LAT`` to override, and a short
-probe at init (``DDL_LINK_PROBE=1``) to measure. Uneven hosts (3 + 2 ranks) give a flat, 1-D
-box, whose ring still follows hosts; the reason is kept in `Topology.note`.
+of the leading dimensions whatever the launcher's placement: ranks placed host by host (block)
+keep their rank as box position; ranks dealt round-robin over the hosts (cyclic: ranks 0, 2 on
+one host, 1, 3 on the other) get a permutation, ``Topology.order``, between box position and
+rank. Each dimension has a link bandwidth and latency: defaults from the transport that carries
+that level, ``DDL_LINK_BW`` / ``DDL_LINK_LAT`` to override, and a short probe at init
+(``DDL_LINK_PROBE=1``) to measure. Uneven hosts (3 + 2 ranks) give a flat, 1-D box, whose ring
+in box order (mdring on one dimension) still follows hosts; the reason is kept in
+`Topology.note`.
 """
 
 from __future__ import annotations

@@ -10,10 +10,14 @@ reduce-scatter, reducing them (``gamma`` = seconds per byte of the reduction ker
 
 ``share`` is how many ranks of one host push bytes through the host's network adapter at the
 same time in that phase: 1 inside a host (point-to-point links), and the ranks per host (over
-the host's adapters, `Topology.adapters`) when every rank crosses the network at once (a multi-dimensional ring's network phases, halving-
-doubling's distant rounds). The flat ring crosses each host boundary with one flow, but every
-one of its 2(P - 1) steps waits for the slowest link. The simulator (``ddlcore.simulate``) runs
-the schedules themselves against the same link model and is how this formula is checked.
+the host's adapters, `Topology.adapters`) when every rank crosses the network at once (a
+multi-dimensional ring's network phases, halving-doubling's distant rounds). The flat ring runs
+in rank order: with ranks placed host by host it crosses each host boundary with one flow, with
+ranks dealt round-robin over the hosts every hop leaves its host and the host's ranks share its
+adapter (``share`` counted per hop); every one of its 2(P - 1) steps waits for the slowest hop.
+mdring on a one-dimensional box is the ring in box order (host by host). The simulator
+(``ddlcore.simulate``) runs the schedules themselves against the same link model and is how this
+formula is checked.
 
 Where an allreduce's host dimensions can run through the shared boards (``ddlcore.hostcoll``,
 ``host_path=True``), mdring's host phases with those dimensions first are priced as the boards
@@ -111,29 +115,53 @@ def _share(topo: Topology, dim: int, concurrent: int) -> int:
     return 1 if dim < topo.host_dims else max(1, -(-concurrent // topo.adapters))
 
 
+def _ring_hops(topo: Topology, order: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(dimension crossed, flows sharing the busiest adapter on the way) of each hop of the ring
+    through ``order``: network hops leaving (or entering) the same adapter share it."""
+    p = len(order)
+    pairs = [(order[i], order[(i + 1) % p]) for i in range(p)]
+    dims = [topo.dim_between(a, b) for a, b in pairs]
+    out_flows: dict[tuple[int, int], int] = {}
+    in_flows: dict[tuple[int, int], int] = {}
+    for (a, b), j in zip(pairs, dims, strict=True):
+        if j >= topo.host_dims:
+            out_flows[topo.adapter_of(a)] = out_flows.get(topo.adapter_of(a), 0) + 1
+            in_flows[topo.adapter_of(b)] = in_flows.get(topo.adapter_of(b), 0) + 1
+    return [(j, 1 if j < topo.host_dims else
+             max(out_flows[topo.adapter_of(a)], in_flows[topo.adapter_of(b)]))
+            for (a, b), j in zip(pairs, dims, strict=True)]
+
+
 def _ring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
-          chunk_bytes: float) -> float:
+          chunk_bytes: float, order: tuple[int, ...] | None = None) -> float:
+    """The ring through ``order`` (default rank order, the ``ring`` algorithm's)."""
     p = topo.size
     if p == 1:
         return 0.0
-    # The ring follows the box order, crossing each host boundary with one flow. Its steps form
-    # one dependency chain around the ring (rank r's step g waits for rank r-1's step g-1), so
-    # it pays the MEAN hop's latency per step; when segments stream in several chunks every
-    # hop carries all steps' bytes and the slowest sets the pace, else the chain pays the mean
-    # hop's transfer too, but never less than the slowest hop needs to carry every step's
-    # segment (at 128+ ranks the chain alone was up to 1.44x optimistic in the simulator).
-    hops = [topo.dim_between(topo.order[i], topo.order[(i + 1) % p]) for i in range(p)]
+    # Its steps form one dependency chain around the ring (rank r's step g waits for rank
+    # r-1's step g-1), so it pays the MEAN hop's latency per step; when segments stream in
+    # several chunks every hop carries all steps' bytes and the slowest sets the pace, else the
+    # chain pays the mean hop's transfer too, but never less than the slowest hop needs to
+    # carry every step's segment (at 128+ ranks the chain alone was up to 1.44x optimistic in
+    # the simulator). A hop's transfer is slowed by the other hops through its adapters.
+    hops = _ring_hops(topo, tuple(range(p)) if order is None else order)
     m = nbytes / p
-    latency = sum(topo.lat[j] for j in hops) / p
+    latency = sum(topo.lat[j] for j, _ in hops) / p
     reduce = m * gamma
-    slowest = max(m / topo.bw[j] for j in hops)
+    slowest = max(m * share / topo.bw[j] for j, share in hops)
     steps = (p - 1) * (int(rs) + int(ag))
     if m > chunk_bytes:  # streaming: chunk k is reduced while chunk k+1 is on the wire
         rs_step = max(slowest, reduce)
         return (p - 1) * (int(rs) * (latency + rs_step) + int(ag) * (latency + slowest))
-    transfer = sum(m / topo.bw[j] for j in hops) / p
+    transfer = sum(m * share / topo.bw[j] for j, share in hops) / p
     chain = (p - 1) * (int(rs) * (latency + transfer + reduce) + int(ag) * (latency + transfer))
     return max(chain, steps * slowest)
+
+
+def in_rank_order(topo: Topology) -> bool:
+    """Whether box order is rank order (ranks placed host by host): then mdring on a box of one
+    dimension is exactly the ring."""
+    return topo.order == tuple(range(topo.size))
 
 
 def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
@@ -146,6 +174,8 @@ def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
 
 def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
             order: tuple[int, ...], chunk_bytes: float, host_path: bool = False) -> float:
+    if len(active_dims(topo, order)) <= 1:  # one ring, in box order
+        return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes, topo.order)
     t, m = 0.0, float(nbytes)
     boards = host_path and rs and ag and host_first(topo, order)
     for j in active_dims(topo, order):
@@ -236,7 +266,9 @@ def candidates(collective: str, topo: Topology, nbytes: float,
     for name in ALGORITHMS[collective]:
         if name == "mdring":
             if len(active_dims(topo)) <= 1:
-                continue  # a box with one dimension: mdring is the ring
+                if not in_rank_order(topo):  # the ring in box order, not rank order
+                    out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
+                continue  # in rank order, a box with one dimension makes mdring the ring
             for order in dim_orders(topo):
                 out.append(Choice(name, 0, order, predict(collective, name, topo, nbytes, order,
                                                           host_path=host_path)))
@@ -262,8 +294,14 @@ def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes:
             return best
         return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
     ranked = candidates(collective, topo, nbytes, host_path)
-    # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins.
+    # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins; but
+    # where ranks are not placed host by host, the ring in box order (mdring) goes before the
+    # ring in rank order: it never crosses more host boundaries, and a flat box (uneven hosts)
+    # cannot price the boundaries the rank-order ring crosses.
     order = list(candidates_of)
+    if not in_rank_order(topo) and "mdring" in order:
+        order.remove("mdring")
+        order.insert(0, "mdring")
     near = [c for c in ranked if c.predicted_s <= ranked[0].predicted_s * (1 + TIE)]
     best = min(near, key=lambda c: order.index(c.algorithm))
     return Choice(best.algorithm, chunk_bytes, best.dim_order, best.predicted_s)

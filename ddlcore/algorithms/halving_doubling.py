@@ -13,6 +13,8 @@ rhd allreduce of n elements (virtual ranks; a rank's half is kept, the other hal
 
 Nearest partners first: with ranks placed host by host the big halves stay inside a host, and
 the network carries n/L per rank for L ranks per host (the bytes of the multi-dimensional ring).
+Partners are rank numbers, not box positions: with ranks dealt round-robin over the hosts the
+big halves cross the network (the cost model prices that; mdring follows the hosts instead).
 
 2 log2 P' latency steps and 2 (P'-1)/P' n elements per rank (+2n on folded pairs): fewer steps
 than the ring for mid-sized messages. Each element is reduced once (by its owner), so the result

@@ -1,7 +1,13 @@
 """The multi-dimensional ring (PowerAI DDL, section 4.3): ring phases along each box dimension.
 
 The ranks form a box d1 x d2 x ... x dk (`ddlcore.topology`), d1 the ranks sharing the fastest
-link. Allreduce of n elements on a 4 x 2 box (4 ranks per host, 2 hosts)::
+link. The box comes from the hosts, not from rank numbers: where the launcher dealt ranks
+round-robin over the hosts (ranks 0, 2 on one, 1, 3 on the other), ``Topology.order`` maps box
+positions to ranks and every ring here runs along box coordinates, while reduce-scatter's and
+allgather's blocks stay at their rank's offset. A box with one dimension is one ring in box order
+(host by host), unlike ``ring``, which follows rank order.
+
+Allreduce of n elements on a 4 x 2 box (4 ranks per host, 2 hosts)::
 
     RS along d1 (inside each host, 4-rank rings):  each rank keeps a reduced n/4
     RS along d2 (across hosts, 2-rank rings):      each rank keeps a fully reduced n/8  (final)
@@ -28,7 +34,6 @@ that part, the same phases as in `allreduce`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from ddlcore.algorithms import ring
@@ -75,7 +80,7 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return _as_mdring(ring.allreduce(rank, size, count, itemsize, chunk_bytes, topo))
+        return ring.ring_over("allreduce", topo.order, rank, count, itemsize, chunk_bytes, NAME)
     return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims)
 
 
@@ -121,7 +126,8 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return _as_mdring(ring.reduce_scatter(rank, size, count, itemsize, chunk_bytes, topo))
+        return ring.ring_over("reduce_scatter", topo.order, rank, count, itemsize, chunk_bytes,
+                              NAME)
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     k = count // size
     # Blocks into scratch in phase order: phase j's segments are then contiguous.
@@ -147,7 +153,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return _as_mdring(ring.allgather(rank, size, count, itemsize, chunk_bytes, topo))
+        return ring.ring_over("allgather", topo.order, rank, count, itemsize, chunk_bytes, NAME)
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     total = size * count
     mine = _block_index(topo, rank, dims) * count
@@ -164,8 +170,3 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
                    Buf.OUTPUT, r * count) for r in range(size)]
     return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=total)
-
-
-def _as_mdring(schedule: Schedule) -> Schedule:
-    """A box with one dimension is a ring; keep the name the caller asked for."""
-    return dataclasses.replace(schedule, algorithm=NAME)

@@ -1,8 +1,13 @@
 """Chunked, pipelined ring reduce-scatter, allgather and allreduce (allreduce = RS + AG).
 
-The P ranks form a ring in the topology's order (host by host, so each host boundary is crossed
-once); the rank at ring position r sends to position r+1 and receives from r-1. The buffer is cut
-into P segments (the first ``count % P`` one element longer) and each segment into C chunks.
+The P ranks form a ring in RANK order, whatever the hosts: the topology-oblivious ring
+(``DDL_ALGO=ring``), as MPI's and Gloo's rings are. Where the launcher placed ranks host by host
+(block placement) it crosses each host boundary once; where it dealt them round-robin over the
+hosts (cyclic: Slurm ``--distribution=cyclic``, ``mpiexec --map-by node``) every hop crosses
+hosts. The ring in the topology's box order (host by host whatever the placement) is mdring on a
+one-dimensional box (`ring_over`). The rank at ring position r sends to position r+1 and
+receives from r-1. The buffer is cut into P segments (the first ``count % P`` one element
+longer) and each segment into C chunks.
 Below, "rank r" means ring position r; `ring_phase` is the same program over any ring of ranks,
 which the multi-dimensional ring (``mdring``) runs once per box dimension.
 
@@ -41,7 +46,7 @@ from ddlcore.algorithms.schedule import (
     nchunks_for,
     split,
 )
-from ddlcore.topology import Topology, flat
+from ddlcore.topology import Topology
 
 NAME = "ring"
 
@@ -138,44 +143,53 @@ def local_copy(collective: str, rank: int, count: int, chunk: int, dst_off: int 
 
 def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
               topo: Topology | None = None) -> Schedule:
-    chunk = chunk_elems(chunk_bytes, itemsize)
-    if size == 1:
-        return local_copy("allreduce", rank, count, chunk)
-    topo = topo or flat(size)
-    segs = split(count, size)
-    nchunks = nchunks_for(segs[0][1], chunk)
-    steps = ring_phase(topo.order, topo.position(rank), segs, nchunks, size - 1, size - 1)
-    return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+    """The ring in rank order; ``topo`` (the registry's signature) does not change it."""
+    return ring_over("allreduce", tuple(range(size)), rank, count, itemsize, chunk_bytes)
 
 
 def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
                    topo: Topology | None = None) -> Schedule:
     """``count`` is the input length (size * k); rank r's output is the reduced segment r."""
-    chunk = chunk_elems(chunk_bytes, itemsize)
-    if size == 1:
-        return local_copy("reduce_scatter", rank, count, chunk)
-    topo = topo or flat(size)
-    seg_len = count // size
-    segs = [(r * seg_len, seg_len) for r in topo.order]  # ring position p ends with rank order[p]'s block
-    nchunks = nchunks_for(seg_len, chunk)
-    steps = ring_phase(topo.order, topo.position(rank), segs, nchunks, size - 1, 0,
-                       rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0))
-    return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
-                    scratch_count=count if size > 2 else 0)
+    return ring_over("reduce_scatter", tuple(range(size)), rank, count, itemsize, chunk_bytes)
 
 
 def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
               topo: Topology | None = None) -> Schedule:
     """``count`` is the input length k; the output holds size * k elements, rank i's at i*k."""
+    return ring_over("allgather", tuple(range(size)), rank, count, itemsize, chunk_bytes)
+
+
+def ring_over(collective: str, order: Sequence[int], rank: int, count: int, itemsize: int,
+              chunk_bytes: int, algorithm: str = NAME) -> Schedule:
+    """``collective`` as one ring through the ranks in ``order`` (``order[p]`` at ring position
+    p, a permutation of the ranks): rank order for `allreduce` and co., a topology's box order
+    for mdring on a one-dimensional box. Blocks stay at their RANK's offset in reduce-scatter's
+    input and allgather's output, wherever the rank sits in the ring."""
+    size = len(order)
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy("allgather", rank, count, chunk, rank * count)
-    topo = topo or flat(size)
+        return local_copy(collective, rank, count, chunk, rank * count if collective == "allgather"
+                          else 0, algorithm)
+    pos = rank if order[rank] == rank else list(order).index(rank)
+    if collective == "allreduce":
+        segs = split(count, size)
+        nchunks = nchunks_for(segs[0][1], chunk)
+        steps = ring_phase(order, pos, segs, nchunks, size - 1, size - 1)
+        return Schedule(collective, algorithm, rank, size, count, chunk, drop_empty(steps))
+    if collective == "reduce_scatter":
+        seg_len = count // size
+        segs = [(r * seg_len, seg_len) for r in order]  # position p ends with rank order[p]'s block
+        nchunks = nchunks_for(seg_len, chunk)
+        steps = ring_phase(order, pos, segs, nchunks, size - 1, 0, rs_dst=Buf.SCRATCH,
+                           final=(Buf.OUTPUT, 0))
+        return Schedule(collective, algorithm, rank, size, count, chunk, drop_empty(steps),
+                        scratch_count=count if size > 2 else 0)
+    if collective != "allgather":
+        raise ValueError(f"no ring for {collective!r}")
     own = Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, rank * count)
-    segs = [(r * count, count) for r in topo.order]
+    segs = [(r * count, count) for r in order]
     nchunks = nchunks_for(count, chunk)
-    steps = ring_phase(topo.order, topo.position(rank), segs, nchunks, 0, size - 1,
-                       ag_first_src=(Buf.INPUT, 0))
+    steps = ring_phase(order, pos, segs, nchunks, 0, size - 1, ag_first_src=(Buf.INPUT, 0))
     # The local copy of our own block goes right after the first send, so the wire starts first.
     steps.insert(1, own)
-    return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(collective, algorithm, rank, size, count, chunk, drop_empty(steps))

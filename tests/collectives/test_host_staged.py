@@ -56,10 +56,11 @@ def _matrix(rank, size):
     return digests
 
 
-@pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc"])
+@pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc", "abcabc"])
 def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts):
-    """2 x 2, 3 ranks x 2 hosts, 2 ranks x 3 hosts: results are right and the same bits on
-    every rank."""
+    """2 x 2, 3 ranks x 2 hosts, 2 ranks x 3 hosts, placed cyclically (abab, abcabc: each
+    host's boards hold ranks that are not neighbours in rank order) or host by host: results
+    are right and the same bits on every rank."""
     results = run_ranks(_matrix, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET,
                         timeout=300)
     for rank in range(1, len(hosts)):

@@ -67,3 +67,79 @@ def test_probe_measures_links_and_every_rank_reads_the_same():
     dims, _, _, bw, lat, _, _ = res[0]
     assert dims == (2, 2)
     assert all(b > 1e6 for b in bw) and all(0 < t < 0.1 for t in lat)
+
+
+# --- cyclic placement: ranks dealt round-robin over the hosts (rank r on host r % H) ------------
+
+# Links like 1 Gbit/s between hosts: auto and mdring run the host dimension on the boards.
+SLOW_NET = {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"}
+# 0, 1, a prime, and a prime above the boards' 128 KB slots (direct reads); none divisible by P.
+CYCLIC_COUNTS = (0, 1, 1009, 65_537)
+
+
+def _cyclic_collectives(rank, size, hosts):
+    """Every collective on random data against NumPy, the digests of the results every rank
+    shares (not reduce_scatter's) for the parent to compare across ranks; also where the rings
+    go (rank order for ring, the box for mdring)."""
+    from ddlcore.kernels import reference
+
+    import ddlcore
+    from ddlcore.algorithms import Kind
+    from ddlcore.config import get
+    from tests.collectives import matrix
+
+    algo = get("DDL_ALGO")
+    digests = {}
+    with ddlcore.init() as comm:
+        topo = comm.topology
+        assert topo.dims == (size // hosts, hosts), topo.dims
+        assert topo.order == tuple(sorted(range(size), key=lambda r: (r % hosts, r)))
+        assert comm.nhosts == hosts and comm.local_rank == rank // hosts
+        assert {q for q, t in comm.transports.items() if t == "shm"} == \
+            {q for q in range(size) if q % hosts == rank % hosts and q != rank}
+        choice, sched = comm._schedule("allreduce", 100_000, 4, 0)
+        peers = {s.peer for s in sched.steps if s.kind != Kind.COPY}
+        if algo == "ring":
+            assert choice.algorithm == "ring" and peers == {(rank - 1) % size, (rank + 1) % size}
+            assert comm._node is None
+        else:
+            large = comm.describe("allreduce", 16 << 20)
+            if algo in ("mdring", "auto"):
+                assert large.algorithm == "mdring" and large.host_path == "direct", large
+                assert comm._node is not None and comm._node.ranks == \
+                    tuple(range(rank % hosts, size, hosts))
+        for dtype in (np.float32, np.int64):
+            name = np.dtype(dtype).name
+            for count in CYCLIC_COUNTS:
+                for op in matrix.OPS:
+                    case = f"allreduce {name} {op} count={count}"
+                    digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
+                for op in ("sum", "max"):
+                    xs = [matrix.random_input(dtype, count * size, r, 7, op) for r in range(size)]
+                    got = comm.reduce_scatter(xs[rank], op=op)
+                    want = reference.reduce_ref(xs, op)[rank * count:(rank + 1) * count]
+                    case = f"reduce_scatter {name} {op} count={count}"
+                    matrix.check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
+                xs = [matrix.random_input(dtype, count, r, 11, "sum") for r in range(size)]
+                got = comm.allgather(xs[rank])
+                np.testing.assert_array_equal(got, np.concatenate(xs))
+                digests[f"allgather {name} count={count}"] = matrix.digest(got)
+                root = (count + 1) % size
+                x = xs[rank].copy()
+                assert comm.broadcast(x, root=root) is x
+                np.testing.assert_array_equal(x, xs[root])
+    return digests
+
+
+@pytest.mark.parametrize("algo", ["ring", "mdring", "rhd", "auto"])
+@pytest.mark.parametrize("per_host,hosts", [(2, 2), (2, 3)], ids=["2x2", "2x3"])
+def test_cyclic_placement_every_collective_and_algorithm(per_host, hosts, algo):
+    """Ranks 0, 2 on host a and 1, 3 on host b (2x2; 2x3: a b c a b c): mdring's box follows
+    the hosts through a permutation of the ranks, the ring stays in rank order, results are
+    right and bit-identical on every rank."""
+    size = per_host * hosts
+    results = run_ranks(_cyclic_collectives, size, hosts,
+                        rank_envs=_hosts(*(f"h{r % hosts}" for r in range(size))),
+                        env={**SLOW_NET, "DDL_ALGO": algo, "DDL_TIMEOUT": "60"}, timeout=300)
+    for rank in range(1, size):
+        assert results[rank] == results[0], f"rank {rank} differs from rank 0"

@@ -1,4 +1,5 @@
-"""Collectives across emulated hosts: 2 network namespaces x 2 ranks, every registered algorithm.
+"""Collectives across emulated hosts: 2 network namespaces x 2 ranks, every registered algorithm,
+ranks placed host by host and dealt round-robin over the namespaces (cyclic).
 
 Uses the testbed of ``benchmarks/netns_testbed.py`` (loaded by path: ``benchmarks`` is not a
 package). Ranks in one namespace must talk over shm and across namespaces over tcp, results must
@@ -9,6 +10,7 @@ left behind, also when a rank fails. Needs root and iproute2; CI runs it as root
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -70,3 +72,42 @@ def test_job_timeout_kills_every_rank(netns, tmp_path):
             tb.run_job(1, ["-c", "import time; time.sleep(60)"], timeout=1)
         assert all(r.proc.poll() is not None for r in tb.ranks)
     assert tb.leftovers() == []
+
+
+def test_placements_deal_ranks_to_hosts():
+    tb = _testbed()
+    assert [tb.host_of(r, 2, 3, "block") for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [tb.host_of(r, 2, 3, "cyclic") for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert tb.box_order(2, 3, "cyclic") == [0, 3, 1, 4, 2, 5]
+    # The rank-order ring leaves each host once (block) or from every rank on it (cyclic).
+    assert [tb.ring_flows(m, h, "block") for m, h in [(2, 2), (2, 3), (4, 2), (4, 1)]] == \
+        [1, 1, 1, 0]
+    assert [tb.ring_flows(m, h, "cyclic") for m, h in [(2, 2), (2, 3), (4, 2)]] == [2, 2, 4]
+    with pytest.raises(ValueError, match="placement 'round'"):
+        tb.host_of(0, 2, 2, "round")
+    # The simulator sees the same rank -> host map: the ring pays for its M flows per link.
+    ring = [tb.simulated(2, 2, p, "1gbit", "ring", 16 << 20) for p in ("block", "cyclic")]
+    assert ring[1] == pytest.approx(2 * ring[0], rel=0.05)
+    md = [tb.simulated(2, 2, p, "1gbit", "mdring", 16 << 20) for p in ("block", "cyclic")]
+    assert md[0] == pytest.approx(md[1], rel=1e-6) and md[1] < ring[1] / 2.5
+    assert tb.simulated(2, 2, "cyclic", None, "ring", 1 << 20) is None
+
+
+@pytest.mark.parametrize("algo", ["ring", "mdring", "auto"])
+def test_cyclic_placement_across_namespaces(netns, algo, tmp_path):
+    """Rank r in namespace r % 2: the box follows the namespaces (order 0, 2, 1, 3), shm among
+    the ranks of one, tcp across, and the testbed's worker gets exact sums."""
+    out = tmp_path / "rows.json"
+    argv = [str(ROOT / "benchmarks" / "netns_testbed.py"), "--rank-worker", "4,4000012", "2",
+            "1", str(out)]
+    with netns.Testbed(HOSTS) as tb:
+        ranks = tb.run_job(RANKS_PER_HOST, argv, timeout=60, placement="cyclic", ddl_timeout=30,
+                           env={"DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp"})
+        assert [r.host for r in ranks] == [r % HOSTS for r in range(HOSTS * RANKS_PER_HOST)]
+    assert tb.leftovers() == []
+    got = json.loads(out.read_text())
+    assert got["order"] == [0, 2, 1, 3] and got["box"] == "2x2" and got["nhosts"] == HOSTS
+    assert got["transports"] == ["shm", "tcp"]
+    assert [row["wrong"] for row in got["rows"]] == [0, 0]
+    assert got["algorithm"] == algo if algo != "auto" else \
+        got["algorithm"] in ALGORITHMS["allreduce"]

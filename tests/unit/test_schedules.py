@@ -183,7 +183,22 @@ BOXES = [(n,) for n in range(1, 10)] + [(2, 2), (2, 3), (3, 2), (2, 2, 2), (4, 2
                                         (1, 4), (4, 1), (2, 1, 3), (3, 2, 2)]
 # Ranks of a host interleaved (ranks 0, 2 on one host, 1, 3 on the other).
 ODD_ORDERS = [((2, 2), (0, 2, 1, 3)), ((2, 3), (5, 0, 3, 1, 4, 2)), ((2, 2, 2), (7, 6, 5, 4, 3, 2, 1, 0))]
-TOPOLOGIES = [_box(d) for d in BOXES] + [_box(d, o) for d, o in ODD_ORDERS]
+
+
+def _placed(host_ids):
+    """The box ``ddlcore.topology.build`` finds for ranks on these hosts (rank r on host_ids[r])."""
+    return topology.build(host_ids, [""] * len(host_ids), {"host": "shm", "network": "tcp"}, {})
+
+
+def _cyclic(per_host, hosts):
+    """Ranks dealt round-robin over the hosts (Slurm --distribution=cyclic): rank r on r % H."""
+    return _placed([f"h{r % hosts}" for r in range(per_host * hosts)])
+
+
+# Cyclic placement: 2x2 (0,2,1,3), 2x3 (0,3,1,4,2,5), 3x2, 4x2; uneven hosts (3 + 2, a flat box in
+# host order 0,2,4,1,3).
+CYCLIC = [_cyclic(2, 2), _cyclic(2, 3), _cyclic(3, 2), _cyclic(4, 2), _placed(list("ababa"))]
+TOPOLOGIES = [_box(d) for d in BOXES] + [_box(d, o) for d, o in ODD_ORDERS] + CYCLIC
 REDUCTIONS = [(c, a) for c in ("allreduce", "reduce_scatter", "allgather") for a in ALGORITHMS[c]]
 
 
@@ -275,3 +290,112 @@ def test_halving_doubling_step_counts(size):
     assert exchanges <= 2 * rounds + 1
     rd = halving_doubling.allreduce_doubling(size - 1, size, 10, 4, 1 << 20)
     assert sum(1 for s in rd.steps if s.kind == Kind.SEND) == rounds + (1 if size - 1 < 2 * extra else 0)
+
+
+# --- cyclic placement: the ring in rank order, mdring along the hosts ----------------------------
+
+def _peers(sched):
+    return {s.peer for s in sched.steps if s.kind != Kind.COPY}
+
+
+@pytest.mark.parametrize("topo", CYCLIC, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather"])
+def test_ring_follows_rank_order_whatever_the_placement(topo, collective):
+    """DDL_ALGO=ring is the topology-oblivious ring: rank r talks to r - 1 and r + 1 only, and
+    its schedule is the one it has with no topology at all."""
+    p, make = topo.size, ALGORITHMS[collective]["ring"]
+    for r in range(p):
+        sched = make(r, p, 6 * p, 4, 64, topo)
+        assert _peers(sched) == {(r - 1) % p, (r + 1) % p} - {r}
+        assert sched.steps == make(r, p, 6 * p, 4, 64).steps
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather"])
+def test_mdring_on_a_flat_box_is_the_ring_in_box_order(collective):
+    """Uneven hosts placed cyclically (a, b, a, b, a): mdring's one ring goes host by host,
+    0 -> 2 -> 4 -> 1 -> 3, crossing each host boundary once."""
+    topo = _placed(list("ababa"))
+    order = topo.order
+    for pos, r in enumerate(order):
+        sched = ALGORITHMS[collective]["mdring"](r, 5, 50, 4, 64, topo)
+        assert sched.algorithm == "mdring"
+        assert _peers(sched) == {order[pos - 1], order[(pos + 1) % 5]}
+
+
+@pytest.mark.parametrize("per_host,hosts", [(2, 2), (2, 3), (4, 2)])
+def test_mdring_on_cyclic_placement_keeps_bytes_off_the_network(per_host, hosts):
+    """Per rank, mdring sends 2 (H-1)/H n/M across hosts whatever the placement; the rank-order
+    ring on cyclic placement sends its whole 2 (P-1)/P n across hosts from every rank."""
+    p, n = per_host * hosts, 720 * per_host * hosts
+    cyclic = _cyclic(per_host, hosts)
+    block = _placed([f"h{r // per_host}" for r in range(p)])
+
+    def across(algo, topo, r):
+        sched = ALGORITHMS["allreduce"][algo](r, p, n, 4, 1 << 20, topo)
+        return sum(s.count for s in sched.steps
+                   if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 1)
+
+    for r in range(p):
+        assert across("mdring", cyclic, r) == across("mdring", block, r) == \
+            2 * (hosts - 1) * n // (hosts * per_host)
+        assert across("ring", cyclic, r) == 2 * (p - 1) * n // p
+    # Host 0's link, all its ranks together: the ring's M flows against mdring's one share each.
+    host0 = [r for r in range(p) if r % hosts == 0]
+    ring_link = sum(across("ring", cyclic, r) for r in host0)
+    md_link = sum(across("mdring", cyclic, r) for r in host0)
+    assert ring_link * (hosts - 1) * p == md_link * (p - 1) * hosts * per_host
+
+
+def test_cyclic_mdring_reduces_in_the_same_order_as_block():
+    """The box, not the rank numbers, sets mdring's reduction order: relabelling the ranks
+    (cyclic instead of block placement) gives the same bits, rank for rank of the same box
+    position."""
+    block, cyclic = _box((2, 3)), _cyclic(2, 3)
+    rng = np.random.default_rng(3)
+    by_position = [rng.standard_normal(101).astype(np.float32) for _ in range(6)]
+    results = []
+    for topo in (block, cyclic):
+        inputs = [by_position[topo.position(r)] for r in range(6)]
+        outputs = [np.zeros(101, np.float32) for _ in range(6)]
+        interpret([mdring.allreduce(r, 6, 101, 4, 40, topo) for r in range(6)], inputs, outputs)
+        results.append(outputs[0].tobytes())
+        assert all(o.tobytes() == results[-1] for o in outputs)
+    assert results[0] == results[1]
+
+
+def _slow_network(topo):
+    """``topo`` with 1 Gbit/s-like links across hosts, shm-like inside."""
+    links = [(3e9, 20e-6) if lvl == "host" else (1.2e8, 60e-6) for lvl in topo.levels]
+    return topology.Topology(topo.dims, topo.order, tuple(b for b, _ in links),
+                             tuple(t for _, t in links), topo.levels, topo.note)
+
+
+@pytest.mark.parametrize("per_host,hosts", [(2, 2), (2, 3), (4, 2)])
+def test_cost_model_and_simulator_see_the_rank_order_ring_cross_hosts(per_host, hosts):
+    """Cyclic placement: each host's M ranks all send out of it, so the rank-order ring takes
+    M times as long as with block placement, mdring the same; auto takes mdring. The simulator
+    runs the same schedules on the same rank -> host map and agrees with the cost model."""
+    from ddlcore import simulate, tuning
+
+    p, n = per_host * hosts, 64 << 20
+    cyclic = _slow_network(_cyclic(per_host, hosts))
+    block = _slow_network(_placed([f"h{r // per_host}" for r in range(p)]))
+    ring_c, ring_b = (tuning.predict("allreduce", "ring", t, n) for t in (cyclic, block))
+    assert ring_c == pytest.approx(per_host * ring_b, rel=0.01)
+    md_c, md_b = (tuning.predict("allreduce", "mdring", t, n) for t in (cyclic, block))
+    assert md_c == pytest.approx(md_b, rel=1e-9)
+    assert tuning.choose("allreduce", cyclic, n, "auto", 1 << 20).algorithm == "mdring"
+    sim = simulate.simulate("allreduce", "ring", cyclic, n, reduce_bw=3e9)
+    assert sim.time_s == pytest.approx(ring_c, rel=0.05)
+
+
+def test_auto_keeps_uneven_cyclic_hosts_together():
+    """A flat box cannot price the host boundaries: where the ranks are not in box order, auto
+    prefers the ring in box order (mdring) to the rank-order ring at a tie; in rank order,
+    mdring on one dimension is the ring and is not offered."""
+    from ddlcore import tuning
+
+    cyclic, block = _placed(list("ababa")), _placed(list("aaabb"))
+    assert tuning.choose("allreduce", cyclic, 64 << 20, "auto", 1 << 20).algorithm == "mdring"
+    assert tuning.choose("allreduce", block, 64 << 20, "auto", 1 << 20).algorithm == "ring"
+    assert "mdring" not in {c.algorithm for c in tuning.candidates("allreduce", block, 1e6)}

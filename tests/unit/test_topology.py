@@ -84,3 +84,54 @@ def test_adapters_share_the_network_round_robin():
     topo = topology.box((4, 2), [1e9, 1e9], [1e-6, 1e-6], adapters=2)
     assert [topo.adapter_of(r) for r in range(4)] == [(0, 0), (0, 1), (0, 0), (0, 1)]
     assert topo.adapter_of(5) == (1, 1)
+
+
+# --- cyclic placement: ranks dealt round-robin over the hosts (rank r on host r % H) ------------
+
+def _cyclic(per_host, hosts):
+    return [f"h{r % hosts}" for r in range(per_host * hosts)]
+
+
+@pytest.mark.parametrize("per_host,hosts,order", [
+    (2, 2, (0, 2, 1, 3)),
+    (2, 3, (0, 3, 1, 4, 2, 5)),
+    (4, 2, (0, 2, 4, 6, 1, 3, 5, 7)),
+    (3, 2, (0, 2, 4, 1, 3, 5)),
+])
+def test_cyclic_placement_makes_the_same_box_permuted(per_host, hosts, order):
+    """The box comes from the host grouping, not from rank numbers: each host's ranks form the
+    fast dimension (by rank), the hosts the slow one (by their lowest rank)."""
+    topo = _build(_cyclic(per_host, hosts))
+    assert topo.dims == (per_host, hosts) and topo.levels == ("host", "network")
+    assert topo.order == order
+    for r in range(topo.size):
+        host = r % hosts
+        assert topo.coords(r) == (r // hosts, host)
+        assert topo.rank_at(topo.coords(r)) == r
+        assert topo.node_of(r) == host and topo.adapter_of(r) == (host, 0)
+        assert topo.ring_along(r, 0) == tuple(range(host, topo.size, hosts))  # its host
+        assert topo.ring_along(r, 1) == tuple(range(r - host, r - host + hosts))  # across
+        for q in range(topo.size):
+            assert topo.dim_between(r, q) == (-1 if q == r else 0 if q % hosts == host else 1)
+    assert "" == topo.note
+
+
+def test_cyclic_placement_with_a_given_box_and_racks():
+    topo = _build(_cyclic(2, 2), env={"DDL_TOPOLOGY": "2x2"})
+    assert topo.dims == (2, 2) and topo.order == (0, 2, 1, 3)
+    with pytest.raises(ValueError, match="splits a host"):
+        _build(_cyclic(2, 2), env={"DDL_TOPOLOGY": "4x1"})
+    # Hosts dealt round-robin too, racks grouping hosts 0, 1 and 2, 3: the box is still
+    # host x rack x racks, each rack's hosts in it by their lowest rank.
+    hosts = _cyclic(2, 4)
+    racks = [f"r{r % 4 // 2}" for r in range(8)]
+    topo = _build(hosts, racks)
+    assert topo.dims == (2, 2, 2) and topo.levels == ("host", "rack", "cross-rack")
+    assert topo.order == (0, 4, 1, 5, 2, 6, 3, 7)
+    assert topo.dim_between(0, 4) == 0 and topo.dim_between(0, 1) == 1
+    assert topo.dim_between(0, 2) == 2
+
+
+def test_uneven_cyclic_hosts_keep_the_hosts_together_in_the_flat_box():
+    topo = _build(["a", "b", "a", "b", "a"])
+    assert topo.dims == (5,) and topo.order == (0, 2, 4, 1, 3) and "[3, 2]" in topo.note
