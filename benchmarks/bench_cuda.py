@@ -1,31 +1,55 @@
-"""GPU kernel throughput: reduce-copy per dtype against the device's own copy bandwidth.
+"""GPU kernel throughput, as ratios to what the device itself does.
 
-    python benchmarks/bench_cuda.py [--mib 256] [--reps 20] [--json out.json]
+    python benchmarks/bench_cuda.py [--mib 1,4,16,64,256] [--reps 20] [--tensors 1000]
+                                    [--tensor-kib 4] [--json out.json]
 
-For each dtype, ``reduce_copy(a, a, b)`` (a = a + b) on two device buffers of ``--mib`` MiB, in
-GB/s counting two reads and one write, next to a device-to-device copy (one read, one write) of
-the same buffer; timed with CUDA events, best of ``--reps`` after warm-up. Needs a GPU.
+1. Reduce: ``reduce_copy(a, a, b)`` (a = a + b) for every kernel dtype, bfloat16 included, on
+   buffers of each ``--mib`` size, in GB/s counting bytes read + written (two reads, one write),
+   next to a device-to-device copy of the same buffer (one read, one write). Timed with CUDA
+   events, best of ``--reps`` after a warm-up.
+2. Pack: ``--tensors`` float32 tensors of ``--tensor-kib`` KiB packed into one flat buffer by the
+   fused kernel in one launch (from device arrays, and from precomputed addresses), against one
+   device-to-device copy per tensor, and torch.cat / cupy.concatenate where installed with CUDA.
+   Wall-clock per call up to the end of the GPU work, best of ``--reps``; the ratio is copies'
+   time over the fused pack's.
+
+Needs a GPU; says so and exits where there is none.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 
-def main() -> None:
-    from ddlcore.kernels import cuda as kcuda
-    from numba import cuda
+def _gpu() -> Any:
+    try:
+        from numba import cuda
+    except ImportError:
+        sys.exit("bench_cuda.py needs numba-cuda (pip install 'ddlcore[cuda]') and a GPU")
+    if not cuda.is_available():
+        sys.exit("bench_cuda.py needs a CUDA GPU: numba.cuda.is_available() is False here")
+    return cuda
 
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--mib", default="1,4,16,64,256", help="reduce buffer sizes, MiB")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--tensor-kib", type=int, default=4)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    cuda = _gpu()
+    from ddlcore.kernels import cuda as kcuda
 
-    def best_ms(fn) -> float:
+    def best_ms(fn) -> float:  # GPU time between two events
         fn()
         cuda.synchronize()
         best = float("inf")
@@ -35,28 +59,87 @@ def main() -> None:
             fn()
             stop.record()
             stop.synchronize()
-            best = min(best, cuda.event_elapsed_time(start, stop))
+            best = min(best, start.elapsed_time(stop))
         return best
 
-    nbytes = args.mib << 20
-    name = cuda.get_current_device().name
-    name = name.decode() if isinstance(name, bytes) else name
-    print(f"# {name}: {args.mib} MiB buffers, best of {args.reps}")
-    src = cuda.device_array(nbytes, np.uint8)
-    dst = cuda.device_array(nbytes, np.uint8)
-    copy_ms = best_ms(lambda: dst.copy_to_device(src))
-    copy_gbps = 2 * nbytes / copy_ms / 1e6
-    print(f"device copy: {copy_gbps:.0f} GB/s (read + write)")
-    rows = {"copy_GBps": copy_gbps, "reduce": {}}
-    print(f"{'dtype':9s} {'reduce GB/s':>12s} {'of copy':>8s}")
-    for dt in kcuda.DTYPES:
-        count = nbytes // np.dtype(dt).itemsize
-        a = cuda.to_device(np.random.default_rng(0).random(count).astype(dt))
-        b = cuda.to_device(np.random.default_rng(1).random(count).astype(dt))
-        ms = best_ms(lambda a=a, b=b: kcuda.reduce_copy(a, a, b, "sum"))
-        gbps = 3 * nbytes / ms / 1e6
-        rows["reduce"][np.dtype(dt).name] = gbps
-        print(f"{np.dtype(dt).name:9s} {gbps:12.0f} {gbps / copy_gbps:8.0%}")
+    def best_wall_us(fn) -> float:  # host call + GPU work, as a caller sees it
+        fn()
+        cuda.synchronize()
+        best = float("inf")
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            fn()
+            cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e6
+
+    name = getattr(cuda.get_current_device(), "name", "Numba CUDA simulator")
+    print(f"# {name.decode() if isinstance(name, bytes) else name}, best of {args.reps}")
+    rows: dict = {"reduce": {}, "pack": {}}
+    rng = np.random.default_rng(0)
+    names = kcuda.KERNEL_DTYPES
+    print(f"{'MiB':>5s} {'copy GB/s':>10s} " + " ".join(f"{n:>9s}" for n in names)
+          + "   (reduce GB/s, % of copy)")
+    for mib in (int(m) for m in args.mib.split(",")):
+        nbytes = mib << 20
+        src, dst = cuda.device_array(nbytes, np.uint8), cuda.device_array(nbytes, np.uint8)
+        copy_gbps = 2 * nbytes / best_ms(lambda s=src, d=dst: d.copy_to_device(s)) / 1e6
+        cells, row = [], {"copy_GBps": copy_gbps}
+        for dt in kcuda.DTYPES:
+            n = nbytes // dt.itemsize
+            host = (np.arange(n, dtype=dt) if dt.kind in "iu" else np.asarray(
+                rng.random(n, np.float64 if dt.itemsize == 8 else np.float32)).astype(dt))
+            marker = "bfloat16" if dt == np.dtype(ml_dtypes.bfloat16) else None
+            stored = host.view(np.uint16) if marker else host
+            a, b = cuda.to_device(stored), cuda.to_device(stored)
+            gbps = 3 * nbytes / best_ms(lambda a=a, b=b, m=marker: kcuda.reduce_copy(
+                a, a, b, "sum", dtype=m)) / 1e6
+            row[dt.name] = gbps
+            cells.append(f"{gbps:5.0f} {gbps / copy_gbps:3.0%}")
+            del a, b
+        rows["reduce"][mib] = row
+        print(f"{mib:5d} {copy_gbps:10.0f} " + " ".join(f"{c:>9s}" for c in cells))
+
+    k, count = args.tensors, (args.tensor_kib << 10) // 4
+    host = rng.random((k, count)).astype(np.float32)
+    tensors = [cuda.to_device(h) for h in host]
+    flat = cuda.device_array(k * count, np.float32)
+    addresses = [t.__cuda_array_interface__["data"][0] for t in tensors]
+    flat_address = flat.__cuda_array_interface__["data"][0]
+    pieces = [flat[i * count:(i + 1) * count] for i in range(k)]
+
+    def separate() -> None:
+        for piece, tensor in zip(pieces, tensors, strict=True):
+            piece.copy_to_device(tensor)
+
+    timings = {
+        "fused pack (device arrays)": best_wall_us(lambda: kcuda.pack(flat, tensors)),
+        "fused pack (addresses)": best_wall_us(lambda: kcuda.pack_addresses(
+            flat_address, addresses, [count] * k, "float32")),
+        f"{k} separate copies": best_wall_us(separate),
+    }
+    assert np.array_equal(flat.copy_to_host(), host.reshape(-1)), "pack gave wrong bytes"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            parts = [torch.from_numpy(h).cuda() for h in host]
+            out = torch.empty(k * count, device="cuda")
+            timings["torch.cat"] = best_wall_us(lambda: torch.cat(parts, out=out))
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        cparts = [cupy.asarray(h) for h in host]
+        timings["cupy.concatenate"] = best_wall_us(lambda: cupy.concatenate(cparts))
+    except ImportError:
+        pass
+    fused = timings["fused pack (device arrays)"]
+    print(f"\npack of {k} x {args.tensor_kib} KiB float32 tensors (us per call, ratio to fused):")
+    for label, us in timings.items():
+        print(f"  {label:28s} {us:10.1f} {us / fused:7.2f}x")
+    rows["pack"] = timings
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

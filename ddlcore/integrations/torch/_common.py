@@ -53,17 +53,52 @@ def _ranges(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return addrs, sizes
 
 
+_KERNEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                  torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8",
+                  torch.int32: "int32", torch.int64: "int64"}
+
+
+def _cuda_pack(flat: torch.Tensor, tensors: list[torch.Tensor], to_flat: bool) -> bool:
+    """Pack (``to_flat``) or unpack CUDA ``tensors`` with the fused kernel: one launch on torch's
+    current stream, whatever their number. The kernel takes data_ptr()s directly (no per-tensor
+    Numba array to build); bfloat16 is named, as Numba has no such type. False (nothing done)
+    where it does not apply: numba-cuda missing, another dtype or device, a non-contiguous
+    tensor."""
+    dtype = _KERNEL_DTYPES.get(flat.dtype)
+    if dtype is None or not all(t.dtype == flat.dtype and t.device == flat.device
+                                and t.is_contiguous() for t in tensors):
+        return False
+    try:
+        from numba import cuda
+
+        from ddlcore.kernels import cuda as kcuda
+    except ImportError:
+        return False
+    addresses = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
+    counts = np.fromiter((t.numel() for t in tensors), np.int64, len(tensors))
+    if counts.sum() > flat.numel():
+        raise ValueError(f"flat holds {flat.numel()} elements, the tensors {counts.sum()}")
+    stream = cuda.external_stream(torch.cuda.current_stream(flat.device).cuda_stream)
+    with cuda.gpus[flat.device.index]:
+        move = kcuda.pack_addresses if to_flat else kcuda.unpack_addresses
+        move(flat.data_ptr(), addresses, counts, dtype, stream=stream)
+    return True
+
+
 def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy ``tensors`` one after another into ``flat`` (same dtype and device)."""
+    if flat.is_cuda and _cuda_pack(flat, tensors, to_flat=True):
+        return
     if flat.is_cuda or not all(t.is_contiguous() for t in tensors):
-        # the one-launch device pack kernel is issue 5's; torch.cat is one launch too
-        torch.cat([t.reshape(-1) for t in tensors], out=flat)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat)  # one launch too
         return
     pack(flat.data_ptr(), *_ranges(tensors))
 
 
 def unpack_from(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """The inverse of `pack_into`: write consecutive pieces of ``flat`` into ``tensors``."""
+    if flat.is_cuda and _cuda_pack(flat, tensors, to_flat=False):
+        return
     if flat.is_cuda or not all(t.is_contiguous() for t in tensors):
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(piece.view_as(t))

@@ -1,97 +1,164 @@
-"""CUDA kernels without a GPU: on Numba's simulator against kernels/reference.py (random data,
-every op and dtype, odd sizes), and compiled to real PTX for sm_80 and sm_90. Both run in a
-spawned process, because NUMBA_ENABLE_CUDASIM must be set before numba is imported."""
+"""The reduce kernels without a GPU, on Numba's simulator against kernels/reference.py: random
+data, every op and dtype (bfloat16 included, in uint16 and int16 arrays), odd sizes; float16 and
+bfloat16 rounding edge cases against the CPU kernels; bad arguments. The same bodies run on a
+real GPU where there is one. (PTX for sm_80/sm_90: test_cuda_ptx.py.)"""
 
 from __future__ import annotations
 
-import re
+import subprocess
+import sys
+import warnings
 
 import numpy as np
-import pytest
 
-from tests.harness import require, run_ranks
+from ddlcore.ops import Op
+from tests.kernels.cuda.helpers import (
+    BFLOAT16,
+    SIZES,
+    empty_device,
+    half_edge_values,
+    marker,
+    run_in_process,
+    same_up_to_nan_payload,
+    simulated,
+    to_device,
+    to_host,
+)
 
-SIM = {"NUMBA_ENABLE_CUDASIM": "1"}
-SIZES = [0, 1, 2, 7, 31, 300]  # the simulator runs a Python thread per CUDA thread
-
-
-def _numba_cuda() -> bool:
-    try:
-        import numba.cuda  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.fixture(autouse=True)
-def _needs_numba_cuda():
-    require(_numba_cuda(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+OPS = (Op.SUM, Op.PROD, Op.MIN, Op.MAX)
 
 
-def _simulated(rank, size):
+def _reduce_matches_reference() -> int:
     from ddlcore.kernels import cuda as kcuda
     from ddlcore.kernels import reference
-    from numba import cuda
 
-    from ddlcore.ops import Op
     from tests.kernels.test_cpu_kernels import rand, same_bits
 
     checked = 0
     for dtype in kcuda.DTYPES:
         for n in SIZES:
             a, b = rand(dtype, n, n + 1), rand(dtype, n, n + 2)
-            for op in (Op.SUM, Op.PROD, Op.MIN, Op.MAX):
+            for op in OPS:
                 want = reference.reduce_ref([a, b], op)
-                da, db = cuda.to_device(a), cuda.to_device(b)
-                out = cuda.device_array_like(da)
-                kcuda.reduce_copy(out, da, db, op)
-                assert same_bits(out.copy_to_host(), want), (np.dtype(dtype), n, op)
-                kcuda.reduce_into(da, db, op)  # in place, dst aliasing a
-                assert same_bits(da.copy_to_host(), want), (np.dtype(dtype), n, op, "into")
+                da, db = to_device(a), to_device(b)
+                out = empty_device(n, dtype)
+                kcuda.reduce_copy(out, da, db, op, dtype=marker(dtype))
+                assert same_bits(to_host(out, dtype), want), (dtype, n, op)
+                kcuda.reduce_into(da, db, op, dtype=marker(dtype))  # in place, dst aliasing a
+                assert same_bits(to_host(da, dtype), want), (dtype, n, op, "into")
                 checked += 1
             for divisor in (1, 3, 7):
-                d = cuda.to_device(a)
-                kcuda.avg_scale(d, divisor)
-                assert same_bits(d.copy_to_host(), reference.divide_ref(a, divisor)), (dtype, n)
-    try:
-        kcuda.reduce_copy(cuda.to_device(np.ones(3, np.complex64)),
-                          cuda.to_device(np.ones(3, np.complex64)),
-                          cuda.to_device(np.ones(3, np.complex64)))
-    except TypeError as exc:
-        assert "complex64" in str(exc)
-    else:
-        raise AssertionError("complex64 accepted")
+                d = to_device(a)
+                kcuda.avg_scale(d, divisor, dtype=marker(dtype))
+                assert same_bits(to_host(d, dtype), reference.divide_ref(a, divisor)), (dtype, n)
+    # bfloat16 in int16 arrays (how PyTorch's bfloat16 tensors reach Numba) and ml_dtypes' name
+    a, b = rand(BFLOAT16, 31, 1), rand(BFLOAT16, 31, 2)
+    da, db = (to_device(x).view(np.int16) for x in (a, b))
+    kcuda.reduce_into(da, db, "sum", dtype=BFLOAT16.type)
+    assert same_bits(to_host(da, BFLOAT16), reference.reduce_ref([a, b], "sum"))
     return checked
 
 
-def test_kernels_on_the_simulator():
-    (checked,) = run_ranks(_simulated, 1, env=SIM, timeout=300)
-    assert checked == 7 * len(SIZES) * 4
+def test_reduce_on_the_simulator():
+    assert run_in_process(_reduce_matches_reference) == 8 * len(SIZES) * len(OPS)
+
+
+def _half_precision_edges() -> int:
+    """Every pair of edge values: equal to the CPU kernels bit for bit (on a GPU, NaN payloads
+    may differ: its arithmetic returns the canonical NaN) and to NumPy / ml_dtypes as the CPU
+    kernels' own test allows (NaN payloads, and min/max of -0 and +0, may differ there)."""
+    from ddlcore.kernels import cuda as kcuda
+    from ddlcore.kernels import reference
+    from ddlcore.kernels.dtypes import dtype_code
+
+    from ddlcore import kernels
+
+    warnings.simplefilter("ignore", RuntimeWarning)  # NaN and overflow are the point here
+    checked = 0
+    for dtype in (np.dtype(np.float16), BFLOAT16):
+        values = half_edge_values(dtype)
+        a, b = np.repeat(values, values.size), np.tile(values, values.size)
+        # on the simulator, bfloat16 rounds with the same integer steps on the same host float32
+        # arithmetic as the CPU kernels: every bit agrees, but where both operands are NaN
+        # (NumPy's scalar add returns the other operand's NaN than C's does)
+        exact = simulated() and dtype == BFLOAT16
+        one_nan = ~(np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32)))
+        for op in OPS:
+            out = empty_device(a.size, dtype)
+            kcuda.reduce_copy(out, to_device(a), to_device(b), op, dtype=marker(dtype))
+            got = to_host(out, dtype)
+            cpu = np.empty_like(a)
+            kernels.reduce_copy(cpu.ctypes.data, a.ctypes.data, b.ctypes.data, a.size,
+                                dtype_code(dtype), op)
+            if exact:
+                assert np.array_equal(got[one_nan].view(np.uint16),
+                                      cpu[one_nan].view(np.uint16)), (dtype, op)
+            assert same_up_to_nan_payload(got, cpu), (dtype, op)
+            assert same_up_to_nan_payload(got, reference.reduce_ref([a, b], op),
+                                          zero_sign=op in (Op.SUM, Op.PROD)), (dtype, op)
+            checked += 1
+        for divisor in (2, 3):
+            d = to_device(a)
+            kcuda.avg_scale(d, divisor, dtype=marker(dtype))
+            assert same_up_to_nan_payload(to_host(d, dtype), reference.divide_ref(a, divisor))
+    return checked
+
+
+def test_half_precision_edges_on_the_simulator():
+    assert run_in_process(_half_precision_edges) == 2 * len(OPS)
+
+
+def _raises(fn, exc, *words) -> None:
+    try:
+        fn()
+    except exc as err:
+        for word in words:
+            assert word in str(err), (str(err), word)
+    else:
+        raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
+def _bad_arguments() -> bool:
+    from ddlcore.kernels import cuda as kcuda
+
+    c64 = to_device(np.ones(3, np.complex64))
+    u16 = to_device(np.ones(3, np.uint16))
+    f32, f32_short = to_device(np.ones(3, np.float32)), to_device(np.ones(2, np.float32))
+    _raises(lambda: kcuda.reduce_copy(c64, c64, c64), TypeError, "dst", "complex64")
+    _raises(lambda: kcuda.reduce_into(u16, u16), TypeError, "dst", "dtype='bfloat16'")
+    _raises(lambda: kcuda.reduce_into(u16, u16, dtype="float32"), TypeError, "dtype=float32")
+    _raises(lambda: kcuda.reduce_into(f32, f32, dtype="bfloat16"), TypeError, "dtype=bfloat16")
+    _raises(lambda: kcuda.reduce_into(f32, f32, dtype="complex"), TypeError, "dtype")
+    _raises(lambda: kcuda.reduce_into(f32, f32_short), ValueError, "size")
+    _raises(lambda: kcuda.reduce_into(f32, u16), ValueError, "dtype")
+    _raises(lambda: kcuda.reduce_into(f32, f32, "median"), ValueError, "op")
+    _raises(lambda: kcuda.avg_scale(f32, 0), ValueError, "divisor")
+    return True
+
+
+def test_bad_arguments_raise_naming_the_argument():
+    assert run_in_process(_bad_arguments)
+
+
+def _everything_on_a_gpu() -> bool:
+    from tests.kernels.cuda import test_cuda_pack, test_cuda_widen
+
+    _reduce_matches_reference()
+    _half_precision_edges()
+    _bad_arguments()
+    test_cuda_widen._widen_matches_reference()
+    test_cuda_widen._bad_arguments()
+    test_cuda_pack._pack_checks()
+    test_cuda_pack._bad_arguments()
+    return True
 
 
 def test_kernels_on_a_gpu():
-    """The same checks on a real GPU, where there is one (CI has none: the simulator covers it)."""
-    from ddlcore.device import cuda_usable
-
-    if not cuda_usable():
-        pytest.skip("needs a real GPU (the simulator test covers CI)")
-    (checked,) = run_ranks(_simulated, 1, env={"NUMBA_ENABLE_CUDASIM": None}, timeout=600)
-    assert checked == 7 * len(SIZES) * 4
+    """The simulator tests' bodies on a real GPU, where there is one (CI has none)."""
+    assert run_in_process(_everything_on_a_gpu, gpu=True, timeout=600)
 
 
-def _ptx(rank, size, cc):
-    from ddlcore.kernels import cuda as kcuda
-
-    return kcuda.compile_all_ptx(cc)
-
-
-@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
-def test_every_kernel_compiles_to_ptx(cc):
-    (ptx,) = run_ranks(_ptx, 1, cc, env={"NUMBA_ENABLE_CUDASIM": None}, timeout=600)
-    assert len(ptx) == 7 * 5  # 4 ops + avg for each dtype
-    for name, text in ptx.items():
-        assert f".target sm_{cc[0]}{cc[1]}" in text, name
-        assert re.search(r"\.entry\s", text), name
-    # float16 is rounded from float32 in one conversion, never through float64
-    f16 = ptx["reduce_copy_sum_float16"]
-    assert "cvt.rn.f16.f32" in f16 and ".f64" not in f16
+def test_importing_the_package_does_not_import_numba():
+    code = ("import sys, ddlcore.kernels.cuda as k; k.describe(); "
+            "assert not [m for m in sys.modules if m.startswith('numba')], 'numba imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
