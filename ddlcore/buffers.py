@@ -166,7 +166,8 @@ def empty_like(desc: BufferDesc, shape: tuple[int, ...] | None = None) -> Buffer
     """A new buffer of the same kind, device and dtype as ``desc`` (host: a NumPy array)."""
     shape = desc.shape if shape is None else shape
     if desc.memory == MemoryKind.CUDA:
-        nb = device.empty(shape, desc.dtype)
+        with device.on_device(desc.device):  # the input's GPU, whichever is current here
+            nb = device.empty(shape, desc.dtype)
         count = int(np.prod(shape, dtype=np.int64))
         return BufferDesc(ptr=device.pointer_of(nb), nbytes=count * desc.itemsize, count=count,
                           dtype=desc.dtype, code=desc.code, shape=tuple(shape),

@@ -110,7 +110,7 @@ class Communicator:
         self._debug = config.get("DDL_DEBUG", environ)
         self._staging = engine.StagingPool()
         self._staging_device: Any = None
-        self._slots_device: device_engine.DeviceSlots | None = None
+        self._slots_device: dict[int, device_engine.DeviceSlots] = {}
         self._scratch = np.empty(0, np.uint8)
         self._executor = Executor(f"ddlcore-rank{self.rank}")
         self._before_collective: list[Callable[[], Any]] = []
@@ -377,20 +377,26 @@ class Communicator:
             log.debug("rank %d: %s via %s on CUDA streams, box %s, %d steps, %d messages out",
                       self.rank, label, choice.describe(), self.topology.shape,
                       len(sched.steps), sched.messages())
-        slots = self._device_slots()
-        buffers = {Buf.INPUT: device.region_of(call.inp.array),
-                   Buf.OUTPUT: device.region_of(call.out.array)}
-        if sched.scratch_count:
-            buffers[Buf.SCRATCH] = slots.scratch(sched.scratch_count * itemsize)
-        coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
-                                 int(call.inp.code), call.op, label)
-        device_engine.run(sched, coll, buffers, self._links, slots, self._depth, self.timeout,
-                          call.ready)
+        # The executor's thread has no current CUDA context: streams, slots and kernels must be
+        # on the buffers' GPU, not on whichever Numba would make current (GPU 0).
+        with device.on_device(call.inp.device):
+            slots = self._device_slots(call.inp.device)
+            buffers = {Buf.INPUT: device.region_of(call.inp.array),
+                       Buf.OUTPUT: device.region_of(call.out.array)}
+            if sched.scratch_count:
+                buffers[Buf.SCRATCH] = slots.scratch(sched.scratch_count * itemsize)
+            coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
+                                     int(call.inp.code), call.op, label)
+            device_engine.run(sched, coll, buffers, self._links, slots, self._depth,
+                              self.timeout, call.ready)
 
-    def _device_slots(self) -> device_engine.DeviceSlots:
-        if self._slots_device is None:
-            self._slots_device = device_engine.DeviceSlots(device_engine.NumbaStreams())
-        return self._slots_device
+    def _device_slots(self, device_id: int) -> device_engine.DeviceSlots:
+        """Streams and staging slots of GPU ``device_id`` (made in its context)."""
+        slots = self._slots_device.get(device_id)
+        if slots is None:
+            slots = self._slots_device[device_id] = device_engine.DeviceSlots(
+                device_engine.NumbaStreams())
+        return slots
 
     def _device_staging(self) -> Any:
         if self._staging_device is None:

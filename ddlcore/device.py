@@ -15,6 +15,7 @@ the collective first waits for the work already queued on the caller's stream (`
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -64,8 +65,10 @@ def numba_view(obj: Any) -> Any:
     if torch_bfloat16(obj):  # its bits as int16: Numba has no bfloat16 arrays
         import torch
 
-        return _cuda().as_cuda_array(obj.detach().view(torch.int16))
-    return _cuda().as_cuda_array(obj)
+        return _cuda().as_cuda_array(obj.detach().view(torch.int16), sync=False)
+    # sync=False: the collective waits for the producer's stream on the GPU (`ready_event`)
+    # instead of blocking the caller here
+    return _cuda().as_cuda_array(obj, sync=False)
 
 
 def device_of(obj: Any) -> int:
@@ -74,6 +77,10 @@ def device_of(obj: Any) -> int:
         value = getattr(dev, attr, None)
         if isinstance(value, int):
             return value
+    context = getattr(getattr(obj, "gpu_data", None), "context", None)  # a Numba device array
+    value = getattr(getattr(context, "device", None), "id", None)
+    if isinstance(value, int):
+        return value
     try:
         return int(_cuda().get_current_device().id)
     except Exception:  # simulator or no context yet
@@ -105,13 +112,17 @@ def producer_stream(obj: Any) -> Any:
 
         ptr = int(cupy.cuda.get_current_stream().ptr)
     elif module == "numba" and type(obj).__module__ != _SIM_MODULE:
+        # Numba has no "current stream": the stream the array is bound to is the best we know
         stream = getattr(obj, "stream", 0)
         return stream if stream else None
     else:
         cai = getattr(obj, "__cuda_array_interface__", None) or {}
         ptr = cai.get("stream") or 0
-    # 1 and 2 are the legacy and per-thread default streams' reserved handles
-    return _external(ptr) if ptr not in (0, 1, 2) else None
+    # 0 and 1 name the legacy default stream, which our (blocking) streams wait for already;
+    # 2 names the per-thread default stream, which they do not
+    if ptr in (0, 1):
+        return None
+    return _cuda().per_thread_default_stream() if ptr == 2 else _external(ptr)
 
 
 def ready_event(obj: Any) -> Any:
@@ -122,9 +133,18 @@ def ready_event(obj: Any) -> Any:
     stream = producer_stream(obj)
     if stream is None:
         return None
-    ev = _cuda().event(timing=False)
-    ev.record(stream)
+    with on_device(device_of(obj)):
+        ev = _cuda().event(timing=False)
+        ev.record(stream)
     return ev
+
+
+def on_device(device_id: int) -> Any:
+    """A context in which Numba works on GPU ``device_id`` (its primary context): streams,
+    events, allocations and kernels of a collective on that device's buffers."""
+    if is_simulator():
+        return contextlib.nullcontext()
+    return _cuda().gpus[device_id]
 
 
 def region_of(array: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
-from ddlcore.engine import Collective, failure
+from ddlcore.engine import Collective, deadline_clock, failure, pair_cache
 from ddlcore.errors import DDLError, DDLTimeoutError
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
@@ -65,7 +65,7 @@ class DeviceOps(Protocol):
     def record(self, stream: Any) -> Any: ...
     def wait(self, stream: Any, event: Any) -> None: ...
     def done(self, event: Any) -> bool: ...
-    def sync(self, event: Any) -> None: ...
+    def sync(self, event: Any, timeout: float) -> None: ...
     def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None: ...
     def upload(self, host: np.ndarray, dst: DeviceRegion, off: int, stream: Any) -> None: ...
     def copy(self, dst: DeviceRegion, dst_off: int, src: DeviceRegion, src_off: int,
@@ -93,13 +93,18 @@ class DeviceSlots:
         self._scratch_bytes = 0
 
     def ensure(self, nslots: int, nbytes: int) -> None:
-        if len(self.send) >= nslots and self.nbytes >= nbytes:
+        if len(self.recv) >= nslots and self.nbytes >= nbytes:
             return
-        nslots = max(nslots, len(self.send))
+        nslots = max(nslots, len(self.recv))
         self.nbytes = size = max(nbytes, self.nbytes, 64)
-        self.send = [self.ops.pinned(size) for _ in range(nslots)]
+        self.send = [self.ops.pinned(size) for _ in range(max(nslots, len(self.send)))]
         self.recv = [self.ops.pinned(size) for _ in range(nslots)]
         self.staged = [self.ops.device(size) for _ in range(nslots)]
+
+    def another_send_slot(self) -> int:
+        """A new pinned send slot (kept for later collectives); its index."""
+        self.send.append(self.ops.pinned(self.nbytes))
+        return len(self.send) - 1
 
     def scratch(self, nbytes: int) -> DeviceRegion:
         if self._scratch is None or self._scratch_bytes < nbytes:
@@ -127,11 +132,10 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     kop = Op.SUM if coll.op in (None, Op.AVG) else coll.op
     code = DType(coll.dtype_code)
     divide = coll.op == Op.AVG and schedule.size > 1
-    pairs: dict[int, Any] = {}
     max_bytes = max((s.count for s in steps if s.kind != _COPY), default=0) * isz
     nslots = max(2, depth)
     slots.ensure(nslots, max_bytes)
-    free_send = list(range(nslots))
+    free_send = list(range(len(slots.send)))
     free_recv = list(range(nslots))
     busy_recv: deque = deque()   # (slot, event after which its pinned and device slots are free)
     writes: list = []            # (lo, hi, event) of compute-stream writes to the buffers
@@ -140,21 +144,9 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     inflight: deque = deque()    # (slot, request) of sends on the wire
     posted: list = [None] * nsteps
     recv_slot = [-1] * nsteps
-    monotonic = time.monotonic
-    deadline = monotonic() + timeout
+    pair = pair_cache(links)
+    remaining = deadline_clock(timeout)
     i = 0
-
-    def pair(peer: int):
-        p = pairs.get(peer)
-        if p is None:
-            p = pairs[peer] = links.pair(peer)
-        return p
-
-    def remaining() -> float:
-        left = deadline - monotonic()
-        if left <= 0:
-            raise DDLTimeoutError(f"no progress within DDL_TIMEOUT={timeout:g} s")
-        return left
 
     def span(buf: Buf, off: int, count: int) -> tuple[int, int]:
         lo = buffers[buf].ptr + off * isz
@@ -180,7 +172,7 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         """isend the downloads whose copies have finished (all of them when ``block``)."""
         while queued and (block or ops.done(queued[0][0])):
             ev, slot, peer, tag, nbytes = queued.popleft()
-            ops.sync(ev)
+            ops.sync(ev, remaining())
             inflight.append((slot, pair(peer).isend(memoryview(slots.send[slot])[:nbytes],
                                                     tag, check)))
 
@@ -192,13 +184,13 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         req.wait(remaining())
 
     def send_slot() -> int:
-        while not free_send:
-            if not inflight:
-                send_queued(True)
-            slot, req = inflight.popleft()
-            wait_request(req)
-            free_send.append(slot)
-        return free_send.pop()
+        # Never wait for a send here: over MPI (or shm's single-copy path) a large send ends
+        # only when the peer posts the receive, which it may do only after OUR receives (rhd
+        # sends a whole half before receiving). Like the host engine, which sends from the
+        # caller's buffer, keep every send in flight: take another slot instead.
+        while inflight and inflight[0][1].test():
+            free_send.append(inflight.popleft()[0])
+        return free_send.pop() if free_send else slots.another_send_slot()
 
     def recv_slot_for(early: bool) -> int:
         while busy_recv and ops.done(busy_recv[0][1]):
@@ -207,7 +199,7 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
             if early or not busy_recv:
                 return -1
             slot, ev = busy_recv.popleft()
-            ops.sync(ev)
+            ops.sync(ev, remaining())
             free_recv.append(slot)
         return free_recv.pop()
 
@@ -298,12 +290,21 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         send_queued(True)
         while inflight:
             inflight.popleft()[1].wait(remaining())
-        ops.sync(ops.record(compute))
-    except DDLError as exc:
-        # Let queued device work finish before the slots it reads can be reused or freed.
+        ops.sync(ops.record(compute), remaining())
+    except BaseException as exc:
+        if not isinstance(exc, DDLError):  # a CUDA error, say: the peers must hear of it too
+            if not isinstance(exc, Exception):
+                raise
+            exc = DDLError(f"{type(exc).__name__}: {exc}")
+        err = failure(schedule, coll, i, exc, links)
+        # Let queued device work finish before the slots it uses can be reused or freed (the
+        # communicator is broken from now on); best effort, the error above is what counts.
         for stream in (compute, d2h, h2d):
-            ops.sync(ops.record(stream))
-        raise failure(schedule, coll, i, exc, links) from None
+            try:
+                ops.sync(ops.record(stream), max(1.0, min(timeout, 10.0)))
+            except Exception:
+                break
+        raise err from None
 
 
 class NumbaStreams:
@@ -335,8 +336,20 @@ class NumbaStreams:
         query = getattr(event, "query", None)  # the simulator's events have finished already
         return True if query is None else bool(query())
 
-    def sync(self, event: Any) -> None:
-        event.synchronize()
+    def sync(self, event: Any, timeout: float) -> None:
+        """Wait for ``event``, at most ``timeout`` seconds (a stuck caller's stream, say,
+        must not hang the job past DDL_TIMEOUT)."""
+        query = getattr(event, "query", None)
+        if query is None or query():
+            return
+        deadline = time.monotonic() + timeout
+        pause = 2e-6
+        while not query():
+            if time.monotonic() > deadline:
+                raise DDLTimeoutError(f"GPU work queued by this collective did not finish "
+                                      f"within {timeout:g} s (is the caller's stream stuck?)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None:
         if host.size:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +94,34 @@ class Collective:
     label: str  # e.g. "allreduce #12 (1000 x float32, sum)"
 
 
+def pair_cache(links) -> Callable[[int], Any]:
+    """``pair(peer)``: the link to ``peer``, looked up once per collective."""
+    pairs: dict[int, Any] = {}
+
+    def pair(peer: int) -> Any:
+        p = pairs.get(peer)
+        if p is None:
+            p = pairs[peer] = links.pair(peer)
+        return p
+
+    return pair
+
+
+def deadline_clock(timeout: float) -> Callable[[], float]:
+    """``remaining()``: seconds left of ``timeout`` from now; raises `DDLTimeoutError` once
+    none are."""
+    monotonic = time.monotonic
+    deadline = monotonic() + timeout
+
+    def remaining() -> float:
+        left = deadline - monotonic()
+        if left <= 0:
+            raise DDLTimeoutError(f"no progress within DDL_TIMEOUT={timeout:g} s")
+        return left
+
+    return remaining
+
+
 def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links, staging: StagingPool,
         depth: int, timeout: float) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
@@ -106,32 +136,19 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
     kop = int(Op.SUM if coll.op in (None, Op.AVG) else coll.op)
     code = int(coll.dtype_code)
     divide = coll.op == Op.AVG and schedule.size > 1
-    pairs: dict[int, object] = {}
     max_bytes = max((s.count for s in steps if s.kind == _RECV_REDUCE), default=0) * isz
     slots = staging.ensure(depth, max_bytes) if max_bytes else []
     free = list(range(len(slots)))
     posted: list = [None] * nsteps
     staged: list[int] = [-1] * nsteps
     sends: deque = deque()  # (lo, hi, request) of sends in flight, oldest first
-    monotonic = time.monotonic
-    deadline = monotonic() + timeout
+    pair = pair_cache(links)
+    remaining = deadline_clock(timeout)
     i = 0
-
-    def pair(peer: int):
-        p = pairs.get(peer)
-        if p is None:
-            p = pairs[peer] = links.pair(peer)
-        return p
 
     def span(buf: Buf, off: int, count: int) -> tuple[int, int]:
         lo = buffers[buf].ptr + off * isz
         return lo, lo + count * isz
-
-    def remaining() -> float:
-        left = deadline - monotonic()
-        if left <= 0:
-            raise DDLTimeoutError(f"no progress within DDL_TIMEOUT={timeout:g} s")
-        return left
 
     def wait_sends_over(lo: int, hi: int) -> None:
         for slo, shi, req in sends:

@@ -57,7 +57,7 @@ def _device_collectives(rank, size, engine_expected=None):
         h = comm.allreduce_async(cuda.to_device(np.full(5, rank + 1, np.float32)), op="sum")
         np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
         if engine_expected is not None:  # which data path the calls took
-            assert (comm._slots_device is not None) == engine_expected
+            assert bool(comm._slots_device) == engine_expected
         try:
             comm.allreduce(cuda.to_device(np.ones(3, np.float32)), out=np.ones(3, np.float32))
         except ValueError as exc:
@@ -123,11 +123,14 @@ def _frameworks(rank, size):
     return seen
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
-def test_device_arrays_on_a_gpu(nprocs):
+@pytest.mark.parametrize("nprocs,algo", [(1, ""), (2, ""), (2, "ring")])
+def test_device_arrays_on_a_gpu(nprocs, algo):
+    """On a real GPU: the board path (default on one host) and the stream engine (ring)."""
     # Checked here, not at import: rank processes import this module before they set
     # NUMBA_ENABLE_CUDASIM, and numba must not be imported before that.
     if not _gpu_present():
         pytest.skip("needs a real GPU (the simulator test covers CI)")
-    run_ranks(_device_collectives, nprocs, timeout=300)
-    print(run_ranks(_frameworks, nprocs, timeout=300))
+    env = {"DDL_ALGO": algo, "DDL_TRANSPORT": "tcp"} if algo else {}
+    run_ranks(_device_collectives, nprocs, bool(algo) if nprocs > 1 else None, env=env,
+              timeout=300)
+    print(run_ranks(_frameworks, nprocs, env=env, timeout=300))

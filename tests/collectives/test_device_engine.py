@@ -44,7 +44,8 @@ class DeferredStreams:
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
         self.compute, self.d2h, self.h2d = _Stream("compute"), _Stream("d2h"), _Stream("h2d")
-        self.streams = (self.compute, self.d2h, self.h2d)
+        self.user = _Stream("user")  # the caller's stream, producing the input
+        self.streams = (self.compute, self.d2h, self.h2d, self.user)
         self.ran = 0
 
     def _enqueue(self, stream: _Stream, fn, blocker: _Event | None = None) -> None:
@@ -67,14 +68,19 @@ class DeferredStreams:
         return ev
 
     def wait(self, stream: _Stream, event: _Event) -> None:
-        self._enqueue(stream, lambda: None, event)
+        self._enqueue(stream, _noop, event)
+
+    def work_left(self) -> bool:
+        """Whether a copy or kernel is still queued (waits for the caller's stream may stay on
+        streams nothing synchronised since: they hold no work)."""
+        return any(fn is not _noop for s in self.streams for fn, _ in s.queue)
 
     def done(self, event: _Event) -> bool:
         if self.rng.random() < 0.3:
             self._step()
         return event.fired
 
-    def sync(self, event: _Event) -> None:
+    def sync(self, event: _Event, timeout: float) -> None:
         """Run only what ``event`` needs (its stream up to it, and the events that waits on),
         or, half the time, random work until it fires."""
         lazy = self.rng.random() < 0.5
@@ -87,7 +93,7 @@ class DeferredStreams:
             assert queue, "an event the engine waits for can never fire"
             fn, blocker = queue[0]
             if blocker is not None and not blocker.fired:
-                self.sync(blocker)
+                self.sync(blocker, timeout)
                 continue
             queue.popleft()
             fn()
@@ -121,6 +127,10 @@ class DeferredStreams:
 
     def device(self, nbytes: int):
         return _region(np.full(nbytes, 0xCD, np.uint8))
+
+
+def _noop():
+    pass
 
 
 def _copy(host, array, off, n):
@@ -194,13 +204,18 @@ def _orderings(rank, size, algos, depth, seed):
                                                              int(dtype_code(dt)), rop,
                                                              f"{collective} {algo}")
                                     if on_device:
+                                        # the caller's stream writes the input late: the
+                                        # collective must wait for it (``ready``)
+                                        inp.view(np.uint8)[:] = 0xEE
+                                        ops._enqueue(ops.user, functools.partial(
+                                            _put, inp.view(np.uint8), 0, x.view(np.uint8)))
                                         bufs = {Buf.INPUT: _region(inp), Buf.OUTPUT: _region(out)}
                                         if sched.scratch_count:
                                             bufs[Buf.SCRATCH] = slots.scratch(
                                                 sched.scratch_count * dt.itemsize)
                                         device_engine.run(sched, coll, bufs, comm._links, slots,
-                                                          depth, 30.0)
-                                        assert not any(s.queue for s in ops.streams), \
+                                                          depth, 30.0, ops.record(ops.user))
+                                        assert not ops.work_left(), \
                                             "work left queued after the collective returned"
                                     else:
                                         bufs = {Buf.INPUT: engine.Region.of(inp),
@@ -211,7 +226,7 @@ def _orderings(rank, size, algos, depth, seed):
                                         engine.run(sched, coll, bufs, comm._links, comm._staging,
                                                    depth, 30.0)
                                     outs.append(out.view(np.uint8).copy())
-                                    if not in_place:
+                                    if not in_place and not on_device:
                                         assert np.array_equal(inp.view(np.uint8),
                                                               x.view(np.uint8)), "input written"
                                 assert np.array_equal(outs[0], outs[1]), \
@@ -278,3 +293,48 @@ def _swaps(rank, size, seed):
 
 def test_device_engine_orders_writes_after_pending_downloads():
     run_ranks(_swaps, 2, 5, env={"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": "60"}, timeout=120)
+
+
+def _bursts(rank, size, algo):
+    """More sends in a row than the engine has slots (rhd sends a whole half before it receives):
+    the engine must take more slots, not wait for a send to free one."""
+    from ddlcore.kernels.dtypes import DType
+
+    import ddlcore
+    from ddlcore import device_engine, engine, tuning
+    from ddlcore.algorithms import Buf
+    from ddlcore.communicator import _make_schedule
+
+    count, chunk = 1 << 20, 512 << 10  # 4 MB of float32: halves of 4 chunks of 512 KiB
+    with ddlcore.init() as comm:
+        ops = DeferredStreams([3, rank])
+        slots = device_engine.DeviceSlots(ops)
+        x = random_input(np.float32, count, rank, 3, "sum")
+        choice = tuning.choose("allreduce", comm.topology, count * 4, algo, chunk, False)
+        sched = _make_schedule("allreduce", choice, rank, size, count, 4, 0, comm.topology)
+        outs = []
+        for seq, on_device in ((1, False), (2, True)):
+            out = np.empty_like(x)
+            coll = engine.Collective(seq, 99, 4, int(DType.FLOAT32), None, "burst")
+            if on_device:
+                device_engine.run(sched, coll, {Buf.INPUT: _region(x), Buf.OUTPUT: _region(out)},
+                                  comm._links, slots, 2, 20.0)
+            else:
+                engine.run(sched, coll, {Buf.INPUT: engine.Region.of(x),
+                                         Buf.OUTPUT: engine.Region.of(out)},
+                           comm._links, comm._staging, 2, 20.0)
+            outs.append(out)
+        assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+        comm.barrier()
+    return len(slots.send)
+
+
+@pytest.mark.parametrize("algo,transport", [("rhd", "shm"), ("ring", "shm"), ("rhd", "mpi")])
+def test_device_engine_never_waits_for_a_send_to_free_a_slot(algo, transport):
+    """Over MPI a large send completes only once the peer posts the receive: waiting on one for
+    its slot deadlocked rhd until DDL_TIMEOUT."""
+    env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "30"}
+    nslots = run_ranks(_bursts, 2, algo, env=env, timeout=120,
+                       launcher="mpiexec" if transport == "mpi" else "spawn")
+    if algo == "rhd":
+        assert min(nslots) > 2, nslots  # it took more send slots than the two it started with
