@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
-from ddlcore.engine import Collective, deadline_clock, failure, pair_cache
+from ddlcore.engine import Collective, deadline_clock, failure, pair_cache, post_ahead
 from ddlcore.errors import DDLError, DDLTimeoutError
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
@@ -222,19 +222,13 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         if slot >= 0:
             busy_recv.append((slot, ev))
 
-    nxt = 0
+    nxt = 0  # next step to consider for early posting
     try:
         if ready is not None:
             for stream in (compute, d2h, h2d):
                 ops.wait(stream, ready)
         for i in range(nsteps):
-            if nxt < i:
-                nxt = i
-            while nxt < nsteps and nxt - i < depth:
-                kind = steps[nxt].kind
-                if (kind == _RECV or kind == _RECV_REDUCE) and not post_recv(nxt, nxt > i):
-                    break
-                nxt += 1
+            nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)
             send_queued(False)
             while inflight and inflight[0][1].test():
                 free_send.append(inflight.popleft()[0])

@@ -122,6 +122,18 @@ def deadline_clock(timeout: float) -> Callable[[], float]:
     return remaining
 
 
+def post_ahead(steps, i: int, nxt: int, depth: int, post_recv: Callable[[int, bool], bool]) -> int:
+    """Post the receives of steps ``nxt`` .. ``i + depth - 1`` in order (``post_recv(j,
+    early)``), stopping at the first that cannot be posted yet; returns the next step to try."""
+    nsteps = len(steps)
+    while nxt < nsteps and nxt - i < depth:
+        kind = steps[nxt].kind
+        if (kind == _RECV or kind == _RECV_REDUCE) and not post_recv(nxt, nxt > i):
+            break
+        nxt += 1
+    return nxt
+
+
 def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links, staging: StagingPool,
         depth: int, timeout: float) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
@@ -193,13 +205,7 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
     nxt = 0  # next step to consider for early posting
     try:
         for i in range(nsteps):
-            if nxt < i:
-                nxt = i
-            while nxt < nsteps and nxt - i < depth:
-                kind = steps[nxt].kind
-                if (kind == _RECV or kind == _RECV_REDUCE) and not post_recv(nxt, nxt > i):
-                    break
-                nxt += 1
+            nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)
             while sends and sends[0][2].test():
                 sends.popleft()
 
