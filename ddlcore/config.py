@@ -110,6 +110,13 @@ def _transport_spec(text: str) -> str:
     raise ValueError(f"expected auto, tcp, shm, mpi, ucx or auto:<order> like auto:ucx,tcp, got {text!r}")
 
 
+def _gpu_direct(text: str) -> str:
+    value = text.strip().lower()
+    if value in ("auto", "on", "off"):
+        return value
+    raise ValueError(f"expected auto, on or off, got {text!r}")
+
+
 @dataclass(frozen=True)
 class Var:
     """One environment variable: how to parse it, its default, and what it does."""
@@ -167,6 +174,12 @@ _declare("DDL_FUSION_BYTES", parse_size, 25 << 20,
          "communicating earlier in backward, larger ones pay the per-collective latency less.")
 _declare("DDL_PIPELINE_DEPTH", _positive_int, 8,
          "How many chunks the engine keeps posted ahead of the one it is reducing.")
+_declare("DDL_GPU_DIRECT", _gpu_direct, "auto",
+         "GPU buffers over transports that can carry device memory (UCX with its CUDA "
+         "transports, a CUDA-aware MPI): 'auto' sends and receives device memory directly when "
+         "the transport reports CUDA support, 'on' always does on those transports (trusting "
+         "them: a MPI that is not CUDA-aware then crashes), 'off' stages every chunk through "
+         "pinned host memory. tcp and shm always stage.")
 _declare("DDL_NCHANNELS", _positive_int, 1,
          "Number of TCP connections (channels) per peer pair; messages are striped across "
          "them round-robin so several sender/receiver threads share the link.")

@@ -17,7 +17,16 @@ device::
               chunk k+1:           net ===== h2d == reduce == d2h == net =====
 
 While chunk k+1 is on the wire, chunk k is uploaded, reduced and downloaded, and the transports'
-threads move chunk k-1's bytes. All writes to the caller's buffers happen on ``compute`` in
+threads move chunk k-1's bytes.
+
+Direct device transfers: when the pair to a step's peer takes device memory (UCX with CUDA,
+CUDA-aware MPI; ``Pair.device_memory``), that step skips the pinned slots::
+
+    SEND         host:     isend the device span itself once its last write's event has fired
+                           (later writes to the span wait, on the host, for the send to finish)
+    RECV_REDUCE  host:     irecv straight into a device slot; compute reduces from it
+    RECV         host:     irecv into a device slot; compute copies it into the span
+ All writes to the caller's buffers happen on ``compute`` in
 program order; ``d2h`` reads a span only after the event of the last write to it, and a write
 waits for the downloads still reading its span (regions are compared by address, so in-place
 calls are safe). The host thread never blocks on the network while a download it has queued
@@ -42,6 +51,7 @@ from ddlcore.engine import Collective, deadline_clock, failure, pair_cache, post
 from ddlcore.errors import DDLError, DDLTimeoutError
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
+from ddlcore.transports.base import DeviceView
 
 _SEND, _RECV, _RECV_REDUCE, _COPY = Kind.SEND, Kind.RECV, Kind.RECV_REDUCE, Kind.COPY
 _PRUNE_AT = 32  # ordering records kept before finished ones are dropped (keeps overlap scans short)
@@ -77,6 +87,7 @@ class DeviceOps(Protocol):
               stream: Any) -> None: ...
     def pinned(self, nbytes: int) -> np.ndarray: ...
     def device(self, nbytes: int) -> DeviceRegion: ...
+    def view(self, region: DeviceRegion, off: int, nbytes: int) -> DeviceView: ...
 
 
 class DeviceSlots:
@@ -140,13 +151,21 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     busy_recv: deque = deque()   # (slot, event after which its pinned and device slots are free)
     writes: list = []            # (lo, hi, event) of compute-stream writes to the buffers
     reads: list = []             # (lo, hi, event) of downloads reading the buffers
-    queued: deque = deque()      # (event, slot, peer, tag, nbytes): downloads not yet sent
-    inflight: deque = deque()    # (slot, request) of sends on the wire
+    queued: deque = deque()      # (event, slot, peer, tag, payload, lo, hi): sends not yet posted
+    inflight: deque = deque()    # (slot, request) of sends on the wire (slot -1: direct)
+    direct_sends: list = []      # (lo, hi, request) of sends reading the buffers themselves
+    direct: dict[int, bool] = {}  # peer -> its pair takes device memory
     posted: list = [None] * nsteps
     recv_slot = [-1] * nsteps
     pair = pair_cache(links)
     remaining = deadline_clock(timeout)
     i = 0
+
+    def is_direct(peer: int) -> bool:
+        found = direct.get(peer)
+        if found is None:
+            found = direct[peer] = bool(getattr(pair(peer), "device_memory", False))
+        return found
 
     def span(buf: Buf, off: int, count: int) -> tuple[int, int]:
         lo = buffers[buf].ptr + off * isz
@@ -161,20 +180,45 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
             if rlo < hi and lo < rhi:
                 ops.wait(stream, ev)
 
-    def after_last_write(stream, lo: int, hi: int) -> None:
-        # compute is in order: the last overlapping write's event covers the earlier ones
+    def last_write(lo: int, hi: int) -> Any:
+        """The event after which [lo, hi) holds its latest value (compute is in order: the last
+        overlapping write's event covers the earlier ones; none: the caller's ``ready``)."""
         for wlo, whi, ev in reversed(writes):
             if wlo < hi and lo < whi:
-                ops.wait(stream, ev)
-                return
+                return ev
+        return ready
+
+    def after_last_write(stream, lo: int, hi: int) -> None:
+        ev = last_write(lo, hi)
+        if ev is not None and ev is not ready:  # every stream waited for ready already
+            ops.wait(stream, ev)
 
     def send_queued(block: bool) -> None:
-        """isend the downloads whose copies have finished (all of them when ``block``)."""
-        while queued and (block or ops.done(queued[0][0])):
-            ev, slot, peer, tag, nbytes = queued.popleft()
-            ops.sync(ev, remaining())
-            inflight.append((slot, pair(peer).isend(memoryview(slots.send[slot])[:nbytes],
-                                                    tag, check)))
+        """isend the queued sends whose data is ready (all of them when ``block``)."""
+        while queued and (block or queued[0][0] is None or ops.done(queued[0][0])):
+            ev, slot, peer, tag, payload, lo, hi = queued.popleft()
+            if ev is not None:
+                ops.sync(ev, remaining())
+            req = pair(peer).isend(payload, tag, check)
+            inflight.append((slot, req))
+            if slot < 0:
+                direct_sends.append((lo, hi, req))
+
+    def after_direct_sends(lo: int, hi: int) -> None:
+        """Before a write to [lo, hi): wait (on the host) for direct sends still reading it."""
+        nonlocal direct_sends
+        if any(q[6] > lo and q[5] < hi for q in queued if q[1] < 0):
+            send_queued(True)
+        for slo, shi, req in direct_sends:
+            if slo < hi and lo < shi:
+                wait_request(req)
+        if len(direct_sends) > _PRUNE_AT:
+            direct_sends = [d for d in direct_sends if not d[2].test()]
+
+    def before_write(lo: int, hi: int) -> None:
+        after_reads(compute, lo, hi)
+        if direct_sends or queued:
+            after_direct_sends(lo, hi)
 
     def wait_request(req) -> None:
         """Wait for a network request; first send everything queued, so that no peer waits
@@ -183,13 +227,19 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
             send_queued(True)
         req.wait(remaining())
 
+    def retire_sends() -> None:
+        """Free the pinned slots of the sends that have finished, oldest first."""
+        while inflight and inflight[0][1].test():
+            slot = inflight.popleft()[0]
+            if slot >= 0:  # (a direct send has none)
+                free_send.append(slot)
+
     def send_slot() -> int:
         # Never wait for a send here: over MPI (or shm's single-copy path) a large send ends
         # only when the peer posts the receive, which it may do only after OUR receives (rhd
         # sends a whole half before receiving). Like the host engine, which sends from the
         # caller's buffer, keep every send in flight: take another slot instead.
-        while inflight and inflight[0][1].test():
-            free_send.append(inflight.popleft()[0])
+        retire_sends()
         return free_send.pop() if free_send else slots.another_send_slot()
 
     def recv_slot_for(early: bool) -> int:
@@ -209,7 +259,12 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         if slot < 0:
             return False
         recv_slot[j] = slot
-        view = memoryview(slots.recv[slot])[:s.count * isz]  # type: ignore[arg-type]
+        nbytes = s.count * isz
+        view: Any
+        if is_direct(s.peer):  # straight into the device slot (free: its last use has ended)
+            view = ops.view(slots.staged[slot], 0, nbytes)
+        else:
+            view = memoryview(slots.recv[slot])[:nbytes]  # type: ignore[arg-type]
         posted[j] = pair(s.peer).irecv(view, tag_base | s.slot, check)
         return True
 
@@ -230,26 +285,31 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         for i in range(nsteps):
             nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)
             send_queued(False)
-            while inflight and inflight[0][1].test():
-                free_send.append(inflight.popleft()[0])
+            retire_sends()
 
             s = steps[i]
             kind = s.kind
             if kind == _SEND:
                 lo, hi = span(s.src, s.src_off, s.count)
+                base = buffers[s.src]
+                tag = tag_base | s.slot
+                if is_direct(s.peer):
+                    queued.append((last_write(lo, hi), -1, s.peer, tag,
+                                   ops.view(base, lo - base.ptr, hi - lo), lo, hi))
+                    continue
                 slot = send_slot()
                 after_last_write(d2h, lo, hi)
-                base = buffers[s.src]
                 ops.download(base, lo - base.ptr, slots.send[slot][:hi - lo], d2h)
                 ev = ops.record(d2h)
                 reads.append((lo, hi, ev))
-                queued.append((ev, slot, s.peer, tag_base | s.slot, hi - lo))
+                payload = memoryview(slots.send[slot])[:hi - lo]  # type: ignore[arg-type]
+                queued.append((ev, slot, s.peer, tag, payload, lo, hi))
                 continue
             if kind == _COPY:
                 lo, hi = span(s.dst, s.dst_off, s.count)
                 src_lo = buffers[s.src].ptr + s.src_off * isz
                 if src_lo != lo:
-                    after_reads(compute, lo, hi)
+                    before_write(lo, hi)
                     dst, src = buffers[s.dst], buffers[s.src]
                     ops.copy(dst, lo - dst.ptr, src, src_lo - src.ptr, hi - lo, compute)
                     wrote(lo, hi)
@@ -263,15 +323,20 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
             slot = recv_slot[i]
             lo, hi = span(s.dst, s.dst_off, s.count)
             dst = buffers[s.dst]
+            staged = slots.staged[slot]
+            on_device = is_direct(s.peer)
             if kind == _RECV:
-                after_reads(compute, lo, hi)
-                ops.upload(slots.recv[slot][:hi - lo], dst, lo - dst.ptr, compute)
+                before_write(lo, hi)
+                if on_device:
+                    ops.copy(dst, lo - dst.ptr, staged, 0, hi - lo, compute)
+                else:
+                    ops.upload(slots.recv[slot][:hi - lo], dst, lo - dst.ptr, compute)
                 wrote(lo, hi, slot)
                 continue
-            staged = slots.staged[slot]
-            ops.upload(slots.recv[slot][:hi - lo], staged, 0, h2d)
-            ops.wait(compute, ops.record(h2d))
-            after_reads(compute, lo, hi)
+            if not on_device:
+                ops.upload(slots.recv[slot][:hi - lo], staged, 0, h2d)
+                ops.wait(compute, ops.record(h2d))
+            before_write(lo, hi)
             src = buffers[s.src]
             own, own_off, other, other_off = src, s.src_off * isz, staged, 0
             if s.staged_first:
@@ -311,6 +376,7 @@ class NumbaStreams:
 
         self._cuda = cuda = device.cuda_module()
         self._kernels = kcuda
+        self._device = 0 if device.is_simulator() else int(cuda.get_current_device().id)
         self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
         try:
             cuda.event(timing=False)
@@ -387,8 +453,26 @@ class NumbaStreams:
     def pinned(self, nbytes: int) -> np.ndarray:
         return self._cuda.pinned_array(nbytes, dtype=np.uint8)
 
+    def view(self, region: DeviceRegion, off: int, nbytes: int) -> DeviceView:
+        if not nbytes:
+            return DeviceView(0, 0, self._device, _no_upload)
+        target, gpu = region.array[off:off + nbytes], self._device
+
+        def upload(_: DeviceView, data: memoryview) -> None:
+            # called by a transport's thread, which has no current CUDA context of its own
+            from ddlcore import device
+
+            with device.on_device(gpu):
+                target.copy_to_device(np.frombuffer(data, np.uint8))
+
+        return DeviceView(region.ptr + off, nbytes, gpu, upload)
+
     def device(self, nbytes: int) -> DeviceRegion:
         from ddlcore import device
 
         arr = self._cuda.device_array(nbytes, dtype=np.uint8)
         return DeviceRegion(device.pointer_of(arr), arr)
+
+
+def _no_upload(view: DeviceView, data: memoryview) -> None:
+    raise AssertionError("nothing to upload into an empty device view")

@@ -30,6 +30,11 @@ Semantics every transport keeps (the conformance suite in ``tests/transports`` c
   with the same error class and reason. Requests pending at a local ``close()`` fail with
   `CommunicatorClosedError`.
 * Nothing received is unpickled: control data is fixed binary headers with length caps.
+* Device memory: a pair whose ``device_memory`` is true also takes a `DeviceView` (GPU memory)
+  wherever a view is asked for, and moves it without host staging (UCX's CUDA transports,
+  CUDA-aware MPI). The other pairs take host memory only; the engines stage device buffers
+  through pinned host memory for them. A message sent from device memory may be received into
+  host memory and the reverse: the bytes are the same.
 
 ``API_VERSION`` is checked when a transport is loaded from the ``ddlcore.transports`` entry-point
 group; a plug-in written against another version is refused with a message saying so.
@@ -38,6 +43,7 @@ group; a plug-in written against another version is refused with a message sayin
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +79,43 @@ class PeerInfo:
     transports: tuple[str, ...] = ()  # transports available in that rank's process
 
 
+class DeviceView:
+    """GPU memory handed to a pair whose ``device_memory`` is true: its address, its length and
+    its device, exposed as ``__cuda_array_interface__`` (what UCX and mpi4py take).
+
+    The caller guarantees that no GPU work is still writing the bytes of a send when it is
+    posted, and none touches a receive's bytes until the request completed. ``upload`` copies
+    host bytes into the view synchronously; a transport uses it when a message arrived in host
+    memory before its device receive was posted (it may be called from any thread).
+    """
+
+    __slots__ = ("ptr", "nbytes", "device", "_upload")
+
+    def __init__(self, ptr: int, nbytes: int, device: int,
+                 upload: Callable[[DeviceView, memoryview], None]) -> None:
+        if nbytes < 0 or (nbytes and not ptr):
+            raise ValueError(f"a device view of {nbytes} bytes at {ptr:#x}")
+        self.ptr, self.nbytes, self.device, self._upload = ptr, nbytes, device, upload
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        return f"DeviceView({self.nbytes} bytes at {self.ptr:#x} on GPU {self.device})"
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "strides": None, "version": 3, "stream": None}
+
+    def upload(self, data: memoryview) -> None:
+        """Copy ``data`` (host bytes, exactly ``nbytes`` of them) into this device memory."""
+        if len(data) != self.nbytes:
+            raise ValueError(f"{len(data)} bytes for a device view of {self.nbytes}")
+        if self.nbytes:
+            self._upload(self, data)
+
+
 class Request(abc.ABC):
     """An outstanding send or receive."""
 
@@ -91,6 +134,7 @@ class Pair(abc.ABC):
     """One connection between this rank and ``peer``."""
 
     peer: int
+    device_memory: bool = False  # isend/irecv also take a DeviceView (see the module docstring)
 
     @abc.abstractmethod
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:

@@ -13,7 +13,7 @@ from _thread import allocate_lock
 from collections import deque
 from typing import Any
 
-from ddlcore.transports.base import ABORT_MISMATCH, ABORT_TIMEOUT, Context, Request
+from ddlcore.transports.base import ABORT_MISMATCH, ABORT_TIMEOUT, Context, DeviceView, Request
 
 from ddlcore.errors import (
     CollectiveMismatchError,
@@ -63,8 +63,12 @@ def seconds(t: float) -> str:
 
 
 def as_view(view: object) -> memoryview:
-    """A flat byte view of ``view`` (TypeError for a non-contiguous buffer)."""
+    """A flat byte view of ``view`` (TypeError for a non-contiguous buffer; ValueError for
+    device memory, which only pairs with ``device_memory`` take)."""
     if type(view) is not memoryview:
+        if isinstance(view, DeviceView):
+            raise ValueError(f"{view!r}: this transport moves host memory only; device memory "
+                             "must be staged through host memory (the device engine does that)")
         view = memoryview(view)  # type: ignore[arg-type]
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")

@@ -17,12 +17,15 @@ communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError
 * MPI messages carry no check word: size mismatches are caught (a short message by its count,
   a long one by MPI's truncation error); DDL_DEBUG's agreement check catches the rest.
 * Waits poll ``MPI_Test`` with a deadline (MPI_Wait has none), so no wait can hang.
-* Device buffers: host staging above this layer today; CUDA-aware MPI is detected by
-  `cuda_aware()` for the GPU engine to use.
+* Device memory: when the MPI library says it is CUDA-aware (``MPIX_Query_cuda_support``,
+  which MPICH and Open MPI both export) or ``DDL_GPU_DIRECT=on``, pairs take `DeviceView`s and
+  hand the device pointer to MPI (mpi4py reads ``__cuda_array_interface__``); otherwise the
+  device engine stages GPU buffers through pinned host memory above this layer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
@@ -31,6 +34,7 @@ from ddlcore.transports.base import (
     ABORT_TIMEOUT,
     MAX_ABORT_REASON_BYTES,
     Context,
+    DeviceView,
     Pair,
     PeerInfo,
     Request,
@@ -60,12 +64,35 @@ def _mpi() -> Any:
 
 
 def cuda_aware() -> bool:
-    """Whether the MPI library reports CUDA support (MPIX_Query_cuda_support where it exists)."""
+    """Whether the MPI library in this process reports CUDA support at run time.
+
+    mpi4py (4.1) has no wrapper for it, so ``MPIX_Query_cuda_support`` is looked up in the MPI
+    library mpi4py loaded (found in /proc/self/maps; mpi4py loads it privately, so it is not in
+    the process's global symbols). A library without the function is taken as not CUDA-aware.
+    """
+    _mpi()
     try:
-        query = getattr(_mpi(), "Query_cuda_support", None)
-        return bool(query()) if query is not None else False
-    except Exception:
-        return False
+        with open("/proc/self/maps") as maps:
+            paths = {line.rsplit(" ", 1)[-1].strip() for line in maps}
+        for path in sorted(p for p in paths if "/libmpi" in p and ".so" in p):
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+            if query is not None:
+                return bool(query())
+    except OSError:
+        pass
+    return False
+
+
+def _as_buffer(view: Any, receive: bool) -> Any:
+    """What mpi4py is given for ``view``: a flat byte memoryview, or a `DeviceView` as is."""
+    if isinstance(view, DeviceView):
+        return view
+    if type(view) is not memoryview:
+        view = memoryview(view)
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if receive and view.readonly and view.nbytes:
+        raise ValueError("view must be writable to receive into it")
+    return view
 
 
 class MpiRequest(Request):
@@ -123,6 +150,7 @@ class MpiRequest(Request):
 class MpiPair(Pair):
     def __init__(self, context: MpiContext, peer: int, mpi_peer: int) -> None:
         self.context, self.rank, self.peer, self.mpi_peer = context, context.rank, peer, mpi_peer
+        self.device_memory = context.device_memory
 
     def _mpi_tag(self, tag: int, check: int) -> int:
         if not (0 <= tag < 1 << 64 and 0 <= check < 1 << 32):
@@ -139,8 +167,15 @@ class MpiPair(Pair):
                 f"for tag {req.tag:#x} (MPI: {text})")
         return PeerFailureError(f"MPI error talking to rank {self.peer}: {text}", self.peer)
 
+    def _device_check(self, view: Any) -> None:
+        if isinstance(view, DeviceView) and not self.device_memory:
+            raise ValueError(f"rank {self.rank}: this MPI library is not CUDA-aware "
+                             "(MPIX_Query_cuda_support says no); device memory must be staged "
+                             "through host memory (DDL_GPU_DIRECT=off/auto does that)")
+
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self._device_check(view)
+        view = _as_buffer(view, False)
         mpi_tag = self._mpi_tag(tag, check)
         if self.context.failure is not None:  # after an abort: fail at wait(), like any request
             return MpiRequest(None, self, tag, len(view), True)
@@ -151,9 +186,8 @@ class MpiPair(Pair):
         return MpiRequest(req, self, tag, len(view), True)
 
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        if view.readonly and view.nbytes:
-            raise ValueError("view must be writable to receive into it")
+        self._device_check(view)
+        view = _as_buffer(view, True)
         mpi_tag = self._mpi_tag(tag, check)
         if self.context.failure is not None:
             return MpiRequest(None, self, tag, len(view), False)
@@ -193,6 +227,8 @@ class MpiContext(Context):
         self._sent_aborts: list[Any] = []
         self._closed = False
         self._ranks_of = {m: r for r, m in enumerate(self._mpi_rank)}
+        direct = config.get("DDL_GPU_DIRECT")
+        self.device_memory = direct == "on" or (direct == "auto" and cuda_aware())
 
     def pair(self, peer: int) -> Pair:
         if not 0 <= peer < self.size or peer == self.rank:

@@ -45,9 +45,13 @@ MPI beside UCX: the MPICH wheel bundles its own libucs; ucxx's UCX cannot load i
 that already runs it, so under ``mpiexec`` with ``auto`` the MPI transport is readied first and
 ucx reports itself unavailable, saying why (`_foreign_ucx`).
 
-Device memory: host buffers only for now. Device buffers will go through UCX's cuda_copy /
-cuda_ipc / GPUDirect RDMA transports (ucxx's ``Array`` already takes
-``__cuda_array_interface__`` objects), which is where this transport is meant to grow.
+Device memory: when UCX reports CUDA support (its context lists the CUDA memory type) or
+``DDL_GPU_DIRECT=on``, pairs take `DeviceView`s: ucxx's ``Array`` reads their
+``__cuda_array_interface__`` and UCX moves the bytes with cuda_copy / cuda_ipc / GPUDirect RDMA
+(it finds the memory type from the pointer). A device payload always travels on its own tag
+(``DATA_APART``), never inside the header message, so Python never touches device bytes on the
+send side; a message that arrived in host memory before its device receive was posted is copied
+up with `DeviceView.upload`.
 ``DDL_NCHANNELS`` does not apply: UCX spreads over rails itself.
 """
 
@@ -67,6 +71,7 @@ from typing import Any
 from ddlcore.transports.base import (
     MAX_ABORT_REASON_BYTES,
     Context,
+    DeviceView,
     Pair,
     PeerInfo,
     Request,
@@ -91,6 +96,7 @@ from ddlcore.transports.common import (
     timeout_error,
 )
 
+from ddlcore import config
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -101,9 +107,9 @@ from ddlcore.errors import (
 )
 from ddlcore.store import StoreUnreachableError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: DATA_APART (device payloads of any size travel on their own tag)
 _HEADER = struct.Struct("<HHIQQQ")  # kind, version, check, tag, nbytes, msgno
-_DATA, _ABORT, _CLOSE = 1, 2, 3
+_DATA, _ABORT, _CLOSE, _DATA_APART = 1, 2, 3, 4
 _CTRL_KIND, _PAYLOAD_KIND = 1, 2
 _KIND_SHIFT, _SRC_SHIFT = 60, 32
 _MAX_RANKS = 1 << 28  # the source rank's field in a UCX tag
@@ -238,10 +244,12 @@ class UcxPair(Pair):
         self._msgno = count()
         self._ctrl: deque[tuple[Any, bytearray, int]] = deque()  # progress thread only
         self._ctrl_tag = ctx._lib.UCXXTag(_ucx_tag(_CTRL_KIND, ctx.rank, 0))
+        self.device_memory = ctx.device_memory
 
     # --- requests -------------------------------------------------------------------------------
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
-        view = as_view(view)
+        on_device = isinstance(view, DeviceView)
+        view = self._device_view(view) if on_device else as_view(view)
         check_tag(tag, check)
         req = UcxRequest(self, view, tag, check, True)
         ep = self._ep
@@ -253,13 +261,15 @@ class UcxPair(Pair):
         lib, Array = self._ctx._lib, self._ctx._Array
         parts: list[tuple[Any, Any]] = []  # (UCX request, the buffer it reads)
         try:
-            if nbytes <= _EAGER_BYTES:
+            if nbytes <= _EAGER_BYTES and not (on_device and nbytes):
                 frame = bytearray(_HEADER.size + nbytes)
                 _HEADER.pack_into(frame, 0, _DATA, PROTOCOL_VERSION, check, tag, nbytes, 0)
-                frame[_HEADER.size:] = view
+                if nbytes:  # (never a device view: those travel apart)
+                    frame[_HEADER.size:] = view
                 parts.append((ep.tag_send(Array(frame), self._ctrl_tag), frame))
             else:
-                header = _HEADER.pack(_DATA, PROTOCOL_VERSION, check, tag, nbytes, msgno)
+                kind = _DATA_APART if on_device else _DATA
+                header = _HEADER.pack(kind, PROTOCOL_VERSION, check, tag, nbytes, msgno)
                 parts.append((ep.tag_send(Array(header), self._ctrl_tag), header))
                 payload_tag = lib.UCXXTag(_ucx_tag(_PAYLOAD_KIND, self.rank, msgno))
                 parts.append((ep.tag_send(Array(view), payload_tag), view))
@@ -269,8 +279,19 @@ class UcxPair(Pair):
         self._ctx._track_send(self, req, parts)
         return req
 
+    def _device_view(self, view: DeviceView) -> DeviceView:
+        if not self.device_memory:
+            raise ValueError(f"rank {self.rank}: this UCX has no CUDA support (its context lists "
+                             "no CUDA memory type); device memory must be staged through host "
+                             "memory (DDL_GPU_DIRECT=off/auto does that)")
+        return view
+
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
-        view = recv_view(view, tag, check)
+        if isinstance(view, DeviceView):
+            check_tag(tag, check)
+            view = self._device_view(view)
+        else:
+            view = recv_view(view, tag, check)
         req = UcxRequest(self, view, tag, check, False)
         msg = None
         with self._mlock:
@@ -295,9 +316,24 @@ class UcxPair(Pair):
         elif msg.failed:
             req._fail(self._error_for(req))
         else:
-            if msg.nbytes:
-                req.view[:] = msg.data
+            if msg.nbytes and not self._fill(req, msg.data):
+                return
             req._complete()
+
+    def _fill(self, req: UcxRequest, data: Any) -> bool:
+        """Copy a payload held in host memory into ``req``'s view; a failed device copy fails
+        this receive only (False)."""
+        view = req.view
+        if not isinstance(view, DeviceView):
+            view[:] = data
+            return True
+        try:
+            view.upload(memoryview(data))
+        except Exception as exc:
+            req._fail(DDLError(f"rank {self.rank}: copying {req.nbytes} bytes from rank "
+                               f"{self.peer} into device memory failed: {exc}"))
+            return False
+        return True
 
     @staticmethod
     def _mismatched(req: UcxRequest, check: int, nbytes: int) -> bool:
@@ -478,6 +514,9 @@ class UcxContext(PairTableContext):
         self._thread: threading.Thread | None = None
         try:
             self._ucx = lib.UCXContext(ucx_options(), _features(lib))
+            direct = config.get("DDL_GPU_DIRECT")
+            self.device_memory = direct == "on" or (direct == "auto" and
+                                                    bool(self._ucx.cuda_support))
             self._worker = lib.UCXWorker(self._ucx)
             self._worker.init_blocking_progress_mode()
             self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -658,8 +697,8 @@ class UcxContext(PairTableContext):
                              f"{PROTOCOL_VERSION}: run the same ddlcore on every rank")
         pair._heard = True
         body = frame[_HEADER.size:]
-        if kind == _DATA:
-            eager = nbytes <= _EAGER_BYTES
+        if kind in (_DATA, _DATA_APART):
+            eager = kind == _DATA and nbytes <= _EAGER_BYTES
             if len(body) != (nbytes if eager else 0):
                 raise ValueError(f"a data header for {nbytes} bytes carrying {len(body)}")
             self._on_data(pair, check, tag, nbytes, msgno, body if eager else None)
@@ -690,8 +729,8 @@ class UcxContext(PairTableContext):
             req = None  # the payload (if separate) is drained below
         if eager is not None:
             if req is not None:
-                if nbytes:
-                    req.view[:] = eager
+                if nbytes and not pair._fill(req, eager):
+                    return
                 req._complete()
             return
         if req is not None:  # zero copy: UCX writes straight into the posted buffer

@@ -25,7 +25,7 @@ def _numba_cuda_installed() -> bool:
     return True
 
 
-def _device_collectives(rank, size, engine_expected=None):
+def _device_collectives(rank, size, engine_expected=None, direct=False):
     from ddlcore.kernels import reference
     from numba import cuda
 
@@ -58,6 +58,8 @@ def _device_collectives(rank, size, engine_expected=None):
         np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
         if engine_expected is not None:  # which data path the calls took
             assert bool(comm._slots_device) == engine_expected
+        if direct:  # the transport moved the device arrays' bytes itself (no pinned slots)
+            assert all(comm._links.pair(p).device_memory for p in range(size) if p != rank)
         try:
             comm.allreduce(cuda.to_device(np.ones(3, np.float32)), out=np.ones(3, np.float32))
         except ValueError as exc:
@@ -74,13 +76,18 @@ def test_device_arrays_on_the_simulator(nprocs):
 
 
 @pytest.mark.parametrize("nprocs,algo,transport", [(2, "ring", "tcp"), (3, "ring", "shm"),
-                                                   (3, "rhd", "tcp")])
+                                                   (3, "rhd", "tcp"), (3, "ring", "ucx"),
+                                                   (2, "rhd", "mpi")])
 def test_device_arrays_through_the_stream_engine(nprocs, algo, transport):
     """A schedule algorithm: chunks pipelined over (simulated) CUDA streams, small chunks so
-    every size above a few elements takes many."""
+    every size above a few elements takes many. Over ucx and mpi with DDL_GPU_DIRECT=on the
+    transports take the device arrays' memory directly."""
     require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
-    env = dict(SIM, DDL_ALGO=algo, DDL_TRANSPORT=transport, DDL_CHUNK_BYTES="256")
-    run_ranks(_device_collectives, nprocs, True, env=env, timeout=240)
+    direct = transport in ("ucx", "mpi")
+    env = dict(SIM, DDL_ALGO=algo, DDL_TRANSPORT=transport, DDL_CHUNK_BYTES="256",
+               DDL_GPU_DIRECT="on" if direct else "off")
+    run_ranks(_device_collectives, nprocs, True, direct, env=env, timeout=240,
+              launcher="mpiexec" if transport == "mpi" else "spawn")
 
 
 def _gpu_present() -> bool:
@@ -123,14 +130,17 @@ def _frameworks(rank, size):
     return seen
 
 
-@pytest.mark.parametrize("nprocs,algo", [(1, ""), (2, ""), (2, "ring")])
-def test_device_arrays_on_a_gpu(nprocs, algo):
-    """On a real GPU: the board path (default on one host) and the stream engine (ring)."""
+@pytest.mark.parametrize("nprocs,algo,transport", [(1, "", ""), (2, "", ""), (2, "ring", "tcp"),
+                                                   (2, "ring", "ucx")])
+def test_device_arrays_on_a_gpu(nprocs, algo, transport):
+    """On a real GPU: the board path (default on one host), the stream engine (ring) staging
+    through pinned memory (tcp), and UCX moving device memory itself (DDL_GPU_DIRECT=auto:
+    direct when UCX reports CUDA support)."""
     # Checked here, not at import: rank processes import this module before they set
     # NUMBA_ENABLE_CUDASIM, and numba must not be imported before that.
     if not _gpu_present():
         pytest.skip("needs a real GPU (the simulator test covers CI)")
-    env = {"DDL_ALGO": algo, "DDL_TRANSPORT": "tcp"} if algo else {}
-    run_ranks(_device_collectives, nprocs, bool(algo) if nprocs > 1 else None, env=env,
-              timeout=300)
+    env = {"DDL_ALGO": algo, "DDL_TRANSPORT": transport} if algo else {}
+    run_ranks(_device_collectives, nprocs, bool(algo) if nprocs > 1 else None,
+              transport == "ucx", env=env, timeout=300)
     print(run_ranks(_frameworks, nprocs, env=env, timeout=300))

@@ -3,7 +3,8 @@
 `DeferredStreams` plays the GPU's part: every copy and kernel the engine queues waits in its
 stream's queue and runs only when the engine asks an event (``done``/``sync``), in a random
 order that respects stream order and event waits: the slowest, most reordered GPU the engine's
-events allow. The data really moves at that time, so a missing event (a download before the
+events allow; now and then, everything runnable runs at once (a fast GPU, which is what
+overtakes a direct transport still reading a span). The data really moves at that time, so a missing event (a download before the
 reduction that feeds it, a pinned slot reused before its upload ran, a write before a download
 of the old value) shows up as wrong bits. Each case runs the same schedule through the host
 engine and the device engine over real transports, and the outputs must be identical bit for
@@ -47,9 +48,13 @@ class DeferredStreams:
         self.user = _Stream("user")  # the caller's stream, producing the input
         self.streams = (self.compute, self.d2h, self.h2d, self.user)
         self.ran = 0
+        self.views = 0  # device views handed to direct transports
 
     def _enqueue(self, stream: _Stream, fn, blocker: _Event | None = None) -> None:
         stream.queue.append((fn, blocker))
+        if self.rng.random() < 0.2:  # now and then a fast GPU: everything runnable runs now
+            while self._step():
+                pass
 
     def _step(self) -> bool:
         ready = [s for s in self.streams
@@ -128,9 +133,24 @@ class DeferredStreams:
     def device(self, nbytes: int):
         return _region(np.full(nbytes, 0xCD, np.uint8))
 
+    def view(self, region, off, nbytes):
+        """What a direct transport gets: the "device" bytes themselves. The transport reads and
+        writes them on its own threads whenever it likes, as a NIC or UCX's CUDA copies would;
+        only the engine's waits keep that away from queued work on the same bytes."""
+        from ddlcore.transports.base import DeviceView
+
+        self.views += 1
+        return DeviceView(region.ptr + off if nbytes else 0, nbytes, 0, _upload)
+
 
 def _noop():
     pass
+
+
+def _upload(view, data):
+    import ctypes
+
+    ctypes.memmove(view.ptr, bytes(data), len(data))
 
 
 def _copy(host, array, off, n):
@@ -233,26 +253,46 @@ def _orderings(rank, size, algos, depth, seed):
                                     (algo, collective, dt.name, count, op, in_place)
                                 checked += 1
         comm.barrier()
-    return checked, ops.ran
+        direct = sum(bool(comm._links.pair(p).device_memory) for p in range(size) if p != rank)
+    return checked, ops.ran, ops.views, direct
 
 
-@pytest.mark.parametrize("nprocs,box,algos,depth", [
-    (2, "", ["ring", "rhd", "rd"], 1),
-    (3, "", ["ring", "rhd", "rd"], 3),
-    (4, "2x2", ["mdring", "rhd"], 2),
+# (ranks, box, transport, DDL_GPU_DIRECT, algorithms, pipeline depth). Direct transports
+# (ucx, mpi with DDL_GPU_DIRECT=on) read and write the "device" buffers on their own threads;
+# "ucx+shm" is two hosts (DDL_HOST_ID): shm pairs stage within a host, ucx pairs go direct across.
+@pytest.mark.parametrize("nprocs,box,transport,direct,algos,depth", [
+    (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1),
+    (3, "", "tcp", "off", ["ring", "rhd", "rd"], 3),
+    (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2),
+    (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2),
+    (4, "2x2", "ucx+shm", "on", ["mdring", "rhd"], 3),
+    (2, "", "mpi", "on", ["ring", "rhd"], 1),
 ])
-def test_device_engine_matches_host_engine_under_reordering(nprocs, box, algos, depth):
-    env = {"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": "60"}
+def test_device_engine_matches_host_engine_under_reordering(nprocs, box, transport, direct,
+                                                            algos, depth):
+    env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60", "DDL_GPU_DIRECT": direct}
+    rank_envs = None
+    if transport == "ucx+shm":
+        env["DDL_TRANSPORT"] = "auto:ucx"
+        rank_envs = {r: {"DDL_HOST_ID": f"host{r // 2}"} for r in range(nprocs)}
     if box:
         env["DDL_TOPOLOGY"] = box
-    results = run_ranks(_orderings, nprocs, algos, depth, 11, env=env, timeout=280)
-    for checked, ran in results:
+    results = run_ranks(_orderings, nprocs, algos, depth, 11, env=env, timeout=280,
+                        rank_envs=rank_envs,
+                        launcher="mpiexec" if transport == "mpi" else "spawn")
+    for checked, ran, views, direct_pairs in results:
         assert checked > 100 and ran > 1000, (checked, ran)
+        if direct == "off":
+            assert views == 0 and direct_pairs == 0
+        else:  # every pair direct, or (ucx+shm) those to the other host
+            assert direct_pairs == (2 if transport == "ucx+shm" else nprocs - 1), direct_pairs
+            assert views > 100, views
 
 
-def _swaps(rank, size, seed):
+def _swaps(rank, size, seed, n):
     """Hand-made schedules with write-after-read hazards the library's algorithms do not have
-    today: send a span, then receive into it (or copy over it) at once."""
+    today: send a span, then receive into it (or copy over it) at once. (A direct transport
+    reads a large span while the message is on the wire: UCX's rendezvous protocol.)"""
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
@@ -261,7 +301,6 @@ def _swaps(rank, size, seed):
     from ddlcore.algorithms.schedule import Kind, Schedule, Step
 
     peer = 1 - rank
-    n = 1000
     with ddlcore.init() as comm:
         ops = DeferredStreams([seed, rank])
         slots = device_engine.DeviceSlots(ops)
@@ -291,8 +330,11 @@ def _swaps(rank, size, seed):
     return True
 
 
-def test_device_engine_orders_writes_after_pending_downloads():
-    run_ranks(_swaps, 2, 5, env={"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": "60"}, timeout=120)
+@pytest.mark.parametrize("transport,direct,n", [("tcp", "off", 1000), ("ucx", "on", 1 << 16)])
+def test_device_engine_orders_writes_after_pending_downloads(transport, direct, n):
+    """Staged: the overwrite waits for the download; direct: for the send reading the span."""
+    run_ranks(_swaps, 2, 5, n, env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60",
+                                 "DDL_GPU_DIRECT": direct}, timeout=120)
 
 
 def _bursts(rank, size, algo):

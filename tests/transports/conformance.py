@@ -10,6 +10,7 @@ test wants to look at (timings, error messages). The semantics checked are those
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import struct
@@ -18,6 +19,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 from ddlcore.transports.base import (
@@ -537,6 +539,71 @@ def bad_arguments(rank: int, size: int, transport: str) -> None:
         with pytest.raises(ValueError):
             ctx.pair(size)
         env.barrier("done")
+
+
+# --- device memory --------------------------------------------------------------------------------
+def _device_view(buf: np.ndarray, uploads: list[int]) -> Any:
+    """A `DeviceView` over host memory: what a transport's device path gets, minus the GPU (UCX
+    and MPI find the memory type from the pointer, so host memory behind a device view moves
+    the same way; on a GPU the same calls carry device memory)."""
+    from ddlcore.transports.base import DeviceView
+
+    def upload(view: DeviceView, data: memoryview) -> None:
+        uploads.append(len(data))
+        ctypes.memmove(view.ptr, bytes(data), len(data))
+
+    return DeviceView(buf.ctypes.data if buf.nbytes else 0, buf.nbytes, 0, upload)
+
+
+DEVICE_SIZES = (0, 1, 7, 4096, 4097, 65_537, 1 << 20)
+
+
+def device_views(rank: int, size: int, transport: str) -> tuple[bool, list[int]]:
+    """Pairs that take device memory: device to device, device to host and host to device, for
+    sizes on both sides of the eager limit, receives posted before and after the message
+    arrived (a host payload that arrived first is uploaded). Pairs that do not refuse a device
+    view with a ValueError. Returns (device_memory, the sizes uploaded on this rank)."""
+    import pytest
+
+    uploads: list[int] = []
+    with rank_env(rank, size, transport) as env:
+        pair = env.context().pair(1 - rank)
+        if not pair.device_memory:
+            buf = np.zeros(8, np.uint8)
+            with pytest.raises(ValueError, match="device memory"):
+                pair.isend(_device_view(buf, uploads), 1)
+            with pytest.raises(ValueError, match="device memory"):
+                pair.irecv(_device_view(buf, uploads), 1)
+            env.barrier("done")
+            return False, uploads
+        sizes = DEVICE_SIZES
+        if rank == 0:  # sends: from device views (tag 1), from host memory (tag 2)
+            env.barrier("early posted")
+            dev = [payload(0, 1, i, n) for i, n in enumerate(sizes)]
+            host = [payload(0, 2, i, n) for i, n in enumerate(sizes)]
+            reqs = [pair.isend(_device_view(b, uploads), 1) for b in dev]
+            reqs += [pair.isend(memoryview(b), 2) for b in host]
+            env.barrier("sent")  # (over MPI a large send ends only once its receive is posted)
+            wait_all(reqs)
+            env.barrier("done")
+            return True, uploads
+        # rank 1: tag 1 into device views (first half posted early) and host memory; tag 2
+        # (host sends, eager when small) into device views, all posted after arrival
+        half = len(sizes) // 2
+        got1 = [np.full(n, 0xEE, np.uint8) for n in sizes]
+        got2 = [np.full(n, 0xEE, np.uint8) for n in sizes]
+        reqs = [pair.irecv(_device_view(b, uploads), 1) for b in got1[:half]]
+        env.barrier("early posted")
+        env.barrier("sent")
+        time.sleep(0.05)  # let the payloads land in the transport's own buffers
+        reqs += [pair.irecv(memoryview(b), 1) for b in got1[half:]]
+        reqs += [pair.irecv(_device_view(b, uploads), 2) for b in got2]
+        wait_all(reqs)
+        for i, (a, b) in enumerate(zip(got1, got2, strict=True)):
+            expect(a, 0, 1, i)
+            expect(b, 0, 2, i)
+        env.barrier("done")
+        return True, uploads
 
 
 # --- lifetime -------------------------------------------------------------------------------------

@@ -178,3 +178,18 @@ def test_tcp_nchannels_must_agree():
                          rank_envs={0: {"DDL_NCHANNELS": "1"}, 1: {"DDL_NCHANNELS": "2"}})
     for message in messages:
         assert "DDL_NCHANNELS=1" in message and "DDL_NCHANNELS=2" in message, message
+
+
+@pytest.mark.parametrize("name,direct", [("tcp", "on"), ("shm", "on"), ("ucx", "on"),
+                                         ("ucx", "off")])
+def test_device_views(name, direct):
+    """DDL_GPU_DIRECT=on: ucx pairs carry DeviceViews (host memory behind them here); tcp and
+    shm never do, whatever it says. off: ucx pairs refuse them too."""
+    require(*conf.transport_class(name).is_available())
+    results = run_ranks(conf.device_views, 2, name, timeout=JOB_TIMEOUT_S,
+                        env={"DDL_GPU_DIRECT": direct})
+    takes = {flag for flag, _ in results}
+    assert takes == {direct == "on" and name == "ucx"}, takes
+    if name == "ucx" and direct == "on":
+        # the host messages that arrived before their device receive were uploaded
+        assert sorted(results[1][1]) == sorted(n for n in conf.DEVICE_SIZES if n), results[1][1]

@@ -63,3 +63,20 @@ def test_abort_reaches_the_peer_with_class_and_reason():
     for (_, message, elapsed), code in zip(seen, conf.ABORT_CODES, strict=True):
         assert message.startswith(f"rank 0 aborted: collective #{code} went wrong"), message
         assert elapsed < 2.0, elapsed
+
+
+@pytest.mark.parametrize("direct", ["on", "auto"])
+def test_device_views(direct):
+    """With DDL_GPU_DIRECT=on MPI pairs hand DeviceViews to MPI (mpi4py reads their
+    __cuda_array_interface__; host memory behind them here). auto asks the library: the MPICH
+    wheel is not CUDA-aware, so its pairs refuse device views and the engine stages."""
+    aware = all(_mpi(_cuda_aware, 2))  # asked in the ranks: MPI_Init stays out of pytest
+    results = _mpi(conf.device_views, 2, env={"DDL_GPU_DIRECT": direct})
+    takes = {flag for flag, _ in results}
+    assert takes == {direct == "on" or aware}, takes
+
+
+def _cuda_aware(rank, size, transport):
+    from ddlcore.transports.mpi import cuda_aware
+
+    return cuda_aware()
