@@ -86,3 +86,21 @@ def test_bench_on_device_memory_with_the_simulator():
                 "--memory", "cuda"], env={"NUMBA_ENABLE_CUDASIM": "1"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert "cuda memory" in res.stdout and "Out of bounds values : 0 OK" in res.stdout
+
+
+def test_gpu_kernel_benchmark_runs_on_the_simulator(tmp_path):
+    """benchmarks/bench_cuda.py end to end on tiny sizes (its numbers mean nothing on the
+    simulator; the pack it times is checked against the inputs inside the script)."""
+    try:
+        import numba.cuda  # noqa: F401
+    except ImportError:
+        require(False, "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+    out = tmp_path / "bench_cuda.json"
+    res = _run([sys.executable, "benchmarks/bench_cuda.py", "--mib", "0.002", "--reps", "1",
+                "--tensors", "5", "--tensor-kib", "1", "--json", str(out)],
+               env={"NUMBA_ENABLE_CUDASIM": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Numba CUDA simulator" in res.stdout and "5 separate copies" in res.stdout
+    rows = json.loads(out.read_text())
+    assert set(rows["reduce"]["0.002"]) >= {"copy_GBps", "bfloat16", "float32", "int64"}
+    assert "fused pack (addresses)" in rows["pack"]
