@@ -50,8 +50,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cuda = _gpu()
-    from ddlcore.device import pointer_of
     from ddlcore.kernels import cuda as kcuda
+
+    from ddlcore.device import pointer_of
 
     def best_ms(fn) -> float:  # GPU time between two events
         fn()
