@@ -40,6 +40,7 @@ One file (~420 lines) because the model, its event loop and its CLI are read tog
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import json
@@ -341,6 +342,16 @@ def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: f
                   float(nbytes), time_s, predicted, program.steps, dims)
 
 
+def cyclic(topo: topology.Topology) -> topology.Topology:
+    """``topo`` with ranks dealt round-robin over its nodes (hosts): rank r on node r % N, as
+    ``mpiexec --map-by node`` places them. The box is the same; only who sits where changes,
+    so rank-ordered algorithms (ring) cross the network on every hop, box-ordered ones do not."""
+    per_node = topo.ranks_per_node
+    nodes = topo.size // per_node
+    order = tuple(local * nodes + node for node in range(nodes) for local in range(per_node))
+    return dataclasses.replace(topo, order=order)
+
+
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
 
@@ -375,6 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--algo", default="auto", help="ring, mdring, rhd, rd or auto")
     p.add_argument("--dim-order", default="", help="mdring phase order, e.g. 0,2,1")
     p.add_argument("--adapters", type=int, default=1, help="network adapters per host")
+    p.add_argument("--placement", default="block", choices=("block", "cyclic"),
+                   help="rank -> host map: block (host by host, as launchers do by default) or "
+                   "cyclic (round-robin over hosts: rank order crosses a host every hop)")
     p.add_argument("--levels", default="", help="level per dimension (first ones 'host')")
     p.add_argument("--reduce-bw", type=float, default=tuning.REDUCE_BW)
     p.add_argument("--copy-bw", type=float, default=None, help="default: --reduce-bw")
@@ -397,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             a.levels.split(",") if a.levels else None, a.adapters)
     except ValueError as exc:
         p.error(str(exc))
+    if a.placement == "cyclic":
+        topo = cyclic(topo)
     order = tuple(int(v) for v in a.dim_order.split(",")) if a.dim_order else None
     try:
         res = simulate(a.collective, a.algo, topo, a.bytes, a.itemsize, a.chunk_bytes, order,

@@ -235,3 +235,20 @@ def test_schedules_are_the_librarys():
     steps = sum(len(ALGORITHMS["allreduce"]["mdring"](r, 8, 25_000, 4, 1 << 20, topo).steps)
                 for r in range(8))
     assert prog.steps == steps and prog.algorithm == "mdring"
+
+
+def test_cyclic_placement_slows_the_rank_ordered_ring_not_mdring(capsys):
+    """--placement cyclic: the flat ring (rank order) crosses the network on every hop and
+    shares each host's adapter among its ranks; mdring follows the box and does not care."""
+    times = {}
+    for placement in ("block", "cyclic"):
+        for algo in ("ring", "mdring"):
+            assert simulate.main(["--topology", "4x2", "--link-bw", "20e9,1.25e8", "--bytes",
+                                  "16e6", "--algo", algo, "--placement", placement,
+                                  "--json"]) == 0
+            times[placement, algo] = json.loads(capsys.readouterr().out)["time_s"]
+    assert times["cyclic", "mdring"] == pytest.approx(times["block", "mdring"], rel=1e-9)
+    assert times["cyclic", "ring"] > 3 * times["block", "ring"], times
+    assert times["cyclic", "ring"] > 4 * times["cyclic", "mdring"], times
+    topo = simulate.cyclic(topology.box([4, 2], [20e9, 1e9], [1e-6, 1e-5]))
+    assert [topo.node_of(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
