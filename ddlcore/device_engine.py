@@ -127,8 +127,9 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         slots: DeviceSlots, depth: int, timeout: float, ready: Any = None) -> None:
     """Execute ``schedule`` on device buffers within ``timeout`` seconds.
 
-    ``ready`` is an event recorded on the caller's stream (or None): every stream waits for it,
-    so work the caller queued before the collective is seen. Returns when the result is in the
+    ``ready`` is an event recorded on the caller's stream (None: the legacy default stream):
+    every stream, and every direct send, waits for it, so work the caller queued before the
+    collective is seen. Returns when the result is in the
     output buffer (the compute stream has been synchronised). Failures raise as in
     `ddlcore.engine.run`, after aborting the links."""
     steps = schedule.steps
@@ -152,7 +153,7 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     writes: list = []            # (lo, hi, event) of compute-stream writes to the buffers
     reads: list = []             # (lo, hi, event) of downloads reading the buffers
     queued: deque = deque()      # (event, slot, peer, tag, payload, lo, hi): sends not yet posted
-    inflight: deque = deque()    # (slot, request) of sends on the wire (slot -1: direct)
+    inflight: deque = deque()    # (slot, request) of sends from pinned slots on the wire
     direct_sends: list = []      # (lo, hi, request) of sends reading the buffers themselves
     direct: dict[int, bool] = {}  # peer -> its pair takes device memory
     posted: list = [None] * nsteps
@@ -200,9 +201,10 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
             if ev is not None:
                 ops.sync(ev, remaining())
             req = pair(peer).isend(payload, tag, check)
-            inflight.append((slot, req))
-            if slot < 0:
+            if slot < 0:  # kept apart: a slow one must not hold back freeing pinned slots
                 direct_sends.append((lo, hi, req))
+            else:
+                inflight.append((slot, req))
 
     def after_direct_sends(lo: int, hi: int) -> None:
         """Before a write to [lo, hi): wait (on the host) for direct sends still reading it."""
@@ -230,9 +232,7 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     def retire_sends() -> None:
         """Free the pinned slots of the sends that have finished, oldest first."""
         while inflight and inflight[0][1].test():
-            slot = inflight.popleft()[0]
-            if slot >= 0:  # (a direct send has none)
-                free_send.append(slot)
+            free_send.append(inflight.popleft()[0])
 
     def send_slot() -> int:
         # Never wait for a send here: over MPI (or shm's single-copy path) a large send ends
@@ -279,9 +279,13 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
 
     nxt = 0  # next step to consider for early posting
     try:
-        if ready is not None:
-            for stream in (compute, d2h, h2d):
-                ops.wait(stream, ready)
+        if ready is None:
+            # The caller's work is on the legacy default stream: our streams are blocking, so
+            # their copies wait for it implicitly, but a direct transport's reads do not. An
+            # event on ``compute`` fires after it (and is what a direct send of input waits for).
+            ready = ops.record(compute)
+        for stream in (compute, d2h, h2d):
+            ops.wait(stream, ready)
         for i in range(nsteps):
             nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)
             send_queued(False)
@@ -349,6 +353,8 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
         send_queued(True)
         while inflight:
             inflight.popleft()[1].wait(remaining())
+        for _, _, req in direct_sends:
+            req.wait(remaining())
         ops.sync(ops.record(compute), remaining())
     except BaseException as exc:
         if not isinstance(exc, DDLError):  # a CUDA error, say: the peers must hear of it too
