@@ -147,6 +147,13 @@ def on_device(device_id: int) -> Any:
     return _cuda().gpus[device_id]
 
 
+def bind_thread(device_id: int) -> None:
+    """Make GPU ``device_id``'s primary context current on the calling thread, for good (a
+    transport's progress thread that hands device memory to UCX)."""
+    if not is_simulator():
+        _cuda().select_device(device_id)
+
+
 def region_of(array: Any) -> Any:
     """The engine's `DeviceRegion` of a contiguous Numba device array: its base address and a
     flat uint8 view."""

@@ -39,6 +39,7 @@ is how the ordering above is checked without a GPU.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -384,6 +385,7 @@ class NumbaStreams:
         self._kernels = kcuda
         self._device = 0 if device.is_simulator() else int(cuda.get_current_device().id)
         self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
+        self._uploads = cuda.stream()  # transports' copies of early-arrived host payloads
         try:
             cuda.event(timing=False)
             self._event: Any = lambda: cuda.event(timing=False)
@@ -460,18 +462,21 @@ class NumbaStreams:
         return self._cuda.pinned_array(nbytes, dtype=np.uint8)
 
     def view(self, region: DeviceRegion, off: int, nbytes: int) -> DeviceView:
+        from ddlcore import device
+
         if not nbytes:
             return DeviceView(0, 0, self._device, _no_upload)
-        target, gpu = region.array[off:off + nbytes], self._device
+        target, gpu, stream = region.array[off:off + nbytes], self._device, self._uploads
 
         def upload(_: DeviceView, data: memoryview) -> None:
-            # called by a transport's thread, which has no current CUDA context of its own
-            from ddlcore import device
-
+            # Called by a transport's thread (no current CUDA context of its own). On a stream
+            # of its own: the legacy default stream would wait for all our queued work.
             with device.on_device(gpu):
-                target.copy_to_device(np.frombuffer(data, np.uint8))
+                target.copy_to_device(np.frombuffer(data, np.uint8), stream=stream)
+                stream.synchronize()
 
-        return DeviceView(region.ptr + off, nbytes, gpu, upload)
+        return DeviceView(region.ptr + off, nbytes, gpu, upload,
+                          functools.partial(device.bind_thread, gpu))
 
     def device(self, nbytes: int) -> DeviceRegion:
         from ddlcore import device

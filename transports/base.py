@@ -86,16 +86,20 @@ class DeviceView:
     The caller guarantees that no GPU work is still writing the bytes of a send when it is
     posted, and none touches a receive's bytes until the request completed. ``upload`` copies
     host bytes into the view synchronously; a transport uses it when a message arrived in host
-    memory before its device receive was posted (it may be called from any thread).
+    memory before its device receive was posted (it may be called from any thread). ``bind``
+    makes the view's GPU current on the calling thread: a transport's own thread that hands
+    device memory to a library needing a current CUDA context (UCX's progress) calls it first.
     """
 
-    __slots__ = ("ptr", "nbytes", "device", "_upload")
+    __slots__ = ("ptr", "nbytes", "device", "_upload", "_bind")
 
     def __init__(self, ptr: int, nbytes: int, device: int,
-                 upload: Callable[[DeviceView, memoryview], None]) -> None:
+                 upload: Callable[[DeviceView, memoryview], None],
+                 bind: Callable[[], None] | None = None) -> None:
         if nbytes < 0 or (nbytes and not ptr):
             raise ValueError(f"a device view of {nbytes} bytes at {ptr:#x}")
         self.ptr, self.nbytes, self.device, self._upload = ptr, nbytes, device, upload
+        self._bind = bind
 
     def __len__(self) -> int:
         return self.nbytes
@@ -114,6 +118,11 @@ class DeviceView:
             raise ValueError(f"{len(data)} bytes for a device view of {self.nbytes}")
         if self.nbytes:
             self._upload(self, data)
+
+    def bind(self) -> None:
+        """Make this view's GPU current on the calling thread (nothing to do without a binder)."""
+        if self._bind is not None:
+            self._bind()
 
 
 class Request(abc.ABC):

@@ -28,6 +28,22 @@ MAX_CHECK = (1 << 32) - 1
 ABORT_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
 
 
+def loaded_libraries(fragment: str) -> list[str]:
+    """Paths of the shared libraries mapped into this process whose path contains ``fragment``
+    (from /proc/self/maps; [] where it cannot be read). How a transport finds the very library
+    its Python binding loaded privately, to ask it something the binding does not wrap."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if fragment in path and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
 def take_oldest(table: dict[int, deque], tag: int) -> Any:
     """Remove and return the oldest entry queued under ``tag`` in a table of per-tag queues
     (posted receives, unexpected messages), or None; an emptied queue leaves the table, so the

@@ -41,6 +41,7 @@ from ddlcore.transports.base import (
     Store,
     Transport,
 )
+from ddlcore.transports.common import loaded_libraries
 
 from ddlcore import config
 from ddlcore.errors import (
@@ -66,20 +67,20 @@ def _mpi() -> Any:
 def cuda_aware() -> bool:
     """Whether the MPI library in this process reports CUDA support at run time.
 
-    mpi4py (4.1) has no wrapper for it, so ``MPIX_Query_cuda_support`` is looked up in the MPI
-    library mpi4py loaded (found in /proc/self/maps; mpi4py loads it privately, so it is not in
-    the process's global symbols). A library without the function is taken as not CUDA-aware.
+    mpi4py (4.1) has no wrapper for it, so ``MPIX_Query_cuda_support`` (MPICH and Open MPI) is
+    looked up in the MPI library mpi4py loaded (privately: it is not in the process's global
+    symbols). A library without the function is taken as not CUDA-aware.
     """
     _mpi()
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.rsplit(" ", 1)[-1].strip() for line in maps}
-        for path in sorted(p for p in paths if "/libmpi" in p and ".so" in p):
+    for path in loaded_libraries("/libmpi"):
+        if ".so" not in path:
+            continue
+        try:
             query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
-            if query is not None:
-                return bool(query())
-    except OSError:
-        pass
+        except OSError:
+            continue
+        if query is not None:
+            return bool(query())
     return False
 
 

@@ -45,10 +45,12 @@ MPI beside UCX: the MPICH wheel bundles its own libucs; ucxx's UCX cannot load i
 that already runs it, so under ``mpiexec`` with ``auto`` the MPI transport is readied first and
 ucx reports itself unavailable, saying why (`_foreign_ucx`).
 
-Device memory: when UCX reports CUDA support (its context lists the CUDA memory type) or
-``DDL_GPU_DIRECT=on``, pairs take `DeviceView`s: ucxx's ``Array`` reads their
-``__cuda_array_interface__`` and UCX moves the bytes with cuda_copy / cuda_ipc / GPUDirect RDMA
-(it finds the memory type from the pointer). A device payload always travels on its own tag
+Device memory: when UCX reports CUDA support (``ucp_context_query`` lists the CUDA memory
+type: `cuda_memory`) or ``DDL_GPU_DIRECT=on``, pairs take `DeviceView`s: ucxx's ``Array`` reads
+their ``__cuda_array_interface__`` and UCX moves the bytes with cuda_copy / cuda_ipc / GPUDirect
+RDMA (it finds the memory type from the pointer). The progress thread, which posts receives
+into device memory and drives UCX's CUDA copies, first makes the views' GPU current on itself
+(`DeviceView.bind`), as UCX's CUDA transports need a current context. A device payload always travels on its own tag
 (``DATA_APART``), never inside the header message, so Python never touches device bytes on the
 send side; a message that arrived in host memory before its device receive was posted is copied
 up with `DeviceView.upload`.
@@ -57,6 +59,7 @@ up with `DeviceView.upload`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import struct
@@ -88,6 +91,7 @@ from ddlcore.transports.common import (
     check_tag,
     checks_match,
     copy_error,
+    loaded_libraries,
     mismatch_error,
     queue_under,
     recv_view,
@@ -132,6 +136,13 @@ _OP_SEND, _OP_RECV, _OP_TEMP, _OP_DRAIN, _OP_NOTICE = 0, 1, 2, 3, 4
 # endpoint per second.
 _UCX_DEFAULTS = {"KEEPALIVE_INTERVAL": "1s"}
 
+# ucp_context_query: the field_mask bit asking for memory types, the 64-bit word that holds them
+# in ucp_context_attr_t (after field_mask, request_size and the padded thread_mode), and CUDA's
+# bit in them (ucs_memory_type_t); ucp.h and memory_type.h of UCX 1.x.
+_UCP_ATTR_FIELD_MEMORY_TYPES = 1 << 2
+_MEMORY_TYPES_WORD = 3
+_UCS_MEMORY_TYPE_CUDA = 1
+
 _import_lock = threading.Lock()
 
 
@@ -140,15 +151,24 @@ def _foreign_ucx() -> str:
     wheel (the MPICH wheel bundles its own), or "" when there is none."""
     if "mpi4py.MPI" not in sys.modules or "ucxx" in sys.modules:
         return ""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if "/libucs.so" in path and "/libucx/" not in path:
-                    return path
-    except OSError:
-        pass
-    return ""
+    return next((p for p in loaded_libraries("/libucs.so") if "/libucx/" not in p), "")
+
+
+def cuda_memory(ucx_context: Any) -> bool:
+    """Whether a UCX context moves CUDA memory: ``UCS_MEMORY_TYPE_CUDA`` among the memory
+    types ``ucp_context_query`` reports (UCX found its CUDA modules and a driver). ucxx's
+    ``cuda_support`` only reads UCX_TLS, and says yes on a machine without a GPU."""
+    for path in loaded_libraries("/libucp.so"):
+        try:
+            query = ctypes.CDLL(path).ucp_context_query
+        except (OSError, AttributeError):
+            continue
+        attr = (ctypes.c_uint64 * 64)()  # ucp_context_attr_t, with room to spare
+        attr[0] = _UCP_ATTR_FIELD_MEMORY_TYPES
+        if query(ctypes.c_void_p(ucx_context.handle), attr) != 0:
+            return False
+        return bool(attr[_MEMORY_TYPES_WORD] & (1 << _UCS_MEMORY_TYPE_CUDA))
+    return False
 
 
 def _import_ucxx() -> tuple[Any, Any]:
@@ -284,6 +304,7 @@ class UcxPair(Pair):
             raise ValueError(f"rank {self.rank}: this UCX has no CUDA support (its context lists "
                              "no CUDA memory type); device memory must be staged through host "
                              "memory (DDL_GPU_DIRECT=off/auto does that)")
+        self._ctx._bind_device(view)
         return view
 
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
@@ -512,11 +533,13 @@ class UcxContext(PairTableContext):
         self._probe_mask = lib.UCXXTagMask(0xF << _KIND_SHIFT)
         self._wake_fd = -1
         self._thread: threading.Thread | None = None
+        self._bound = False  # the progress thread was given a GPU to make current
+        self._binds: deque[DeviceView] = deque()  # views whose GPU it is to make current
         try:
             self._ucx = lib.UCXContext(ucx_options(), _features(lib))
             direct = config.get("DDL_GPU_DIRECT")
             self.device_memory = direct == "on" or (direct == "auto" and
-                                                    bool(self._ucx.cuda_support))
+                                                    cuda_memory(self._ucx))
             self._worker = lib.UCXWorker(self._ucx)
             self._worker.init_blocking_progress_mode()
             self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -585,6 +608,19 @@ class UcxContext(PairTableContext):
         self._wake()
         return ucx_req
 
+    def _bind_device(self, view: DeviceView) -> None:
+        """Before the first device operation: have the progress thread make the view's GPU
+        current (it posts device receives and drives UCX's CUDA copies). One GPU per context:
+        a rank drives one GPU; UCX finds other GPUs' memory from the pointer."""
+        if not self._bound:
+            self._bound = True
+            self._binds.append(view)
+            self._wake()
+
+    def _run_binds(self) -> None:  # progress thread
+        while self._binds:
+            self._binds.popleft().bind()
+
     def _on_endpoint_closed(self, peer: int) -> None:
         # Called by ucxx inside worker progress (any thread, UCX locks held): only queue it.
         self._endpoint_events.append(peer)
@@ -596,6 +632,8 @@ class UcxContext(PairTableContext):
         try:
             while not self._stopping:
                 self._dirty = False
+                if self._binds:
+                    self._run_binds()
                 worker.progress()
                 if self._service():
                     continue
@@ -743,6 +781,8 @@ class UcxContext(PairTableContext):
             self._post_payload(pair, msgno, scratch, _Op(None, pair, _OP_DRAIN, buf=scratch))
 
     def _post_payload(self, pair: UcxPair, msgno: int, target: Any, op: _Op) -> None:
+        if self._binds:  # a device receive posted since this round began
+            self._run_binds()
         lib = self._lib
         tag = lib.UCXXTag(_ucx_tag(_PAYLOAD_KIND, pair.peer, msgno))
         try:

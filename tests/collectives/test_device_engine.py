@@ -42,8 +42,11 @@ class DeferredStreams:
     """`DeviceOps` whose work runs late and in random valid orders (host NumPy memory plays
     device memory)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed, legacy: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
+        # legacy: the caller's stream is CUDA's legacy default stream, which the engine's
+        # (blocking) streams wait for implicitly; the engine is then given no ready event
+        self.legacy = legacy
         self.compute, self.d2h, self.h2d = _Stream("compute"), _Stream("d2h"), _Stream("h2d")
         self.user = _Stream("user")  # the caller's stream, producing the input
         self.streams = (self.compute, self.d2h, self.h2d, self.user)
@@ -58,7 +61,8 @@ class DeferredStreams:
 
     def _step(self) -> bool:
         ready = [s for s in self.streams
-                 if s.queue and (s.queue[0][1] is None or s.queue[0][1].fired)]
+                 if s.queue and (s.queue[0][1] is None or s.queue[0][1].fired)
+                 and not (self.legacy and s is not self.user and self.user.queue)]
         if not ready:
             return False
         stream = ready[int(self.rng.integers(len(ready)))]
@@ -89,6 +93,10 @@ class DeferredStreams:
         """Run only what ``event`` needs (its stream up to it, and the events that waits on),
         or, half the time, random work until it fires."""
         lazy = self.rng.random() < 0.5
+        while self.legacy and event.stream is not self.user and self.user.queue:
+            fn, _ = self.user.queue.popleft()  # (holds no waits in these tests)
+            fn()
+            self.ran += 1
         while not event.fired:
             if not lazy:
                 if not self._step():
@@ -335,6 +343,53 @@ def test_device_engine_orders_writes_after_pending_downloads(transport, direct, 
     """Staged: the overwrite waits for the download; direct: for the send reading the span."""
     run_ranks(_swaps, 2, 5, n, env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60",
                                  "DDL_GPU_DIRECT": direct}, timeout=120)
+
+
+def _legacy_stream(rank, size, seed):
+    """The caller's input is written late on the legacy default stream (``ready`` is None):
+    the engine's streams wait for it by CUDA's rules, a direct transport reading the input
+    would not, unless the engine makes its sends wait."""
+    from ddlcore.kernels.dtypes import DType
+
+    import ddlcore
+    from ddlcore import device_engine, engine, tuning
+    from ddlcore.algorithms import Buf
+    from ddlcore.communicator import _make_schedule
+
+    n = 4096
+    with ddlcore.init() as comm:
+        ops = DeferredStreams([seed, rank], legacy=True)
+        slots = device_engine.DeviceSlots(ops)
+        for algo in ("ring", "rhd"):
+            choice = tuning.choose("allreduce", comm.topology, n * 4, algo, 1024, False)
+            sched = _make_schedule("allreduce", choice, rank, size, n, 4, 0, comm.topology)
+            for trial in range(10):
+                x = random_input(np.float32, n, rank, trial, "sum")
+                inp = np.full(n, -1e30, np.float32)  # stale until the caller's kernel runs
+                out = np.zeros(n, np.float32)
+                ops._enqueue(ops.user, functools.partial(_put, inp.view(np.uint8), 0,
+                                                         x.view(np.uint8)))
+                coll = engine.Collective(2 * trial + 1 + 100 * (algo == "rhd"), 5, 4,
+                                         int(DType.FLOAT32), None, algo)
+                device_engine.run(sched, coll, {Buf.INPUT: _region(inp),
+                                                Buf.OUTPUT: _region(out)},
+                                  comm._links, slots, 2, 30.0, None)
+                want = np.zeros(n, np.float32)
+                coll = engine.Collective(2 * trial + 2 + 100 * (algo == "rhd"), 5, 4,
+                                         int(DType.FLOAT32), None, algo)
+                engine.run(sched, coll, {Buf.INPUT: engine.Region.of(x),
+                                         Buf.OUTPUT: engine.Region.of(want)},
+                           comm._links, comm._staging, 2, 30.0)
+                assert np.array_equal(out, want), (algo, trial)
+        comm.barrier()
+    return ops.views
+
+
+@pytest.mark.parametrize("transport,direct", [("tcp", "off"), ("ucx", "on")])
+def test_device_engine_waits_for_the_legacy_default_stream(transport, direct):
+    views = run_ranks(_legacy_stream, 2, 7, env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60",
+                                                 "DDL_GPU_DIRECT": direct}, timeout=120)
+    assert all((v > 0) == (direct == "on") for v in views), views
 
 
 def _bursts(rank, size, algo):

@@ -542,30 +542,37 @@ def bad_arguments(rank: int, size: int, transport: str) -> None:
 
 
 # --- device memory --------------------------------------------------------------------------------
-def _device_view(buf: np.ndarray, uploads: list[int]) -> Any:
+def _device_view(buf: np.ndarray, uploads: list[int], binds: list[str] | None = None) -> Any:
     """A `DeviceView` over host memory: what a transport's device path gets, minus the GPU (UCX
     and MPI find the memory type from the pointer, so host memory behind a device view moves
-    the same way; on a GPU the same calls carry device memory)."""
+    the same way; on a GPU the same calls carry device memory). Uploads record their sizes,
+    binds the thread that asked for the GPU to be made current."""
     from ddlcore.transports.base import DeviceView
 
     def upload(view: DeviceView, data: memoryview) -> None:
         uploads.append(len(data))
         ctypes.memmove(view.ptr, bytes(data), len(data))
 
-    return DeviceView(buf.ctypes.data if buf.nbytes else 0, buf.nbytes, 0, upload)
+    def bind() -> None:
+        if binds is not None:
+            binds.append(threading.current_thread().name)
+
+    return DeviceView(buf.ctypes.data if buf.nbytes else 0, buf.nbytes, 0, upload, bind)
 
 
 DEVICE_SIZES = (0, 1, 7, 4096, 4097, 65_537, 1 << 20)
 
 
-def device_views(rank: int, size: int, transport: str) -> tuple[bool, list[int]]:
+def device_views(rank: int, size: int, transport: str) -> tuple[bool, list[int], list[str]]:
     """Pairs that take device memory: device to device, device to host and host to device, for
     sizes on both sides of the eager limit, receives posted before and after the message
-    arrived (a host payload that arrived first is uploaded). Pairs that do not refuse a device
-    view with a ValueError. Returns (device_memory, the sizes uploaded on this rank)."""
+    arrived (a host payload that arrived first, or a small one carried in its header, is
+    uploaded). Pairs that do not refuse a device view with a ValueError. Returns
+    (device_memory, the sizes uploaded on this rank, the threads that bound the GPU)."""
     import pytest
 
     uploads: list[int] = []
+    binds: list[str] = []
     with rank_env(rank, size, transport) as env:
         pair = env.context().pair(1 - rank)
         if not pair.device_memory:
@@ -575,35 +582,38 @@ def device_views(rank: int, size: int, transport: str) -> tuple[bool, list[int]]
             with pytest.raises(ValueError, match="device memory"):
                 pair.irecv(_device_view(buf, uploads), 1)
             env.barrier("done")
-            return False, uploads
+            return False, uploads, binds
         sizes = DEVICE_SIZES
         if rank == 0:  # sends: from device views (tag 1), from host memory (tag 2)
             env.barrier("early posted")
             dev = [payload(0, 1, i, n) for i, n in enumerate(sizes)]
             host = [payload(0, 2, i, n) for i, n in enumerate(sizes)]
-            reqs = [pair.isend(_device_view(b, uploads), 1) for b in dev]
+            reqs = [pair.isend(_device_view(b, uploads, binds), 1) for b in dev]
             reqs += [pair.isend(memoryview(b), 2) for b in host]
             env.barrier("sent")  # (over MPI a large send ends only once its receive is posted)
             wait_all(reqs)
             env.barrier("done")
-            return True, uploads
+            return True, uploads, binds
         # rank 1: tag 1 into device views (first half posted early) and host memory; tag 2
-        # (host sends, eager when small) into device views, all posted after arrival
+        # (host sends, eager when small) into device views, the first half posted early (a
+        # small payload rides in its header: uploaded by the transport's thread), the rest
+        # after arrival (uploaded from the transport's buffer, or received in place)
         half = len(sizes) // 2
         got1 = [np.full(n, 0xEE, np.uint8) for n in sizes]
         got2 = [np.full(n, 0xEE, np.uint8) for n in sizes]
-        reqs = [pair.irecv(_device_view(b, uploads), 1) for b in got1[:half]]
+        reqs = [pair.irecv(_device_view(b, uploads, binds), 1) for b in got1[:half]]
+        reqs += [pair.irecv(_device_view(b, uploads, binds), 2) for b in got2[:half]]
         env.barrier("early posted")
         env.barrier("sent")
         time.sleep(0.05)  # let the payloads land in the transport's own buffers
         reqs += [pair.irecv(memoryview(b), 1) for b in got1[half:]]
-        reqs += [pair.irecv(_device_view(b, uploads), 2) for b in got2]
+        reqs += [pair.irecv(_device_view(b, uploads, binds), 2) for b in got2[half:]]
         wait_all(reqs)
         for i, (a, b) in enumerate(zip(got1, got2, strict=True)):
             expect(a, 0, 1, i)
             expect(b, 0, 2, i)
         env.barrier("done")
-        return True, uploads
+        return True, uploads, binds
 
 
 # --- lifetime -------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_device_views(direct):
     wheel is not CUDA-aware, so its pairs refuse device views and the engine stages."""
     aware = all(_mpi(_cuda_aware, 2))  # asked in the ranks: MPI_Init stays out of pytest
     results = _mpi(conf.device_views, 2, env={"DDL_GPU_DIRECT": direct})
-    takes = {flag for flag, _ in results}
+    takes = {flag for flag, _, _ in results}
     assert takes == {direct == "on" or aware}, takes
 
 

@@ -60,7 +60,8 @@ def test_ucxx_import_leaves_the_environment_as_the_user_set_it(ucx):
     assert _python(code, {"UCX_RNDV_THRESH": "16384"}) == "True ['UCX_RNDV_THRESH=16384']"
 
 
-def _one_rank_context(environ: dict[str, str]):
+def _one_rank_context(environ: dict[str, str], look=None):
+    """(UCX config, the published worker address), or what ``look(ctx)`` says of the context."""
     from ddlcore.transports.ucx import UcxTransport
 
     from ddlcore.store import PrefixStore, StoreClient, StoreServer
@@ -71,6 +72,8 @@ def _one_rank_context(environ: dict[str, str]):
         with patch.dict(os.environ, environ):
             ctx = UcxTransport().create_context(0, 1, PrefixStore(client, "t/"), 2.0)
         try:
+            if look is not None:
+                return look(ctx)
             published = client.get("t/ucx/addr/0")
             return dict(ctx._ucx.config), published
         finally:
@@ -86,6 +89,22 @@ def test_context_takes_our_keepalive_unless_the_user_set_one(ucx):
     assert float(config["KEEPALIVE_INTERVAL"].rstrip("us")) == pytest.approx(1e6)
     config, _ = _one_rank_context({"UCX_KEEPALIVE_INTERVAL": "3s"})
     assert float(config["KEEPALIVE_INTERVAL"].rstrip("us")) == pytest.approx(3e6)
+
+
+def test_gpu_direct_auto_asks_ucx_for_the_cuda_memory_type(ucx):
+    """DDL_GPU_DIRECT=auto trusts UCX with device memory only when ucp_context_query lists
+    the CUDA memory type (ucxx's cuda_support only reads UCX_TLS: yes even without a GPU)."""
+    from ddlcore.transports.ucx import cuda_memory
+
+    def look(ctx):
+        return ctx.device_memory, cuda_memory(ctx._ucx), bool(ctx._ucx.cuda_support)
+
+    assert _one_rank_context({"DDL_GPU_DIRECT": "on"}, look)[0] is True
+    assert _one_rank_context({"DDL_GPU_DIRECT": "off"}, look)[0] is False
+    direct, cuda, _ = _one_rank_context({"DDL_GPU_DIRECT": "auto"}, look)
+    assert direct is cuda
+    if not os.path.exists("/dev/nvidiactl"):  # no GPU driver: UCX can only move host memory
+        assert cuda is False
 
 
 def test_missing_ucxx_is_reported_with_what_to_install():
