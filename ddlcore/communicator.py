@@ -1,12 +1,14 @@
 """The public API's `Communicator` and its collectives (`ddlcore.bootstrap.init` makes one).
 
-Each collective validates its arguments before any communication (bad input is a
+Each collective validates its arguments before any communication (``calls``: bad input is a
 ValueError/TypeError naming the argument) and turns buffers into descriptors (``buffers``). Then
 it runs one of three ways: all ranks on this host, as one call through the shared boards
 (``hostcoll``); an allreduce whose box has host and network dimensions, as mdring with its host
-dimensions on the boards and the rest as schedules; or otherwise ``tuning`` picks an algorithm
-whose schedule the ``engine`` executes over the transports (``device_engine`` for device
-buffers, chunks pipelined on CUDA streams; the board paths stage device buffers whole).
+dimensions on the boards and the rest as schedules (large ones in segments, the boards' phases
+of one segment beside the network rings of another: ``pipeline``); or otherwise ``tuning``
+picks an algorithm whose schedule the ``engine`` executes over the transports
+(``device_engine`` for device buffers, chunks pipelined on CUDA streams; the board paths stage
+device buffers whole).
 """
 
 from __future__ import annotations
@@ -14,49 +16,48 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import struct
 import threading
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ddlcore import config, device, device_engine, engine, hostcoll, topology, tuning
+from ddlcore import (
+    calls,
+    config,
+    device,
+    device_engine,
+    engine,
+    hostcoll,
+    pipeline,
+    topology,
+    tuning,
+)
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
 from ddlcore.algorithms.schedule import split
-from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
+from ddlcore.buffers import MemoryKind
+from ddlcore.calls import Call
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
 from ddlcore.handles import Executor, Handle
 from ddlcore.kernels.cpu import array_address
 from ddlcore.links import Links
-from ddlcore.ops import Op, as_op
+from ddlcore.ops import Op
 from ddlcore.rendezvous import RendezvousInfo
 from ddlcore.transports.base import PeerInfo
 
 log = logging.getLogger("ddlcore")
 
 _KIND = hostcoll.KIND
+# mdring with host phases on the boards splits an allreduce into segments of at least this many
+# bytes, at most _HOST_SEGMENTS of them, pipelined (`pipeline`): the boards' phases of one
+# segment run while another crosses the network, and only the first segment's reduce-scatter
+# and the last one's allgather are not hidden. Measured on the netns testbed at 4x2, 1 Gbit/s
+# (BENCHMARKS.md, "host phases pipelined"): 64 MB went from 1.22-1.28x the link bound to 1.09x.
+_HOST_SEGMENT_BYTES = 4 << 20
+_HOST_SEGMENTS = 8
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
-
-
-@dataclass
-class _Call:
-    """One validated collective call."""
-
-    collective: str
-    inp: BufferDesc | None
-    out: BufferDesc | None
-    op: Op | None = None
-    root: int = 0
-    result: Any = None
-    ready: Any = None  # device buffers: an event on the caller's stream, recorded at the call
-
-    @property
-    def count(self) -> int:
-        return self.inp.count if self.inp is not None else 0
 
 
 def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int, count: int,
@@ -69,6 +70,12 @@ def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int,
     if choice.dim_order is not None:
         return make(rank, size, count, itemsize, choice.chunk_bytes, topo, dim_order=choice.dim_order)
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
+
+
+def host_segments(nbytes: int) -> int:
+    """How many pipelined segments an allreduce of ``nbytes`` takes on the host-staged path
+    (the same on every rank: a function of the size alone)."""
+    return max(1, min(_HOST_SEGMENTS, nbytes // _HOST_SEGMENT_BYTES))
 
 
 class Communicator:
@@ -174,60 +181,12 @@ class Communicator:
                 f"local_size={self.local_size}, hosts={self.nhosts}, box={self.topology.shape})")
 
     # --- argument checking (before any communication) ------------------------------------------
-    def _output(self, x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc, Any]:
-        if out is None:
-            desc = empty_like(x, shape)
-            return desc, desc.wrap(desc.array)
-        desc = as_buffer(out, "out")
-        if (desc.memory, desc.device) != (x.memory, x.device):
-            raise ValueError(f"out is in {desc.memory.value} memory (device {desc.device}) but x is "
-                             f"in {x.memory.value} memory (device {x.device}); pass both on the "
-                             "same device")
-        if desc.dtype != x.dtype:
-            raise TypeError(f"out has dtype {desc.dtype} but x has {x.dtype}")
-        expected = math.prod(shape)
-        if desc.count != expected:
-            raise ValueError(f"out has {desc.count} elements, expected {expected} (shape {shape})")
-        if desc.readonly:
-            raise ValueError("out is read-only")
-        return desc, out
-
     def _prepare(self, collective: str, x: Any, op: Any = None, out: Any = None,
-                 root: int = 0) -> _Call:
-        if collective == "barrier":
-            return _Call("barrier", None, None)
-        rop = as_op(op) if op is not None else None
-        xd = as_buffer(x, "x")
-        if collective == "allreduce":
-            od, result = self._output(xd, out, xd.shape)
-        elif collective == "reduce_scatter":
-            if xd.count % self.size:
-                raise ValueError(f"x has {xd.count} elements, not divisible by the communicator "
-                                 f"size {self.size}; reduce_scatter needs size * k elements")
-            shape = xd.shape
-            if len(shape) >= 1 and shape[0] % self.size == 0:
-                out_shape = (shape[0] // self.size, *shape[1:])
-            else:
-                out_shape = (xd.count // self.size,)
-            od, result = self._output(xd, out, out_shape)
-        elif collective == "allgather":
-            out_shape = (self.size * xd.shape[0], *xd.shape[1:]) if xd.shape else (self.size,)
-            od, result = self._output(xd, out, out_shape)
-        elif collective == "broadcast":
-            if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-                raise TypeError(f"root must be an int, not {type(root).__name__}")
-            if not 0 <= root < self.size:
-                raise ValueError(f"root={root} is not a rank of this communicator (size {self.size})")
-            if xd.readonly:
-                raise ValueError("x is read-only; broadcast writes the root's data into it")
-            od, result = xd, x
-        else:  # pragma: no cover - internal misuse
-            raise AssertionError(collective)
-        ready = device.ready_event(x) if xd.memory == MemoryKind.CUDA else None
-        return _Call(collective, xd, od, rop, int(root), result, ready)
+                 root: int = 0) -> Call:
+        return calls.prepare(collective, x, op, out, root, self.size)
 
     # --- execution ------------------------------------------------------------------------------
-    def _label(self, call: _Call, seq: int) -> str:
+    def _label(self, call: Call, seq: int) -> str:
         if call.collective == "barrier":
             return f"barrier #{seq}"
         assert call.inp is not None
@@ -238,7 +197,7 @@ class Communicator:
             desc += f", root {call.root}"
         return f"{call.collective} #{seq} ({desc})"
 
-    def _check_word(self, call: _Call, kind: str | None = None) -> int:
+    def _check_word(self, call: Call, kind: str | None = None) -> int:
         code = int(call.inp.code) if call.inp is not None else 255
         op = int(call.op) if call.op is not None else 255
         raw = struct.pack("<BBBqq", _KIND[kind or call.collective], code, op, call.count,
@@ -250,7 +209,7 @@ class Communicator:
             self._scratch = np.empty(nbytes, np.uint8)
         return engine.Region.of(self._scratch[:nbytes])
 
-    def _execute(self, call: _Call, seq: int) -> Any:
+    def _execute(self, call: Call, seq: int) -> Any:
         if self._broken is not None:
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
@@ -295,25 +254,28 @@ class Communicator:
             raise
         return call.result
 
-    def _run_on_host(self, call: _Call, seq: int, host_in: np.ndarray | None,
+    def _run_on_host(self, call: Call, seq: int, host_in: np.ndarray | None,
                      host_out: np.ndarray | None, itemsize: int, mode: int) -> None:
         assert self._host is not None
         op = call.op
         self._run_boards(self._host, call.collective, call, seq, host_in, host_out, itemsize,
                          mode, self.size if op == Op.AVG else 0)
 
-    def _run_boards(self, boards: hostcoll.HostCollectives, kind: str, call: _Call, seq: int,
+    def _run_boards(self, boards: hostcoll.HostCollectives, kind: str, call: Call, seq: int,
                     host_in: np.ndarray | None, host_out: np.ndarray | None, itemsize: int,
-                    mode: int, divisor: int) -> None:
-        """Run ``kind`` (a `hostcoll.KIND`) of ``call`` through ``boards``."""
+                    mode: int, divisor: int, segment: tuple[int, int] | None = None) -> None:
+        """Run ``kind`` (a `hostcoll.KIND`) of ``call`` through ``boards``; on the elements
+        ``segment`` = (offset, count) of the buffers only, when given."""
         self._on_boards = True
         op = call.op
         inp = out = 0
+        offset, count = segment or (0, call.count)
         if host_in is not None and host_out is not None and host_in.size:
             if call.inp is not None and call.inp.memory == MemoryKind.HOST:
                 inp, out = call.inp.ptr, call.out.ptr  # type: ignore[union-attr]
             else:  # device buffers, staged in host memory
                 inp, out = array_address(host_in), array_address(host_out)
+            inp, out = inp + offset * itemsize, out + offset * itemsize
         if self._debug:
             how = {hostcoll.SLOTS: "through the shared slots",
                    hostcoll.DIRECT: "reading and writing the peers' buffers",
@@ -321,13 +283,13 @@ class Communicator:
             part = "" if kind == call.collective else f", {kind.split(', ', 1)[1]}"
             log.debug("rank %d: %s%s via %s, %s", self.rank, self._label(call, seq), part,
                       hostcoll.NAME, how)
-        boards.run(_KIND[kind], inp, out, call.count, itemsize,
+        boards.run(_KIND[kind], inp, out, count, itemsize,
                    int(call.inp.code) if call.inp is not None else 0,
                    int(Op.SUM if op is None or op == Op.AVG else op), divisor, call.root,
                    self._check_word(call, kind), lambda: self._label(call, seq), mode,
                    (host_in, host_out))
 
-    def _run_host_staged(self, call: _Call, seq: int, host_in: np.ndarray | None,
+    def _run_host_staged(self, call: Call, seq: int, host_in: np.ndarray | None,
                          host_out: np.ndarray | None, itemsize: int, choice: tuning.Choice,
                          mode: int) -> None:
         """Allreduce as mdring whose host dimensions run through this host's boards: each local
@@ -336,17 +298,44 @@ class Communicator:
         parts (boards)."""
         node = self._node
         assert node is not None and host_out is not None
-        self._run_boards(node, hostcoll.RS_PART, call, seq, host_in, host_out, itemsize, mode,
-                         0)
-        off, length = split(call.count, node.size)[node.rank]
-        part = host_out.reshape(-1)[off:off + length]
-        self._on_boards = False
-        self._run_schedule(call, seq, part, part, itemsize,
-                           self._schedule_across(length, itemsize, choice))
-        self._run_boards(node, hostcoll.AG_PART, call, seq, host_in, host_out, itemsize, mode,
-                         0)
+        segments = split(call.count, host_segments(call.count * itemsize))
+        flat_out = host_out.reshape(-1)
 
-    def _run_schedule(self, call: _Call, seq: int, host_in: np.ndarray | None,
+        def reduce_scatter(s: int) -> None:
+            self._run_boards(node, hostcoll.RS_PART, call, seq, host_in, host_out, itemsize,
+                             node.mode(segments[s][1] * itemsize), 0, segments[s])
+
+        def across(s: int) -> None:
+            start, count = segments[s]
+            off, length = split(count, node.size)[node.rank]
+            part = flat_out[start + off:start + off + length]
+            self._run_schedule(call, seq, part, part, itemsize,
+                               self._schedule_across(length, itemsize, choice))
+
+        def allgather(s: int) -> None:
+            self._run_boards(node, hostcoll.AG_PART, call, seq, host_in, host_out, itemsize,
+                             node.mode(segments[s][1] * itemsize), 0, segments[s])
+
+        if len(segments) == 1:
+            reduce_scatter(0)
+            self._on_boards = False
+            across(0)
+            allgather(0)
+            return
+
+        def abort(exc: BaseException) -> None:  # both paths: the other stage must fail fast
+            code, reason = engine.abort_code(exc), str(exc).split(": ", 1)[-1]
+            node.abort(code, reason)
+            if self._links is not None:
+                self._links.abort(code, reason)
+
+        # Segment s crosses the network while the boards reduce s+1 and spread s-1. Every
+        # segment's rings use the call's tags: a pair's messages with one tag are matched in
+        # order, and this rank starts segment s+1's rings only after s's.
+        pipeline.run(len(segments), reduce_scatter, across, allgather, abort, self.timeout,
+                     f"ddlcore-rank{self.rank}-network")
+
+    def _run_schedule(self, call: Call, seq: int, host_in: np.ndarray | None,
                       host_out: np.ndarray | None, itemsize: int,
                       planned: tuple[tuning.Choice, Schedule] | None = None) -> None:
         label = self._label(call, seq)
@@ -368,7 +357,7 @@ class Communicator:
                                  call.op, label)
         engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
 
-    def _run_device(self, call: _Call, seq: int, itemsize: int) -> None:
+    def _run_device(self, call: Call, seq: int, itemsize: int) -> None:
         """Run the call's schedule on its device buffers, chunks pipelined on CUDA streams."""
         assert call.inp is not None and call.out is not None
         label = self._label(call, seq)
@@ -403,7 +392,7 @@ class Communicator:
             self._staging_device = device.DeviceStaging()
         return self._staging_device
 
-    def _host_arrays(self, call: _Call) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _host_arrays(self, call: Call) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The host memory the engine works on: the buffers themselves, or pinned copies of
         device buffers (downloaded input; output uploaded after the schedule ran)."""
         if call.inp is None or call.out is None:
@@ -418,7 +407,7 @@ class Communicator:
             return host_in, host_in  # in place (and broadcast)
         return host_in, stage.host("out", call.out.nbytes).view(call.out.dtype)
 
-    def _check_agreement(self, call: _Call, seq: int, label: str) -> None:
+    def _check_agreement(self, call: Call, seq: int, label: str) -> None:
         """DDL_DEBUG: allgather every rank's (kind, dtype, op, count, root) and compare."""
         mine = np.array([_KIND[call.collective], int(call.inp.code) if call.inp else -1,
                          int(call.op) if call.op is not None else -1, call.count, call.root],
@@ -461,13 +450,13 @@ class Communicator:
         finally:
             self._in_hooks.active = False
 
-    def _run(self, call: _Call) -> Any:
+    def _run(self, call: Call) -> Any:
         self._run_hooks()
         return self._executor.run_inline(
             functools.partial(self._execute, call),
             lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()))
 
-    def _submit(self, call: _Call) -> Handle:
+    def _submit(self, call: Call) -> Handle:
         self._run_hooks()
         handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
         return self._executor.submit(functools.partial(self._execute, call), handle)

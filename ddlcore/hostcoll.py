@@ -33,7 +33,9 @@ that the tuner runs as mdring with the host dimensions first takes its host phas
 "host reduce-scatter" (rank r reduces part r of every local input into its output, as above but
 without writing it out), then the rings across hosts on that part (schedules), then the "host
 allgather" (each rank reads the others' final parts out of their outputs). Four sync points, and
-nobody touches another rank's memory while the network phases run.
+nobody touches the memory a network phase uses while it runs. Large allreduces do this per
+segment, the boards' phases of one segment beside the network phase of another
+(``ddlcore.pipeline``); each call here then covers one segment of the buffers.
 """
 
 from __future__ import annotations

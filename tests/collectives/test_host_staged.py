@@ -67,6 +67,67 @@ def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"
 
 
+def _segmented(rank, size):
+    """The pipelined path (segments of the allreduce cross the network while the boards reduce
+    the next and spread the previous), with segments made tiny so that every size takes
+    several, of unequal lengths, down to segments shorter than a host's rank count."""
+    import ddlcore
+    from ddlcore import communicator
+
+    communicator._HOST_SEGMENT_BYTES = 8
+    digests = {}
+    with ddlcore.init() as comm:
+        for dtype in (np.float32, np.int32):
+            isz = np.dtype(dtype).itemsize
+            for count in (1, 7, 1009, SMALL_MAX // isz + 1, 300_007):
+                if count * isz >= 16:
+                    assert communicator.host_segments(count * isz) > 1
+                for op in matrix.OPS:
+                    case = f"{np.dtype(dtype).name} {op} count={count}"
+                    digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
+    return digests
+
+
+@pytest.mark.parametrize("hosts", ["abab", "aaabbb"])
+def test_segments_pipelined_across_the_network(hosts):
+    results = run_ranks(_segmented, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET,
+                        timeout=300)
+    for rank in range(1, len(hosts)):
+        assert results[rank] == results[0], f"rank {rank} differs from rank 0"
+
+
+def _dies_mid_pipeline(rank, size, victim):
+    import os
+    import threading
+    import time
+
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.barrier()
+    x = np.ones(16 << 20, np.float32)  # 64 MB: 8 segments
+    if rank == victim:
+        threading.Timer(0.15, os._exit, (3,)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(20):
+            comm.allreduce(x)
+    except ddlcore.DDLError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("the dead rank was not noticed")
+
+
+def test_a_rank_dying_mid_pipeline_fails_every_survivor_quickly():
+    """Rank 1 exits while segments are on the boards and on the network at once: both threads
+    of every survivor stop and the call fails, naming the call, long before DDL_TIMEOUT."""
+    results = run_ranks(_dies_mid_pipeline, 4, 1, may_die={1}, rank_envs=_hosts(*"abab"),
+                        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    for rank in (0, 2, 3):
+        message, elapsed = results[rank]
+        assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
+        assert f"rank {rank}: allreduce #" in message, message
+
+
 def _choices(rank, size):
     import ddlcore
 

@@ -1,0 +1,91 @@
+"""One collective call, checked and described before any communication: the buffers'
+descriptors (the output allocated when the caller passed none), the op, the root, and for device
+buffers an event on the caller's stream. Bad arguments raise ValueError/TypeError naming the
+argument; nothing here talks to another rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ddlcore import device
+from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
+from ddlcore.ops import Op, as_op
+
+
+@dataclass
+class Call:
+    """One validated collective call."""
+
+    collective: str
+    inp: BufferDesc | None
+    out: BufferDesc | None
+    op: Op | None = None
+    root: int = 0
+    result: Any = None
+    ready: Any = None  # device buffers: an event on the caller's stream, recorded at the call
+
+    @property
+    def count(self) -> int:
+        return self.inp.count if self.inp is not None else 0
+
+
+def output(x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc, Any]:
+    """The output's descriptor and the object returned to the caller: ``out`` checked against
+    ``x`` (same memory and device, dtype, ``shape``'s element count, writable), or new."""
+    if out is None:
+        desc = empty_like(x, shape)
+        return desc, desc.wrap(desc.array)
+    desc = as_buffer(out, "out")
+    if (desc.memory, desc.device) != (x.memory, x.device):
+        raise ValueError(f"out is in {desc.memory.value} memory (device {desc.device}) but x is "
+                         f"in {x.memory.value} memory (device {x.device}); pass both on the "
+                         "same device")
+    if desc.dtype != x.dtype:
+        raise TypeError(f"out has dtype {desc.dtype} but x has {x.dtype}")
+    expected = math.prod(shape)
+    if desc.count != expected:
+        raise ValueError(f"out has {desc.count} elements, expected {expected} (shape {shape})")
+    if desc.readonly:
+        raise ValueError("out is read-only")
+    return desc, out
+
+
+def prepare(collective: str, x: Any, op: Any, out: Any, root: int, size: int) -> Call:
+    """Check the arguments of ``collective`` on a communicator of ``size`` ranks and describe
+    its buffers (the output allocated when ``out`` is None). Raises ValueError/TypeError naming
+    the argument."""
+    if collective == "barrier":
+        return Call("barrier", None, None)
+    rop = as_op(op) if op is not None else None
+    xd = as_buffer(x, "x")
+    if collective == "allreduce":
+        od, result = output(xd, out, xd.shape)
+    elif collective == "reduce_scatter":
+        if xd.count % size:
+            raise ValueError(f"x has {xd.count} elements, not divisible by the communicator "
+                             f"size {size}; reduce_scatter needs size * k elements")
+        shape = xd.shape
+        if len(shape) >= 1 and shape[0] % size == 0:
+            out_shape = (shape[0] // size, *shape[1:])
+        else:
+            out_shape = (xd.count // size,)
+        od, result = output(xd, out, out_shape)
+    elif collective == "allgather":
+        out_shape = (size * xd.shape[0], *xd.shape[1:]) if xd.shape else (size,)
+        od, result = output(xd, out, out_shape)
+    elif collective == "broadcast":
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+            raise TypeError(f"root must be an int, not {type(root).__name__}")
+        if not 0 <= root < size:
+            raise ValueError(f"root={root} is not a rank of this communicator (size {size})")
+        if xd.readonly:
+            raise ValueError("x is read-only; broadcast writes the root's data into it")
+        od, result = xd, x
+    else:  # pragma: no cover - internal misuse
+        raise AssertionError(collective)
+    ready = device.ready_event(x) if xd.memory == MemoryKind.CUDA else None
+    return Call(collective, xd, od, rop, int(root), result, ready)

@@ -1,0 +1,98 @@
+"""`ddlcore.pipeline`: the stage order every rank relies on, overlap of the middle stage, and
+failures of either thread raised on the caller after the abort, with the helper ended."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ddlcore import pipeline
+from ddlcore.errors import DDLError, DDLTimeoutError
+
+
+def _recorder():
+    log: list[str] = []
+    lock = threading.Lock()
+
+    def stage(name):
+        def run(s):
+            with lock:
+                log.append(f"{name}{s}")
+        return run
+
+    return log, stage
+
+
+@pytest.mark.parametrize("nseg", [1, 2, 5])
+def test_calling_thread_order_is_fixed_and_middle_follows_first(nseg):
+    log, stage = _recorder()
+    middle_log, middle = _recorder()
+    pipeline.run(nseg, stage("F"), middle("M"), stage("L"), lambda exc: None, 5.0)
+    want = ["F0"] + [x for s in range(1, nseg) for x in (f"F{s}", f"L{s - 1}")] + [f"L{nseg - 1}"]
+    assert log == want
+    assert middle_log == [f"M{s}" for s in range(nseg)]
+
+
+def test_middle_runs_on_another_thread_while_the_next_first_runs():
+    seen = []
+    released = threading.Event()
+
+    def first(s):
+        if s == 1:  # M0 must be able to run while we are in F1
+            assert released.wait(5.0), "the middle stage did not run beside the first"
+
+    def middle(s):
+        seen.append(threading.current_thread() is threading.main_thread())
+        if s == 0:
+            released.set()
+
+    pipeline.run(3, first, middle, lambda s: None, lambda exc: None, 5.0)
+    assert seen == [False, False, False]
+
+
+def test_a_failing_middle_is_raised_after_the_abort():
+    aborted = []
+
+    def middle(s):
+        if s == 1:
+            raise DDLError("rank 0: allreduce #3: the network broke")
+
+    with pytest.raises(DDLError, match="network broke"):
+        pipeline.run(4, lambda s: None, middle, lambda s: None, aborted.append, 5.0)
+    assert len(aborted) == 1 and "network broke" in str(aborted[0])
+
+
+def test_a_failing_first_aborts_and_ends_the_helper():
+    aborted, started = [], threading.Event()
+    stop = threading.Event()
+
+    def first(s):
+        if s == 1:
+            assert started.wait(5.0)
+            raise DDLError("rank 0: the boards broke")
+
+    def middle(s):  # stuck on the network until the abort arrives
+        started.set()
+        if not stop.wait(5.0):
+            raise AssertionError("never aborted")
+        raise DDLError("rank 0: aborted by our own failure")
+
+    def abort(exc):
+        aborted.append(exc)
+        stop.set()
+
+    t0 = time.monotonic()
+    with pytest.raises(DDLError, match="boards broke"):
+        pipeline.run(3, first, middle, lambda s: None, abort, 5.0)
+    assert time.monotonic() - t0 < 4.0
+    assert len(aborted) == 1
+    assert not [t for t in threading.enumerate() if t.name == "ddlcore-pipeline"]
+
+
+def test_a_middle_that_never_ends_times_out():
+    release = threading.Event()
+    with pytest.raises(DDLTimeoutError, match="segment 0 of 2"):
+        pipeline.run(2, lambda s: None, lambda s: release.wait(10.0), lambda s: None,
+                     lambda exc: release.set(), 0.3)
