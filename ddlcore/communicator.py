@@ -18,6 +18,7 @@ import functools
 import logging
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,7 +40,7 @@ from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
 from ddlcore.algorithms.schedule import split
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
-from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError, DDLError
+from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError
 from ddlcore.handles import Executor, Handle
 from ddlcore.kernels.cpu import array_address
 from ddlcore.links import Links
@@ -70,6 +71,12 @@ def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int,
     if choice.dim_order is not None:
         return make(rank, size, count, itemsize, choice.chunk_bytes, topo, dim_order=choice.dim_order)
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
+
+
+def _reason(exc: BaseException) -> str:
+    """What a failure is called in an abort note: its message without our "rank R: " prefix,
+    or its type where it has no message (KeyboardInterrupt)."""
+    return str(exc).split(": ", 1)[-1] or type(exc).__name__
 
 
 def host_segments(nbytes: int) -> int:
@@ -234,7 +241,7 @@ class Communicator:
             if mode is not None and mode != hostcoll.SYNC_ONLY:
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
             elif staged is not None:
-                self._run_host_staged(call, seq, host_in, host_out, itemsize, *staged)
+                self._run_host_staged(call, seq, host_in, host_out, itemsize, staged[0])
             else:
                 if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                     self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
@@ -242,11 +249,11 @@ class Communicator:
                 self._run_schedule(call, seq, host_in, host_out, itemsize)
             if call.out is not None and call.out.memory == MemoryKind.CUDA:
                 self._device_staging().upload(host_out, call.out.array)
-        except DDLError as exc:
-            self._broken = str(exc)
+        except BaseException as exc:  # a DDLError, or Ctrl-C (or a bug) half-way through a call
+            self._broken = str(exc) or type(exc).__name__
             # Whichever path failed has told its own peers; tell the other path's too, so that
             # nobody waits out its deadline there (the reason without our "rank R: " prefix).
-            reason = str(exc).split(": ", 1)[-1]
+            reason = _reason(exc)
             if self._on_boards and self._links is not None:
                 self._links.abort(engine.abort_code(exc), reason)
             elif not self._on_boards and boards is not None:
@@ -290,8 +297,8 @@ class Communicator:
                    (host_in, host_out))
 
     def _run_host_staged(self, call: Call, seq: int, host_in: np.ndarray | None,
-                         host_out: np.ndarray | None, itemsize: int, choice: tuning.Choice,
-                         mode: int) -> None:
+                         host_out: np.ndarray | None, itemsize: int,
+                         choice: tuning.Choice) -> None:
         """Allreduce as mdring whose host dimensions run through this host's boards: each local
         rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
         that part (schedules over the network links), then the local ranks copy each other's
@@ -305,12 +312,15 @@ class Communicator:
             self._run_boards(node, hostcoll.RS_PART, call, seq, host_in, host_out, itemsize,
                              node.mode(segments[s][1] * itemsize), 0, segments[s])
 
+        deadline = time.monotonic() + self.timeout  # the network phase's, all segments'
+
         def across(s: int) -> None:
             start, count = segments[s]
             off, length = split(count, node.size)[node.rank]
             part = flat_out[start + off:start + off + length]
             self._run_schedule(call, seq, part, part, itemsize,
-                               self._schedule_across(length, itemsize, choice))
+                               self._schedule_across(length, itemsize, choice),
+                               max(0.0, deadline - time.monotonic()))
 
         def allgather(s: int) -> None:
             self._run_boards(node, hostcoll.AG_PART, call, seq, host_in, host_out, itemsize,
@@ -324,7 +334,7 @@ class Communicator:
             return
 
         def abort(exc: BaseException) -> None:  # both paths: the other stage must fail fast
-            code, reason = engine.abort_code(exc), str(exc).split(": ", 1)[-1]
+            code, reason = engine.abort_code(exc), _reason(exc)
             node.abort(code, reason)
             if self._links is not None:
                 self._links.abort(code, reason)
@@ -333,11 +343,13 @@ class Communicator:
         # segment's rings use the call's tags: a pair's messages with one tag are matched in
         # order, and this rank starts segment s+1's rings only after s's.
         pipeline.run(len(segments), reduce_scatter, across, allgather, abort, self.timeout,
-                     f"ddlcore-rank{self.rank}-network")
+                     f"ddlcore-rank{self.rank}-network",
+                     f"rank {self.rank}: {self._label(call, seq)}")
 
     def _run_schedule(self, call: Call, seq: int, host_in: np.ndarray | None,
                       host_out: np.ndarray | None, itemsize: int,
-                      planned: tuple[tuning.Choice, Schedule] | None = None) -> None:
+                      planned: tuple[tuning.Choice, Schedule] | None = None,
+                      timeout: float | None = None) -> None:
         label = self._label(call, seq)
         choice, sched = planned or self._schedule(call.collective, call.count, itemsize,
                                                   call.root)
@@ -355,7 +367,8 @@ class Communicator:
         coll = engine.Collective(seq & 0x7FFFFFFF, self._check_word(call), itemsize,
                                  int(call.inp.code) if call.inp is not None else 0,
                                  call.op, label)
-        engine.run(sched, coll, buffers, self._links, self._staging, self._depth, self.timeout)
+        engine.run(sched, coll, buffers, self._links, self._staging, self._depth,
+                   self.timeout if timeout is None else timeout)
 
     def _run_device(self, call: Call, seq: int, itemsize: int) -> None:
         """Run the call's schedule on its device buffers, chunks pipelined on CUDA streams."""

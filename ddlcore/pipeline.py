@@ -16,7 +16,8 @@ need. M(s) starts once F(s) has finished, L(s) once M(s) has.
 
 Failures: the first error of either thread is raised on the calling thread, after ``abort(exc)``
 has been called (it must make the other thread's stage fail fast: abort the links, the boards)
-and the helper thread has ended.
+and the helper thread has ended (its stages' waits end by their own deadlines; we wait that
+long). A failed middle stage is seen before the calling thread starts its next stage.
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ from ddlcore.errors import DDLError, DDLTimeoutError
 
 log = logging.getLogger("ddlcore")
 
-_JOIN_AFTER_ABORT_S = 10.0  # how long the helper may take to notice an abort before we go on
-
-
 def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
         last: Callable[[int], None], abort: Callable[[BaseException], None], timeout: float,
-        name: str = "ddlcore-pipeline") -> None:
+        name: str = "ddlcore-pipeline", label: str = "pipeline") -> None:
     """Run ``first(s)``, ``middle(s)``, ``last(s)`` for s in range(nseg) as described above.
 
-    ``timeout`` bounds each wait of the calling thread for a middle stage (the stages bound
-    their own waits too). Raises the first exception either thread met."""
+    ``timeout`` bounds the calling thread's waits for the middle stages, all of them together
+    (the stages bound their own waits too), and, after a failure, the wait for the helper to
+    end. Raises the first exception either thread met; ``label`` (e.g. "rank 0: allreduce #3")
+    starts the message of our own timeout."""
     if nseg < 1:
         return
+    deadline = time.monotonic() + timeout
     firsts = [threading.Event() for _ in range(nseg)]
     middles = [threading.Event() for _ in range(nseg)]
     failed: list[BaseException] = []
@@ -62,11 +63,13 @@ def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
                 ev.set()
 
     def wait_middle(s: int) -> None:
-        deadline = time.monotonic() + timeout
         while not middles[s].wait(min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                raise DDLTimeoutError(f"segment {s} of {nseg} did not cross the network within "
-                                      f"{timeout:g} s")
+                raise DDLTimeoutError(f"{label}: segment {s} of {nseg} had not crossed the "
+                                      f"network {timeout:g} s after the call began")
+        helper_failed()
+
+    def helper_failed() -> None:
         if failed:
             raise failed[0]
 
@@ -76,6 +79,7 @@ def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
         first(0)
         firsts[0].set()
         for s in range(1, nseg):
+            helper_failed()
             first(s)
             firsts[s].set()
             wait_middle(s - 1)
@@ -91,10 +95,9 @@ def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
             abort(err)
         except Exception:  # best effort: the error below is what counts
             log.debug("abort after a pipeline failure failed", exc_info=True)
-        thread.join(_JOIN_AFTER_ABORT_S)
-        if thread.is_alive():
-            log.warning("%s: the network stage did not end %g s after the abort", name,
-                        _JOIN_AFTER_ABORT_S)
+        thread.join(max(1.0, deadline - time.monotonic()) + 1.0)
+        if thread.is_alive():  # a stage that ignores its deadline: a bug, say so
+            log.error("%s: %s: the middle stage did not end after the abort", name, label)
         if err is exc:
             raise
         raise err from (exc if isinstance(exc, DDLError) and exc is not err else None)

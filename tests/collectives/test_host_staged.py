@@ -67,31 +67,52 @@ def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"
 
 
+def _spy_on_pipeline():
+    """Record the segment count of every pipelined call (so a test knows the path it took)."""
+    from ddlcore import pipeline
+
+    runs = []
+    real = pipeline.run
+
+    def spy(nseg, *args, **kw):
+        runs.append(nseg)
+        return real(nseg, *args, **kw)
+
+    pipeline.run = spy
+    return runs
+
+
 def _segmented(rank, size):
     """The pipelined path (segments of the allreduce cross the network while the boards reduce
     the next and spread the previous), with segments made tiny so that every size takes
-    several, of unequal lengths, down to segments shorter than a host's rank count."""
+    several, of unequal lengths, down to segments shorter than a host's rank count (zero-length
+    parts) and segments on both sides of the boards' slots/direct switch."""
     import ddlcore
     from ddlcore import communicator
 
     communicator._HOST_SEGMENT_BYTES = 8
+    runs = _spy_on_pipeline()
     digests = {}
     with ddlcore.init() as comm:
         for dtype in (np.float32, np.int32):
             isz = np.dtype(dtype).itemsize
-            for count in (1, 7, 1009, SMALL_MAX // isz + 1, 300_007):
-                if count * isz >= 16:
-                    assert communicator.host_segments(count * isz) > 1
+            # (smaller sizes take the network dimension first: no host phases to pipeline)
+            for count in (1009, 4099, SMALL_MAX // isz * 3, 300_007):
+                # 1009: ~500 segments of 2 elements, fewer than aaabbb's 3 ranks per host
+                communicator._HOST_SEGMENTS = 600 if count == 1009 else 64
+                nseg = communicator.host_segments(count * isz)
                 for op in matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
+                    del runs[:]
                     digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
+                    assert runs == [nseg, nseg] and nseg > 1, (case, runs)
     return digests
 
 
 @pytest.mark.parametrize("hosts", ["abab", "aaabbb"])
 def test_segments_pipelined_across_the_network(hosts):
-    results = run_ranks(_segmented, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET,
-                        timeout=300)
+    results = run_ranks(_segmented, len(hosts), rank_envs=_hosts(*hosts),
+                        env={**SLOW_NET, "DDL_ALGO": "mdring"}, timeout=300)
     for rank in range(1, len(hosts)):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"
 
@@ -103,6 +124,7 @@ def _dies_mid_pipeline(rank, size, victim):
 
     import ddlcore
 
+    runs = _spy_on_pipeline()
     comm = ddlcore.init()
     comm.barrier()
     x = np.ones(16 << 20, np.float32)  # 64 MB: 8 segments
@@ -113,6 +135,9 @@ def _dies_mid_pipeline(rank, size, victim):
         for _ in range(20):
             comm.allreduce(x)
     except ddlcore.DDLError as exc:
+        assert runs and runs[0] == 8, runs
+        left = [t.name for t in threading.enumerate() if t.name.endswith("-network")]
+        assert not left, left  # the helper thread ended before the error was raised
         return str(exc), time.monotonic() - t0
     raise AssertionError("the dead rank was not noticed")
 
@@ -180,3 +205,48 @@ def test_a_dead_rank_fails_every_survivor_quickly(nbytes):
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
         assert f"rank {rank}: allreduce #1" in message and "rank 1" in message, message
+
+
+def _interrupted(rank, size):
+    """Ctrl-C on rank 0 half-way through a pipelined allreduce (inside a boards call)."""
+    import time
+
+    import ddlcore
+    from ddlcore import hostcoll
+
+    if rank == 0:
+        real, calls = hostcoll.HostCollectives.run, []
+
+        def run(self, *args, **kw):
+            calls.append(1)
+            if len(calls) == 6:  # a few segments in (the set-up barrier is call 1)
+                raise KeyboardInterrupt
+            return real(self, *args, **kw)
+
+        hostcoll.HostCollectives.run = run
+    comm = ddlcore.init()
+    x = np.ones(4 << 20, np.float32)  # 16 MB: 4 segments
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x)
+    except KeyboardInterrupt:
+        assert rank == 0
+        try:
+            comm.allreduce(x)
+        except ddlcore.CommunicatorClosedError as exc:
+            return str(exc), time.monotonic() - t0
+        raise AssertionError("the interrupted communicator ran another call") from None
+    except ddlcore.DDLError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("no failure")
+
+
+def test_an_interrupt_mid_pipeline_breaks_the_communicator_and_tells_the_peers():
+    results = run_ranks(_interrupted, 4, rank_envs=_hosts(*"abab"),
+                        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    message, _ = results[0]
+    assert "failed earlier (KeyboardInterrupt)" in message, message
+    for rank in (1, 2, 3):
+        message, elapsed = results[rank]
+        assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
+        assert "KeyboardInterrupt" in message, (rank, message)

@@ -52,6 +52,60 @@ def test_middle_runs_on_another_thread_while_the_next_first_runs():
     assert seen == [False, False, False]
 
 
+def test_each_stage_waits_for_the_one_it_depends_on():
+    """F(s) ends before M(s) starts; M(s) ends before L(s) starts (stages that take time, so
+    that running one early would show in the log)."""
+    log, lock = [], threading.Lock()
+
+    def stage(name, pause):
+        def run(s):
+            with lock:
+                log.append((f"{name}{s}", "start"))
+            time.sleep(pause)
+            with lock:
+                log.append((f"{name}{s}", "end"))
+        return run
+
+    nseg = 4
+    pipeline.run(nseg, stage("F", 0.01), stage("M", 0.02), stage("L", 0.005),
+                 lambda exc: None, 5.0)
+    at = {entry: i for i, entry in enumerate(log)}
+    for s in range(nseg):
+        assert at[(f"F{s}", "end")] < at[(f"M{s}", "start")], log
+        assert at[(f"M{s}", "end")] < at[(f"L{s}", "start")], log
+        if s:
+            assert at[(f"M{s - 1}", "end")] < at[(f"M{s}", "start")], log
+
+
+def test_a_middle_failing_during_a_first_stops_before_the_next_stage():
+    calls, failed = [], threading.Event()
+
+    def first(s):
+        calls.append(f"F{s}")
+        if s == 1:
+            assert failed.wait(5.0)
+
+    def middle(s):
+        failed.set()
+        raise DDLError("rank 0: the network broke")
+
+    with pytest.raises(DDLError, match="network broke"):
+        pipeline.run(4, first, middle, lambda s: calls.append(f"L{s}"), lambda exc: None, 5.0)
+    assert calls == ["F0", "F1"], calls
+
+
+def test_an_interrupt_aborts_with_its_name_and_is_raised():
+    aborted = []
+
+    def first(s):
+        if s == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(3, first, lambda s: None, lambda s: None, aborted.append, 5.0)
+    assert len(aborted) == 1 and isinstance(aborted[0], KeyboardInterrupt)
+
+
 def test_a_failing_middle_is_raised_after_the_abort():
     aborted = []
 
@@ -93,6 +147,6 @@ def test_a_failing_first_aborts_and_ends_the_helper():
 
 def test_a_middle_that_never_ends_times_out():
     release = threading.Event()
-    with pytest.raises(DDLTimeoutError, match="segment 0 of 2"):
+    with pytest.raises(DDLTimeoutError, match="rank 0: allreduce #7: segment 0 of 2"):
         pipeline.run(2, lambda s: None, lambda s: release.wait(10.0), lambda s: None,
-                     lambda exc: release.set(), 0.3)
+                     lambda exc: release.set(), 0.3, label="rank 0: allreduce #7")
