@@ -376,8 +376,15 @@ class Communicator:
         label = self._label(call, seq)
         choice, sched = self._schedule(call.collective, call.count, itemsize, call.root)
         if self._debug:
-            log.debug("rank %d: %s via %s on CUDA streams, box %s, %d steps, %d messages out",
-                      self.rank, label, choice.describe(), self.topology.shape,
+            peers = sorted({st.peer for st in sched.steps if st.peer >= 0})
+            direct = [p for p in peers if self._links is not None and
+                      getattr(self._links.pair(p), "device_memory", False)]
+            how = ("device memory straight to and from " + ", ".join(f"rank {p}" for p in direct)
+                   if direct else "through pinned host slots")
+            if direct and len(direct) < len(peers):
+                how += ", the others through pinned host slots"
+            log.debug("rank %d: %s via %s on CUDA streams (%s), box %s, %d steps, %d messages "
+                      "out", self.rank, label, choice.describe(), how, self.topology.shape,
                       len(sched.steps), sched.messages())
         # The executor's thread has no current CUDA context: streams, slots and kernels must be
         # on the buffers' GPU, not on whichever Numba would make current (GPU 0).

@@ -144,3 +144,26 @@ def test_device_arrays_on_a_gpu(nprocs, algo, transport):
     run_ranks(_device_collectives, nprocs, bool(algo) if nprocs > 1 else None,
               transport == "ucx", env=env, timeout=300)
     print(run_ranks(_frameworks, nprocs, env=env, timeout=300))
+
+
+def test_debug_log_says_whether_device_memory_goes_straight_to_the_transport(tmp_path):
+    """DDL_DEBUG=1 names the peers whose transport takes device memory (ucx with
+    DDL_GPU_DIRECT=on here), or says the chunks go through pinned host slots (tcp)."""
+    import os
+    import subprocess
+    import sys
+
+    require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+    script = tmp_path / "one_call.py"
+    script.write_text("import numpy as np\nfrom numba import cuda\nimport ddlcore\n"
+                      "with ddlcore.init() as comm:\n"
+                      "    comm.allreduce(cuda.to_device(np.ones(1000, np.float32)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    env.update(SIM, DDL_DEBUG="1", DDL_ALGO="ring", DDL_GPU_DIRECT="on")
+    for transport, want in (("ucx", "(device memory straight to and from rank 1)"),
+                            ("tcp", "(through pinned host slots)")):
+        res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2",
+                              "--transport", transport, str(script)],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, res.stderr
+        assert "on CUDA streams " + want in res.stderr, res.stderr
