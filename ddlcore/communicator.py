@@ -302,15 +302,18 @@ class Communicator:
         """Allreduce as mdring whose host dimensions run through this host's boards: each local
         rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
         that part (schedules over the network links), then the local ranks copy each other's
-        parts (boards)."""
+        parts (boards); segment by segment, pipelined, for large calls (`host_segments`)."""
         node = self._node
         assert node is not None and host_out is not None
         segments = split(call.count, host_segments(call.count * itemsize))
         flat_out = host_out.reshape(-1)
 
-        def reduce_scatter(s: int) -> None:
-            self._run_boards(node, hostcoll.RS_PART, call, seq, host_in, host_out, itemsize,
+        def on_boards(kind: str, s: int) -> None:  # RS_PART or AG_PART of segment s
+            self._run_boards(node, kind, call, seq, host_in, host_out, itemsize,
                              node.mode(segments[s][1] * itemsize), 0, segments[s])
+
+        reduce_scatter = functools.partial(on_boards, hostcoll.RS_PART)
+        allgather = functools.partial(on_boards, hostcoll.AG_PART)
 
         deadline = time.monotonic() + self.timeout  # the network phase's, all segments'
 
@@ -321,10 +324,6 @@ class Communicator:
             self._run_schedule(call, seq, part, part, itemsize,
                                self._schedule_across(length, itemsize, choice),
                                max(0.0, deadline - time.monotonic()))
-
-        def allgather(s: int) -> None:
-            self._run_boards(node, hostcoll.AG_PART, call, seq, host_in, host_out, itemsize,
-                             node.mode(segments[s][1] * itemsize), 0, segments[s])
 
         if len(segments) == 1:
             reduce_scatter(0)

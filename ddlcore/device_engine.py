@@ -17,7 +17,11 @@ device::
               chunk k+1:           net ===== h2d == reduce == d2h == net =====
 
 While chunk k+1 is on the wire, chunk k is uploaded, reduced and downloaded, and the transports'
-threads move chunk k-1's bytes.
+threads move chunk k-1's bytes. All writes to the caller's buffers happen on ``compute`` in
+program order; ``d2h`` reads a span only after the event of the last write to it, and a write
+waits for the downloads still reading its span (regions are compared by address, so in-place
+calls are safe). The host thread never blocks on the network while a download it has queued
+is unsent, so no rank can wait for a message that sits in its own queue.
 
 Direct device transfers: when the pair to a step's peer takes device memory (UCX with CUDA,
 CUDA-aware MPI; ``Pair.device_memory``), that step skips the pinned slots::
@@ -26,11 +30,6 @@ CUDA-aware MPI; ``Pair.device_memory``), that step skips the pinned slots::
                            (later writes to the span wait, on the host, for the send to finish)
     RECV_REDUCE  host:     irecv straight into a device slot; compute reduces from it
     RECV         host:     irecv into a device slot; compute copies it into the span
- All writes to the caller's buffers happen on ``compute`` in
-program order; ``d2h`` reads a span only after the event of the last write to it, and a write
-waits for the downloads still reading its span (regions are compared by address, so in-place
-calls are safe). The host thread never blocks on the network while a download it has queued
-is unsent, so no rank can wait for a message that sits in its own queue.
 
 What touches CUDA is behind `DeviceOps` (`NumbaStreams` in production, Numba's simulator in
 CI); the tests also drive the engine with ops that run queued work in random valid orders, which
@@ -192,15 +191,14 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
 
     def after_last_write(stream, lo: int, hi: int) -> None:
         ev = last_write(lo, hi)
-        if ev is not None and ev is not ready:  # every stream waited for ready already
+        if ev is not ready:  # every stream waited for ready already
             ops.wait(stream, ev)
 
     def send_queued(block: bool) -> None:
         """isend the queued sends whose data is ready (all of them when ``block``)."""
-        while queued and (block or queued[0][0] is None or ops.done(queued[0][0])):
+        while queued and (block or ops.done(queued[0][0])):
             ev, slot, peer, tag, payload, lo, hi = queued.popleft()
-            if ev is not None:
-                ops.sync(ev, remaining())
+            ops.sync(ev, remaining())
             req = pair(peer).isend(payload, tag, check)
             if slot < 0:  # kept apart: a slow one must not hold back freeing pinned slots
                 direct_sends.append((lo, hi, req))
@@ -210,7 +208,7 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     def after_direct_sends(lo: int, hi: int) -> None:
         """Before a write to [lo, hi): wait (on the host) for direct sends still reading it."""
         nonlocal direct_sends
-        if any(q[6] > lo and q[5] < hi for q in queued if q[1] < 0):
+        if any(slot < 0 and qlo < hi and lo < qhi for _, slot, _, _, _, qlo, qhi in queued):
             send_queued(True)
         for slo, shi, req in direct_sends:
             if slo < hi and lo < shi:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ddlcore.errors import DDLError, DDLTimeoutError
+from ddlcore.errors import DDLTimeoutError
 
 log = logging.getLogger("ddlcore")
 
@@ -100,5 +100,5 @@ def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
             log.error("%s: %s: the middle stage did not end after the abort", name, label)
         if err is exc:
             raise
-        raise err from (exc if isinstance(exc, DDLError) and exc is not err else None)
+        raise err from exc
     thread.join()
