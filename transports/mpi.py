@@ -17,6 +17,9 @@ communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError
 * MPI messages carry no check word: size mismatches are caught (a short message by its count,
   a long one by MPI's truncation error); DDL_DEBUG's agreement check catches the rest.
 * Waits poll ``MPI_Test`` with a deadline (MPI_Wait has none), so no wait can hang.
+* MPI must run at ``MPI_THREAD_MULTIPLE`` (mpi4py's default request): collectives run on the
+  communicator's worker and pipeline threads, and an abort can be sent from one thread while
+  another waits. A lower level makes the transport unavailable, with the reason.
 * Device memory: when the MPI library says it is CUDA-aware (``MPIX_Query_cuda_support``,
   which MPICH and Open MPI both export) or ``DDL_GPU_DIRECT=on``, pairs take `DeviceView`s and
   hand the device pointer to MPI (mpi4py reads ``__cuda_array_interface__``); otherwise the
@@ -62,6 +65,36 @@ def _mpi() -> Any:
     from mpi4py import MPI
 
     return MPI
+
+
+_THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+
+def thread_level_problem() -> str | None:
+    """Why MPI's thread level is too low for this transport, or None when it is
+    ``MPI_THREAD_MULTIPLE`` (or will be: mpi4py has not initialised MPI yet and will ask for it).
+    Never initialises MPI itself."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        provided = int(mpi.Query_thread())
+        if provided >= mpi.THREAD_MULTIPLE:
+            return None
+        levels = [mpi.THREAD_SINGLE, mpi.THREAD_FUNNELED, mpi.THREAD_SERIALIZED]
+        level = _THREAD_LEVELS[levels.index(provided)] if provided in levels else str(provided)
+        how = f"MPI was initialised at MPI_THREAD_{level.upper()}"
+    else:
+        import mpi4py
+
+        rc = mpi4py.rc
+        if getattr(rc, "threads", True) and str(getattr(rc, "thread_level", "multiple")) == "multiple":
+            return None
+        how = (f"mpi4py.rc asks MPI for threads={getattr(rc, 'threads', True)}, "
+               f"thread_level={getattr(rc, 'thread_level', 'multiple')!r}")
+    return (f"{how}; ddlcore calls MPI from its own threads and needs MPI_THREAD_MULTIPLE "
+            "(leave mpi4py.rc.threads and thread_level at their defaults, or pick another "
+            "transport: DDL_TRANSPORT=tcp)")
 
 
 def cuda_aware() -> bool:
@@ -209,6 +242,9 @@ class MpiContext(Context):
     def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
         MPI = _mpi()
         self.rank, self.size = rank, size
+        problem = thread_level_problem()
+        if problem is not None:
+            raise DDLError(f"rank {rank}: the MPI transport cannot run: {problem}")
         world = MPI.COMM_WORLD
         if world.Get_size() != size:
             raise DDLError(f"rank {rank}: MPI_COMM_WORLD has {world.Get_size()} ranks but the job "
@@ -308,7 +344,8 @@ class MpiTransport(Transport):
             import mpi4py  # noqa: F401
         except ImportError:
             return False, "mpi4py is not installed (pip install 'ddlcore[mpi]')"
-        return True, ""
+        problem = thread_level_problem()
+        return (False, problem) if problem is not None else (True, "")
 
     @classmethod
     def prepare(cls) -> None:

@@ -80,3 +80,39 @@ def _cuda_aware(rank, size, transport):
     from ddlcore.transports.mpi import cuda_aware
 
     return cuda_aware()
+
+
+def _thread_levels(rank, size, transport, level):
+    """What the transport says of ``level`` before MPI_Init (mpi4py.rc) and after, and what
+    ddlcore.init() with DDL_TRANSPORT=mpi does."""
+    import mpi4py
+
+    mpi4py.rc.thread_level = level
+    from ddlcore.transports.mpi import MpiTransport
+
+    before = MpiTransport.is_available()
+    from mpi4py import MPI  # MPI_Init, asking for ``level``
+
+    after = MpiTransport.is_available()
+    import ddlcore
+
+    try:
+        with ddlcore.init() as comm:
+            comm.barrier()
+        init = "ok"
+    except ddlcore.DDLError as exc:
+        init = f"{type(exc).__name__}: {exc}"
+    return before, after, int(MPI.Query_thread()) == MPI.THREAD_MULTIPLE, init
+
+
+@pytest.mark.parametrize("level", ["serialized", "multiple"])
+def test_thread_level_below_multiple_makes_the_transport_unavailable(level):
+    for before, after, multiple, init in _mpi(_thread_levels, 2, level,
+                                              env={"DDL_TRANSPORT": "mpi"}):
+        if level == "multiple":
+            assert before == after == (True, "") and multiple and init == "ok"
+            continue
+        assert not before[0] and "thread_level='serialized'" in before[1]
+        assert not after[0] and "MPI_THREAD_SERIALIZED" in after[1] and not multiple
+        assert init.startswith("TransportUnavailableError: DDL_TRANSPORT=mpi cannot run here")
+        assert "needs MPI_THREAD_MULTIPLE" in init and "DDL_TRANSPORT=tcp" in init
