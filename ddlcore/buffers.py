@@ -103,7 +103,7 @@ def _from_device(obj: Any, argname: str) -> BufferDesc:
         raise ValueError(f"{argname} is not C-contiguous; make a contiguous copy on the device")
     shape = tuple(int(s) for s in nb.shape)
     count = int(np.prod(shape, dtype=np.int64))
-    return BufferDesc(ptr=device.pointer_of(obj), nbytes=count * dtype.itemsize, count=count,
+    return BufferDesc(ptr=device.pointer_of(nb), nbytes=count * dtype.itemsize, count=count,
                       dtype=dtype, code=code, shape=shape, memory=MemoryKind.CUDA,
                       device=device.device_of(obj), array=nb, wrap=device.result_wrapper(obj))
 

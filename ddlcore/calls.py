@@ -87,5 +87,5 @@ def prepare(collective: str, x: Any, op: Any, out: Any, root: int, size: int) ->
         od, result = xd, x
     else:  # pragma: no cover - internal misuse
         raise AssertionError(collective)
-    ready = device.ready_event(x) if xd.memory == MemoryKind.CUDA else None
+    ready = device.ready_event(x, out) if xd.memory == MemoryKind.CUDA else None
     return Call(collective, xd, od, rop, int(root), result, ready)

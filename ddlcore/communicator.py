@@ -237,18 +237,14 @@ class Communicator:
                 self._on_boards = False
                 self._run_device(call, seq, itemsize)
                 return call.result
-            host_in, host_out = self._host_arrays(call)
-            if mode is not None and mode != hostcoll.SYNC_ONLY:
-                self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
-            elif staged is not None:
-                self._run_host_staged(call, seq, host_in, host_out, itemsize, staged[0])
+            if call.inp is not None and call.inp.memory == MemoryKind.CUDA:
+                # Staged through host memory in the buffers' GPU context: with the caller on
+                # the legacy default stream (no ready event), only that context's legacy
+                # stream orders the download after the caller's kernels.
+                with device.on_device(call.inp.device):
+                    self._run_in_host_memory(call, seq, itemsize, mode, staged)
             else:
-                if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
-                    self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
-                self._on_boards = False
-                self._run_schedule(call, seq, host_in, host_out, itemsize)
-            if call.out is not None and call.out.memory == MemoryKind.CUDA:
-                self._device_staging().upload(host_out, call.out.array)
+                self._run_in_host_memory(call, seq, itemsize, mode, staged)
         except BaseException as exc:  # a DDLError, or Ctrl-C (or a bug) half-way through a call
             self._broken = str(exc) or type(exc).__name__
             # Whichever path failed has told its own peers; tell the other path's too, so that
@@ -260,6 +256,23 @@ class Communicator:
                 boards.abort(engine.abort_code(exc), reason)
             raise
         return call.result
+
+    def _run_in_host_memory(self, call: Call, seq: int, itemsize: int, mode: int | None,
+                            staged: tuple[tuning.Choice, int] | None) -> None:
+        """Run the call on host memory: the boards, the host-staged mdring or a schedule (device
+        buffers are downloaded first and the result uploaded after)."""
+        host_in, host_out = self._host_arrays(call)
+        if mode is not None and mode != hostcoll.SYNC_ONLY:
+            self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
+        elif staged is not None:
+            self._run_host_staged(call, seq, host_in, host_out, itemsize, staged[0])
+        else:
+            if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
+                self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
+            self._on_boards = False
+            self._run_schedule(call, seq, host_in, host_out, itemsize)
+        if call.out is not None and call.out.memory == MemoryKind.CUDA:
+            self._device_staging().upload(host_out, call.out.array)
 
     def _run_on_host(self, call: Call, seq: int, host_in: np.ndarray | None,
                      host_out: np.ndarray | None, itemsize: int, mode: int) -> None:

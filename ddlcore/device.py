@@ -26,10 +26,12 @@ _SIM_MODULE = "numba.cuda.simulator.cudadrv.devicearray"
 def is_device_array(obj: Any) -> bool:
     if type(obj).__module__ == _SIM_MODULE:
         return True
+    if torch_bfloat16(obj):  # torch before 2.5 cannot name bfloat16 in the interface (KeyError)
+        return bool(obj.is_cuda)
     try:
         return hasattr(obj, "__cuda_array_interface__")
-    except TypeError:  # PyTorch: a CUDA tensor of a dtype the interface cannot name (bfloat16)
-        return torch_bfloat16(obj)
+    except TypeError:  # an object whose interface property fails: not one we can read
+        return False
 
 
 def torch_bfloat16(obj: Any) -> bool:
@@ -125,12 +127,27 @@ def producer_stream(obj: Any) -> Any:
     return _cuda().per_thread_default_stream() if ptr == 2 else _external(ptr)
 
 
-def ready_event(obj: Any) -> Any:
+def _same_stream(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a is b or int(a) == int(b)  # Numba streams: int() is the handle
+
+
+def ready_event(obj: Any, out: Any = None) -> Any:
     """An event recorded now on ``obj``'s producer stream (see `producer_stream`), or None.
 
     Called on the caller's thread when the collective is issued, so an async collective waits
-    for exactly the work queued before it, without blocking the caller."""
+    for exactly the work queued before it, without blocking the caller. An ``out`` (another
+    object) whose producer stream differs from ``obj``'s (a Numba array bound to another stream,
+    an interface naming another) has that stream's queued work waited for here, on the host:
+    the collective's one event cannot stand for two streams, and its writes into ``out`` must
+    come after the work queued there (which may still read it)."""
     stream = producer_stream(obj)
+    if out is not None and out is not obj:
+        other = producer_stream(out)
+        if other is not None and not _same_stream(other, stream):
+            with on_device(device_of(out)):
+                other.synchronize()
     if stream is None:
         return None
     with on_device(device_of(obj)):
