@@ -24,6 +24,13 @@ def _needs_torch():
     require(torch is not None, "torch is not installed (pip install 'ddlcore[torch]')")
 
 
+def _require_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs a real GPU (CPU tensors are tested on every run; the GPU path "
+                    "itself is covered in CI by tests/collectives/test_device.py under the "
+                    "simulator)")
+
+
 # --- a small model, its data, and the single-process reference -----------------------------------
 
 def _model(seed: int = 0, width: int = 16):
@@ -49,9 +56,28 @@ def _optimizer(kind: str, params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
-def _train(model, opt, rank: int, size: int, passes: int = 1) -> None:
-    """STEPS steps on this rank's shard; ``passes`` micro-batches accumulate per step."""
-    x, y = _data(passes)
+def _gpu(device: str, rank: int) -> str:
+    """Where rank ``rank`` computes for a test's ``device``: "cpu"; for "cuda" and
+    "cuda-side-stream", GPU ``rank`` where there are enough (GPU 0 for all on a single GPU)."""
+    return "cpu" if device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def _train(model, opt, rank: int, size: int, passes: int = 1, device: str = "cpu",
+           on: str | None = None) -> None:
+    """STEPS steps on this rank's shard; ``passes`` micro-batches accumulate per step. ``device``
+    as `_gpu` takes it ("cuda-side-stream": every step on a stream of its own, non-blocking like
+    torch's pool streams); ``on`` overrides the GPU."""
+    on = on or _gpu(device, rank)
+    x, y = (t.to(on) for t in _data(passes))
+    if device == "cuda-side-stream":
+        with torch.cuda.stream(torch.cuda.Stream(on)):
+            _train_steps(model, opt, rank, size, passes, x, y)
+        torch.cuda.synchronize(on)
+    else:
+        _train_steps(model, opt, rank, size, passes, x, y)
+
+
+def _train_steps(model, opt, rank: int, size: int, passes: int, x, y) -> None:
     shard = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
     for step in range(STEPS):
         opt.zero_grad()
@@ -62,7 +88,7 @@ def _train(model, opt, rank: int, size: int, passes: int = 1) -> None:
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {name: p.detach().double().numpy().copy() for name, p in model.named_parameters()}
+    return {name: p.detach().double().cpu().numpy().copy() for name, p in model.named_parameters()}
 
 
 def _reference(kind: str, passes: int = 1) -> dict[str, np.ndarray]:
@@ -80,20 +106,20 @@ def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol:
 
 # --- DistributedOptimizer ------------------------------------------------------------------------
 
-def _optimizer_body(rank, size, kind, compression, passes):
+def _optimizer_body(rank, size, kind, compression, passes, device="cpu"):
     torch.set_num_threads(1)
     import ddlcore
     from ddlcore.integrations.torch import DistributedOptimizer, broadcast_parameters
 
     with ddlcore.init() as comm:
-        model = _model(seed=rank)  # different on every rank until the broadcast
+        model = _model(seed=rank).to(_gpu(device, rank))  # differs per rank until the broadcast
         broadcast_parameters(model, comm)
         opt = DistributedOptimizer(_optimizer(kind, model.parameters()), comm,
                                    model.named_parameters(), fusion_bytes=300,
                                    compression=compression, backward_passes_per_step=passes)
         assert isinstance(opt, type(_optimizer(kind, [torch.zeros(1, requires_grad=True)])))
         assert len(opt._ddl.buckets) >= 3  # 300-byte buckets: several per backward
-        _train(model, opt, rank, size, passes)
+        _train(model, opt, rank, size, passes, device)
         assert model.unused.grad is None  # no rank computed one
         return _params(model)
 
@@ -123,7 +149,7 @@ def test_distributed_optimizer_compressed(compression):
 
 # --- DDP communication hooks ---------------------------------------------------------------------
 
-def _ddp_body(rank, size, hook_name, port):
+def _ddp_body(rank, size, hook_name, port, device="cpu"):
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -137,6 +163,7 @@ def _ddp_body(rank, size, hook_name, port):
         with ddlcore.init() as comm:
             model = _model(seed=0)
             del model.unused  # DDP expects every parameter in the loss
+            model.to(_gpu(device, rank))
             ddp = DDP(model, bucket_cap_mb=0.0003)
             calls = []
             hook = getattr(ddl_torch, hook_name)
@@ -148,7 +175,7 @@ def _ddp_body(rank, size, hook_name, port):
                 return launch(*args, **kwargs)
 
             comm.allreduce_async = counted
-            _train(ddp, _optimizer("sgd", ddp.parameters()), rank, size)
+            _train(ddp, _optimizer("sgd", ddp.parameters()), rank, size, device=device)
             assert len(calls) >= STEPS, f"{len(calls)} allreduces in {STEPS} steps: DDP bypassed the hook"
             return _params(model)
     finally:
@@ -244,27 +271,29 @@ def test_buckets_are_reduced_during_backward():
 
 # --- broadcasts ----------------------------------------------------------------------------------
 
-def _optimizer_state_body(rank, size):
+def _optimizer_state_body(rank, size, device="cpu"):
     torch.set_num_threads(1)
     import ddlcore
     from ddlcore.integrations.torch import broadcast_optimizer_state, broadcast_parameters
 
     with ddlcore.init() as comm:
-        model = _model(seed=rank)
+        model = _model(seed=rank).to(_gpu(device, rank))
         opt = torch.optim.Adam(model.parameters(), lr=0.001 * (rank + 1), betas=(0.8, 0.95))
         if rank == 0:  # only the root has taken steps: moments and step counts exist there
-            _train(model, opt, 0, 1)
+            _train(model, opt, 0, 1, device=device, on=_gpu(device, rank))
         broadcast_parameters(model.state_dict(), comm)
         broadcast_optimizer_state(opt, comm)
         sd = opt.state_dict()
-        state = {(i, k): (v.double().numpy().copy() if torch.is_tensor(v) else v)
+        state = {(i, k): (v.double().cpu().numpy().copy() if torch.is_tensor(v) else v)
                  for i, entry in sd["state"].items() for k, v in entry.items()}
         groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
         return _params(model), state, groups
 
 
-def test_broadcast_parameters_and_optimizer_state():
-    results = run_ranks(_optimizer_state_body, 3, timeout=120)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_broadcast_parameters_and_optimizer_state(device):
+    _require_device(device)
+    results = run_ranks(_optimizer_state_body, 3, device, timeout=120)
     params0, state0, groups0 = results[0]
     assert state0 and groups0[0]["lr"] == 0.001
     for params, state, groups in results[1:]:
@@ -552,32 +581,27 @@ def test_broadcast_any_dtype_and_a_root_side_error_reaches_every_rank():
 
 
 # --- CUDA tensors (a real GPU only; PyTorch CUDA tensors have no simulator) ----------------------
+# The same bodies as above on CUDA tensors, every rank on GPU 0: the stream ordering of the
+# packing kernels, the collectives' ready events, and DDP's futures of CUDA tensors.
 
-def _cuda_body(rank, size):
-    torch.set_num_threads(1)
-    import ddlcore
-    from ddlcore.integrations.torch import DistributedOptimizer, broadcast_parameters
-
-    with ddlcore.init() as comm:
-        model = _model(seed=rank).cuda()
-        broadcast_parameters(model, comm)
-        opt = DistributedOptimizer(_optimizer("sgd", model.parameters()), comm,
-                                   model.named_parameters(), fusion_bytes=300)
-        x, y = _data()
-        x, y = x.cuda(), y.cuda()
-        shard = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
-        for step in range(STEPS):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[step, 0, shard]), y[step, 0, shard]).backward()
-            opt.step()
-        return _params(model.cpu())
-
-
-@pytest.mark.parametrize("nprocs", [1, 2])
-def test_distributed_optimizer_on_cuda_tensors(nprocs):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a real GPU (CPU tensors are tested above; the GPU path itself is "
-                    "covered in CI by tests/collectives/test_device.py under the simulator)")
+@pytest.mark.parametrize("device", ["cuda", "cuda-side-stream"])
+@pytest.mark.parametrize("nprocs,compression", [(1, None), (2, None), (2, "fp16"), (2, "bf16")])
+def test_distributed_optimizer_on_cuda_tensors(nprocs, compression, device):
+    _require_device(device)
     want = _reference("sgd")
-    for got in run_ranks(_cuda_body, nprocs, timeout=180):
-        _assert_close(got, want, rtol=1e-4, atol=1e-5)
+    atol = {None: 1e-5, "fp16": 2e-3, "bf16": 2e-2}[compression]
+    for got in run_ranks(_optimizer_body, nprocs, "sgd", compression, 1, device, timeout=180):
+        _assert_close(got, want, rtol=1e-4 if compression is None else 0, atol=atol)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda-side-stream"])
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_allreduce_hook",
+                                       "bf16_allreduce_hook"])
+def test_ddp_hooks_on_cuda_tensors(hook_name, device):
+    _require_device(device)
+    want = _reference_without_unused()
+    atol = {"allreduce_hook": 1e-5, "fp16_allreduce_hook": 2e-3, "bf16_allreduce_hook": 2e-2}
+    got = run_ranks(_ddp_body, 2, hook_name, free_port(), device, timeout=180)
+    for g in got:
+        _assert_close(g, want, rtol=1e-4 if hook_name == "allreduce_hook" else 0,
+                      atol=atol[hook_name])

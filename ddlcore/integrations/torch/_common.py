@@ -1,6 +1,5 @@
-"""What the PyTorch integration's parts share: argument checks, CUDA stream ordering, packing many
-tensors into one flat buffer (the fused host pack kernel), and the check that every rank holds the
-same tensors."""
+"""What the PyTorch integration's parts share: argument checks, packing many tensors into one flat
+buffer (the fused pack kernels), and the check that every rank holds the same tensors."""
 
 from __future__ import annotations
 
@@ -33,12 +32,6 @@ def wire_dtype(compression: Any) -> torch.dtype | None:
     if isinstance(compression, str) and compression.lower() in _WIRE_DTYPES:
         return _WIRE_DTYPES[compression.lower()]
     raise ValueError(f"compression={compression!r}: use None, 'fp16' or 'bf16'")
-
-
-def settle_stream(tensor: torch.Tensor) -> None:
-    """Work queued on the tensor's CUDA stream finishes before ddlcore reads or writes it."""
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -78,8 +71,8 @@ def _cuda_pack(flat: torch.Tensor, tensors: list[torch.Tensor], to_flat: bool) -
     counts = np.fromiter((t.numel() for t in tensors), np.int64, len(tensors))
     if counts.sum() > flat.numel():
         raise ValueError(f"flat holds {flat.numel()} elements, the tensors {counts.sum()}")
-    stream = cuda.external_stream(torch.cuda.current_stream(flat.device).cuda_stream)
-    with cuda.gpus[flat.device.index]:
+    with cuda.gpus[flat.device.index]:  # else Numba makes GPU 0 current on this thread
+        stream = cuda.external_stream(torch.cuda.current_stream(flat.device).cuda_stream)
         move = kcuda.pack_addresses if to_flat else kcuda.unpack_addresses
         move(flat.data_ptr(), addresses, counts, dtype, stream=stream)
     return True

@@ -18,27 +18,26 @@ from ddlcore.integrations.torch._common import (
     check_same_layout,
     communicator,
     pack_into,
-    settle_stream,
     unpack_from,
 )
 
 
 def _broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], root: int) -> None:
     """Broadcast ``tensors`` from ``root`` in place, as bytes: one collective per device, for
-    any dtype (bool buffers, complex ...), non-contiguous tensors through a contiguous copy."""
-    by_device: dict[str, list[torch.Tensor]] = {}
+    any dtype (bool buffers, complex ...), non-contiguous tensors through a contiguous copy.
+    Devices go in the order they first appear in ``tensors`` (the same on every rank when the
+    tensors are laid out alike, whichever GPU each rank holds them on)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            by_device.setdefault(str(t.device), []).append(t)
-    for device in sorted(by_device):
-        members = by_device[device]
+            by_device.setdefault(t.device, []).append(t)
+    for members in by_device.values():
         staged = [t if t.is_contiguous() else t.contiguous() for t in members]
         raw = [t.reshape(-1).view(torch.uint8) for t in staged]
         flat = torch.empty(sum(r.numel() for r in raw), dtype=torch.uint8,
                            device=members[0].device)
         if comm.rank == root:
             pack_into(flat, raw)
-        settle_stream(flat)
         comm.broadcast(flat, root=root)
         unpack_from(flat, raw)
         for t, copy in zip(members, staged, strict=True):
@@ -118,18 +117,40 @@ def _describe(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
                     "dicts can; convert NumPy scalars with float() or int())")
 
 
-def _rebuild(desc: Any, tensors: list[torch.Tensor]) -> Any:
+def _rebuild(desc: Any, tensors: list[torch.Tensor], gpu: torch.device | None = None) -> Any:
+    """The value ``desc`` describes, its tensors new (on ``gpu`` where the root's were on a
+    GPU; default the current one) and appended to ``tensors`` in the order `_describe` met
+    them."""
     if "tensor" in desc:
-        device = "cpu" if desc["cpu"] else torch.device("cuda", torch.cuda.current_device())
+        device = "cpu" if desc["cpu"] else \
+            gpu or torch.device("cuda", torch.cuda.current_device())
         t = torch.empty(desc["shape"], dtype=_DTYPES[desc["dtype"]], device=device)
         tensors.append(t)
         return t
     if "value" in desc:
         return desc["value"]
     if "seq" in desc:
-        items = [_rebuild(d, tensors) for d in desc["seq"]]
+        items = [_rebuild(d, tensors, gpu) for d in desc["seq"]]
         return tuple(items) if desc["tuple"] else items
-    return {k: _rebuild(d, tensors) for k, d in desc["map"]}
+    return {k: _rebuild(d, tensors, gpu) for k, d in desc["map"]}
+
+
+def _rebuild_state_dict(desc: Any, tensors: list[torch.Tensor],
+                        params: list[torch.Tensor]) -> Any:
+    """`_rebuild` of an optimizer's state_dict: each parameter's state (``state[i]``) on that
+    parameter's GPU, where ``load_state_dict`` would move it anyway."""
+    if "map" not in desc:
+        return _rebuild(desc, tensors)
+    out = {}
+    for key, d in desc["map"]:
+        if key == "state" and "map" in d:
+            out[key] = {i: _rebuild(entry, tensors, params[i].device
+                                    if isinstance(i, int) and 0 <= i < len(params)
+                                    and params[i].is_cuda else None)
+                        for i, entry in d["map"]}
+        else:
+            out[key] = _rebuild(d, tensors)
+    return out
 
 
 def _broadcast_bytes(comm: Communicator, payload: bytes | None, root: int) -> bytes | None:
@@ -192,7 +213,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Communicat
             _broadcast_tensors(comm, sent, root)
         return
     tensors: list[torch.Tensor] = []
-    new_state = _rebuild(json.loads(received.decode()), tensors)
+    new_state = _rebuild_state_dict(json.loads(received.decode()), tensors, params)
     with torch.no_grad():
         _broadcast_tensors(comm, tensors, root)
     optimizer.load_state_dict(new_state)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddlcore.communicator import Communicator
 from ddlcore.handles import Handle
-from ddlcore.integrations.torch._common import communicator, settle_stream
+from ddlcore.integrations.torch._common import communicator
 
 
 def _allreduce_future(comm: Communicator, tensor: torch.Tensor,
@@ -23,19 +23,27 @@ def _allreduce_future(comm: Communicator, tensor: torch.Tensor,
 
     With a ``wire_dtype`` the data travels compressed: divided by the number of ranks first (in
     the bucket's dtype: one rounding, and an fp16 sum of undivided gradients overflows sooner),
-    cast, summed, cast back."""
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    cast, summed, cast back.
+
+    No host synchronisation: the collective waits on the GPU for the work queued on the
+    caller's stream (the division and the cast included). A future of CUDA tensors must name
+    their device: completing it records an event on that device's current stream of the
+    completing thread (the communicator's worker, after the collective and the copy back), and
+    DDP's wait makes its own stream wait for that event."""
+    devices: list[int | str | torch.device] | None = [tensor.device] if tensor.is_cuda else None
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     if wire_dtype is None or wire_dtype == tensor.dtype:
         wire, op = tensor, "avg"
     else:
         wire, op = tensor.div_(comm.size).to(wire_dtype), "sum"
-    settle_stream(wire)
 
     def settle(handle: Handle) -> None:
         try:
             handle.wait(0)
             if wire is not tensor:
-                tensor.copy_(wire)
+                tensor.copy_(wire)  # on this (worker) thread's current stream
+                if wire.is_cuda:  # wire's memory must outlive the copy, not just this closure
+                    wire.record_stream(torch.cuda.current_stream(wire.device))
             future.set_result(tensor)
         except BaseException as exc:  # the future carries the collective's error to DDP
             future.set_exception(exc)  # type: ignore[arg-type]  # torch's stub says Tensor

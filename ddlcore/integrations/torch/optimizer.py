@@ -37,7 +37,6 @@ from ddlcore.integrations.torch._common import (
     communicator,
     nbytes,
     pack_into,
-    settle_stream,
     unpack_from,
     wire_dtype,
 )
@@ -58,6 +57,9 @@ class _Bucket:
         self.wire: torch.Tensor | None = None
         self.ready = 0
         self.handle: Handle | None = None
+        # CUDA: recorded after the last step's unpack read the buffers (on step()'s stream);
+        # the next pack waits for it on its own stream, which may be another one
+        self.consumed: Any = None
 
     def buffers(self, compressed: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.flat is None:
@@ -179,14 +181,20 @@ class _GradientSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         op = self.op
         with torch.no_grad():
+            if bucket.consumed is not None:
+                torch.cuda.current_stream(flat.device).wait_event(bucket.consumed)
             pack_into(flat[:bucket.numel], grads)
-            flat[bucket.numel:] = torch.tensor(had, dtype=flat.dtype, device=flat.device)
+            flags = flat[bucket.numel:]
+            flags.fill_(1)  # kernels, not a copy from the host (which would synchronise)
+            for i in (i for i, h in enumerate(had) if not h):
+                flags[i].fill_(0)
             if wire is not flat:
                 if op == "avg":  # divided before the cast: no extra rounding, no fp16 overflow
                     flat.div_(self.comm.size)
                     op = "sum"
                 wire.copy_(flat)
-        settle_stream(wire)
+        # no host synchronisation: on a GPU the collective waits for the packing kernel
+        # (queued on this thread's current stream, which it records an event on)
         self.local.busy = True
         try:
             bucket.handle = self.comm.allreduce_async(wire, op=op, out=wire)
@@ -250,6 +258,9 @@ class _GradientSync:
                 p.grad = torch.empty_like(p)
             targets.append(p.grad)
         unpack_from(flat[:bucket.numel], targets)
+        if flat.is_cuda:
+            bucket.consumed = torch.cuda.Event()
+            bucket.consumed.record(torch.cuda.current_stream(flat.device))
 
     def verify_parameters(self) -> None:
         """Once, before the first update: the ranks' parameters agree, or every rank raises."""
