@@ -61,6 +61,10 @@ def _large(rank, size):
         np.testing.assert_allclose(y, np.sum(xs, axis=0, dtype=np.float64), rtol=1e-4, atol=1e-4)
         comm.allreduce(x, op="avg", out=x)
         np.testing.assert_allclose(x, np.mean(xs, axis=0, dtype=np.float64), rtol=1e-4, atol=1e-5)
+        # every rank moves a part of a large broadcast, in many chunks: each part lands whole
+        b = xs[size - 1].copy() if rank == size - 1 else np.full(n, np.nan, np.float32)
+        comm.broadcast(b, root=size - 1)
+        np.testing.assert_array_equal(b, xs[size - 1])
         return matrix.digest(y)
 
 
