@@ -22,8 +22,9 @@ from ddlcore.transports.base import Context, Pair, PeerInfo, Store, Transport
 def local_transports(spec: str) -> tuple[str, ...]:
     """Names of the transports this process can run, each made ready (`Transport.prepare`,
     e.g. MPI_Init) as soon as it is found available, so later probes see what it loaded (the
-    MPICH wheel's own UCX, which ucxx's cannot share a process with). A forced transport that
-    cannot run here is an error that says why. Call before the rendezvous store is used."""
+    MPICH wheel's own UCX, which ucxx's cannot share a process with), and asked once more after
+    that (MPI's thread level is known only once MPI runs). A forced transport that cannot run
+    here is an error that says why. Call before the rendezvous store is used."""
     if spec == "auto" or spec.startswith("auto:"):
         names = []
         for name in transports.names():
@@ -33,13 +34,16 @@ def local_transports(spec: str) -> tuple[str, ...]:
                 continue
             if cls.is_available()[0]:
                 cls.prepare()
-                names.append(name)
+                if cls.is_available()[0]:  # asked again: some know only once started (MPI)
+                    names.append(name)
         return tuple(names)
     cls = transports.load(spec)
     ok, why = cls.is_available()
+    if ok:
+        cls.prepare()
+        ok, why = cls.is_available()
     if not ok:
         raise TransportUnavailableError(f"DDL_TRANSPORT={spec} cannot run here: {why}")
-    cls.prepare()
     return (spec,)
 
 

@@ -84,17 +84,19 @@ def thread_level_problem() -> str | None:
         levels = [mpi.THREAD_SINGLE, mpi.THREAD_FUNNELED, mpi.THREAD_SERIALIZED]
         level = _THREAD_LEVELS[levels.index(provided)] if provided in levels else str(provided)
         how = f"MPI was initialised at MPI_THREAD_{level.upper()}"
-    else:
+    else:  # a first opinion: the MPI_Init to come may still grant less (asked again after it)
         import mpi4py
 
         rc = mpi4py.rc
-        if getattr(rc, "threads", True) and str(getattr(rc, "thread_level", "multiple")) == "multiple":
+        threads = getattr(rc, "threads", True)
+        level = str(getattr(rc, "thread_level", "multiple"))
+        if str(threads).lower() not in ("false", "no", "n", "off", "0") and level == "multiple":
             return None
-        how = (f"mpi4py.rc asks MPI for threads={getattr(rc, 'threads', True)}, "
-               f"thread_level={getattr(rc, 'thread_level', 'multiple')!r}")
+        how = f"mpi4py.rc asks MPI for threads={threads!r}, thread_level={level!r}"
     return (f"{how}; ddlcore calls MPI from its own threads and needs MPI_THREAD_MULTIPLE "
-            "(leave mpi4py.rc.threads and thread_level at their defaults, or pick another "
-            "transport: DDL_TRANSPORT=tcp)")
+            "(leave mpi4py.rc.threads and thread_level, and MPI4PY_RC_THREADS and "
+            "MPI4PY_RC_THREAD_LEVEL, at their defaults; with an MPI library that grants less, "
+            "pick another transport: DDL_TRANSPORT=tcp)")
 
 
 def cuda_aware() -> bool:

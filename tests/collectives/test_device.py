@@ -167,3 +167,55 @@ def test_debug_log_says_whether_device_memory_goes_straight_to_the_transport(tmp
                              capture_output=True, text=True, timeout=120, env=env)
         assert res.returncode == 0, res.stderr
         assert "on CUDA streams " + want in res.stderr, res.stderr
+
+
+def _streams_and_context_body(rank, size):
+    """Record what a device collective through the boards does around the caller's streams."""
+    import contextlib
+
+    from numba import cuda
+
+    import ddlcore
+    from ddlcore import device
+
+    entered: list[int] = []  # the GPUs whose context is current, innermost last
+    staged: list[tuple[str, list[int]]] = []
+    outs: list[bool] = []
+
+    @contextlib.contextmanager
+    def recording(gpu):
+        entered.append(gpu)
+        try:
+            yield
+        finally:
+            entered.pop()
+
+    def logged(name, method):
+        def run(*args, **kwargs):
+            staged.append((name, list(entered)))
+            return method(*args, **kwargs)
+        return run
+
+    ready = device.ready_event
+    device.on_device = recording
+    device.ready_event = lambda obj, out=None: (outs.append(out is not None), ready(obj, out))[1]
+    staging = device.DeviceStaging
+    staging.download = logged("download", staging.download)
+    staging.upload = staticmethod(logged("upload", staging.upload))
+    with ddlcore.init() as comm:
+        x = cuda.to_device(np.arange(10, dtype=np.float32) + rank)
+        out = cuda.device_array(10, np.float32)
+        comm.allreduce(x, out=out)  # 40 bytes: through the boards' slots, staged whole
+        np.testing.assert_array_equal(out.copy_to_host(), size * np.arange(10) + sum(range(size)))
+        comm.allreduce(x)  # no out: nothing of the caller's to wait for
+    return staged, outs
+
+
+def test_device_buffers_are_staged_in_their_gpus_context_and_out_streams_are_seen():
+    """The board paths download and upload inside the buffers' GPU context (a caller on the
+    legacy default stream of GPU k is ordered only by that context's legacy stream), and the
+    caller's ``out`` reaches ready_event (an out bound to another stream is waited for)."""
+    require(_numba_cuda_installed(), "numba-cuda is not installed (pip install 'ddlcore[cuda]')")
+    for staged, outs in run_ranks(_streams_and_context_body, 2, env=SIM, timeout=120):
+        assert staged[:2] == [("download", [0]), ("upload", [0])], staged
+        assert outs == [True, False]

@@ -70,7 +70,9 @@ def _train(model, opt, rank: int, size: int, passes: int = 1, device: str = "cpu
     on = on or _gpu(device, rank)
     x, y = (t.to(on) for t in _data(passes))
     if device == "cuda-side-stream":
-        with torch.cuda.stream(torch.cuda.Stream(on)):
+        side = torch.cuda.Stream(on)
+        side.wait_stream(torch.cuda.current_stream(on))  # the model's set-up, the broadcasts
+        with torch.cuda.stream(side):
             _train_steps(model, opt, rank, size, passes, x, y)
         torch.cuda.synchronize(on)
     else:
@@ -581,8 +583,9 @@ def test_broadcast_any_dtype_and_a_root_side_error_reaches_every_rank():
 
 
 # --- CUDA tensors (a real GPU only; PyTorch CUDA tensors have no simulator) ----------------------
-# The same bodies as above on CUDA tensors, every rank on GPU 0: the stream ordering of the
-# packing kernels, the collectives' ready events, and DDP's futures of CUDA tensors.
+# The same bodies as above on CUDA tensors, rank r on GPU r (all on GPU 0 with a single one):
+# the stream ordering of the packing kernels, the collectives' ready events, DDP's futures of
+# CUDA tensors, and training on a non-blocking side stream.
 
 @pytest.mark.parametrize("device", ["cuda", "cuda-side-stream"])
 @pytest.mark.parametrize("nprocs,compression", [(1, None), (2, None), (2, "fp16"), (2, "bf16")])

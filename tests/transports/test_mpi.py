@@ -87,7 +87,8 @@ def _thread_levels(rank, size, transport, level):
     ddlcore.init() with DDL_TRANSPORT=mpi does."""
     import mpi4py
 
-    mpi4py.rc.thread_level = level
+    if level is not None:
+        mpi4py.rc.thread_level = level
     from ddlcore.transports.mpi import MpiTransport
 
     before = MpiTransport.is_available()
@@ -116,3 +117,28 @@ def test_thread_level_below_multiple_makes_the_transport_unavailable(level):
         assert not after[0] and "MPI_THREAD_SERIALIZED" in after[1] and not multiple
         assert init.startswith("TransportUnavailableError: DDL_TRANSPORT=mpi cannot run here")
         assert "needs MPI_THREAD_MULTIPLE" in init and "DDL_TRANSPORT=tcp" in init
+
+
+def _init_with(rank, size, transport):
+    """ddlcore.init()'s outcome, and the class of the pair to the other rank."""
+    import ddlcore
+
+    try:
+        with ddlcore.init() as comm:
+            comm.barrier()
+            return "ok", type(comm._links.pair(1 - rank)).__name__
+    except ddlcore.DDLError as exc:
+        return f"{type(exc).__name__}: {exc}", None
+
+
+def test_a_thread_level_known_only_after_mpi_init():
+    """MPI4PY_RC_THREAD_LEVEL is applied by mpi4py at MPI_Init: the transport is asked again
+    once MPI runs. Forced, init says why; with auto across "hosts", tcp carries the job."""
+    low = {"MPI4PY_RC_THREAD_LEVEL": "serialized"}
+    for outcome, _ in _mpi(_init_with, 2, env={**low, "DDL_TRANSPORT": "mpi"}):
+        assert outcome.startswith("TransportUnavailableError: DDL_TRANSPORT=mpi cannot run here")
+        assert "MPI_THREAD_SERIALIZED" in outcome
+    hosts = {r: {"DDL_HOST_ID": f"host{r}"} for r in range(2)}
+    for outcome, pair in _mpi(_init_with, 2, env={**low, "DDL_TRANSPORT": "auto:mpi,tcp"},
+                              rank_envs=hosts):
+        assert (outcome, pair) == ("ok", "TcpPair")

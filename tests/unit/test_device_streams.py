@@ -12,16 +12,19 @@ import pytest
 
 from ddlcore import device
 
+_CURRENT: list[int] = []  # the GPUs whose context the code under test entered, innermost last
+
 
 class _Stream:
     def __init__(self, handle: int) -> None:
-        self.handle, self.synchronized = handle, 0
+        self.handle, self.synchronized, self.on = handle, 0, None
 
     def __int__(self) -> int:
         return self.handle
 
     def synchronize(self) -> None:
         self.synchronized += 1
+        self.on = _CURRENT[-1] if _CURRENT else None
 
 
 class _Event:
@@ -32,13 +35,23 @@ class _Event:
         self.recorded_on = stream
 
 
+@contextlib.contextmanager
+def _entered(gpu: int):
+    _CURRENT.append(gpu)
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
+
+
 @pytest.fixture
 def streams(monkeypatch):
-    """obj -> its producer stream (None: the legacy default stream, or unknown)."""
+    """obj -> its producer stream (None: the legacy default stream, or unknown). An object's
+    GPU is its position in the table (the input GPU 0, the output GPU 1)."""
     table: dict[int, _Stream | None] = {}
     monkeypatch.setattr(device, "producer_stream", lambda obj: table.get(id(obj)))
-    monkeypatch.setattr(device, "device_of", lambda obj: 0)
-    monkeypatch.setattr(device, "on_device", lambda gpu: contextlib.nullcontext())
+    monkeypatch.setattr(device, "device_of", lambda obj: list(table).index(id(obj)))
+    monkeypatch.setattr(device, "on_device", _entered)
     monkeypatch.setattr(device, "_cuda", lambda: types.SimpleNamespace(
         event=lambda timing=False: _Event()))
     return table
@@ -70,7 +83,7 @@ def test_an_output_bound_to_another_stream_is_waited_for_on_the_host(streams, x_
     streams[id(x)] = _Stream(x_handle) if x_handle is not None else None
     streams[id(out)] = other = _Stream(9)
     ev = device.ready_event(x, out)
-    assert other.synchronized == 1
+    assert other.synchronized == 1 and other.on == 1  # in the output's GPU context
     assert (ev is None) == (x_handle is None)
 
 

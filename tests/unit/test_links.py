@@ -15,8 +15,8 @@ class _Fake:
 
     calls: list[str] = []
 
-    def __init__(self, name: str, ok: bool) -> None:
-        self.name, self.ok = name, ok
+    def __init__(self, name: str, ok: bool, ok_once_started: bool = True) -> None:
+        self.name, self.ok, self.ok_once_started = name, ok, ok_once_started
 
     def is_available(self):
         _Fake.calls.append(f"probe {self.name}")
@@ -24,6 +24,7 @@ class _Fake:
 
     def prepare(self):
         _Fake.calls.append(f"prepare {self.name}")
+        self.ok = self.ok_once_started  # what MPI's thread level does once MPI_Init ran
 
 
 @pytest.fixture
@@ -38,16 +39,25 @@ def fakes(monkeypatch):
 
 def test_auto_readies_each_transport_before_probing_the_next(fakes):
     assert links.local_transports("auto") == ("mpi", "shm", "tcp")
-    # MPI_Init (mpi's prepare) runs before ucx is probed: ucx must see what MPI loaded.
-    assert _Fake.calls[:3] == ["probe mpi", "prepare mpi", "probe shm"]
+    # MPI_Init (mpi's prepare) runs before ucx is probed: ucx must see what MPI loaded. Each is
+    # asked again once started.
+    assert _Fake.calls[:4] == ["probe mpi", "prepare mpi", "probe mpi", "probe shm"]
     assert "prepare ucx" not in _Fake.calls
 
 
 def test_forced_transport_is_readied_or_refused_with_the_reason(fakes):
     assert links.local_transports("tcp") == ("tcp",)
-    assert _Fake.calls == ["probe tcp", "prepare tcp"]
+    assert _Fake.calls == ["probe tcp", "prepare tcp", "probe tcp"]
     with pytest.raises(TransportUnavailableError, match="DDL_TRANSPORT=ucx cannot run here: ucx missing"):
         links.local_transports("ucx")
+
+
+def test_a_transport_that_cannot_run_once_started_is_dropped_or_refused(fakes):
+    fakes["mpi"] = _Fake("mpi", True, ok_once_started=False)
+    assert links.local_transports("auto") == ("shm", "tcp")
+    fakes["mpi"] = _Fake("mpi", True, ok_once_started=False)
+    with pytest.raises(TransportUnavailableError, match="DDL_TRANSPORT=mpi cannot run here: mpi missing"):
+        links.local_transports("mpi")
 
 
 def test_auto_takes_shm_within_a_host_and_the_network_order_across():
