@@ -27,10 +27,7 @@ class Call:
     root: int = 0
     result: Any = None
     ready: Any = None  # device buffers: an event on the caller's stream, recorded at the call
-
-    @property
-    def count(self) -> int:
-        return self.inp.count if self.inp is not None else 0
+    count: int = 0  # the input's elements (a field, not a property: read several times a call)
 
 
 def output(x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc, Any]:
@@ -88,4 +85,4 @@ def prepare(collective: str, x: Any, op: Any, out: Any, root: int, size: int) ->
     else:  # pragma: no cover - internal misuse
         raise AssertionError(collective)
     ready = device.ready_event(x, out) if xd.memory == MemoryKind.CUDA else None
-    return Call(collective, xd, od, rop, int(root), result, ready)
+    return Call(collective, xd, od, rop, int(root), result, ready, xd.count)

@@ -187,11 +187,6 @@ class Communicator:
         return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
                 f"local_size={self.local_size}, hosts={self.nhosts}, box={self.topology.shape})")
 
-    # --- argument checking (before any communication) ------------------------------------------
-    def _prepare(self, collective: str, x: Any, op: Any = None, out: Any = None,
-                 root: int = 0) -> Call:
-        return calls.prepare(collective, x, op, out, root, self.size)
-
     # --- execution ------------------------------------------------------------------------------
     def _label(self, call: Call, seq: int) -> str:
         if call.collective == "barrier":
@@ -221,7 +216,7 @@ class Communicator:
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
                 f"({self._broken}); create a new one with ddlcore.init()")
-        itemsize = call.inp.itemsize if call.inp is not None else 1
+        itemsize = call.inp.dtype.itemsize if call.inp is not None else 1
         boards = self._host or self._node
         self._on_boards = False
         try:
@@ -261,7 +256,14 @@ class Communicator:
                             staged: tuple[tuning.Choice, int] | None) -> None:
         """Run the call on host memory: the boards, the host-staged mdring or a schedule (device
         buffers are downloaded first and the result uploaded after)."""
-        host_in, host_out = self._host_arrays(call)
+        inp = call.inp
+        host_in: np.ndarray | None
+        host_out: np.ndarray | None
+        if inp is not None and inp.memory == MemoryKind.CUDA:
+            host_in, host_out = self._host_arrays(call)
+        else:  # host buffers as they are (checked here: a call less on the fast path)
+            host_in = inp.array if inp is not None else None
+            host_out = call.out.array if call.out is not None else None
         if mode is not None and mode != hostcoll.SYNC_ONLY:
             self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
         elif staged is not None:
@@ -424,13 +426,10 @@ class Communicator:
             self._staging_device = device.DeviceStaging()
         return self._staging_device
 
-    def _host_arrays(self, call: Call) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The host memory the engine works on: the buffers themselves, or pinned copies of
-        device buffers (downloaded input; output uploaded after the schedule ran)."""
-        if call.inp is None or call.out is None:
-            return None, None
-        if call.inp.memory != MemoryKind.CUDA:
-            return call.inp.array, call.out.array
+    def _host_arrays(self, call: Call) -> tuple[np.ndarray, np.ndarray]:
+        """The host memory the boards or the engine work on for device buffers: pinned copies
+        (the input downloaded now; the output uploaded after the call ran)."""
+        assert call.inp is not None and call.out is not None
         stage = self._device_staging()
         if call.ready is not None:
             call.ready.synchronize()
@@ -483,13 +482,15 @@ class Communicator:
             self._in_hooks.active = False
 
     def _run(self, call: Call) -> Any:
-        self._run_hooks()
+        if self._before_collective:
+            self._run_hooks()
         return self._executor.run_inline(
             functools.partial(self._execute, call),
             lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()))
 
     def _submit(self, call: Call) -> Handle:
-        self._run_hooks()
+        if self._before_collective:
+            self._run_hooks()
         handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
         return self._executor.submit(functools.partial(self._execute, call), handle)
 
@@ -522,12 +523,12 @@ class Communicator:
         DDLError
             A peer failed, ranks disagree, or ``DDL_TIMEOUT`` passed.
         """
-        return self._run(self._prepare("allreduce", x, op, out))
+        return self._run(calls.prepare("allreduce", x, op, out, 0, self.size))
 
     def allreduce_async(self, x: Any, op: str | Op = "sum", out: Any = None) -> Handle:
         """`allreduce` in the background; returns a `Handle` (``wait()`` gives the result).
         ``x`` and ``out`` must not be touched until the handle completes."""
-        return self._submit(self._prepare("allreduce", x, op, out))
+        return self._submit(calls.prepare("allreduce", x, op, out, 0, self.size))
 
     def reduce_scatter(self, x: Any, op: str | Op = "sum", out: Any = None) -> Any:
         """Reduce ``x`` (size * k elements) over all ranks; rank r gets block r (k elements).
@@ -536,29 +537,29 @@ class Communicator:
         (output shape ``(shape[0] // size, *shape[1:])``); otherwise the output is 1-D.
         Raises ValueError when x's element count is not divisible by size.
         """
-        return self._run(self._prepare("reduce_scatter", x, op, out))
+        return self._run(calls.prepare("reduce_scatter", x, op, out, 0, self.size))
 
     def reduce_scatter_async(self, x: Any, op: str | Op = "sum", out: Any = None) -> Handle:
-        return self._submit(self._prepare("reduce_scatter", x, op, out))
+        return self._submit(calls.prepare("reduce_scatter", x, op, out, 0, self.size))
 
     def allgather(self, x: Any, out: Any = None) -> Any:
         """Concatenate every rank's ``x`` (k elements each) along the first dimension, in rank
         order: the result has size * k elements."""
-        return self._run(self._prepare("allgather", x, None, out))
+        return self._run(calls.prepare("allgather", x, None, out, 0, self.size))
 
     def allgather_async(self, x: Any, out: Any = None) -> Handle:
-        return self._submit(self._prepare("allgather", x, None, out))
+        return self._submit(calls.prepare("allgather", x, None, out, 0, self.size))
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
-        return self._run(self._prepare("broadcast", x, root=root))
+        return self._run(calls.prepare("broadcast", x, None, None, root, self.size))
 
     def broadcast_async(self, x: Any, root: int = 0) -> Handle:
-        return self._submit(self._prepare("broadcast", x, root=root))
+        return self._submit(calls.prepare("broadcast", x, None, None, root, self.size))
 
     def barrier(self) -> None:
         """Return only after every rank has entered the barrier."""
-        self._run(self._prepare("barrier", None))
+        self._run(calls.prepare("barrier", None, None, None, 0, self.size))
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
