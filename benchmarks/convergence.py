@@ -1,7 +1,8 @@
 """Convergence benchmark: a real model trained data-parallel to a validation-accuracy target.
 
     python benchmarks/convergence.py [--nps 1,2,4] [--backends ddlcore,ddlcore-ddp,gloo]
-        [--target 0.97] [--epochs 40] [--global-batch 256] [--json out.json] [--plot out.png]
+        [--target 0.97] [--epochs 40] [--global-batch 256] [--device cpu|cuda]
+        [--json out.json] [--plot out.png]
 
 An MLP (64-1024-1024-10, 1.1 M parameters) learns scikit-learn's handwritten digits (shipped with
 the package: no download; fixed stratified split, 1497 train / 300 validation, standardised with
@@ -26,6 +27,10 @@ It prints time-to-accuracy, throughput, median time per iteration, scaling effic
 (t_iter(np) - t_iter(1) / np: the time beyond perfect scaling), optionally writes every run's
 history as JSON and a plot of validation accuracy vs training time, and exits non-zero when a run
 fails or misses the target. Validation (rank 0, once per epoch) is not counted as training time.
+
+``--device cuda`` trains on GPUs (local rank r on GPU r modulo the GPUs there are): the gradients
+then take ddlcore's GPU path (device buffers, the CUDA pack kernels) and gloo's CUDA support; each
+step's time is taken after ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -150,7 +155,9 @@ def _setup(args: argparse.Namespace, model: Any, rank: int, size: int
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=size)
-    ddp = DistributedDataParallel(model)  # broadcasts rank 0's weights
+    on_gpu = next(model.parameters()).device
+    ddp = DistributedDataParallel(  # broadcasts rank 0's weights
+        model, device_ids=[on_gpu.index] if on_gpu.type == "cuda" else None)
     if args.backend == "ddlcore-ddp":
         from ddlcore.integrations.torch import allreduce_hook
 
@@ -180,8 +187,14 @@ def worker(args: argparse.Namespace) -> None:
     if args.global_batch % size:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by np={size}")
     local = args.global_batch // size
-    x_tr, y_tr, x_va, y_va = load_data(args.seed)
-    model = build_model(args.hidden, args.seed)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("DDL_LOCAL_RANK", str(rank)))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x_tr, y_tr, x_va, y_va = (t.to(device) for t in load_data(args.seed))
+    model = build_model(args.hidden, args.seed).to(device)
     train_model, opt, sync, close = _setup(args, model, rank, size)
 
     iters_per_epoch = len(x_tr) // args.global_batch  # drop_last: every global batch is full
@@ -201,10 +214,11 @@ def worker(args: argparse.Namespace) -> None:
     for epoch in range(args.epochs):
         # the same shuffle on every rank and for every np: the global batches are identical
         perm = torch.randperm(len(x_tr), generator=torch.Generator().manual_seed(
-            args.seed * 100_003 + epoch))
+            args.seed * 100_003 + epoch)).to(device)
         train_model.train()
         t_epoch = time.perf_counter()
         loss_sum = 0.0
+        settle()
         for i in range(iters_per_epoch):
             t0 = time.perf_counter()
             idx = perm[i * args.global_batch + rank * local:i * args.global_batch + (rank + 1) * local]
@@ -213,6 +227,7 @@ def worker(args: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
             sched.step()
+            settle()  # on a GPU the step's kernels have finished, not just been queued
             step_s.append(time.perf_counter() - t0)
             loss_sum += loss.item()
         train_s += time.perf_counter() - t_epoch
@@ -235,7 +250,7 @@ def worker(args: argparse.Namespace) -> None:
         return
     steady = per_iter[iters_per_epoch:] if args.epochs > 1 else per_iter
     result = {
-        "backend": args.backend, "np": size, "epochs": args.epochs,
+        "backend": args.backend, "np": size, "epochs": args.epochs, "device": args.device,
         "iters_per_epoch": iters_per_epoch, "global_batch": args.global_batch,
         "samples": total * args.global_batch, "train_time_s": train_s,
         "throughput": total * args.global_batch / train_s,
@@ -260,7 +275,7 @@ def _training_args(args: argparse.Namespace) -> list[str]:
     out = ["--epochs", str(args.epochs), "--global-batch", str(args.global_batch),
            "--base-lr", str(args.base_lr), "--warmup-epochs", str(args.warmup_epochs),
            "--warmup-start", str(args.warmup_start), "--weight-decay", str(args.weight_decay),
-           "--hidden", str(args.hidden), "--seed", str(args.seed)]
+           "--hidden", str(args.hidden), "--seed", str(args.seed), "--device", args.device]
     if args.fusion_bytes is not None:
         out += ["--fusion-bytes", str(args.fusion_bytes)]
     return out
@@ -368,7 +383,7 @@ def driver(args: argparse.Namespace) -> int:
     print(f"# digits MLP 64-{args.hidden}-{args.hidden}-10, global batch {args.global_batch}, "
           f"peak lr {args.base_lr * args.global_batch / REFERENCE_BATCH:g} (linear scaling), "
           f"warm-up {args.warmup_epochs} epochs then cosine, {args.epochs} epochs, "
-          f"target {args.target:g}")
+          f"target {args.target:g}, on {args.device}")
     if max(nps) > cores:
         print(f"# note: np={max(nps)} oversubscribes this machine's {cores} cores")
     runs: list[dict[str, Any]] = []
@@ -424,6 +439,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--hidden", type=int, default=1024, help="width of the two hidden layers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model and the gradients live (cuda: local rank r on GPU r)")
     p.add_argument("--fusion-bytes", type=int, default=None,
                    help="DistributedOptimizer bucket size (default: DDL_FUSION_BYTES)")
     p.add_argument("--run-timeout", type=float, default=300, help="seconds per run")
@@ -434,6 +451,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not args.worker:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False; "
+                    "a CPU build of torch, or no driver)")
     if args.epochs < 1 or args.warmup_epochs < 0 or args.global_batch < 1:
         p.error("--epochs and --global-batch must be >= 1, --warmup-epochs >= 0")
     return args

@@ -43,3 +43,16 @@ def test_convergence_benchmark_small_sweep(tmp_path):
     assert abs(by[("gloo", 2)]["final_val_acc"] - by[("single", 1)]["final_val_acc"]) <= 0.02
     for line in ("single", "ddlcore", "gloo", "samples/s"):
         assert line in res.stdout
+
+
+def test_convergence_benchmark_on_cuda_says_when_there_is_no_gpu():
+    require(importlib.util.find_spec("torch") is not None, "torch is not installed")
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a GPU is here: `python benchmarks/convergence.py --device cuda` runs it")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 2 and "--device cuda: torch sees no GPU here" in res.stderr
