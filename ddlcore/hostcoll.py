@@ -142,8 +142,9 @@ class HostCollectives:
         self._arena: Any = None
         self.direct = False  # every rank can read every other's memory (agreed in connect)
         self._closed = False
-        # A plain lock (a Condition's notify costs microseconds per call): close() polls _busy
-        self._lock = threading.Lock()
+        # Not a Condition (its notify costs microseconds per call): close() polls _busy.
+        # Re-entrant, as the Condition's lock was: close() from a signal handler mid-call.
+        self._lock = threading.RLock()
         self._busy = 0      # calls in native code (close() waits for them)
         self._pinned: list[Any] = []  # buffers of failed calls a stopped peer may still write
         try:
