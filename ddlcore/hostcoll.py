@@ -305,10 +305,12 @@ class HostCollectives:
 
     # --- failure and lifetime -----------------------------------------------------------------
     def abort(self, code: int, reason: str) -> None:
-        """Leave an abort note (transport abort ``code``) that ends the peers' waits at once."""
-        if self._arena is not None:
-            raw = reason.encode("utf-8", "replace")[:min(1024, MAX_ABORT_REASON_BYTES)]
-            self._arena.abort(code + 1, raw)
+        """Leave an abort note (transport abort ``code``) that ends the peers' waits at once.
+        Under the lock: close() may otherwise unmap the boards while the note is written."""
+        raw = reason.encode("utf-8", "replace")[:min(1024, MAX_ABORT_REASON_BYTES)]
+        with self._lock:
+            if not self._closed and self._arena is not None:
+                self._arena.abort(code + 1, raw)
 
     def close(self) -> None:
         with self._lock:
