@@ -99,7 +99,8 @@ def cast_ref(array: np.ndarray, dtype: np.dtype, scale: float | None = None) -> 
     dt = np.dtype(dtype)
     if array.dtype == dt and scale is None:
         return np.array(array, copy=True)
-    work = np.float64 if np.dtype(np.float64) in (array.dtype, dt) else np.float32
+    wide = np.dtype(np.float64) in (array.dtype, dt)
+    work: type[np.floating] = np.float64 if wide else np.float32
     with np.errstate(over="ignore", invalid="ignore"):
         value = array.astype(work)
         if scale is not None:

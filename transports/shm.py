@@ -172,7 +172,7 @@ def create_segment(name: str, nbytes: int, reserve: int, what: str) -> tuple[str
 def remove_segments_of(pids: set[int]) -> list[str]:
     """Unlink the segments owned by the given (dead) processes; returns the names removed.
     The launcher calls this for ranks that died, whose survivors may not have noticed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -439,6 +439,7 @@ class ShmPair(Pair):
                 item.written = len(record)
             n = min(free, item.total - item.written, _PIECE)
             if n > 0:
+                assert item.view is not None  # only a DATA item has payload to stream
                 lo = item.written - _HDR
                 copy = min(n, len(item.view) - lo)
                 if copy > 0:
@@ -449,6 +450,7 @@ class ShmPair(Pair):
             if item.written == item.total:
                 queue.popleft()
                 if item.kind == _DATA:
+                    assert item.req is not None  # only ACKs are queued without a request
                     item.req._complete()  # CMA sends complete on the peer's ACK
             if head - published >= _PIECE:  # let the consumer start on what is there
                 _shm.store_u64(out + _S_HEAD, head)

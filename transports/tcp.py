@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from collections import deque
+from typing import TypeAlias
 
 from ddlcore.transports.base import (
     MAX_ABORT_REASON_BYTES,
@@ -93,7 +94,7 @@ _DRAIN_CHUNK = 1 << 20
 _CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
 
 
-TcpRequest = ThreadRequest  # completed by the socket threads, waited on through a lock
+TcpRequest: TypeAlias = ThreadRequest  # completed by the socket threads, waited on through a lock
 
 
 class _Channel:
