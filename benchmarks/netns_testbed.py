@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import itertools
 import json
@@ -342,11 +343,15 @@ def netns_available() -> tuple[bool, str]:
     return res.returncode == 0, f"ip netns add failed: {res.stderr.strip()}"
 
 
-def link_bytes(nbytes: int, parts: int) -> float:
-    """Allreduce lower bound on the bytes each of ``parts`` members sends (and receives) over its
-    link: 2(k-1)/k n. With k = hosts that is the bound for any algorithm; with k = ranks, what
-    one flow of a flat ring carries (see `ring_flows`)."""
-    return 2.0 * (parts - 1) / parts * nbytes
+def link_bytes(nbytes: int, parts: int, collective: str = "allreduce") -> float:
+    """Lower bound on the bytes each of ``parts`` members sends (and receives) over its link for
+    a collective of ``nbytes`` (nccl-tests' size: the larger of input and output): 2(k-1)/k n
+    for an allreduce, (k-1)/k n for a reduce-scatter or allgather. With k = hosts that is the
+    bound for any algorithm; with k = ranks, what one flow of a flat ring carries (see
+    `ring_flows`)."""
+    from ddlcore.bench import bus_factor
+
+    return bus_factor(collective, parts) * nbytes
 
 
 def ring_flows(m: int, h: int, placement: str) -> int:
@@ -365,14 +370,14 @@ def box_order(m: int, h: int, placement: str) -> list[int]:
 
 
 def simulated(m: int, h: int, placement: str, rate: str | None, algorithm: str,
-              nbytes: int) -> float | None:
-    """Seconds the simulator predicts for one allreduce of ``nbytes`` via ``algorithm`` with this
+              nbytes: int, collective: str = "allreduce") -> float | None:
+    """Seconds the simulator predicts for one ``collective`` of ``nbytes`` via ``algorithm`` with this
     rank -> host map and the testbed's links (`SIM_HOST_LINK`, ...); None where the links are
     not shaped or the algorithm is no schedule (``direct``, one host)."""
     from ddlcore import simulate, topology
     from ddlcore.algorithms import ALGORITHMS
 
-    if not rate or h == 1 or algorithm not in ALGORITHMS["allreduce"]:
+    if not rate or h == 1 or algorithm not in ALGORITHMS[collective]:
         return None
     hosts = [f"h{host_of(r, m, h, placement)}" for r in range(m * h)]
     found = topology.build(hosts, [""] * len(hosts), {"host": "shm", "network": "tcp"}, {})
@@ -380,37 +385,55 @@ def simulated(m: int, h: int, placement: str, rate: str | None, algorithm: str,
     links = [SIM_HOST_LINK if level == "host" else net for level in found.levels]
     topo = topology.Topology(found.dims, found.order, tuple(b for b, _ in links),
                              tuple(t for _, t in links), found.levels, found.note)
-    return simulate.simulate("allreduce", algorithm, topo, nbytes, reduce_bw=SIM_REDUCE_BW).time_s
+    return simulate.simulate(collective, algorithm, topo, nbytes,
+                             reduce_bw=SIM_REDUCE_BW).time_s
 
 
-def worker(sizes: list[int], iters: int, warmup: int, out: str) -> None:
-    """One rank of an allreduce measurement, run inside a host namespace: ddl-bench's timing
-    (slowest rank's mean after warm-ups; busbw = algbw x 2(P-1)/P) in O(n) memory per rank --
-    ddl-bench's Case keeps P float64 copies per rank (2.4 GB RSS at 64 MB with 8 ranks)."""
+def worker(sizes: list[int], iters: int, warmup: int, out: str,
+           collective: str = "allreduce") -> None:
+    """One rank of a measurement, run inside a host namespace: ddl-bench's timing (slowest
+    rank's mean after warm-ups; busbw = algbw x `bus_factor`; a size is nccl-tests': the larger
+    of input and output) in O(n) memory per rank -- ddl-bench's Case keeps P float64 copies per
+    rank (2.4 GB RSS at 64 MB with 8 ranks)."""
     import numpy as np
 
     import ddlcore
+    from ddlcore.bench import bus_factor
 
     with ddlcore.init() as comm:
-        p, rows = comm.size, []
+        p, rank, rows = comm.size, comm.rank, []
         for nbytes in sizes:
+            count = nbytes // 4
             # Small integers: every partial sum is exact, so any reduction order gives `expect`.
-            pattern = (np.arange(nbytes // 4) % 3 + 1).astype(np.float32)
-            x, y = pattern * (comm.rank + 1), np.empty_like(pattern)
-            expect = pattern * (p * (p + 1) // 2)
+            if collective == "allgather":
+                k = count // p
+                part = (np.arange(k) % 3 + 1).astype(np.float32)
+                x = part * (rank + 1)
+                expect = np.concatenate([part * (r + 1) for r in range(p)])
+                run = functools.partial(comm.allgather, x)
+            else:
+                count -= count % p if collective == "reduce_scatter" else 0
+                pattern = (np.arange(count) % 3 + 1).astype(np.float32)
+                x, expect = pattern * (rank + 1), pattern * (p * (p + 1) // 2)
+                if collective == "reduce_scatter":
+                    k = count // p
+                    expect = expect[rank * k:(rank + 1) * k]
+                run = functools.partial(getattr(comm, collective), x)
+            y = np.empty_like(expect)
             for _ in range(warmup):
-                comm.allreduce(x, out=y)
+                run(out=y)
             comm.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
-                comm.allreduce(x, out=y)
+                run(out=y)
             t = float(comm.allreduce(np.array([(time.perf_counter() - t0) / iters]), op="max")[0])
             wrong = int(comm.allreduce(np.array([np.count_nonzero(y != expect)]))[0])
-            algbw = x.nbytes / t / 1e9
-            rows.append(dict(size=x.nbytes, count=x.size, time_us=t * 1e6, algbw=algbw,
-                             busbw=algbw * 2 * (p - 1) / p, wrong=wrong,
-                             algorithm=comm.describe("allreduce", x.nbytes).algorithm))
-        if comm.rank == 0:
+            size = max(x.nbytes, y.nbytes)
+            algbw = size / t / 1e9
+            rows.append(dict(size=size, count=max(x.size, y.size), time_us=t * 1e6,
+                             algbw=algbw, busbw=algbw * bus_factor(collective, p), wrong=wrong,
+                             algorithm=comm.describe(collective, x.nbytes).algorithm))
+        if rank == 0:
             with open(out, "w") as f:
                 json.dump({"algorithm": rows[-1]["algorithm"], "nhosts": comm.nhosts,
                            "transports": sorted(set(comm.transports.values())),
@@ -424,7 +447,7 @@ def measure(tb: Testbed, m: int, algo: str, sizes: list[int], args: argparse.Nam
     assert tb.workdir
     path = os.path.join(tempfile.mkdtemp(prefix="json-", dir=tb.workdir), "rows.json")
     argv = [os.path.abspath(__file__), "--rank-worker", ",".join(map(str, sizes)),
-            str(args.iters), str(args.warmup), path]
+            str(args.iters), str(args.warmup), path, args.collective]
     tb.run_job(m, argv, deadline - time.monotonic(), ddl_timeout=args.ddl_timeout,
                env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport}, placement=placement)
     with open(path) as f:
@@ -498,19 +521,20 @@ def run_all(args: argparse.Namespace, algos: list[str], sizes: list[int],
                           file=sys.stderr)
                     status = 1
                 for row in got["rows"]:
-                    bound_us = (link_bytes(row["size"], h) / parse_rate(rate) * 1e6
+                    c = args.collective
+                    bound_us = (link_bytes(row["size"], h, c) / parse_rate(rate) * 1e6
                                 if rate and h > 1 else None)
-                    sim_s = simulated(m, h, placement, rate, row["algorithm"], row["size"])
+                    sim_s = simulated(m, h, placement, rate, row["algorithm"], row["size"], c)
                     results.append(dict(
-                        shape=f"{m}x{h}", ranks_per_host=m, hosts=h, placement=placement,
+                        collective=c, shape=f"{m}x{h}", ranks_per_host=m, hosts=h, placement=placement,
                         repeat=rep, rate=rate, algo=algo, algorithm_used=got["algorithm"],
                         transports=got["transports"], box=got["box"], box_order=got["order"],
                         loadavg_before=load, loadavg_after=os.getloadavg()[0], bound_us=bound_us,
                         ratio_to_bound=row["time_us"] / bound_us if bound_us else None, **row,
                         sim_us=sim_s * 1e6 if sim_s is not None else None,
-                        link_bytes_bound=link_bytes(row["size"], h),
+                        link_bytes_bound=link_bytes(row["size"], h, c),
                         link_bytes_flat_ring=ring_flows(m, h, placement) *
-                        link_bytes(row["size"], m * h)))
+                        link_bytes(row["size"], m * h, c)))
                     status |= int(row["wrong"] > 0)
                     print(table_row(results[-1]), flush=True)
     return status
@@ -533,9 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placement", "--placements", default=["block"],
                    type=lambda s: [_placement(x) for x in s.split(",")],
                    help="comma list: block (rank r on host r // M, the default) or cyclic "
-                        "(rank r on host r % H)")
+                        "(rank r on host r %% H)")
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each (shape, placement, algorithm) this many times")
+    p.add_argument("-C", "--collective", default="allreduce",
+                   choices=("allreduce", "reduce_scatter", "allgather"),
+                   help="what to measure (default allreduce); sizes are nccl-tests': the larger "
+                        "of input and output")
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("-w", "--warmup", type=int, default=1)
     p.add_argument("--transport", default="auto:tcp",
@@ -551,10 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in args.rates.split(","):
         if r.lower() != "none":
             parse_rate(r)
-    known = ALGORITHMS["allreduce"]
+    known = ALGORITHMS[args.collective]
     algos = [a for a in args.algos.split(",") if a == "auto" or a in known]
     for a in sorted(set(args.algos.split(",")) - set(algos)):
-        print(f"# skipping --algos {a}: not a registered allreduce ({', '.join(known)})")
+        print(f"# skipping --algos {a}: not a registered {args.collective} ({', '.join(known)})")
     ok, why = netns_available()
     if not ok:
         p.error(why)
@@ -580,10 +608,11 @@ def main(argv: list[str] | None = None) -> int:
         status = 124
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    print(f"\n# allreduce, iters {args.iters}, warmup {args.warmup}; time = slowest rank's mean; "
-          f"bound = 2(H-1)/H n / rate; sim = the simulator's time for the algorithm that ran, "
-          f"same rank -> host map; link B = bytes per host link: the bound's, and the rank-order "
-          f"ring's (flows x 2(P-1)/P n)\n{HEAD}")
+    factor = "2(H-1)/H" if args.collective == "allreduce" else "(H-1)/H"
+    print(f"\n# {args.collective}, iters {args.iters}, warmup {args.warmup}; time = slowest "
+          f"rank's mean; bound = {factor} n / rate; sim = the simulator's time for the algorithm "
+          f"that ran, same rank -> host map; link B = bytes per host link: the bound's, and the "
+          f"rank-order ring's (flows x {factor.replace('H', 'P')} n)\n{HEAD}")
     print("\n".join(table_row(r) for r in results))
     if args.repeat > 1 or len(args.placement) > 1:
         print(f"\n# over {args.repeat} repeat(s): median, spread = (max - min) / median, "
@@ -602,6 +631,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank-worker"]:
         sizes, iters, warmup, out = sys.argv[2:6]
-        worker([int(s) for s in sizes.split(",")], int(iters), int(warmup), out)
+        worker([int(s) for s in sizes.split(",")], int(iters), int(warmup), out, *sys.argv[6:7])
         sys.exit(0)
     sys.exit(main())
