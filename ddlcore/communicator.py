@@ -3,9 +3,9 @@
 Each collective validates its arguments before any communication (``calls``: bad input is a
 ValueError/TypeError naming the argument) and turns buffers into descriptors (``buffers``). Then
 it runs one of three ways: all ranks on this host, as one call through the shared boards
-(``hostcoll``); an allreduce whose box has host and network dimensions, as mdring with its host
-dimensions on the boards and the rest as schedules (large ones in segments, the boards' phases
-of one segment beside the network rings of another: ``pipeline``); or otherwise ``tuning``
+(``hostcoll``); an allreduce, reduce-scatter or allgather whose box has host and network
+dimensions, as mdring with its host dimensions on the boards and the rest as schedules
+(``host_staged``); or otherwise ``tuning``
 picks an algorithm whose schedule the ``engine`` executes over the transports
 (``device_engine`` for device buffers, chunks pipelined on CUDA streams; the board paths stage
 device buffers whole).
@@ -18,7 +18,6 @@ import functools
 import logging
 import struct
 import threading
-import time
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,13 +30,12 @@ from ddlcore import (
     device,
     device_engine,
     engine,
+    host_staged,
     hostcoll,
-    pipeline,
     topology,
     tuning,
 )
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
-from ddlcore.algorithms.schedule import split
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError
@@ -51,13 +49,6 @@ from ddlcore.transports.base import PeerInfo
 log = logging.getLogger("ddlcore")
 
 _KIND = hostcoll.KIND
-# mdring with host phases on the boards splits an allreduce into segments of at least this many
-# bytes, at most _HOST_SEGMENTS of them, pipelined (`pipeline`): the boards' phases of one
-# segment run while another crosses the network, and only the first segment's reduce-scatter
-# and the last one's allgather are not hidden. Measured on the netns testbed at 4x2, 1 Gbit/s
-# (BENCHMARKS.md, "host phases pipelined"): 64 MB went from 1.22-1.28x the link bound to 1.09x.
-_HOST_SEGMENT_BYTES = 4 << 20
-_HOST_SEGMENTS = 8
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
 
 
@@ -71,18 +62,6 @@ def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int,
     if choice.dim_order is not None:
         return make(rank, size, count, itemsize, choice.chunk_bytes, topo, dim_order=choice.dim_order)
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
-
-
-def _reason(exc: BaseException) -> str:
-    """What a failure is called in an abort note: its message without our "rank R: " prefix,
-    or its type where it has no message (KeyboardInterrupt)."""
-    return str(exc).split(": ", 1)[-1] or type(exc).__name__
-
-
-def host_segments(nbytes: int) -> int:
-    """How many pipelined segments an allreduce of ``nbytes`` takes on the host-staged path
-    (the same on every rank: a function of the size alone)."""
-    return max(1, min(_HOST_SEGMENTS, nbytes // _HOST_SEGMENT_BYTES))
 
 
 class Communicator:
@@ -126,6 +105,7 @@ class Communicator:
         self._staging_device: Any = None
         self._slots_device: dict[int, device_engine.DeviceSlots] = {}
         self._scratch = np.empty(0, np.uint8)
+        self._stage: dict[str, np.ndarray] = {}  # host_staged's buffers, by name
         self._executor = Executor(f"ddlcore-rank{self.rank}")
         self._before_collective: list[Callable[[], Any]] = []
         self._in_hooks = threading.local()
@@ -155,17 +135,22 @@ class Communicator:
         return staged[0] if staged is not None else self._choose(collective, nbytes)
 
     def _choose(self, collective: str, nbytes: int) -> tuning.Choice:
-        boards = self._node is not None and collective == "allreduce" and \
-            self._node.mode(nbytes) != hostcoll.SYNC_ONLY
-        return tuning.choose(collective, self.topology, nbytes, self._algo, self._chunk_bytes,
-                             boards)
+        """The tuner's choice for ``nbytes`` of input (the cost model reads an allgather's
+        output)."""
+        boards = self._node is not None and collective in host_staged.COLLECTIVES and \
+            self._node.mode(host_staged.board_bytes(collective, nbytes, self.topology)) != \
+            hostcoll.SYNC_ONLY
+        model_bytes = nbytes * self.size if collective == "allgather" else nbytes
+        return tuning.choose(collective, self.topology, model_bytes, self._algo,
+                             self._chunk_bytes, boards)
 
     def _host_stage(self, collective: str, nbytes: int) -> tuple[tuning.Choice, int] | None:
-        """(choice, mode of the boards) when an allreduce of ``nbytes`` runs as mdring with its
-        host dimensions through this host's boards; None when it runs as a schedule."""
-        if self._node is None or collective != "allreduce":
+        """(choice, mode of the boards) when a collective of ``nbytes`` of input runs as mdring
+        with its host dimensions through this host's boards (``host_staged``); None when it
+        runs as a schedule."""
+        if self._node is None or collective not in host_staged.COLLECTIVES:
             return None
-        mode = self._node.mode(nbytes)
+        mode = self._node.mode(host_staged.board_bytes(collective, nbytes, self.topology))
         choice = self._choose(collective, nbytes)
         if mode == hostcoll.SYNC_ONLY or choice.algorithm != mdring.NAME or \
                 not tuning.host_first(self.topology, choice.dim_order):
@@ -177,11 +162,13 @@ class Communicator:
         return choice, _make_schedule(collective, choice, self.rank, self.size, count, itemsize,
                                       root, self.topology)
 
-    def _build_across(self, count: int, itemsize: int,
+    def _build_across(self, collective: str, count: int, itemsize: int,
                       choice: tuning.Choice) -> tuple[tuning.Choice, Schedule]:
-        return choice, mdring.allreduce_across_hosts(self.rank, self.size, count, itemsize,
-                                                     choice.chunk_bytes, self.topology,
-                                                     choice.dim_order)
+        make = {"allreduce": mdring.allreduce_across_hosts,
+                "reduce_scatter": mdring.reduce_scatter_across_hosts,
+                "allgather": mdring.allgather_across_hosts}[collective]
+        return choice, make(self.rank, self.size, count, itemsize, choice.chunk_bytes,
+                            self.topology, choice.dim_order)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
@@ -210,6 +197,14 @@ class Communicator:
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         return engine.Region.of(self._scratch[:nbytes])
+
+    def _stage_buffer(self, name: str, nbytes: int) -> np.ndarray:
+        """``nbytes`` of host memory kept for the host-staged paths (``name`` tells apart the
+        buffers one call uses at once)."""
+        buf = self._stage.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._stage[name] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
 
     def _execute(self, call: Call, seq: int) -> Any:
         if self._broken is not None:
@@ -244,7 +239,7 @@ class Communicator:
             self._broken = str(exc) or type(exc).__name__
             # Whichever path failed has told its own peers; tell the other path's too, so that
             # nobody waits out its deadline there (the reason without our "rank R: " prefix).
-            reason = _reason(exc)
+            reason = engine.failure_reason(exc)
             if self._on_boards and self._links is not None:
                 self._links.abort(engine.abort_code(exc), reason)
             elif not self._on_boards and boards is not None:
@@ -267,7 +262,9 @@ class Communicator:
         if mode is not None and mode != hostcoll.SYNC_ONLY:
             self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
         elif staged is not None:
-            self._run_host_staged(call, seq, host_in, host_out, itemsize, staged[0])
+            assert host_out is not None
+            host_staged.RUN[call.collective](self, call, seq, host_in, host_out, itemsize,
+                                             staged[0])
         else:
             if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
@@ -285,15 +282,17 @@ class Communicator:
 
     def _run_boards(self, boards: hostcoll.HostCollectives, kind: str, call: Call, seq: int,
                     host_in: np.ndarray | None, host_out: np.ndarray | None, itemsize: int,
-                    mode: int, divisor: int, segment: tuple[int, int] | None = None) -> None:
+                    mode: int, divisor: int, segment: tuple[int, int] | None = None,
+                    staged: bool = False) -> None:
         """Run ``kind`` (a `hostcoll.KIND`) of ``call`` through ``boards``; on the elements
-        ``segment`` = (offset, count) of the buffers only, when given."""
+        ``segment`` = (offset, count) of the buffers only, when given; ``staged``: the buffers
+        are ``host_in`` and ``host_out`` even where the call's are host memory."""
         self._on_boards = True
         op = call.op
         inp = out = 0
         offset, count = segment or (0, call.count)
         if host_in is not None and host_out is not None and host_in.size:
-            if call.inp is not None and call.inp.memory == MemoryKind.HOST:
+            if call.inp is not None and call.inp.memory == MemoryKind.HOST and not staged:
                 inp, out = call.inp.ptr, call.out.ptr  # type: ignore[union-attr]
             else:  # device buffers, staged in host memory
                 inp, out = array_address(host_in), array_address(host_out)
@@ -310,55 +309,6 @@ class Communicator:
                    int(Op.SUM if op is None or op == Op.AVG else op), divisor, call.root,
                    self._check_word(call, kind), lambda: self._label(call, seq), mode,
                    (host_in, host_out))
-
-    def _run_host_staged(self, call: Call, seq: int, host_in: np.ndarray | None,
-                         host_out: np.ndarray | None, itemsize: int,
-                         choice: tuning.Choice) -> None:
-        """Allreduce as mdring whose host dimensions run through this host's boards: each local
-        rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
-        that part (schedules over the network links), then the local ranks copy each other's
-        parts (boards); segment by segment, pipelined, for large calls (`host_segments`)."""
-        node = self._node
-        assert node is not None and host_out is not None
-        segments = split(call.count, host_segments(call.count * itemsize))
-        flat_out = host_out.reshape(-1)
-
-        def on_boards(kind: str, s: int) -> None:  # RS_PART or AG_PART of segment s
-            self._run_boards(node, kind, call, seq, host_in, host_out, itemsize,
-                             node.mode(segments[s][1] * itemsize), 0, segments[s])
-
-        reduce_scatter = functools.partial(on_boards, hostcoll.RS_PART)
-        allgather = functools.partial(on_boards, hostcoll.AG_PART)
-
-        deadline = time.monotonic() + self.timeout  # the network phase's, all segments'
-
-        def across(s: int) -> None:
-            start, count = segments[s]
-            off, length = split(count, node.size)[node.rank]
-            part = flat_out[start + off:start + off + length]
-            self._run_schedule(call, seq, part, part, itemsize,
-                               self._schedule_across(length, itemsize, choice),
-                               max(0.0, deadline - time.monotonic()))
-
-        if len(segments) == 1:
-            reduce_scatter(0)
-            self._on_boards = False
-            across(0)
-            allgather(0)
-            return
-
-        def abort(exc: BaseException) -> None:  # both paths: the other stage must fail fast
-            code, reason = engine.abort_code(exc), _reason(exc)
-            node.abort(code, reason)
-            if self._links is not None:
-                self._links.abort(code, reason)
-
-        # Segment s crosses the network while the boards reduce s+1 and spread s-1. Every
-        # segment's rings use the call's tags: a pair's messages with one tag are matched in
-        # order, and this rank starts segment s+1's rings only after s's.
-        pipeline.run(len(segments), reduce_scatter, across, allgather, abort, self.timeout,
-                     f"ddlcore-rank{self.rank}-network",
-                     f"rank {self.rank}: {self._label(call, seq)}")
 
     def _run_schedule(self, call: Call, seq: int, host_in: np.ndarray | None,
                       host_out: np.ndarray | None, itemsize: int,

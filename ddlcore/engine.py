@@ -82,6 +82,12 @@ def abort_code(exc: BaseException) -> int:
     return ABORT_OTHER
 
 
+def failure_reason(exc: BaseException) -> str:
+    """What a failure is called in an abort note: its message without our "rank R: " prefix,
+    or its type where it has no message (KeyboardInterrupt)."""
+    return str(exc).split(": ", 1)[-1] or type(exc).__name__
+
+
 @dataclass
 class Collective:
     """What the engine needs to know of the call, for tags, checks, reductions and messages."""

@@ -25,11 +25,18 @@ at position r of the output, but the phases split the buffer by box coordinates,
 first; so they work in a scratch buffer in that order, with one local copy of the blocks in (RS)
 or out (AG). ``dim_order`` processes the dimensions in another order (the tuner may choose one).
 
-Where ranks share hosts, the communicator runs an allreduce's host dimensions through shared
-memory instead of as rings (``ddlcore.hostcoll``: each local rank reduces its part of the host's
-inputs straight out of the others' buffers, and copies the others' final parts back at the end);
-`allreduce_across_hosts` is then the schedule of the middle: the network dimensions' phases on
-that part, the same phases as in `allreduce`.
+Where ranks share hosts, the communicator runs the host dimensions through shared memory
+instead of as rings (``ddlcore.hostcoll``: each local rank reduces its part of the host's inputs
+straight out of the others' buffers, and copies the others' final parts back at the end); the
+``*_across_hosts`` schedules are then what runs between: the network dimensions' phases on that
+part. For an allreduce the part is any 1/M of the buffer. For reduce-scatter and allgather it is
+the blocks of the ranks at this rank's host position, one per network position
+(`host_staged_blocks`)::
+
+    reduce-scatter, 2 x 2 box (ranks a0 a1 on host a, b0 b1 on host b; block X of rank X):
+      host phase (boards):  a0 keeps  A0 = a0+a1 summed over host a's inputs, for blocks a0, b0
+      network RS (a0-b0):   a0 keeps  block a0 summed over all four inputs (b0: block b0)
+    allgather: the network AG first (a0 and b0 swap blocks), then the boards spread the parts.
 """
 
 from __future__ import annotations
@@ -90,10 +97,92 @@ def allreduce_across_hosts(rank: int, size: int, count: int, itemsize: int, chun
     of an allreduce whose host dimensions run through shared memory (``ddlcore.hostcoll``'s
     part reduce-scatter before it and part allgather after it). The rings keep this rank's
     host coordinates, so each carries the part this rank reduced inside its host."""
+    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo,
+                            _net_dims(topo, dim_order))
+
+
+def _net_dims(topo: Topology, dim_order: Sequence[int] | None) -> tuple[int, ...]:
     dims = tuple(j for j in active_dims(topo, dim_order) if j >= topo.host_dims)
     if not dims:
         raise ValueError(f"box {topo.shape} has no dimension across hosts")
-    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims)
+    return dims
+
+
+def host_staged_blocks(topo: Topology, dim_order: Sequence[int] | None = None) -> list[int]:
+    """Where each rank's block sits (in blocks) in the buffer that the host phases of a
+    reduce-scatter or allgather work on: local position ``l`` (0..M-1, as the host's boards
+    number their ranks) major, then the rank's index along the network dimensions, in phase
+    order (0..H-1). Local rank ``l``'s part of that buffer (blocks ``l*H`` .. ``l*H + H - 1``)
+    is what its network phases carry."""
+    dims, per_node = _net_dims(topo, dim_order), topo.ranks_per_node
+    nets = topo.size // per_node
+    return [topo.position(r) % per_node * nets + _block_index(topo, r, dims)
+            for r in range(topo.size)]
+
+
+def reduce_scatter_across_hosts(rank: int, size: int, count: int, itemsize: int,
+                                chunk_bytes: int, topo: Topology,
+                                dim_order: Sequence[int] | None = None) -> Schedule:
+    """The network dimensions' reduce-scatter of a reduce-scatter whose host dimensions ran on
+    the boards: the input is this rank's part (``count`` = H x k elements, H blocks in the
+    order of `host_staged_blocks`), summed over the host; the rings reduce it across hosts and
+    this rank's own block (k elements) ends in the output (divided there, for avg)."""
+    chunk = ring.chunk_elems(chunk_bytes, itemsize)
+    steps = _reduce_scatter_phases(topo, rank, _net_dims(topo, dim_order), count, chunk,
+                                   Buf.INPUT)
+    return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
+                    scratch_count=count)
+
+
+def allgather_across_hosts(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+                           topo: Topology, dim_order: Sequence[int] | None = None) -> Schedule:
+    """The network dimensions' allgather of an allgather whose host dimensions run on the
+    boards after it: this rank's ``count`` = k input elements go to its place in the output,
+    which holds H x k elements (this rank's part, in the order of `host_staged_blocks`), and
+    the rings fill in the other ranks' blocks at this rank's host position."""
+    dims = _net_dims(topo, dim_order)
+    chunk = ring.chunk_elems(chunk_bytes, itemsize)
+    total = count * (size // topo.ranks_per_node)
+    steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT,
+                  _block_index(topo, rank, dims) * count)]
+    steps += _allgather_phases(topo, rank, dims, total, chunk, Buf.OUTPUT)
+    return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps))
+
+
+def _reduce_scatter_phases(topo: Topology, rank: int, dims: Sequence[int], count: int,
+                           chunk: int, first_src: Buf) -> list[Step]:
+    """Reduce-scatter rings along ``dims`` on ``count`` elements in phase order: partial sums
+    in the scratch buffer (the first phase takes this rank's contribution from ``first_src``),
+    this rank's final block into the output."""
+    steps: list[Step] = []
+    slot = 0
+    phases = _phases(topo, rank, dims, count)
+    for i, (members, pos, segs) in enumerate(phases):
+        last = i == len(phases) - 1
+        nchunks = nchunks_for(segs[0][1], chunk)
+        d = len(members)
+        steps += ring.ring_phase(members, pos, segs, nchunks, d - 1, 0,
+                                 rs_src=first_src if i == 0 else Buf.SCRATCH,
+                                 rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0) if last else None,
+                                 finalize=last, slot_base=slot)
+        slot += ring.span_slots(d - 1, 0, nchunks)
+    return steps
+
+
+def _allgather_phases(topo: Topology, rank: int, dims: Sequence[int], total: int, chunk: int,
+                      buf: Buf) -> list[Step]:
+    """Allgather rings along ``dims`` in reverse, in place in ``buf`` (``total`` elements in
+    phase order, this rank's block already at its place); slots as in allreduce."""
+    steps: list[Step] = []
+    plans, slot = [], 0
+    for members, pos, segs in _phases(topo, rank, dims, total):
+        nchunks = nchunks_for(segs[0][1], chunk)
+        plans.append((members, pos, segs, nchunks, slot))
+        slot += ring.span_slots(0, len(members) - 1, nchunks)
+    for members, pos, segs, nchunks, base in reversed(plans):
+        steps += ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1, ag_buf=buf,
+                                 slot_base=base)
+    return steps
 
 
 def _allreduce_along(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
@@ -133,16 +222,7 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     # Blocks into scratch in phase order: phase j's segments are then contiguous.
     steps = [Step(Kind.COPY, -1, 0, k, Buf.INPUT, r * k, Buf.SCRATCH,
                   _block_index(topo, r, dims) * k) for r in range(size)]
-    slot = 0
-    phases = _phases(topo, rank, dims, count)
-    for i, (members, pos, segs) in enumerate(phases):
-        last = i == len(phases) - 1
-        nchunks = nchunks_for(segs[0][1], chunk)
-        d = len(members)
-        steps += ring.ring_phase(members, pos, segs, nchunks, d - 1, 0, rs_src=Buf.SCRATCH,
-                                 rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0) if last else None,
-                                 finalize=last, slot_base=slot)
-        slot += ring.span_slots(d - 1, 0, nchunks)
+    steps += _reduce_scatter_phases(topo, rank, dims, count, chunk, Buf.SCRATCH)
     return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=count)
 
@@ -158,14 +238,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     total = size * count
     mine = _block_index(topo, rank, dims) * count
     steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.SCRATCH, mine)]
-    plans, slot = [], 0
-    for members, pos, segs in _phases(topo, rank, dims, total):
-        nchunks = nchunks_for(segs[0][1], chunk)
-        plans.append((members, pos, segs, nchunks, slot))  # slots as in allreduce
-        slot += ring.span_slots(0, len(members) - 1, nchunks)
-    for members, pos, segs, nchunks, base in reversed(plans):
-        steps += ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1,
-                                 ag_buf=Buf.SCRATCH, slot_base=base)
+    steps += _allgather_phases(topo, rank, dims, total, chunk, Buf.SCRATCH)
     steps += [Step(Kind.COPY, -1, 0, count, Buf.SCRATCH, _block_index(topo, r, dims) * count,
                    Buf.OUTPUT, r * count) for r in range(size)]
     return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps),

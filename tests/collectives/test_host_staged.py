@@ -45,7 +45,7 @@ def _matrix(rank, size):
                 for op in matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
                     digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
-        # The other collectives still run as schedules, between these allreduces.
+        # Reduce-scatter and allgather between these allreduces (`_rs_ag_matrix` has more).
         k = 1001
         xs = [matrix.random_input(np.float32, k * size, r, k, "sum") for r in range(size)]
         got = comm.reduce_scatter(xs[rank])
@@ -54,6 +54,59 @@ def _matrix(rank, size):
         np.testing.assert_array_equal(comm.allgather(xs[rank][:k]),
                                       np.concatenate([x[:k] for x in xs]))
     return digests
+
+
+def _rs_ag_matrix(rank, size):
+    """Reduce-scatter (every op) and allgather of every dtype on the host-staged path, at
+    per-rank counts 0, 1, primes and either side of the slots' size; results checked against
+    NumPy, inputs untouched. Returns digests for the bit-identity check."""
+    from ddlcore.kernels import reference
+
+    import ddlcore
+    from ddlcore import host_staged
+
+    taken = []
+    for name, real in list(host_staged.RUN.items()):
+        host_staged.RUN[name] = lambda *a, _real=real, _name=name, **kw: (
+            taken.append(_name), _real(*a, **kw))[1]
+    digests = {}
+    with ddlcore.init() as comm:
+        for collective in ("reduce_scatter", "allgather"):
+            choice = comm.describe(collective, (size if collective == "reduce_scatter" else 1)
+                                   * (4 << 20))
+            assert choice.algorithm == "mdring" and choice.host_path == "direct", choice
+        for dtype in matrix.DTYPES:
+            isz = np.dtype(dtype).itemsize
+            for k in (0, 1, 7, 1009, SMALL_MAX // isz // size + 1, 30011):
+                for op in matrix.OPS:
+                    case = f"reduce_scatter {np.dtype(dtype).name} {op} k={k}"
+                    xs = [matrix.random_input(dtype, size * k, r, k, op) for r in range(size)]
+                    x = xs[rank].copy()
+                    got = comm.reduce_scatter(x, op=op)
+                    want = reference.reduce_ref(xs, op)[rank * k:(rank + 1) * k]
+                    matrix.check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
+                    np.testing.assert_array_equal(x, xs[rank])
+                    digests[case] = matrix.digest(got)
+                case = f"allgather {np.dtype(dtype).name} k={k}"
+                xs = [matrix.random_input(dtype, k, r, k + 1, "sum") for r in range(size)]
+                out = np.empty(size * k, dtype)
+                assert comm.allgather(xs[rank], out=out) is out
+                np.testing.assert_array_equal(out.view(np.uint8),
+                                              np.concatenate(xs).view(np.uint8), err_msg=case)
+    assert "reduce_scatter" in taken and "allgather" in taken, taken
+    return digests
+
+
+@pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc", "abba"])
+def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts):
+    """Cyclic placement (abab: the blocks are already in host-staged order), host by host
+    (aaabbb, aabbcc: a board call per host) and neither (abba: the blocks copied through a
+    staging buffer); 2 and 3 hosts."""
+    results = run_ranks(_rs_ag_matrix, len(hosts), rank_envs=_hosts(*hosts),
+                        env={**SLOW_NET, "DDL_ALGO": "mdring"}, timeout=300)
+    for rank in range(1, len(hosts)):
+        same = {c for c, d in results[rank].items() if c.startswith("allgather")}
+        assert {c: results[rank][c] for c in same} == {c: results[0][c] for c in same}
 
 
 @pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc", "abcabc"])
@@ -88,9 +141,9 @@ def _segmented(rank, size):
     several, of unequal lengths, down to segments shorter than a host's rank count (zero-length
     parts) and segments on both sides of the boards' slots/direct switch."""
     import ddlcore
-    from ddlcore import communicator
+    from ddlcore import host_staged
 
-    communicator._HOST_SEGMENT_BYTES = 8
+    host_staged._HOST_SEGMENT_BYTES = 8
     runs = _spy_on_pipeline()
     digests = {}
     with ddlcore.init() as comm:
@@ -99,14 +152,41 @@ def _segmented(rank, size):
             # (smaller sizes take the network dimension first: no host phases to pipeline)
             for count in (1009, 4099, SMALL_MAX // isz * 3, 300_007):
                 # 1009: ~500 segments of 2 elements, fewer than aaabbb's 3 ranks per host
-                communicator._HOST_SEGMENTS = 600 if count == 1009 else 64
-                nseg = communicator.host_segments(count * isz)
+                host_staged._HOST_SEGMENTS = 600 if count == 1009 else 64
+                nseg = host_staged.host_segments(count * isz)
                 for op in matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
                     del runs[:]
                     digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
                     assert runs == [nseg, nseg] and nseg > 1, (case, runs)
     return digests
+
+
+def _racked_rs_ag(rank, size):
+    from ddlcore.kernels import reference
+
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        assert comm.topology.shape == "2x2x2", comm.topology.shape
+        assert comm.describe("reduce_scatter", size << 20).host_path == "direct"
+        for k in (0, 7, 30011):
+            for op in ("sum", "avg"):
+                xs = [matrix.random_input(np.float32, size * k, r, k, op) for r in range(size)]
+                want = reference.reduce_ref(xs, op)[rank * k:(rank + 1) * k]
+                matrix.check_close(comm.reduce_scatter(xs[rank], op=op), want, np.float32, op,
+                                   size, f"reduce_scatter {op} k={k}")
+            got = comm.allgather(xs[rank][:k])
+            np.testing.assert_array_equal(got, np.concatenate([x[:k] for x in xs]))
+
+
+def test_reduce_scatter_and_allgather_across_hosts_and_racks():
+    """2 ranks x 2 hosts x 2 racks: two network dimensions, whose positions (host in rack,
+    then rack) do not follow rank order; a board call per host still finds its ranks."""
+    envs = {r: {"DDL_HOST_ID": "abcd"[r // 2], "DDL_RACK_ID": "xy"[r // 4]} for r in range(8)}
+    run_ranks(_racked_rs_ag, 8, rank_envs=envs, timeout=300,
+              env={"DDL_LINK_BW": "5e9,1e8,5e7", "DDL_LINK_LAT": "1e-6,1e-3,2e-3",
+                   "DDL_ALGO": "mdring"})
 
 
 @pytest.mark.parametrize("hosts", ["abab", "aaabbb"])
@@ -159,8 +239,14 @@ def _choices(rank, size):
     with ddlcore.init() as comm:
         x = np.full(50_000, rank + 1.0, np.float32)
         np.testing.assert_array_equal(comm.allreduce(x), np.full(50_000, size * (size + 1) / 2))
+        gather = comm.describe("allgather", 1 << 20)
+        # the cost model reads an allgather's output: 1 MB in from each rank is size MB out
+        from ddlcore import config, tuning
+        model = tuning.choose("allgather", comm.topology, size << 20, config.get("DDL_ALGO"),
+                              1 << 20, host_path=comm._node is not None)
+        assert (gather.algorithm, gather.predicted_s) == (model.algorithm, model.predicted_s)
         return (comm._node is not None, comm.describe("allreduce", 1 << 20).describe(),
-                comm.describe("allgather", 1 << 20).host_path)
+                (gather.algorithm, gather.host_path))
 
 
 def test_forced_ring_leaves_the_boards_out():
@@ -173,7 +259,8 @@ def test_the_choice_names_the_host_path():
     for has_node, text, other in run_ranks(_choices, 4, rank_envs=_hosts(*"abab"),
                                            env=SLOW_NET, timeout=90):
         assert has_node and "host dimensions through shared memory (direct)" in text, text
-        assert other == ""  # only allreduce takes it
+        # reduce_scatter and allgather take it too, where the cost model picks mdring
+        assert other[1] == ("direct" if other[0] == "mdring" else ""), other
 
 
 def _without_direct_reads(rank, size):
@@ -193,6 +280,41 @@ def _without_direct_reads(rank, size):
 def test_without_direct_reads_large_messages_take_the_whole_schedule():
     assert all(run_ranks(_without_direct_reads, 4, rank_envs=_hosts(*"abab"), env=SLOW_NET,
                          timeout=90))
+
+
+def _dies_in(rank, size, victim, collective):
+    import os
+    import threading
+    import time
+
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.barrier()
+    x = np.ones((4 << 20) * (size if collective == "reduce_scatter" else 1), np.float32)
+    assert comm.describe(collective, x.nbytes).host_path == "direct"
+    if rank == victim:
+        threading.Timer(0.1, os._exit, (3,)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            getattr(comm, collective)(x)
+    except ddlcore.DDLError as exc:
+        return str(exc), time.monotonic() - t0
+    raise AssertionError("the dead rank was not noticed")
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather"])
+def test_a_dead_rank_fails_the_host_staged_reduce_scatter_and_allgather(collective):
+    """Rank 1 exits in the middle of a loop of host-staged calls (boards, rings): every
+    survivor's call fails, naming itself and the call, long before DDL_TIMEOUT."""
+    results = run_ranks(_dies_in, 4, 1, collective, may_die={1}, rank_envs=_hosts(*"aabb"),
+                        env={**SLOW_NET, "DDL_ALGO": "mdring", "DDL_TIMEOUT": str(TIMEOUT_S)},
+                        timeout=120)
+    for rank in (0, 2, 3):
+        message, elapsed = results[rank]
+        assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
+        assert f"rank {rank}: {collective} #" in message, message
 
 
 @pytest.mark.parametrize("nbytes", [4000, 4 << 20])

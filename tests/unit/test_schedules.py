@@ -399,3 +399,107 @@ def test_auto_keeps_uneven_cyclic_hosts_together():
     assert tuning.choose("allreduce", cyclic, 64 << 20, "auto", 1 << 20).algorithm == "mdring"
     assert tuning.choose("allreduce", block, 64 << 20, "auto", 1 << 20).algorithm == "ring"
     assert "mdring" not in {c.algorithm for c in tuning.candidates("allreduce", block, 1e6)}
+
+
+# Boxes with host and network dimensions, as `topology.build` finds them: block and cyclic
+# placement, 3 ranks per host, and racks (two network dimensions).
+def _racked(per_host, hosts, racks):
+    host_ids = [f"h{r // per_host}" for r in range(per_host * hosts * racks)]
+    rack_ids = [f"k{r // (per_host * hosts)}" for r in range(per_host * hosts * racks)]
+    return topology.build(host_ids, rack_ids, {"host": "shm", "network": "tcp"}, {})
+
+
+ACROSS = [_placed([f"h{r // m}" for r in range(m * h)]) for m, h in ((2, 2), (4, 2), (3, 2), (2, 3))]
+ACROSS += [_cyclic(2, 2), _cyclic(2, 3), _cyclic(4, 2), _racked(2, 2, 2)]
+
+
+def _host_phase(topo, blocks, inputs, k, per_rank):
+    """What the boards do for a host-staged reduce-scatter: each host's ranks sum their inputs,
+    arranged in host-staged order, and local position l keeps part l (H blocks)."""
+    m = topo.ranks_per_node
+    nets = topo.size // m
+    parts = {}
+    for r in range(topo.size):
+        host = [q for q in range(topo.size) if topo.node_of(q) == topo.node_of(r)]
+        host.sort(key=topo.position)  # the boards' rank order: box position
+        staged = [np.empty_like(inputs[q]) for q in host]
+        for s, q in zip(staged, host, strict=True):
+            for src in range(topo.size):
+                s[blocks[src] * k:(blocks[src] + 1) * k] = inputs[q][src * k:(src + 1) * k]
+        total = staged[0].copy()
+        for s in staged[1:]:
+            total = total + s
+        lpos = topo.position(r) % m
+        parts[r] = total[lpos * nets * k:(lpos + 1) * nets * k]
+        assert per_rank is None or parts[r].size == per_rank
+    return parts
+
+
+@pytest.mark.parametrize("topo", ACROSS, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize("k", [0, 1, 3, 13])
+@pytest.mark.parametrize("chunk_elems", [1, 4, 1000])
+def test_reduce_scatter_across_hosts_after_the_boards(topo, k, chunk_elems):
+    """The host-staged reduce-scatter: the boards' part (modelled here), then the network
+    rings give every rank exactly its own block of the sum."""
+    p = topo.size
+    nets = p // topo.ranks_per_node
+    rng = np.random.default_rng([p, k, chunk_elems])
+    inputs = [rng.integers(-1000, 1000, p * k) for _ in range(p)]
+    blocks = mdring.host_staged_blocks(topo)
+    assert sorted(blocks) == list(range(p))
+    parts = _host_phase(topo, blocks, inputs, k, nets * k)
+    scheds = [mdring.reduce_scatter_across_hosts(r, p, nets * k, 8, chunk_elems * 8, topo)
+              for r in range(p)]
+    outputs = [np.full(k, -7, np.int64) for _ in range(p)]
+    interpret(scheds, [parts[r] for r in range(p)], outputs)
+    total = np.sum(inputs, axis=0)
+    for r in range(p):
+        np.testing.assert_array_equal(outputs[r], total[r * k:(r + 1) * k], err_msg=f"rank {r}")
+        # only the network dimensions: every peer is on another host
+        assert all(topo.node_of(s.peer) != topo.node_of(r) for s in scheds[r].steps
+                   if s.peer >= 0)
+
+
+@pytest.mark.parametrize("topo", ACROSS, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize("k", [0, 1, 3, 13])
+@pytest.mark.parametrize("chunk_elems", [1, 4, 1000])
+def test_allgather_across_hosts_before_the_boards(topo, k, chunk_elems):
+    """The host-staged allgather: the network rings fill each rank's part with the blocks of
+    the ranks at its host position, so that the boards' allgather of the parts, read back in
+    rank order, is the allgather."""
+    p, m = topo.size, topo.ranks_per_node
+    nets = p // m
+    rng = np.random.default_rng([p, k, chunk_elems, 1])
+    inputs = [rng.integers(-1000, 1000, k) for _ in range(p)]
+    scheds = [mdring.allgather_across_hosts(r, p, k, 8, chunk_elems * 8, topo) for r in range(p)]
+    parts = [np.full(nets * k, -7, np.int64) for _ in range(p)]
+    interpret(scheds, inputs, parts)
+    blocks = mdring.host_staged_blocks(topo)
+    for r in range(p):
+        host = sorted((q for q in range(p) if topo.node_of(q) == topo.node_of(r)),
+                      key=topo.position)
+        staged = np.concatenate([parts[q] for q in host])  # the boards' allgather
+        out = np.concatenate([staged[blocks[q] * k:(blocks[q] + 1) * k] for q in range(p)])
+        np.testing.assert_array_equal(out, np.concatenate(inputs), err_msg=f"rank {r}")
+
+
+def test_host_staged_blocks_follow_the_placement():
+    """Host position major, network position minor: with ranks dealt round-robin over the
+    hosts that is rank order (no permutation); host by host it is not."""
+    assert mdring.host_staged_blocks(_cyclic(2, 3)) == list(range(6))
+    assert mdring.host_staged_blocks(_placed(list("aabb"))) == [0, 2, 1, 3]
+    with pytest.raises(ValueError, match="no dimension across hosts"):
+        mdring.host_staged_blocks(_placed(list("aaaa")))
+
+
+def test_host_staged_arrangement_copies_only_irregular_placements():
+    """Cyclic: the blocks lie in host-staged order; host by host: one board call per network
+    position on the caller's buffer, starting at that host's first rank; otherwise a copy."""
+    from ddlcore import host_staged
+
+    assert host_staged._arrangement(_cyclic(2, 3), None) == host_staged._Arrangement()
+    assert host_staged._arrangement(_placed(list("aaabbb")), None).groups == (0, 3)
+    # network positions in phase order: the host in its rack first, then the rack
+    assert host_staged._arrangement(_racked(2, 2, 2), None).groups == (0, 4, 2, 6)
+    odd = host_staged._arrangement(_placed(list("abba")), None)
+    assert odd.groups is None and odd.blocks == (0, 1, 3, 2)
