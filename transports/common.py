@@ -147,11 +147,14 @@ def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
 
 class ThreadRequest(Request):
     """A pending send or receive, finished exactly once by whichever thread took it out of the
-    transport's queues; completion releases a lock the waiter blocks on (cheaper than an Event)."""
+    transport's queues; completion releases a lock the waiter blocks on (cheaper than an Event).
+    ``view`` is what the pair took: a flat byte memoryview, or a `DeviceView` on a pair with
+    ``device_memory``."""
 
     __slots__ = ("_lock", "_done", "_error", "_pair", "tag", "view", "check", "nbytes", "is_send")
 
-    def __init__(self, pair: Any, view: memoryview, tag: int, check: int, is_send: bool) -> None:
+    def __init__(self, pair: Any, view: memoryview | DeviceView, tag: int, check: int,
+                 is_send: bool) -> None:
         self._lock = allocate_lock()
         self._lock.acquire()
         self._done = False

@@ -405,6 +405,7 @@ class ShmPair(Pair):
                                      req.nbytes, req.check))
             return
         if data:
+            assert isinstance(req.view, memoryview)  # host memory only: as_view refused the rest
             req.view[:] = data
         req._complete()
 

@@ -368,6 +368,7 @@ class TcpPair(Pair):
             req._fail(self._mismatch(req, check, len(data)))
             return
         if data:
+            assert isinstance(req.view, memoryview)  # host memory only: as_view refused the rest
             req.view[:] = data
         req._complete()
 

@@ -216,6 +216,7 @@ class UcxRequest(ThreadRequest):
     plus the number of UCX operations a send still waits for."""
 
     __slots__ = ("_parts",)
+    _parts: int  # set by UcxContext._track_send before the progress thread sees the request
 
 
 class _Message:
@@ -267,9 +268,12 @@ class UcxPair(Pair):
         self.device_memory = ctx.device_memory
 
     # --- requests -------------------------------------------------------------------------------
-    def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
+    def isend(self, view: memoryview | DeviceView, tag: int, check: int = 0) -> Request:
         on_device = isinstance(view, DeviceView)
-        view = self._device_view(view) if on_device else as_view(view)
+        if isinstance(view, DeviceView):
+            view = self._device_view(view)
+        else:
+            view = as_view(view)
         check_tag(tag, check)
         req = UcxRequest(self, view, tag, check, True)
         ep = self._ep
@@ -284,7 +288,8 @@ class UcxPair(Pair):
             if nbytes <= _EAGER_BYTES and not (on_device and nbytes):
                 frame = bytearray(_HEADER.size + nbytes)
                 _HEADER.pack_into(frame, 0, _DATA, PROTOCOL_VERSION, check, tag, nbytes, 0)
-                if nbytes:  # (never a device view: those travel apart)
+                if nbytes:
+                    assert isinstance(view, memoryview)  # a device payload travels apart
                     frame[_HEADER.size:] = view
                 parts.append((ep.tag_send(Array(frame), self._ctrl_tag), frame))
             else:
@@ -307,7 +312,7 @@ class UcxPair(Pair):
         self._ctx._bind_device(view)
         return view
 
-    def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
+    def irecv(self, view: memoryview | DeviceView, tag: int, check: int = 0) -> Request:
         if isinstance(view, DeviceView):
             check_tag(tag, check)
             view = self._device_view(view)

@@ -86,8 +86,8 @@ def cast_ranges_kernel(table, k, total, scale, scaled):
 """
 
 _FLOATS = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
-_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
-         8: np.dtype(np.uint64)}
+_BITS: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16),
+                              4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
 @functools.cache
