@@ -42,7 +42,8 @@ def info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddlcore info")
     parser.add_argument("--np", type=int, default=None, help="world size to plan for")
     parser.add_argument("--hosts", type=int, default=1, help="hosts the --np ranks are spread over")
-    parser.add_argument("--bytes", type=float, default=64e6, help="message size to plan for")
+    parser.add_argument("--bytes", type=float, default=64e6,
+                        help="message size to plan for: each rank's input, as comm.describe")
     parser.add_argument("--init", action="store_true", help="join the job (under a launcher)")
     args = parser.parse_args(argv)
 
@@ -94,14 +95,20 @@ def info(argv: list[str]) -> int:
     chunk = config.get("DDL_CHUNK_BYTES")
     print(f"topology ({size} ranks on {len(set(topo.node_of(r) for r in range(size)))} "
           f"host(s)): box {topo.shape}: {topo.describe()}")
-    print(f"algorithms for {args.bytes:.3g} bytes (DDL_ALGO={algo}; cost model: ddlcore.tuning):")
+    print(f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
+          f"ddlcore.tuning):")
+
+    def model_bytes(coll: str) -> int:  # the cost model reads an allgather's output
+        return int(args.bytes) * (size if coll == "allgather" else 1)
+
     for coll in ALGORITHMS:
-        choice = tuning.choose(coll, topo, int(args.bytes), algo, chunk)
+        choice = comm.describe(coll, int(args.bytes)) if comm is not None else \
+            tuning.choose(coll, topo, model_bytes(coll), algo, chunk)
         print(f"  {coll:15s} {choice.describe()}")
     for coll in tuning.SELECTABLE:
         ranked = ", ".join(f"{c.algorithm}{'' if c.dim_order is None else list(c.dim_order)} "
                            f"{c.predicted_s * 1e6:.0f} us"
-                           for c in tuning.candidates(coll, topo, args.bytes)[:4])
+                           for c in tuning.candidates(coll, topo, model_bytes(coll))[:4])
         print(f"    {coll} candidates: {ranked}")
     if comm is not None:
         comm.close()

@@ -102,13 +102,41 @@ def _node_collectives(info: RendezvousInfo, peers: list[PeerInfo], topo: topolog
     per_node = topo.ranks_per_node
     node = topo.node_of(info.rank)
     group = [topo.order[node * per_node + g] for g in range(per_node)]
-    if not 1 < per_node <= hostcoll.MAX_RANKS or \
-            any(peers[q].host_id != peers[info.rank].host_id for q in group) or \
-            any(links.choice.get(q) != "shm" for q in group if q != info.rank):
-        return None  # the same on every rank of this host
-    index = topo.position(info.rank) % per_node
-    return _connected(hostcoll.HostCollectives(index, per_node, store, timeout, f"n{node}/",
-                                               group), store)
+    boards = None
+    if 1 < per_node <= hostcoll.MAX_RANKS and \
+            all(peers[q].host_id == peers[info.rank].host_id for q in group) and \
+            all(links.choice.get(q) == "shm" for q in group if q != info.rank):
+        index = topo.position(info.rank) % per_node  # (the same on every rank of this host)
+        boards = _connected(hostcoll.HostCollectives(index, per_node, store, timeout,
+                                                     f"n{node}/", group), store)
+    return _agreed_across_hosts(info, boards, store, timeout)
+
+
+def _agreed_across_hosts(info: RendezvousInfo, boards: hostcoll.HostCollectives | None,
+                         store: Any, timeout: float) -> hostcoll.HostCollectives | None:
+    """Every host keeps its boards only if every host has some, and reads directly only if
+    every host can (a kernel's Yama setting is per host): a collective takes the host-staged
+    path on every rank or on none, since an allreduce's segments there are not the messages
+    of the whole mdring schedule."""
+    try:
+        store.add("nodes/without", int(boards is None))
+        store.add("nodes/no-direct", int(boards is not None and not boards.direct))
+        store.barrier("nodes", info.rank, info.size, timeout)
+        without, no_direct = store.add("nodes/without", 0), store.add("nodes/no-direct", 0)
+    except BaseException:
+        if boards is not None:
+            boards.close()
+        raise
+    if boards is not None and without:
+        log.debug("rank %d: host collectives off: %d rank(s) on other hosts have none",
+                  info.rank, without)
+        boards.close()
+        return None
+    if boards is not None and no_direct and boards.direct:
+        log.debug("rank %d: direct reads off: %d rank(s) on other hosts cannot read directly",
+                  info.rank, no_direct)
+        boards.direct = False
+    return boards
 
 
 def _connected(host: hostcoll.HostCollectives, store: Any) -> hostcoll.HostCollectives:

@@ -5,8 +5,8 @@ ValueError/TypeError naming the argument) and turns buffers into descriptors (``
 it runs one of three ways: all ranks on this host, as one call through the shared boards
 (``hostcoll``); an allreduce, reduce-scatter or allgather whose box has host and network
 dimensions, as mdring with its host dimensions on the boards and the rest as schedules
-(``host_staged``); or otherwise ``tuning``
-picks an algorithm whose schedule the ``engine`` executes over the transports
+(``host_staged``); or otherwise ``tuning`` picks an algorithm whose schedule the ``engine``
+executes over the transports
 (``device_engine`` for device buffers, chunks pipelined on CUDA streams; the board paths stage
 device buffers whole).
 """
@@ -105,7 +105,9 @@ class Communicator:
         self._staging_device: Any = None
         self._slots_device: dict[int, device_engine.DeviceSlots] = {}
         self._scratch = np.empty(0, np.uint8)
-        self._stage: dict[str, np.ndarray] = {}  # host_staged's buffers, by name
+        # host_staged's buffers by name, kept (and grown, never shrunk) for the communicator's
+        # life: the network rings' part (H/P of a call) and, for irregular placements, a copy
+        self._stage: dict[str, np.ndarray] = {}
         self._executor = Executor(f"ddlcore-rank{self.rank}")
         self._before_collective: list[Callable[[], Any]] = []
         self._in_hooks = threading.local()
@@ -132,7 +134,7 @@ class Communicator:
             return tuning.Choice(hostcoll.NAME,
                                  hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes)
         staged = self._staged(collective, nbytes)
-        return staged[0] if staged is not None else self._choose(collective, nbytes)
+        return staged if staged is not None else self._choose(collective, nbytes)
 
     def _choose(self, collective: str, nbytes: int) -> tuning.Choice:
         """The tuner's choice for ``nbytes`` of input (the cost model reads an allgather's
@@ -144,10 +146,11 @@ class Communicator:
         return tuning.choose(collective, self.topology, model_bytes, self._algo,
                              self._chunk_bytes, boards)
 
-    def _host_stage(self, collective: str, nbytes: int) -> tuple[tuning.Choice, int] | None:
-        """(choice, mode of the boards) when a collective of ``nbytes`` of input runs as mdring
-        with its host dimensions through this host's boards (``host_staged``); None when it
-        runs as a schedule."""
+    def _host_stage(self, collective: str, nbytes: int) -> tuning.Choice | None:
+        """The choice when a collective of ``nbytes`` of input runs as mdring with its host
+        dimensions through this host's boards (``host_staged``); None when it runs as a
+        schedule (also where its board calls would be too large for the slots and direct reads
+        are off)."""
         if self._node is None or collective not in host_staged.COLLECTIVES:
             return None
         mode = self._node.mode(host_staged.board_bytes(collective, nbytes, self.topology))
@@ -155,7 +158,7 @@ class Communicator:
         if mode == hostcoll.SYNC_ONLY or choice.algorithm != mdring.NAME or \
                 not tuning.host_first(self.topology, choice.dim_order):
             return None
-        return dataclasses.replace(choice, host_path=hostcoll.NAME), mode
+        return dataclasses.replace(choice, host_path=hostcoll.NAME)
 
     def _build_schedule(self, collective: str, count: int, itemsize: int, root: int) -> tuple[tuning.Choice, Schedule]:
         choice = self._choose(collective, count * itemsize)
@@ -248,7 +251,7 @@ class Communicator:
         return call.result
 
     def _run_in_host_memory(self, call: Call, seq: int, itemsize: int, mode: int | None,
-                            staged: tuple[tuning.Choice, int] | None) -> None:
+                            staged: tuning.Choice | None) -> None:
         """Run the call on host memory: the boards, the host-staged mdring or a schedule (device
         buffers are downloaded first and the result uploaded after)."""
         inp = call.inp
@@ -264,7 +267,7 @@ class Communicator:
         elif staged is not None:
             assert host_out is not None
             host_staged.RUN[call.collective](self, call, seq, host_in, host_out, itemsize,
-                                             staged[0])
+                                             staged)
         else:
             if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
@@ -283,18 +286,18 @@ class Communicator:
     def _run_boards(self, boards: hostcoll.HostCollectives, kind: str, call: Call, seq: int,
                     host_in: np.ndarray | None, host_out: np.ndarray | None, itemsize: int,
                     mode: int, divisor: int, segment: tuple[int, int] | None = None,
-                    staged: bool = False) -> None:
+                    own_buffers: bool = False) -> None:
         """Run ``kind`` (a `hostcoll.KIND`) of ``call`` through ``boards``; on the elements
-        ``segment`` = (offset, count) of the buffers only, when given; ``staged``: the buffers
-        are ``host_in`` and ``host_out`` even where the call's are host memory."""
+        ``segment`` = (offset, count) of the buffers only, when given; ``own_buffers``: the
+        buffers are ``host_in`` and ``host_out`` (``host_staged``'s), not the call's."""
         self._on_boards = True
         op = call.op
         inp = out = 0
         offset, count = segment or (0, call.count)
         if host_in is not None and host_out is not None and host_in.size:
-            if call.inp is not None and call.inp.memory == MemoryKind.HOST and not staged:
+            if call.inp is not None and call.inp.memory == MemoryKind.HOST and not own_buffers:
                 inp, out = call.inp.ptr, call.out.ptr  # type: ignore[union-attr]
-            else:  # device buffers, staged in host memory
+            else:  # device buffers staged in host memory, or host_staged's own buffers
                 inp, out = array_address(host_in), array_address(host_out)
             inp, out = inp + offset * itemsize, out + offset * itemsize
         if self._debug:

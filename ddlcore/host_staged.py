@@ -63,8 +63,10 @@ def host_segments(nbytes: int) -> int:
 
 
 def board_bytes(collective: str, nbytes: int, topo: Topology) -> int:
-    """Input bytes of the host phase's board call for a ``collective`` of ``nbytes`` of input:
-    what decides its mode (slots or direct), the same on every rank."""
+    """Input bytes of the host phase's board call for a ``collective`` of ``nbytes`` of input
+    where it makes one (one call per network position makes smaller ones): whether the path
+    is open at all (too large for the slots with direct reads off: no), the same on every
+    rank."""
     if collective == "allgather":  # the boards spread each local rank's H blocks
         return nbytes * (topo.size // topo.ranks_per_node)
     return nbytes
@@ -175,14 +177,14 @@ def reduce_scatter(comm: Communicator, call: Call, seq: int, host_in: np.ndarray
         for q, first in enumerate(how.groups):
             comm._run_boards(node, "reduce_scatter", call, seq,
                              flat[first * k:(first + node.size) * k], part[q * k:(q + 1) * k],
-                             itemsize, mode, 0, (0, node.size * k), staged=True)
+                             itemsize, mode, 0, (0, node.size * k), own_buffers=True)
     else:
         stage = host_in
         if how.blocks is not None:
             stage = comm._stage_buffer("stage", host_in.nbytes).view(host_in.dtype)
             _copy_blocks(host_in, stage, how.blocks, to_places=True)
         comm._run_boards(node, "reduce_scatter", call, seq, stage, part, itemsize,
-                         node.mode(call.count * itemsize), 0, staged=True)
+                         node.mode(call.count * itemsize), 0, own_buffers=True)
     comm._on_boards = False
     comm._run_schedule(call, seq, part, host_out, itemsize,
                        comm._schedule_across("reduce_scatter", nets * k, itemsize, choice))
@@ -205,13 +207,13 @@ def allgather(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
         for q, first in enumerate(how.groups):
             comm._run_boards(node, "allgather", call, seq, part[q * k:(q + 1) * k],
                              flat[first * k:(first + node.size) * k], itemsize, mode, 0,
-                             (0, k), staged=True)
+                             (0, k), own_buffers=True)
         return
     stage = host_out
     if how.blocks is not None:
         stage = comm._stage_buffer("stage", host_out.nbytes).view(host_out.dtype)
     comm._run_boards(node, "allgather", call, seq, part, stage, itemsize,
-                     node.mode(nets * k * itemsize), 0, (0, nets * k), staged=True)
+                     node.mode(nets * k * itemsize), 0, (0, nets * k), own_buffers=True)
     if how.blocks is not None:
         _copy_blocks(stage, host_out, how.blocks, to_places=False)
 

@@ -28,14 +28,17 @@ collectives fail at once with both calls named; a peer that dies is seen through
 wait has the communicator's deadline. ``DDL_ALGO=ring`` (or any schedule algorithm) turns this
 path off and runs the schedules over the shm transport instead.
 
-When the ranks span several hosts, each host's ranks get boards of their own, and an allreduce
-that the tuner runs as mdring with the host dimensions first takes its host phases here: the
-"host reduce-scatter" (rank r reduces part r of every local input into its output, as above but
-without writing it out), then the rings across hosts on that part (schedules), then the "host
-allgather" (each rank reads the others' final parts out of their outputs). Four sync points, and
-nobody touches the memory a network phase uses while it runs. Large allreduces do this per
-segment, the boards' phases of one segment beside the network phase of another
-(``ddlcore.pipeline``); each call here then covers one segment of the buffers.
+When the ranks span several hosts, each host's ranks get boards of their own, and a collective
+that the tuner runs as mdring with the host dimensions first takes its host phases here
+(``ddlcore.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
+every local input into its output, as above but without writing it out), then the rings across
+hosts on that part (schedules), then the "host allgather" (each rank reads the others' final
+parts out of their outputs); four sync points, and nobody touches the memory a network phase
+uses while it runs. Large allreduces do this per segment, the boards' phases of one segment
+beside the network phase of another (``ddlcore.pipeline``); each call here then covers one
+segment of the buffers. A reduce-scatter or allgather runs plain reduce_scatter or allgather
+calls here, on the blocks of the ranks at one network position at a time. Whether direct
+reads are on is agreed by every host (``bootstrap``), so all ranks take the same path.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def in_rank_order(topo: Topology) -> bool:
 
 def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
     """Does mdring in this order run every host dimension before any network one (and has
-    both)? Then an allreduce's host phases can run through the boards."""
+    both)? Then its host phases can run through the boards (``ddlcore.host_staged``)."""
     inside = [j < topo.host_dims for j in active_dims(topo, order)]
     return bool(inside) and inside[0] and not inside[-1] and \
         inside == sorted(inside, reverse=True)

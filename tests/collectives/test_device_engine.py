@@ -215,8 +215,10 @@ def _orderings(rank, size, algos, depth, seed):
                             n_out = {"reduce_scatter": count,
                                      "allgather": count * size}.get(collective, count)
                             x = random_input(dt, n_in, rank, seed, op or "sum")
-                            choice = tuning.choose(collective, comm.topology, n_in * dt.itemsize,
-                                                   algo, 64, False)
+                            # the cost model reads nccl-tests' size: an allgather's output
+                            choice = tuning.choose(collective, comm.topology,
+                                                   max(n_in, n_out) * dt.itemsize, algo, 64,
+                                                   False)
                             sched = _make_schedule(collective, choice, rank, size, n_in,
                                                    dt.itemsize, size - 1, comm.topology)
                             rop = as_op(op) if op else None

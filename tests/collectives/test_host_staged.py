@@ -182,7 +182,8 @@ def _racked_rs_ag(rank, size):
 
 def test_reduce_scatter_and_allgather_across_hosts_and_racks():
     """2 ranks x 2 hosts x 2 racks: two network dimensions, whose positions (host in rack,
-    then rack) do not follow rank order; a board call per host still finds its ranks."""
+    then rack) do not follow rank order; each network position's board call still finds the
+    blocks of its ranks."""
     envs = {r: {"DDL_HOST_ID": "abcd"[r // 2], "DDL_RACK_ID": "xy"[r // 4]} for r in range(8)}
     run_ranks(_racked_rs_ag, 8, rank_envs=envs, timeout=300,
               env={"DDL_LINK_BW": "5e9,1e8,5e7", "DDL_LINK_LAT": "1e-6,1e-3,2e-3",
@@ -231,6 +232,34 @@ def test_a_rank_dying_mid_pipeline_fails_every_survivor_quickly():
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
         assert f"rank {rank}: allreduce #" in message, message
+
+
+def _direct_reads_on_one_host_only(rank, size):
+    import os
+
+    import ddlcore
+    from ddlcore import hostcoll
+
+    if os.environ["DDL_HOST_ID"] == "b":  # as under Yama ptrace_scope >= 1 on host b alone
+        hostcoll._cma_allowed = lambda: False
+    with ddlcore.init() as comm:
+        assert comm._node is not None and not comm._node.direct  # agreed across the hosts
+        k = 1 << 20  # 4 MB a rank: past the slots, so direct reads would decide the path
+        xs = [np.arange(k * size, dtype=np.float32) % 97 * (r + 1) for r in range(size)]
+        total = sum(xs)
+        np.testing.assert_array_equal(comm.allreduce(xs[rank]), total)
+        np.testing.assert_array_equal(comm.reduce_scatter(xs[rank]),
+                                      total[rank * k:(rank + 1) * k])
+        np.testing.assert_array_equal(comm.allgather(xs[rank][:k]),
+                                      np.concatenate([x[:k] for x in xs]))
+
+
+def test_direct_reads_are_agreed_across_hosts():
+    """Host b cannot read its ranks' memory directly, host a can: every host then leaves
+    large calls to the schedules (host a alone on the host-staged path, whose allreduce
+    segments are not the schedule's messages, used to wait out DDL_TIMEOUT)."""
+    run_ranks(_direct_reads_on_one_host_only, 4, rank_envs=_hosts(*"aabb"), timeout=120,
+              env={**SLOW_NET, "DDL_ALGO": "mdring", "DDL_TIMEOUT": str(TIMEOUT_S)})
 
 
 def _choices(rank, size):

@@ -403,6 +403,12 @@ def test_auto_keeps_uneven_cyclic_hosts_together():
 
 # Boxes with host and network dimensions, as `topology.build` finds them: block and cyclic
 # placement, 3 ranks per host, and racks (two network dimensions).
+def _box_levels(dims, levels):
+    """A box with these levels (``DDL_TOPOLOGY`` can put two dimensions inside a host)."""
+    topo = _box(dims)
+    return topology.Topology(topo.dims, topo.order, topo.bw, topo.lat, tuple(levels))
+
+
 def _racked(per_host, hosts, racks):
     host_ids = [f"h{r // per_host}" for r in range(per_host * hosts * racks)]
     rack_ids = [f"k{r // (per_host * hosts)}" for r in range(per_host * hosts * racks)]
@@ -411,6 +417,7 @@ def _racked(per_host, hosts, racks):
 
 ACROSS = [_placed([f"h{r // m}" for r in range(m * h)]) for m, h in ((2, 2), (4, 2), (3, 2), (2, 3))]
 ACROSS += [_cyclic(2, 2), _cyclic(2, 3), _cyclic(4, 2), _racked(2, 2, 2)]
+ACROSS_ALL = ACROSS + [_box_levels((2, 2, 2), ("host", "host", "network"))]
 
 
 def _host_phase(topo, blocks, inputs, k, per_rank):
@@ -435,21 +442,27 @@ def _host_phase(topo, blocks, inputs, k, per_rank):
     return parts
 
 
-@pytest.mark.parametrize("topo", ACROSS, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize("topo", ACROSS_ALL,
+                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
 @pytest.mark.parametrize("k", [0, 1, 3, 13])
 @pytest.mark.parametrize("chunk_elems", [1, 4, 1000])
 def test_reduce_scatter_across_hosts_after_the_boards(topo, k, chunk_elems):
     """The host-staged reduce-scatter: the boards' part (modelled here), then the network
-    rings give every rank exactly its own block of the sum."""
+    rings give every rank exactly its own block of the sum, in every host-first order."""
+    for order in _host_first_orders(topo):
+        _check_reduce_scatter_across(topo, k, chunk_elems, order)
+
+
+def _check_reduce_scatter_across(topo, k, chunk_elems, order):
     p = topo.size
     nets = p // topo.ranks_per_node
     rng = np.random.default_rng([p, k, chunk_elems])
     inputs = [rng.integers(-1000, 1000, p * k) for _ in range(p)]
-    blocks = mdring.host_staged_blocks(topo)
+    blocks = mdring.host_staged_blocks(topo, order)
     assert sorted(blocks) == list(range(p))
     parts = _host_phase(topo, blocks, inputs, k, nets * k)
-    scheds = [mdring.reduce_scatter_across_hosts(r, p, nets * k, 8, chunk_elems * 8, topo)
-              for r in range(p)]
+    scheds = [mdring.reduce_scatter_across_hosts(r, p, nets * k, 8, chunk_elems * 8, topo,
+                                                 order) for r in range(p)]
     outputs = [np.full(k, -7, np.int64) for _ in range(p)]
     interpret(scheds, [parts[r] for r in range(p)], outputs)
     total = np.sum(inputs, axis=0)
@@ -460,21 +473,28 @@ def test_reduce_scatter_across_hosts_after_the_boards(topo, k, chunk_elems):
                    if s.peer >= 0)
 
 
-@pytest.mark.parametrize("topo", ACROSS, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize("topo", ACROSS_ALL,
+                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
 @pytest.mark.parametrize("k", [0, 1, 3, 13])
 @pytest.mark.parametrize("chunk_elems", [1, 4, 1000])
 def test_allgather_across_hosts_before_the_boards(topo, k, chunk_elems):
     """The host-staged allgather: the network rings fill each rank's part with the blocks of
     the ranks at its host position, so that the boards' allgather of the parts, read back in
-    rank order, is the allgather."""
+    rank order, is the allgather; in every host-first order."""
+    for order in _host_first_orders(topo):
+        _check_allgather_across(topo, k, chunk_elems, order)
+
+
+def _check_allgather_across(topo, k, chunk_elems, order):
     p, m = topo.size, topo.ranks_per_node
     nets = p // m
     rng = np.random.default_rng([p, k, chunk_elems, 1])
     inputs = [rng.integers(-1000, 1000, k) for _ in range(p)]
-    scheds = [mdring.allgather_across_hosts(r, p, k, 8, chunk_elems * 8, topo) for r in range(p)]
+    scheds = [mdring.allgather_across_hosts(r, p, k, 8, chunk_elems * 8, topo, order)
+              for r in range(p)]
     parts = [np.full(nets * k, -7, np.int64) for _ in range(p)]
     interpret(scheds, inputs, parts)
-    blocks = mdring.host_staged_blocks(topo)
+    blocks = mdring.host_staged_blocks(topo, order)
     for r in range(p):
         host = sorted((q for q in range(p) if topo.node_of(q) == topo.node_of(r)),
                       key=topo.position)
@@ -503,3 +523,37 @@ def test_host_staged_arrangement_copies_only_irregular_placements():
     assert host_staged._arrangement(_racked(2, 2, 2), None).groups == (0, 4, 2, 6)
     odd = host_staged._arrangement(_placed(list("abba")), None)
     assert odd.groups is None and odd.blocks == (0, 1, 3, 2)
+
+
+def _host_first_orders(topo):
+    import itertools
+
+    from ddlcore import tuning
+
+    return [o for o in itertools.permutations(range(len(topo.dims)))
+            if tuning.host_first(topo, o)]
+
+
+@pytest.mark.parametrize("topo", ACROSS_ALL,
+                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+def test_across_hosts_schedules_are_the_network_tail_of_mdring(topo):
+    """Message for message (kind, peer, slot, count), the network phases of a host-staged
+    reduce-scatter or allgather are those of the whole mdring schedule: a host whose ranks run
+    the schedule (no boards there) still matches a host on the boards. Every host-first order
+    the tuner may pick, two host dimensions included."""
+    p = topo.size
+    nets = p // topo.ranks_per_node
+
+    def across(sched, r):
+        return [(s.kind, s.peer, s.slot, s.count) for s in sched.steps
+                if s.peer >= 0 and topo.node_of(s.peer) != topo.node_of(r)]
+
+    for order in _host_first_orders(topo):
+        for k, chunk in ((1, 8), (5, 8), (300, 64), (300, 1 << 20)):
+            for r in range(p):
+                full = mdring.reduce_scatter(r, p, p * k, 8, chunk, topo, order)
+                tail = mdring.reduce_scatter_across_hosts(r, p, nets * k, 8, chunk, topo, order)
+                assert across(full, r) == across(tail, r), (order, k, chunk, r)
+                full = mdring.allgather(r, p, k, 8, chunk, topo, order)
+                tail = mdring.allgather_across_hosts(r, p, k, 8, chunk, topo, order)
+                assert across(full, r) == across(tail, r), (order, k, chunk, r)
