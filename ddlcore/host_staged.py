@@ -12,10 +12,11 @@ staged).
 * **reduce_scatter** and **allgather**: the host phase gives each local rank, summed over the
   host (reduce-scatter), the blocks of the H ranks at its host position, one per network
   position (`mdring.host_staged_blocks`), and the rings across hosts reduce-scatter those H
-  blocks (allgather: the rings first, then the boards). No block is copied where the ranks
-  are placed host by host (one board call per network position, on the caller's buffers) or
-  dealt round-robin over the hosts (the blocks already lie in that order: one board call);
-  other placements copy the blocks into or out of a staging buffer (n bytes, locally).
+  blocks (allgather: the rings first, then the boards). Dealt round-robin over the hosts, the
+  blocks already lie in that order: one board call. Placed host by host, one board call per
+  network position works on the caller's buffers, where its sync points cost less than a
+  copy (`_per_position`); otherwise the blocks are copied into or out of a staging buffer
+  (n bytes, locally) around one board call.
 
       reduce-scatter, n = P x k, box M x H (host by host):    allgather, the reverse:
         for each network position q (H board calls):           rings AG across hosts:
@@ -124,10 +125,10 @@ def allreduce(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
 @dataclass(frozen=True)
 class _Arrangement:
     """How the ranks' blocks map onto host-staged order (`mdring.host_staged_blocks`):
-    ``groups`` = the first rank of each network position's M consecutive ranks where each
-    network position's ranks are consecutive in rank order (placed host by host: one board call
-    per network position, on the caller's buffers); ``blocks`` = each rank's place where
-    neither that nor the identity holds (the blocks are copied); neither: the same order."""
+    ``blocks`` = each rank's place there (None: the same order, no copy needed); ``groups`` =
+    the first rank of each network position's M consecutive ranks, where each network
+    position's ranks are consecutive in rank order (placed host by host): then one board call
+    per network position can work on the caller's buffer instead of a copy."""
 
     groups: tuple[int, ...] | None = None
     blocks: tuple[int, ...] | None = None
@@ -143,8 +144,16 @@ def _arrangement(topo: Topology, dim_order: tuple[int, ...] | None) -> _Arrangem
     firsts = tuple(at[q] for q in range(nets))
     if all(at[lpos * nets + q] == firsts[q] + lpos for q in range(nets)
            for lpos in range(per_node)):
-        return _Arrangement(groups=firsts)
+        return _Arrangement(groups=firsts, blocks=tuple(blocks))
     return _Arrangement(blocks=tuple(blocks))
+
+
+def _per_position(how: _Arrangement, nets: int, nbytes: int) -> bool:
+    """One board call per network position (2 sync points each) rather than one call over a
+    copy of the ``nbytes``, where that is cheaper by the tuner's board constants: from
+    ~160 KB at 2 hosts, from ~5 MB at 64. The same on every rank of a host."""
+    return how.groups is not None and \
+        2 * nets * tuning.BOARD_SYNC_S <= nbytes / tuning.BOARD_BW
 
 
 def _copy_blocks(src: np.ndarray, dst: np.ndarray, places: tuple[int, ...],
@@ -171,8 +180,8 @@ def reduce_scatter(comm: Communicator, call: Call, seq: int, host_in: np.ndarray
     nets, k = comm.size // node.size, call.count // comm.size
     how = _arrangement(comm.topology, choice.dim_order)
     part = comm._stage_buffer("part", nets * k * itemsize).view(host_in.dtype)
-    if how.groups is not None:  # network position q's blocks lie together in the input
-        flat = host_in.reshape(-1)
+    if how.groups is not None and _per_position(how, nets, host_in.nbytes):
+        flat = host_in.reshape(-1)  # network position q's blocks lie together in the input
         mode = node.mode(node.size * k * itemsize)
         for q, first in enumerate(how.groups):
             comm._run_boards(node, "reduce_scatter", call, seq,
@@ -201,7 +210,7 @@ def allgather(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
     comm._run_schedule(call, seq, host_in, part, itemsize,
                        comm._schedule_across("allgather", k, itemsize, choice))
     how = _arrangement(comm.topology, choice.dim_order)
-    if how.groups is not None:
+    if how.groups is not None and _per_position(how, nets, host_out.nbytes):
         flat = host_out.reshape(-1)
         mode = node.mode(k * itemsize)
         for q, first in enumerate(how.groups):

@@ -514,11 +514,17 @@ def test_host_staged_blocks_follow_the_placement():
 
 def test_host_staged_arrangement_copies_only_irregular_placements():
     """Cyclic: the blocks lie in host-staged order; host by host: one board call per network
-    position on the caller's buffer, starting at that host's first rank; otherwise a copy."""
+    position on the caller's buffer (starting at that host's first rank) or a copy; otherwise
+    a copy."""
     from ddlcore import host_staged
 
     assert host_staged._arrangement(_cyclic(2, 3), None) == host_staged._Arrangement()
-    assert host_staged._arrangement(_placed(list("aaabbb")), None).groups == (0, 3)
+    block = host_staged._arrangement(_placed(list("aaabbb")), None)
+    assert block.groups == (0, 3) and block.blocks == (0, 2, 4, 1, 3, 5)
+    # a board call per network position where its sync points cost less than the copy
+    assert not host_staged._per_position(block, 2, 64 << 10)
+    assert host_staged._per_position(block, 2, 1 << 20)
+    assert not host_staged._per_position(block, 64, 1 << 20)
     # network positions in phase order: the host in its rack first, then the rack
     assert host_staged._arrangement(_racked(2, 2, 2), None).groups == (0, 4, 2, 6)
     odd = host_staged._arrangement(_placed(list("abba")), None)
