@@ -97,18 +97,16 @@ def info(argv: list[str]) -> int:
           f"host(s)): box {topo.shape}: {topo.describe()}")
     print(f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
           f"ddlcore.tuning):")
-
-    def model_bytes(coll: str) -> int:  # the cost model reads an allgather's output
-        return int(args.bytes) * (size if coll == "allgather" else 1)
-
     for coll in ALGORITHMS:
         choice = comm.describe(coll, int(args.bytes)) if comm is not None else \
-            tuning.choose(coll, topo, model_bytes(coll), algo, chunk)
+            tuning.choose(coll, topo, tuning.model_bytes(coll, int(args.bytes), size), algo,
+                          chunk)
         print(f"  {coll:15s} {choice.describe()}")
     for coll in tuning.SELECTABLE:
         ranked = ", ".join(f"{c.algorithm}{'' if c.dim_order is None else list(c.dim_order)} "
                            f"{c.predicted_s * 1e6:.0f} us"
-                           for c in tuning.candidates(coll, topo, model_bytes(coll))[:4])
+                           for c in tuning.candidates(
+                               coll, topo, tuning.model_bytes(coll, int(args.bytes), size))[:4])
         print(f"    {coll} candidates: {ranked}")
     if comm is not None:
         comm.close()

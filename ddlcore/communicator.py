@@ -142,8 +142,8 @@ class Communicator:
         boards = self._node is not None and collective in host_staged.COLLECTIVES and \
             self._node.mode(host_staged.board_bytes(collective, nbytes, self.topology)) != \
             hostcoll.SYNC_ONLY
-        model_bytes = nbytes * self.size if collective == "allgather" else nbytes
-        return tuning.choose(collective, self.topology, model_bytes, self._algo,
+        return tuning.choose(collective, self.topology,
+                             tuning.model_bytes(collective, nbytes, self.size), self._algo,
                              self._chunk_bytes, boards)
 
     def _host_stage(self, collective: str, nbytes: int) -> tuning.Choice | None:

@@ -148,12 +148,13 @@ def _arrangement(topo: Topology, dim_order: tuple[int, ...] | None) -> _Arrangem
     return _Arrangement(blocks=tuple(blocks))
 
 
-def _per_position(how: _Arrangement, nets: int, nbytes: int) -> bool:
-    """One board call per network position (2 sync points each) rather than one call over a
-    copy of the ``nbytes``, where that is cheaper by the tuner's board constants: from
-    ~160 KB at 2 hosts, from ~5 MB at 64. The same on every rank of a host."""
-    return how.groups is not None and \
-        2 * nets * tuning.BOARD_SYNC_S <= nbytes / tuning.BOARD_BW
+def _per_position(how: _Arrangement, nets: int, nbytes: int) -> tuple[int, ...] | None:
+    """``how.groups`` where one board call per network position (2 sync points each) is
+    cheaper than one call over a copy of the ``nbytes`` by the tuner's board constants (from
+    ~160 KB at 2 hosts, from ~5 MB at 64); else None. The same on every rank of a host."""
+    if 2 * nets * tuning.BOARD_SYNC_S <= nbytes / tuning.BOARD_BW:
+        return how.groups
+    return None
 
 
 def _copy_blocks(src: np.ndarray, dst: np.ndarray, places: tuple[int, ...],
@@ -180,10 +181,11 @@ def reduce_scatter(comm: Communicator, call: Call, seq: int, host_in: np.ndarray
     nets, k = comm.size // node.size, call.count // comm.size
     how = _arrangement(comm.topology, choice.dim_order)
     part = comm._stage_buffer("part", nets * k * itemsize).view(host_in.dtype)
-    if how.groups is not None and _per_position(how, nets, host_in.nbytes):
+    groups = _per_position(how, nets, host_in.nbytes)
+    if groups is not None:
         flat = host_in.reshape(-1)  # network position q's blocks lie together in the input
         mode = node.mode(node.size * k * itemsize)
-        for q, first in enumerate(how.groups):
+        for q, first in enumerate(groups):
             comm._run_boards(node, "reduce_scatter", call, seq,
                              flat[first * k:(first + node.size) * k], part[q * k:(q + 1) * k],
                              itemsize, mode, 0, (0, node.size * k), own_buffers=True)
@@ -210,10 +212,11 @@ def allgather(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
     comm._run_schedule(call, seq, host_in, part, itemsize,
                        comm._schedule_across("allgather", k, itemsize, choice))
     how = _arrangement(comm.topology, choice.dim_order)
-    if how.groups is not None and _per_position(how, nets, host_out.nbytes):
+    groups = _per_position(how, nets, host_out.nbytes)
+    if groups is not None:
         flat = host_out.reshape(-1)
         mode = node.mode(k * itemsize)
-        for q, first in enumerate(how.groups):
+        for q, first in enumerate(groups):
             comm._run_boards(node, "allgather", call, seq, part[q * k:(q + 1) * k],
                              flat[first * k:(first + node.size) * k], itemsize, mode, 0,
                              (0, k), own_buffers=True)

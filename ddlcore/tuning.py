@@ -234,6 +234,12 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     return t
 
 
+def model_bytes(collective: str, in_bytes: int, size: int) -> int:
+    """The size the cost model reads for a call with ``in_bytes`` of input on each of ``size``
+    ranks: the allreduce / reduce_scatter input, the allgather output (nccl-tests' size)."""
+    return in_bytes * size if collective == "allgather" else in_bytes
+
+
 def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
             dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW,
             chunk_bytes: float = CHUNK_BYTES, host_path: bool = False) -> float:
