@@ -16,6 +16,12 @@ reads a header and then ``recv_into`` straight into the posted receive's buffer;
 receive has asked for yet is read into a new buffer and copied out when one is posted. A message
 goes on socket ``tag % nchannels``, so messages with one tag stay ordered.
 
+A thread waiting on a receive reads its socket itself (``_Channel.drive``: polling it for
+``_SPIN_S``, then sleeping in ``poll``) while the receiver thread stands back, parked until no
+waiter has read for ``_LINGER_S``. One reader at a time: the waiter asks the receiver thread out
+through an eventfd and takes over between frames. So a small message wakes nobody: handing each
+one from the receiver thread to the waiter cost two thread wake-ups of tens of µs on a VM.
+
 Frame header (little endian, 28 bytes): magic u32 | kind u16 | reserved u16 | check u32 |
 tag u64 | nbytes u64, then ``nbytes`` of payload. DATA carries a message; ABORT carries an error
 code (``ABORT_*``) in ``check`` and a UTF-8 reason of at most MAX_ABORT_REASON_BYTES; CLOSE says
@@ -29,12 +35,14 @@ receivable. An ABORT (sent or received) and `close` fail everything on the pair 
 
 from __future__ import annotations
 
+import math
+import os
+import select
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from typing import TypeAlias
 
 from ddlcore.transports.base import (
     MAX_ABORT_REASON_BYTES,
@@ -91,10 +99,48 @@ _ACK_OK, _ACK_WRONG_PEER, _ACK_NCHANNELS, _ACK_DUPLICATE, _ACK_CLOSED = 0, 1, 2,
 _HELLO_TIMEOUT_S = 10.0  # a connection that does not introduce itself by then is dropped
 _CLOSE_TIMEOUT_S = 2.0  # how long close() lets peers answer CLOSE before cutting sockets
 _DRAIN_CHUNK = 1 << 20
+# A waiting receive polls its socket this long before sleeping in poll(): a reply usually comes
+# within microseconds, a sleep costs a wake-up of tens of µs on a VM (shm spins the same 50 µs).
+_SPIN_S = 50e-6
+# The receiver thread stays parked this long after the last waiter stopped reading, so back-to-back
+# collectives never hand the socket back and forth; it bounds how late a message nobody waits for
+# is read (it waits in the socket meanwhile).
+_LINGER_S = 0.002
 _CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
 
 
-TcpRequest: TypeAlias = ThreadRequest  # completed by the socket threads, waited on through a lock
+class TcpRequest(ThreadRequest):
+    """A send or receive; a receive's waiter reads the socket itself (`_Channel.drive`) while
+    it can, and otherwise waits on the lock like any `ThreadRequest`."""
+
+    __slots__ = ("_driven",)
+
+    def __init__(self, pair: TcpPair, view: memoryview, tag: int, check: int,
+                 is_send: bool) -> None:
+        super().__init__(pair, view, tag, check, is_send)
+        self._driven: _Channel | None = None  # the channel whose socket our waiter is reading
+
+    def _fail(self, error: DDLError) -> None:
+        super()._fail(error)
+        driven = self._driven
+        if driven is not None:  # failed by another thread: wake our waiter from its poll()
+            driven.ring()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done and not self.is_send:
+            ch = self._pair._channel_for(self.tag)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._done:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise self._pair._timeout_error(self, timeout)
+                if not ch.drive(self, deadline):
+                    # Another thread reads this socket (or it is not connected yet): that thread,
+                    # or the receiver thread once it is back, finishes us; look again meanwhile.
+                    wait_s = _LINGER_S if left is None else min(_LINGER_S, left)
+                    if self._lock.acquire(True, wait_s):
+                        self._lock.release()
+        super().wait(timeout)
 
 
 class _Channel:
@@ -113,6 +159,15 @@ class _Channel:
         self.busy = False  # a thread is writing to the socket
         self.stopping = False
         self.threads: list[threading.Thread] = []
+        # Who reads the socket: the receiver thread (``reading``) or one waiter (``driving``),
+        # never both; guarded by rcond. The thread stays parked until ``resume_at``.
+        self.rcond = threading.Condition(threading.Lock())
+        self.reading = False
+        self.driving = False
+        self.resume_at = 0.0
+        self.wake_fd = -1  # eventfd: asks the reader in poll() to look at its flags again
+        self.waiter_poll = select.poll()  # the driving waiter's: socket and eventfd, from _attach
+        self.waiter_head = bytearray(_HEADER.size)
 
     # --- sending --------------------------------------------------------------------------------
     def send(self, item: list, front: bool = False) -> None:
@@ -201,49 +256,155 @@ class _Channel:
 
     # --- receiving ------------------------------------------------------------------------------
     def recv_loop(self) -> None:
-        sock, pair = self.sock, self.pair
+        """The receiver thread: read frames whenever no waiter does (see the module docstring)."""
+        sock, cond = self.sock, self.rcond
         assert sock is not None
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.register(self.wake_fd, select.POLLIN)
+        fd = sock.fileno()
         head = bytearray(_HEADER.size)
+        while True:
+            with cond:
+                while self.driving or (now := time.monotonic()) < self.resume_at:
+                    cond.wait(_LINGER_S if self.driving else self.resume_at - now)
+                self.reading = True
+            alive = True
+            try:
+                for efd, _ in poller.poll():
+                    if efd == fd:
+                        alive = self.read_frame(sock, head)
+                    else:
+                        self.drain()
+            finally:
+                with cond:
+                    self.reading = False
+                    if self.driving:
+                        cond.notify_all()
+            if not alive:
+                return
+
+    def drive(self, req: TcpRequest, deadline: float | None) -> bool:
+        """Read this socket from ``req``'s waiting thread until ``req`` is done, the socket
+        fails or ``deadline`` passes. False: another thread reads it, or it is not connected."""
+        cond = self.rcond
+        with cond:
+            sock = self.sock
+            if (self.driving or sock is None or self.failure is not None
+                    or self.pair._failure is not None):
+                return False
+            self.driving = True
+            if self.reading:  # ask the receiver thread out; it leaves between frames
+                self._ring_locked()
+                while self.reading:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        self.driving = False
+                        return True
+                    cond.wait(left)
+        req._driven = self
+        try:
+            self._read_until(sock, req, deadline)
+        finally:
+            req._driven = None
+            with cond:
+                self.driving = False
+                self.resume_at = time.monotonic() + _LINGER_S
+                if self.pair._closed:  # the pair's close() left the eventfd to us
+                    self.release_wake()
+        return True
+
+    def _read_until(self, sock: socket.socket, req: TcpRequest, deadline: float | None) -> None:
+        poller, head = self.waiter_poll, self.waiter_head  # one driver at a time uses them
+        fd = sock.fileno()
+        spin_end = time.monotonic() + _SPIN_S
+        while not req._done:
+            events = poller.poll(0)
+            if not events:
+                now = time.monotonic()
+                if now < spin_end:
+                    continue
+                if deadline is None:
+                    events = poller.poll()
+                elif now >= deadline:
+                    return
+                else:
+                    events = poller.poll(math.ceil((deadline - now) * 1000))
+            for efd, _ in events:
+                if efd == fd:
+                    if not self.read_frame(sock, head):
+                        return
+                    spin_end = time.monotonic() + _SPIN_S
+                else:
+                    self.drain()
+
+    def ring(self) -> None:
+        with self.rcond:
+            self._ring_locked()
+
+    def _ring_locked(self) -> None:
+        if self.wake_fd >= 0:  # -1: released with the pair; nobody polls any more
+            os.eventfd_write(self.wake_fd, 1)
+
+    def release_wake(self) -> None:
+        """Close the eventfd once nothing can poll it (called with rcond held). Under rcond, so
+        that a late ring() never writes to a reused descriptor number."""
+        receiver = self.threads[1] if self.threads else None
+        if self.wake_fd >= 0 and not self.driving and not (receiver and receiver.is_alive()):
+            os.close(self.wake_fd)
+            self.wake_fd = -1
+
+    def drain(self) -> None:
+        try:
+            os.eventfd_read(self.wake_fd)
+        except OSError:  # BlockingIOError: the other reader drained it first
+            pass
+
+    def read_frame(self, sock: socket.socket, head: bytearray) -> bool:
+        """Read one whole frame (the socket is readable) into ``head`` and on. False: the
+        socket is gone."""
         hview = memoryview(head)
         hsize = _HEADER.size
-        unpack = _HEADER.unpack_from
+        pair = self.pair
         try:
-            while True:
-                got = sock.recv_into(hview, hsize, socket.MSG_WAITALL)
-                if got != hsize:  # EOF, or a read cut short by a signal
-                    if got == 0 or not recv_exact(sock, hview[got:]):
-                        raise ConnectionResetError("the peer closed the connection (EOF)")
-                magic, kind, _, check, tag, nbytes = unpack(head)
-                if magic != _MAGIC:
-                    raise ConnectionError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
-                if kind == _DATA:
-                    self.on_data(sock, check, tag, nbytes)
-                elif kind == _ABORT:
-                    if nbytes > MAX_ABORT_REASON_BYTES:
-                        raise ConnectionError(f"abort reason of {nbytes} bytes (cap "
-                                              f"{MAX_ABORT_REASON_BYTES})")
-                    reason = bytearray(nbytes)
-                    if nbytes and not recv_exact(sock, memoryview(reason)):
-                        raise ConnectionResetError("EOF inside an abort frame")
-                    error = abort_error(check, pair.peer, reason.decode("utf-8", "replace"))
-                    pair._ctx._note_abort(error)
-                    pair._fail_pair(error)
-                elif kind == _CLOSE:
-                    self.fail(f"rank {pair.peer} closed its connection while")
-                    try:  # we will not be read any more: stop writing, so both ends see EOF
-                        sock.shutdown(socket.SHUT_WR)
-                    except OSError:
-                        pass
-                else:
-                    raise ConnectionError(f"unknown frame kind {kind}")
+            got = sock.recv_into(hview, hsize, socket.MSG_WAITALL)
+            if got != hsize:  # EOF, or a read cut short by a signal
+                if got == 0 or not recv_exact(sock, hview[got:]):
+                    raise ConnectionResetError("the peer closed the connection (EOF)")
+            magic, kind, _, check, tag, nbytes = _HEADER.unpack_from(head)
+            if magic != _MAGIC:
+                raise ConnectionError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
+            if kind == _DATA:
+                self.on_data(sock, check, tag, nbytes)
+            elif kind == _ABORT:
+                if nbytes > MAX_ABORT_REASON_BYTES:
+                    raise ConnectionError(f"abort reason of {nbytes} bytes (cap "
+                                          f"{MAX_ABORT_REASON_BYTES})")
+                reason = bytearray(nbytes)
+                if nbytes and not recv_exact(sock, memoryview(reason)):
+                    raise ConnectionResetError("EOF inside an abort frame")
+                error = abort_error(check, pair.peer, reason.decode("utf-8", "replace"))
+                pair._ctx._note_abort(error)
+                pair._fail_pair(error)
+            elif kind == _CLOSE:
+                self.fail(f"rank {pair.peer} closed its connection while")
+                try:  # we will not be read any more: stop writing, so both ends see EOF
+                    sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+            else:
+                raise ConnectionError(f"unknown frame kind {kind}")
         except OSError as exc:
             self.broken(exc, None)
+            return False
         except Exception as exc:  # a bad frame (e.g. absurd size): drop this connection
             self.broken(ConnectionError(f"protocol error: {exc!r}"), None)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            return False
+        return True
 
     def on_data(self, sock: socket.socket, check: int, tag: int, nbytes: int) -> None:
         pair = self.pair
@@ -339,7 +500,7 @@ class TcpPair(Pair):
         view = as_view(view)
         check_tag(tag, check)
         req = TcpRequest(self, view, tag, check, True)
-        ch = self._channels[tag % self._nch]
+        ch = self._channel_for(tag)
         if self._failure is not None or ch.failure is not None:
             req._fail(self._error_for(ch, req))
         else:
@@ -349,7 +510,7 @@ class TcpPair(Pair):
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
         view = recv_view(view, tag, check)
         req = TcpRequest(self, view, tag, check, False)
-        ch = self._channels[tag % self._nch]
+        ch = self._channel_for(tag)
         message = None
         with ch.mlock:
             if self._failure is None:
@@ -362,6 +523,9 @@ class TcpPair(Pair):
         else:
             self._deliver(req, *message)
         return req
+
+    def _channel_for(self, tag: int) -> _Channel:
+        return self._channels[tag % self._nch]
 
     def _deliver(self, req: TcpRequest, check: int, data: bytearray) -> None:
         if len(data) != req.nbytes or not checks_match(check, req.check):
@@ -382,7 +546,7 @@ class TcpPair(Pair):
 
     def _timeout_error(self, req: TcpRequest, timeout: float) -> DDLTimeoutError:
         note = ""
-        if self._channels[req.tag % self._nch].sock is None:
+        if self._channel_for(req.tag).sock is None:
             note = f" (rank {self.peer} has not connected to rank {self.rank} yet)"
         return timeout_error(self.rank, self.peer, req, timeout, note)
 
@@ -455,6 +619,9 @@ class TcpPair(Pair):
         """Start using ``sock`` for channel ``ch`` (called with ``self._lock`` held)."""
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ch.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # before sock: drive polls both
+        ch.waiter_poll.register(sock, select.POLLIN)
+        ch.waiter_poll.register(ch.wake_fd, select.POLLIN)
         with ch.scond:
             ch.sock = sock
             if self._abort_frame is not None:  # we aborted before the peer connected: tell it
@@ -538,6 +705,8 @@ class TcpPair(Pair):
             for thread in ch.threads:
                 thread.join(1.0)
             ch.sock.close()
+            with ch.rcond:  # else the waiter still reading releases it (a receiver thread
+                ch.release_wake()  # stuck past the joins keeps it: one descriptor)
 
     def close(self) -> None:
         self._begin_close()

@@ -358,6 +358,84 @@ def sends_do_not_wait_for_the_receiver(rank: int, size: int, transport: str) -> 
             assert np.array_equal(got2, msg[2]) and np.array_equal(got1, msg[1])
 
 
+def concurrent_waiters(rank: int, size: int, transport: str, nthreads: int = 4,
+                       rounds: int = 20) -> None:
+    """Several threads of rank 1 wait at once on receives from rank 0 (one tag each, so on one
+    channel or several), while rank 0 sends the tags in an order that differs every round: every
+    receive completes with its own bytes. A transport whose waiters read the socket themselves
+    must hand the reading on, not leave the others waiting for a thread that stood back."""
+    with rank_env(rank, size, transport) as env:
+        ctx = env.context()
+        pair = ctx.pair(1 - rank)
+        rng = np.random.default_rng(7)
+        for r in range(rounds):
+            order = rng.permutation(nthreads)
+            if rank == 0:
+                env.barrier(f"posted{r}")
+                wait_all([pair.isend(memoryview(payload(0, int(t), r, _size_of(int(t) + r))),
+                                     100 + int(t)) for t in order])
+                continue
+            errors: list[BaseException] = []
+
+            def receive(t: int, r: int = r, errors: list[BaseException] = errors) -> None:
+                try:
+                    got = np.empty(_size_of(t + r), np.uint8)
+                    pair.irecv(memoryview(got), 100 + t).wait(TIMEOUT_S)
+                    expect(got, 0, t, r)
+                except BaseException as exc:  # reported by the main thread
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=receive, args=(t,)) for t in range(nthreads)]
+            for th in threads:
+                th.start()
+            env.barrier(f"posted{r}")
+            for th in threads:
+                th.join(2 * TIMEOUT_S)
+            assert not any(th.is_alive() for th in threads), f"round {r}: a waiter hung"
+            if errors:
+                raise errors[0]
+        env.barrier("done")
+
+
+def failure_wakes_a_waiter(rank: int, size: int, transport: str) -> list[float]:
+    """A thread waiting on a receive nobody sends to is failed by another thread of its rank
+    (an abort, then close()): the wait ends at once with the failure, not at its deadline.
+    Returns the seconds each wait took after the failure."""
+    took = []
+    with rank_env(rank, size, transport) as env:
+        for how in ("abort", "close"):
+            ctx = env.context(how)
+            pair = ctx.pair(1 - rank)
+            pair.isend(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)  # connected both ways
+            pair.irecv(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)
+            env.barrier(f"connected-{how}")
+            if rank == 1:
+                pending = pair.irecv(memoryview(bytearray(8)), 2)
+                failed_at: list[float] = []
+
+                def fail_it(ctx: Context = ctx, how: str = how,
+                            failed_at: list[float] = failed_at) -> None:
+                    time.sleep(0.3)  # the main thread is inside wait() by then
+                    failed_at.append(time.monotonic())
+                    if how == "abort":
+                        ctx.abort(ABORT_OTHER, "stopped by another thread")
+                    else:
+                        ctx.close()
+
+                th = threading.Thread(target=fail_it)
+                th.start()
+                try:
+                    pending.wait(3 * TIMEOUT_S)
+                except DDLError as exc:
+                    assert not isinstance(exc, DDLTimeoutError), exc
+                else:
+                    raise AssertionError(f"the receive survived {how}")
+                took.append(time.monotonic() - failed_at[0])
+                th.join(TIMEOUT_S)
+            env.barrier(f"checked-{how}")
+    return took
+
+
 # --- errors ---------------------------------------------------------------------------------------
 def mismatches(rank: int, size: int, transport: str) -> list[str]:
     """Size and check-word disagreements fail that receive with CollectiveMismatchError (posted
@@ -617,14 +695,15 @@ def device_views(rank: int, size: int, transport: str) -> tuple[bool, list[int],
 
 
 # --- lifetime -------------------------------------------------------------------------------------
-def _socket_fds() -> set[str]:
+def _transport_fds() -> set[str]:
+    """Sockets and eventfds (the waiters' wake-ups of tcp and ucx) this process has open."""
     out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if link.startswith("socket:"):
+        if link.startswith("socket:") or link == "anon_inode:[eventfd]":
             out.add(f"{fd}->{link}")
     return out
 
@@ -643,12 +722,12 @@ def resources_released(rank: int, size: int, transport: str) -> tuple[int, int, 
     with rank_env(rank, size, transport) as env:
         env.barrier("clients up")  # every store connection exists before the baseline
         threads_before = {t.ident for t in threading.enumerate()}
-        sockets_before = _socket_fds()
+        sockets_before = _transport_fds()
         ctx = env.context()
         all_pairs_round(ctx, rank, size, [p for p in range(size) if p != rank])
         pending = ctx.pair((rank + 1) % size).irecv(memoryview(bytearray(4)), 999)
         threads_open = len(threading.enumerate()) - len(threads_before)
-        sockets_open = len(_socket_fds() - sockets_before)
+        sockets_open = len(_transport_fds() - sockets_before)
         segments_open = len(_shm_segments())
         env.barrier("exchanged")
         ctx.close()
@@ -661,9 +740,9 @@ def resources_released(rank: int, size: int, transport: str) -> tuple[int, int, 
             raise AssertionError("a pending receive succeeded after close()")
         env.contexts.remove(ctx)
         left_threads = [t.name for t in threading.enumerate() if t.ident not in threads_before]
-        left_sockets = _socket_fds() - sockets_before
+        left_sockets = _transport_fds() - sockets_before
         assert not left_threads, f"rank {rank}: threads left after close(): {left_threads}"
-        assert not left_sockets, f"rank {rank}: sockets left after close(): {left_sockets}"
+        assert not left_sockets, f"rank {rank}: descriptors left after close(): {left_sockets}"
         left_segments = _shm_segments()
         assert not left_segments, f"rank {rank}: shm segments left after close(): {left_segments}"
         env.barrier("checked")
@@ -692,3 +771,37 @@ def tcp_nchannels_mismatch(rank: int, size: int) -> str:
         except RendezvousError as exc:
             return str(exc)
         raise AssertionError("rank 1 accepted a connection with a different DDL_NCHANNELS")
+
+
+def tcp_waiter_reads_its_socket(rank: int, size: int, rounds: int = 50) -> list[str]:
+    """Ping-pong of small messages: the thread waiting on a receive reads it off the socket
+    itself (no hand-off from the receiver thread). Returns, for rank 0, the name of the thread
+    that completed each receive."""
+    from ddlcore.transports import tcp
+
+    completed_by: list[str] = []
+    original = tcp.TcpRequest._complete
+
+    def recording(req: tcp.TcpRequest) -> None:
+        if not req.is_send:
+            completed_by.append(threading.current_thread().name)
+        original(req)
+
+    tcp.TcpRequest._complete = recording  # type: ignore[method-assign]
+    try:
+        with rank_env(rank, size, "tcp") as env:
+            pair = env.context().pair(1 - rank)
+            msg = np.arange(4096, dtype=np.uint8)
+            got = np.empty_like(msg)
+            for i in range(rounds):
+                if rank == 0:
+                    pair.isend(memoryview(msg), i).wait(TIMEOUT_S)
+                    pair.irecv(memoryview(got), i).wait(TIMEOUT_S)
+                else:
+                    pair.irecv(memoryview(got), i).wait(TIMEOUT_S)
+                    pair.isend(memoryview(got), i).wait(TIMEOUT_S)
+                assert np.array_equal(got, msg)
+            env.barrier("done")
+    finally:
+        tcp.TcpRequest._complete = original  # type: ignore[method-assign]
+    return completed_by

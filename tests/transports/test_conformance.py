@@ -71,6 +71,18 @@ def test_two_channels(transport):
     run_ranks(conf.all_pairs, 3, transport, timeout=JOB_TIMEOUT_S, env=env)
 
 
+@pytest.mark.parametrize("nchannels", ["1", "2"])
+def test_concurrent_waiters_on_one_pair(transport, nchannels):
+    run_ranks(conf.concurrent_waiters, 2, transport, timeout=JOB_TIMEOUT_S,
+              env={"DDL_NCHANNELS": nchannels})
+
+
+def test_a_failure_wakes_a_waiting_thread(transport):
+    _, took = run_ranks(conf.failure_wakes_a_waiter, 2, transport, timeout=JOB_TIMEOUT_S)
+    assert len(took) == 2
+    assert all(t < 2.0 for t in took), took  # the deadline was 15 s
+
+
 def test_sends_do_not_wait_for_the_receiver(transport):
     run_ranks(conf.sends_do_not_wait_for_the_receiver, 3, transport, timeout=JOB_TIMEOUT_S)
 
@@ -135,6 +147,14 @@ def test_close_releases_threads_and_sockets(transport, nchannels):
         assert threads_open > 0 or transport not in ("tcp", "shm")
         assert sockets_open > 0 or transport != "tcp"
         assert segments_open > 0 or transport != "shm"
+
+
+def test_tcp_waiting_thread_reads_its_own_messages():
+    completed_by, _ = run_ranks(conf.tcp_waiter_reads_its_socket, 2, timeout=JOB_TIMEOUT_S)
+    assert len(completed_by) == 50
+    # The first receive may find the receiver thread mid-read; after that the receiver thread
+    # stays parked while receives are waited on back to back.
+    assert completed_by[1:] == ["MainThread"] * 49, completed_by
 
 
 # --- TCP specifics (one process: no peer involved) ------------------------------------------------
