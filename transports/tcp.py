@@ -106,6 +106,7 @@ _SPIN_S = 50e-6
 # collectives never hand the socket back and forth; it bounds how late a message nobody waits for
 # is read (it waits in the socket meanwhile).
 _LINGER_S = 0.002
+_MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds; longer waits loop
 _CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
 
 
@@ -167,7 +168,7 @@ class _Channel:
         self.resume_at = 0.0
         self.wake_fd = -1  # eventfd: asks the reader in poll() to look at its flags again
         self.waiter_poll = select.poll()  # the driving waiter's: socket and eventfd, from _attach
-        self.waiter_head = bytearray(_HEADER.size)
+        self.inbound = _Inbound(self)
 
     # --- sending --------------------------------------------------------------------------------
     def send(self, item: list, front: bool = False) -> None:
@@ -263,17 +264,16 @@ class _Channel:
         poller.register(sock, select.POLLIN)
         poller.register(self.wake_fd, select.POLLIN)
         fd = sock.fileno()
-        head = bytearray(_HEADER.size)
-        while True:
+        alive = True
+        while alive:
             with cond:
                 while self.driving or (now := time.monotonic()) < self.resume_at:
                     cond.wait(_LINGER_S if self.driving else self.resume_at - now)
                 self.reading = True
-            alive = True
             try:
                 for efd, _ in poller.poll():
                     if efd == fd:
-                        alive = self.read_frame(sock, head)
+                        alive = self.inbound.advance(sock, True)
                     else:
                         self.drain()
             finally:
@@ -281,12 +281,14 @@ class _Channel:
                     self.reading = False
                     if self.driving:
                         cond.notify_all()
-            if not alive:
-                return
+        with cond:
+            if self.pair._closed:  # close() may have given up on joining us: the eventfd is ours
+                self.release_wake_locked()
 
     def drive(self, req: TcpRequest, deadline: float | None) -> bool:
         """Read this socket from ``req``'s waiting thread until ``req`` is done, the socket
-        fails or ``deadline`` passes. False: another thread reads it, or it is not connected."""
+        fails or ``deadline`` passes. False: another thread reads it, or it is not connected
+        (the caller waits on ``req``'s lock); True: look at ``req`` and the deadline again."""
         cond = self.rcond
         with cond:
             sock = self.sock
@@ -294,16 +296,16 @@ class _Channel:
                     or self.pair._failure is not None):
                 return False
             self.driving = True
-            if self.reading:  # ask the receiver thread out; it leaves between frames
-                self._ring_locked()
-                while self.reading:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        self.driving = False
-                        return True
-                    cond.wait(left)
         req._driven = self
         try:
+            with cond:
+                if self.reading:  # ask the receiver thread out; it leaves between frames
+                    self._ring_locked()
+                while self.reading and not req._done:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return True
+                    cond.wait(left)
             self._read_until(sock, req, deadline)
         finally:
             req._driven = None
@@ -311,11 +313,11 @@ class _Channel:
                 self.driving = False
                 self.resume_at = time.monotonic() + _LINGER_S
                 if self.pair._closed:  # the pair's close() left the eventfd to us
-                    self.release_wake()
+                    self.release_wake_locked()
         return True
 
     def _read_until(self, sock: socket.socket, req: TcpRequest, deadline: float | None) -> None:
-        poller, head = self.waiter_poll, self.waiter_head  # one driver at a time uses them
+        poller, inbound = self.waiter_poll, self.inbound  # one driver at a time uses them
         fd = sock.fileno()
         spin_end = time.monotonic() + _SPIN_S
         while not req._done:
@@ -329,28 +331,44 @@ class _Channel:
                 elif now >= deadline:
                     return
                 else:
-                    events = poller.poll(math.ceil((deadline - now) * 1000))
+                    events = poller.poll(min(math.ceil((deadline - now) * 1000), _MAX_POLL_MS))
             for efd, _ in events:
                 if efd == fd:
-                    if not self.read_frame(sock, head):
+                    if not inbound.advance(sock, False):
                         return
                     spin_end = time.monotonic() + _SPIN_S
                 else:
                     self.drain()
 
+    def open_wake(self) -> None:
+        """Make the eventfd, before the socket is attached (once)."""
+        if self.wake_fd >= 0:
+            return
+        try:
+            self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except OSError as exc:
+            pair = self.pair
+            raise DDLError(f"rank {pair.rank} could not make an eventfd for TCP channel "
+                           f"{self.index} to rank {pair.peer}: {exc}; raise the open-file limit "
+                           "(ulimit -n)") from None
+
     def ring(self) -> None:
+        """Wake whichever reader sleeps in poll() or on rcond (a request of it failed)."""
         with self.rcond:
             self._ring_locked()
+            self.rcond.notify_all()
 
     def _ring_locked(self) -> None:
         if self.wake_fd >= 0:  # -1: released with the pair; nobody polls any more
             os.eventfd_write(self.wake_fd, 1)
 
-    def release_wake(self) -> None:
-        """Close the eventfd once nothing can poll it (called with rcond held). Under rcond, so
-        that a late ring() never writes to a reused descriptor number."""
+    def release_wake_locked(self) -> None:
+        """Close the eventfd once nothing can poll it (rcond held, so that a late ring() never
+        writes to a reused descriptor number)."""
         receiver = self.threads[1] if self.threads else None
-        if self.wake_fd >= 0 and not self.driving and not (receiver and receiver.is_alive()):
+        alive = receiver is not None and receiver.is_alive() and receiver is not \
+            threading.current_thread()
+        if self.wake_fd >= 0 and not self.driving and not alive:
             os.close(self.wake_fd)
             self.wake_fd = -1
 
@@ -359,85 +377,6 @@ class _Channel:
             os.eventfd_read(self.wake_fd)
         except OSError:  # BlockingIOError: the other reader drained it first
             pass
-
-    def read_frame(self, sock: socket.socket, head: bytearray) -> bool:
-        """Read one whole frame (the socket is readable) into ``head`` and on. False: the
-        socket is gone."""
-        hview = memoryview(head)
-        hsize = _HEADER.size
-        pair = self.pair
-        try:
-            got = sock.recv_into(hview, hsize, socket.MSG_WAITALL)
-            if got != hsize:  # EOF, or a read cut short by a signal
-                if got == 0 or not recv_exact(sock, hview[got:]):
-                    raise ConnectionResetError("the peer closed the connection (EOF)")
-            magic, kind, _, check, tag, nbytes = _HEADER.unpack_from(head)
-            if magic != _MAGIC:
-                raise ConnectionError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
-            if kind == _DATA:
-                self.on_data(sock, check, tag, nbytes)
-            elif kind == _ABORT:
-                if nbytes > MAX_ABORT_REASON_BYTES:
-                    raise ConnectionError(f"abort reason of {nbytes} bytes (cap "
-                                          f"{MAX_ABORT_REASON_BYTES})")
-                reason = bytearray(nbytes)
-                if nbytes and not recv_exact(sock, memoryview(reason)):
-                    raise ConnectionResetError("EOF inside an abort frame")
-                error = abort_error(check, pair.peer, reason.decode("utf-8", "replace"))
-                pair._ctx._note_abort(error)
-                pair._fail_pair(error)
-            elif kind == _CLOSE:
-                self.fail(f"rank {pair.peer} closed its connection while")
-                try:  # we will not be read any more: stop writing, so both ends see EOF
-                    sock.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-            else:
-                raise ConnectionError(f"unknown frame kind {kind}")
-        except OSError as exc:
-            self.broken(exc, None)
-            return False
-        except Exception as exc:  # a bad frame (e.g. absurd size): drop this connection
-            self.broken(ConnectionError(f"protocol error: {exc!r}"), None)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return False
-        return True
-
-    def on_data(self, sock: socket.socket, check: int, tag: int, nbytes: int) -> None:
-        pair = self.pair
-        with self.mlock:
-            req = take_oldest(self.posted, tag)
-        if req is None:
-            if pair._failure is not None:  # nobody will ask for it any more
-                _discard(sock, nbytes)
-                return
-            data = bytearray(nbytes)
-            if nbytes and not recv_exact(sock, memoryview(data)):
-                raise ConnectionResetError("EOF inside a message")
-            with self.mlock:
-                req = take_oldest(self.posted, tag)
-                if req is None:
-                    queue_under(self.unexpected, tag, (check, data))
-                    return
-            pair._deliver(req, check, data)
-            return
-        try:
-            if nbytes != req.nbytes or not checks_match(check, req.check):
-                _discard(sock, nbytes)
-                req._fail(pair._mismatch(req, check, nbytes))
-                return
-            if nbytes:
-                got = sock.recv_into(req.view, nbytes, socket.MSG_WAITALL)
-                if got != nbytes and (got == 0 or not recv_exact(sock, req.view[got:])):
-                    raise ConnectionResetError("EOF inside a message")
-        except OSError as exc:
-            req._fail(PeerFailureError(f"connection to rank {pair.peer} lost: {exc}; rank "
-                                       f"{pair.rank} {req.describe()}", pair.peer))
-            raise
-        req._complete()
 
     # --- failure and shutdown -------------------------------------------------------------------
     def fail(self, base: str) -> None:
@@ -470,13 +409,147 @@ class _Channel:
             self.scond.notify()
 
 
-def _discard(sock: socket.socket, nbytes: int) -> None:
-    scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
-    while nbytes > 0:
-        got = sock.recv_into(scratch, min(nbytes, len(scratch)))
-        if got == 0:
-            raise ConnectionResetError("EOF inside a message")
-        nbytes -= got
+class _Inbound:
+    """The frame being read off one channel's socket: how much of its header is in, where its
+    payload goes and what to do once it is all in. It lives on the channel, so a waiter that
+    leaves at its deadline half-way through a frame and the receiver thread carry on where the
+    other stopped. Only the one reader of the moment (``_Channel.drive`` / ``recv_loop``) uses
+    it; a request it took out of ``posted`` is finished by that reader alone."""
+
+    def __init__(self, ch: _Channel) -> None:
+        self.ch = ch
+        self.head = bytearray(_HEADER.size)
+        self.hview = memoryview(self.head)
+        self.hgot = 0  # header bytes in; the payload's turn once it is _HEADER.size
+        self.kind = self.check = self.tag = self.nbytes = 0
+        self.sink: memoryview | None = None  # where the payload goes; None: thrown away
+        self.got = 0  # payload bytes in
+        self.req: TcpRequest | None = None  # the posted receive the payload is for
+        self.mismatch = False  # req's size or check differs: drain, then fail it
+        self.data: bytearray | None = None  # an unexpected message's or an abort's bytes
+        self.scratch: memoryview | None = None  # for thrown-away payloads
+
+    def advance(self, sock: socket.socket, blocking: bool) -> bool:
+        """Read on the current frame (``blocking``: the rest of it, waiting; else what the
+        socket holds now) and finish it if it is all in. False: the socket is gone, and this
+        channel's requests have failed."""
+        try:
+            self._read(sock, blocking)
+        except (BlockingIOError, InterruptedError):  # nothing more for now
+            return True
+        except OSError as exc:
+            self._lost(exc)
+            return False
+        except Exception as exc:  # a bad frame (e.g. absurd size): drop this connection
+            self._lost(ConnectionError(f"protocol error: {exc!r}"))
+            _shutdown(sock)
+            return False
+        except BaseException:  # e.g. Ctrl-C between a read and its bookkeeping: where the
+            self._lost(ConnectionError("a read was interrupted"))  # stream stands is unknown
+            _shutdown(sock)
+            raise
+        return True
+
+    def _lost(self, exc: BaseException) -> None:
+        """The stream is unusable: fail the request the frame was for with everything else
+        pending, and forget the frame (later reads see the socket's EOF or error)."""
+        req = self.req
+        self.hgot = self.nbytes = self.got = 0
+        self.sink, self.req, self.data = None, None, None
+        self.ch.broken(exc, req)
+
+    def _read(self, sock: socket.socket, blocking: bool) -> None:
+        flags = socket.MSG_WAITALL if blocking else socket.MSG_DONTWAIT
+        hsize = _HEADER.size
+        while self.hgot < hsize:
+            got = sock.recv_into(self.hview[self.hgot:], hsize - self.hgot, flags)
+            if got == 0:
+                raise ConnectionResetError("the peer closed the connection (EOF)" if not self.hgot
+                                           else "EOF inside a frame header")
+            self.hgot += got
+            if self.hgot == hsize:
+                self._begin()
+        while self.got < self.nbytes:
+            want = self.nbytes - self.got
+            if self.sink is not None:
+                got = sock.recv_into(self.sink[self.got:], want, flags)
+            else:
+                if self.scratch is None:
+                    self.scratch = memoryview(bytearray(_DRAIN_CHUNK))
+                got = sock.recv_into(self.scratch, min(want, _DRAIN_CHUNK), flags)
+            if got == 0:
+                raise ConnectionResetError("EOF inside a message")
+            self.got += got
+        self._finish()
+
+    def _begin(self) -> None:
+        """The header is in: decide where the payload goes."""
+        magic, kind, _, check, tag, nbytes = _HEADER.unpack_from(self.head)
+        if magic != _MAGIC:
+            raise ConnectionError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
+        self.kind, self.check, self.tag, self.nbytes, self.got = kind, check, tag, nbytes, 0
+        self.sink, self.req, self.mismatch, self.data = None, None, False, None
+        ch = self.ch
+        if kind == _DATA:
+            with ch.mlock:
+                req = take_oldest(ch.posted, tag)
+            if req is not None:
+                self.req = req
+                self.mismatch = nbytes != req.nbytes or not checks_match(check, req.check)
+                if not self.mismatch and nbytes:
+                    assert isinstance(req.view, memoryview)  # host memory only (as_view)
+                    self.sink = req.view
+            elif ch.pair._failure is None:  # else nobody will ask for it any more: drop it
+                self.data = bytearray(nbytes)
+                self.sink = memoryview(self.data)
+        elif kind == _ABORT:
+            if nbytes > MAX_ABORT_REASON_BYTES:
+                raise ConnectionError(f"abort reason of {nbytes} bytes (cap "
+                                      f"{MAX_ABORT_REASON_BYTES})")
+            self.data = bytearray(nbytes)
+            self.sink = memoryview(self.data)
+        elif kind != _CLOSE:
+            raise ConnectionError(f"unknown frame kind {kind}")
+
+    def _finish(self) -> None:
+        """The whole frame is in: hand it on, and be ready for the next header."""
+        kind, check, tag, nbytes = self.kind, self.check, self.tag, self.nbytes
+        req, data = self.req, self.data
+        self.hgot = self.nbytes = self.got = 0
+        self.sink, self.req, self.data = None, None, None
+        ch = self.ch
+        pair = ch.pair
+        if kind == _DATA:
+            if req is not None:
+                if self.mismatch:
+                    req._fail(pair._mismatch(req, check, nbytes))
+                else:
+                    req._complete()
+            elif data is not None:
+                with ch.mlock:
+                    req = take_oldest(ch.posted, tag)
+                    if req is None:
+                        queue_under(ch.unexpected, tag, (check, data))
+                if req is not None:
+                    pair._deliver(req, check, data)
+        elif kind == _ABORT:
+            assert data is not None
+            error = abort_error(check, pair.peer, data.decode("utf-8", "replace"))
+            pair._ctx._note_abort(error)
+            pair._fail_pair(error)
+        else:  # CLOSE
+            ch.fail(f"rank {pair.peer} closed its connection while")
+            try:  # we will not be read any more: stop writing, so both ends see EOF
+                ch.sock.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
+            except OSError:
+                pass
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class TcpPair(Pair):
@@ -581,6 +654,7 @@ class TcpPair(Pair):
         for ch in self._channels:
             if ch.sock is not None:
                 continue
+            ch.open_wake()
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -619,7 +693,7 @@ class TcpPair(Pair):
         """Start using ``sock`` for channel ``ch`` (called with ``self._lock`` held)."""
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ch.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # before sock: drive polls both
+        assert ch.wake_fd >= 0  # open_wake() came first: drive polls both once sock is set
         ch.waiter_poll.register(sock, select.POLLIN)
         ch.waiter_poll.register(ch.wake_fd, select.POLLIN)
         with ch.scond:
@@ -636,14 +710,22 @@ class TcpPair(Pair):
 
     def _accept(self, index: int, sock: socket.socket) -> int:
         """Higher rank: the peer connected channel ``index``; answer and start using it."""
+        failure = None
         with self._lock:
             ch = self._channels[index]
             status = (_ACK_CLOSED if self._closed else
                       _ACK_DUPLICATE if ch.sock is not None else _ACK_OK)
+            if status == _ACK_OK:
+                try:
+                    ch.open_wake()
+                except DDLError as exc:
+                    status, failure = _ACK_CLOSED, exc
             sock.sendall(_ACK.pack(_MAGIC, PROTOCOL_VERSION, status, self._nch, 0))
             if status == _ACK_OK:
                 self._attach(ch, sock)
-            return status
+        if failure is not None:
+            self._fail_pair(failure)
+        return status
 
     # --- failure and shutdown -------------------------------------------------------------------
     def _fail_pair(self, error: DDLError) -> None:
@@ -705,8 +787,8 @@ class TcpPair(Pair):
             for thread in ch.threads:
                 thread.join(1.0)
             ch.sock.close()
-            with ch.rcond:  # else the waiter still reading releases it (a receiver thread
-                ch.release_wake()  # stuck past the joins keeps it: one descriptor)
+            with ch.rcond:  # else the waiter still reading, or the receiver thread, releases it
+                ch.release_wake_locked()
 
     def close(self) -> None:
         self._begin_close()

@@ -805,3 +805,68 @@ def tcp_waiter_reads_its_socket(rank: int, size: int, rounds: int = 50) -> list[
     finally:
         tcp.TcpRequest._complete = original  # type: ignore[method-assign]
     return completed_by
+
+
+def _tcp_write_raw(pair: Any, data: bytes) -> None:
+    """Write ``data`` on the pair's socket as it is (a frame cut anywhere), keeping the sender
+    thread off the socket meanwhile."""
+    ch = pair._channels[0]
+    with ch.scond:
+        ch.busy = True
+    try:
+        ch.sock.sendall(data)
+    finally:
+        with ch.scond:
+            ch.busy = False
+            ch.scond.notify()
+
+
+def tcp_peer_stalls_mid_frame(rank: int, size: int, stall_s: float = 2.5) -> list[tuple[str, float]]:
+    """Rank 0 sends the header and 10 bytes of a 1000-byte message, then nothing for
+    ``stall_s``, then the rest. Rank 1, whose waiting thread is reading that frame, still gets
+    its timeout at its deadline; a retried wait completes with the whole message. Then rank 0
+    stalls inside a message of another tag, and another thread of rank 1 aborts: the waiting
+    thread's wait ends at once. Returns rank 1's (outcome, seconds) of the three waits."""
+    from ddlcore.transports.tcp import _DATA, _HEADER, _MAGIC
+
+    out: list[tuple[str, float]] = []
+    with rank_env(rank, size, "tcp") as env:
+        ctx = env.context()
+        pair = ctx.pair(1 - rank)
+        message = payload(0, 5, 0, 1000).tobytes()
+        if rank == 0:
+            env.barrier("posted")
+            _tcp_write_raw(pair, _HEADER.pack(_MAGIC, _DATA, 0, 0, 5, 1000) + message[:10])
+            time.sleep(stall_s)
+            _tcp_write_raw(pair, message[10:])
+            env.barrier("second")
+            _tcp_write_raw(pair, _HEADER.pack(_MAGIC, _DATA, 0, 0, 7, 1000) + message[:10])
+            env.barrier("done")
+            return out
+        got = np.empty(1000, np.uint8)
+        req = pair.irecv(memoryview(got), 5)
+        env.barrier("posted")
+        t0 = time.monotonic()
+        try:
+            req.wait(1.0)
+        except DDLTimeoutError as exc:
+            out.append((f"timeout: {exc}", time.monotonic() - t0))
+        else:
+            raise AssertionError("the wait outlived its deadline inside a stalled frame")
+        t0 = time.monotonic()
+        req.wait(TIMEOUT_S + stall_s)
+        out.append(("completed", time.monotonic() - t0))
+        expect(got, 0, 5, 0)
+        pending = pair.irecv(memoryview(bytearray(8)), 6)
+        env.barrier("second")
+        threading.Timer(0.5, lambda: ctx.abort(ABORT_OTHER, "stopped by another thread")).start()
+        t0 = time.monotonic()
+        try:
+            pending.wait(3 * TIMEOUT_S)
+        except DDLError as exc:
+            assert not isinstance(exc, DDLTimeoutError), exc
+            out.append((f"failed: {exc}", time.monotonic() - t0))
+        else:
+            raise AssertionError("the receive survived the abort")
+        env.barrier("done")
+        return out

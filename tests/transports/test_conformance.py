@@ -157,6 +157,15 @@ def test_tcp_waiting_thread_reads_its_own_messages():
     assert completed_by[1:] == ["MainThread"] * 49, completed_by
 
 
+def test_tcp_wait_keeps_its_deadline_inside_a_stalled_frame():
+    _, seen = run_ranks(conf.tcp_peer_stalls_mid_frame, 2, timeout=JOB_TIMEOUT_S)
+    (timed_out, t_timeout), (completed, _), (failed, t_failed) = seen
+    assert timed_out.startswith("timeout:") and "0x5" in timed_out, timed_out
+    assert 0.9 <= t_timeout < 2.0, t_timeout  # its deadline, not the end of the stall (2.5 s)
+    assert completed == "completed"
+    assert "stopped by another thread" in failed and t_failed < 2.0, (failed, t_failed)
+
+
 # --- TCP specifics (one process: no peer involved) ------------------------------------------------
 def _tcp_context(environ: dict[str, str]):
     from unittest.mock import patch
