@@ -145,6 +145,11 @@ def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
     return DDLTimeoutError(f"rank {rank} waited {seconds(timeout)} s {what}{note}")
 
 
+# Finishing a request is check-then-set: two threads may race to finish one (a reader completing
+# the receive it is filling while an abort fails it), and only one may release its lock.
+_FINISHING = allocate_lock()
+
+
 class ThreadRequest(Request):
     """A pending send or receive, finished exactly once by whichever thread took it out of the
     transport's queues; completion releases a lock the waiter blocks on (cheaper than an Event).
@@ -164,15 +169,19 @@ class ThreadRequest(Request):
             view, tag, check, len(view), is_send)
 
     def _complete(self) -> None:
-        if not self._done:
+        with _FINISHING:
+            if self._done:
+                return
             self._done = True
-            self._lock.release()
+        self._lock.release()
 
     def _fail(self, error: DDLError) -> None:
-        if not self._done:
+        with _FINISHING:
+            if self._done:
+                return
             self._error = error
             self._done = True
-            self._lock.release()
+        self._lock.release()
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._done:

@@ -20,7 +20,9 @@ A thread waiting on a receive reads its socket itself (``_Channel.drive``: polli
 ``_SPIN_S``, then sleeping in ``poll``) while the receiver thread stands back, parked until no
 waiter has read for ``_LINGER_S``. One reader at a time: the waiter asks the receiver thread out
 through an eventfd and takes over between frames. So a small message wakes nobody: handing each
-one from the receiver thread to the waiter cost two thread wake-ups of tens of µs on a VM.
+one from the receiver thread to the waiter cost two thread wake-ups of tens of µs on a VM. The
+frame being read is kept on the channel (`_Inbound`): a waiter reads without blocking and leaves
+at its deadline even half-way through a frame, and the next reader carries on from there.
 
 Frame header (little endian, 28 bytes): magic u32 | kind u16 | reserved u16 | check u32 |
 tag u64 | nbytes u64, then ``nbytes`` of payload. DATA carries a message; ABORT carries an error
@@ -43,6 +45,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ddlcore.transports.base import (
     MAX_ABORT_REASON_BYTES,
@@ -110,6 +113,10 @@ _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds; longer waits l
 _CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
 
 
+class _ProtocolError(Exception):
+    """The peer sent something that is not a ddlcore tcp frame: the connection is dropped."""
+
+
 class TcpRequest(ThreadRequest):
     """A send or receive; a receive's waiter reads the socket itself (`_Channel.drive`) while
     it can, and otherwise waits on the lock like any `ThreadRequest`."""
@@ -130,7 +137,9 @@ class TcpRequest(ThreadRequest):
     def wait(self, timeout: float | None = None) -> None:
         if not self._done and not self.is_send:
             ch = self._pair._channel_for(self.tag)
-            deadline = None if timeout is None else time.monotonic() + timeout
+            # No deadline past what a lock can wait (threading.TIMEOUT_MAX, ~292 years; inf).
+            deadline = (None if timeout is None or timeout >= threading.TIMEOUT_MAX
+                        else time.monotonic() + timeout)
             while not self._done:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -164,7 +173,7 @@ class _Channel:
         # never both; guarded by rcond. The thread stays parked until ``resume_at``.
         self.rcond = threading.Condition(threading.Lock())
         self.reading = False
-        self.driving = False
+        self.driving: TcpRequest | None = None  # the request whose waiter reads the socket
         self.resume_at = 0.0
         self.wake_fd = -1  # eventfd: asks the reader in poll() to look at its flags again
         self.waiter_poll = select.poll()  # the driving waiter's: socket and eventfd, from _attach
@@ -174,7 +183,9 @@ class _Channel:
     def send(self, item: list, front: bool = False) -> None:
         with self.scond:
             if self.sock is None or self.busy or self.queue:
-                if front:
+                if front and self.queue and self.queue[0][3]:  # never inside a frame begun
+                    self.queue.insert(1, item)
+                elif front:
                     self.queue.appendleft(item)
                 else:
                     self.queue.append(item)
@@ -227,7 +238,8 @@ class _Channel:
                 item = queue.popleft()
                 self.busy = True
             header, view, req, sent = item
-            if req is not None and (pair._failure is not None or self.failure is not None):
+            if req is not None and not sent and (pair._failure is not None
+                                                 or self.failure is not None):
                 with cond:
                     self.busy = False
                 req._fail(pair._error_for(self, req))
@@ -253,7 +265,10 @@ class _Channel:
             with cond:
                 self.busy = False
             if req is not None:
-                req._complete()
+                if pair._failure is not None:  # a frame begun before an abort was finished
+                    req._fail(pair._error_for(self, req))
+                else:
+                    req._complete()
 
     # --- receiving ------------------------------------------------------------------------------
     def recv_loop(self) -> None:
@@ -267,8 +282,8 @@ class _Channel:
         alive = True
         while alive:
             with cond:
-                while self.driving or (now := time.monotonic()) < self.resume_at:
-                    cond.wait(_LINGER_S if self.driving else self.resume_at - now)
+                while self.driving is not None or (now := time.monotonic()) < self.resume_at:
+                    cond.wait(_LINGER_S if self.driving is not None else self.resume_at - now)
                 self.reading = True
             try:
                 for efd, _ in poller.poll():
@@ -279,7 +294,7 @@ class _Channel:
             finally:
                 with cond:
                     self.reading = False
-                    if self.driving:
+                    if self.driving is not None:
                         cond.notify_all()
         with cond:
             if self.pair._closed:  # close() may have given up on joining us: the eventfd is ours
@@ -290,16 +305,15 @@ class _Channel:
         fails or ``deadline`` passes. False: another thread reads it, or it is not connected
         (the caller waits on ``req``'s lock); True: look at ``req`` and the deadline again."""
         cond = self.rcond
-        with cond:
-            sock = self.sock
-            if (self.driving or sock is None or self.failure is not None
-                    or self.pair._failure is not None):
-                return False
-            self.driving = True
         req._driven = self
         try:
             with cond:
-                if self.reading:  # ask the receiver thread out; it leaves between frames
+                sock = self.sock
+                if (self.driving is not None or sock is None or self.failure is not None
+                        or self.pair._failure is not None):
+                    return False
+                self.driving = req  # one store: the finally below sees it set or not at all
+                if self.reading:  # ask the receiver thread out; it leaves between reads
                     self._ring_locked()
                 while self.reading and not req._done:
                     left = None if deadline is None else deadline - time.monotonic()
@@ -310,10 +324,11 @@ class _Channel:
         finally:
             req._driven = None
             with cond:
-                self.driving = False
-                self.resume_at = time.monotonic() + _LINGER_S
-                if self.pair._closed:  # the pair's close() left the eventfd to us
-                    self.release_wake_locked()
+                if self.driving is req:
+                    self.driving = None
+                    self.resume_at = time.monotonic() + _LINGER_S
+                    if self.pair._closed:  # the pair's close() left the eventfd to us
+                        self.release_wake_locked()
         return True
 
     def _read_until(self, sock: socket.socket, req: TcpRequest, deadline: float | None) -> None:
@@ -368,7 +383,7 @@ class _Channel:
         receiver = self.threads[1] if self.threads else None
         alive = receiver is not None and receiver.is_alive() and receiver is not \
             threading.current_thread()
-        if self.wake_fd >= 0 and not self.driving and not alive:
+        if self.wake_fd >= 0 and self.driving is None and not alive:
             os.close(self.wake_fd)
             self.wake_fd = -1
 
@@ -393,6 +408,7 @@ class _Channel:
         pair = self.pair
         for req in pending:
             req._fail(pair._error_for(self, req))
+        self.inbound.abandon(lambda req: pair._error_for(self, req))
 
     def broken(self, exc: BaseException, req: TcpRequest | None) -> None:
         """The socket failed under ``req`` (if any): fail it and everything pending here."""
@@ -471,12 +487,14 @@ class _Inbound:
                 self._begin()
         while self.got < self.nbytes:
             want = self.nbytes - self.got
-            if self.sink is not None:
-                got = sock.recv_into(self.sink[self.got:], want, flags)
+            sink = self.sink  # once: abandon() may clear it from another thread
+            if sink is not None:
+                got = sock.recv_into(sink[self.got:], want, flags)
             else:
-                if self.scratch is None:
-                    self.scratch = memoryview(bytearray(_DRAIN_CHUNK))
-                got = sock.recv_into(self.scratch, min(want, _DRAIN_CHUNK), flags)
+                want = min(want, _DRAIN_CHUNK)
+                if self.scratch is None or len(self.scratch) < want:
+                    self.scratch = memoryview(bytearray(want))
+                got = sock.recv_into(self.scratch, want, flags)
             if got == 0:
                 raise ConnectionResetError("EOF inside a message")
             self.got += got
@@ -486,37 +504,35 @@ class _Inbound:
         """The header is in: decide where the payload goes."""
         magic, kind, _, check, tag, nbytes = _HEADER.unpack_from(self.head)
         if magic != _MAGIC:
-            raise ConnectionError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
+            raise _ProtocolError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
         self.kind, self.check, self.tag, self.nbytes, self.got = kind, check, tag, nbytes, 0
         self.sink, self.req, self.mismatch, self.data = None, None, False, None
         ch = self.ch
         if kind == _DATA:
             with ch.mlock:
-                req = take_oldest(ch.posted, tag)
+                self.req = req = take_oldest(ch.posted, tag)
             if req is not None:
-                self.req = req
                 self.mismatch = nbytes != req.nbytes or not checks_match(check, req.check)
                 if not self.mismatch and nbytes:
                     assert isinstance(req.view, memoryview)  # host memory only (as_view)
                     self.sink = req.view
-            elif ch.pair._failure is None:  # else nobody will ask for it any more: drop it
+            elif ch.pair._failure is None and ch.failure is None:  # else nobody asks: drop it
                 self.data = bytearray(nbytes)
                 self.sink = memoryview(self.data)
         elif kind == _ABORT:
             if nbytes > MAX_ABORT_REASON_BYTES:
-                raise ConnectionError(f"abort reason of {nbytes} bytes (cap "
-                                      f"{MAX_ABORT_REASON_BYTES})")
+                raise _ProtocolError(f"abort reason of {nbytes} bytes (cap "
+                                     f"{MAX_ABORT_REASON_BYTES})")
             self.data = bytearray(nbytes)
             self.sink = memoryview(self.data)
         elif kind != _CLOSE:
-            raise ConnectionError(f"unknown frame kind {kind}")
+            raise _ProtocolError(f"unknown frame kind {kind}")
 
     def _finish(self) -> None:
-        """The whole frame is in: hand it on, and be ready for the next header."""
+        """The whole frame is in: hand it on, then be ready for the next header (in that order:
+        an interruption in between leaves the request with `_lost`, which fails it)."""
         kind, check, tag, nbytes = self.kind, self.check, self.tag, self.nbytes
         req, data = self.req, self.data
-        self.hgot = self.nbytes = self.got = 0
-        self.sink, self.req, self.data = None, None, None
         ch = self.ch
         pair = ch.pair
         if kind == _DATA:
@@ -527,11 +543,11 @@ class _Inbound:
                     req._complete()
             elif data is not None:
                 with ch.mlock:
-                    req = take_oldest(ch.posted, tag)
-                    if req is None:
+                    taker = take_oldest(ch.posted, tag)
+                    if taker is None:
                         queue_under(ch.unexpected, tag, (check, data))
-                if req is not None:
-                    pair._deliver(req, check, data)
+                if taker is not None:
+                    pair._deliver(taker, check, data)
         elif kind == _ABORT:
             assert data is not None
             error = abort_error(check, pair.peer, data.decode("utf-8", "replace"))
@@ -543,6 +559,16 @@ class _Inbound:
                 ch.sock.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
             except OSError:
                 pass
+        self.hgot = self.nbytes = self.got = 0
+        self.sink, self.req, self.data = None, None, None
+
+    def abandon(self, error_for: Callable[[TcpRequest], DDLError]) -> None:
+        """Fail the request whose payload is coming in (abort, close, socket gone), from any
+        thread; the rest of its payload is read into scratch, not into the caller's buffer."""
+        req = self.req
+        if req is not None:
+            self.sink = None
+            req._fail(error_for(req))
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -739,13 +765,14 @@ class TcpPair(Pair):
                 pending = [r for waiting in ch.posted.values() for r in waiting]
                 ch.posted.clear()
                 ch.unexpected.clear()
-            with ch.scond:
-                kept = [item for item in ch.queue if item[2] is None]  # control frames stay
+            with ch.scond:  # control frames stay, and a frame partly written is finished
+                kept = [item for item in ch.queue if item[2] is None or item[3]]
                 pending += [item[2] for item in ch.queue if item[2] is not None]
                 ch.queue.clear()
                 ch.queue.extend(kept)
             for req in pending:
                 req._fail(copy_error(error))
+            ch.inbound.abandon(lambda req: copy_error(error))
 
     def abort(self, code: int, reason: str) -> None:
         raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
@@ -778,12 +805,11 @@ class TcpPair(Pair):
             if ch.threads:
                 ch.threads[1].join(max(0.0, deadline - time.monotonic()))
         for ch in self._channels:
-            if ch.sock is None:
+            if ch.sock is None:  # never connected (a failed connect may have made its eventfd)
+                with ch.rcond:
+                    ch.release_wake_locked()
                 continue
-            try:
-                ch.sock.shutdown(socket.SHUT_RDWR)  # wakes whatever is still blocked
-            except OSError:
-                pass
+            _shutdown(ch.sock)  # wakes whatever is still blocked
             for thread in ch.threads:
                 thread.join(1.0)
             ch.sock.close()

@@ -870,3 +870,49 @@ def tcp_peer_stalls_mid_frame(rank: int, size: int, stall_s: float = 2.5) -> lis
             raise AssertionError("the receive survived the abort")
         env.barrier("done")
         return out
+
+
+def tcp_abort_while_a_message_is_half_in(rank: int, size: int) -> list[tuple[str, float]]:
+    """Rank 0 sends half of the message rank 1 waits for, then stalls; another thread of rank 1
+    aborts, then (on a second context) closes. The waiting thread, whose request the reader
+    had already taken for that frame, fails at once each time. Returns rank 1's (outcome,
+    seconds after the failure)."""
+    from ddlcore.transports.tcp import _DATA, _HEADER, _MAGIC
+
+    out: list[tuple[str, float]] = []
+    with rank_env(rank, size, "tcp") as env:
+        for how in ("abort", "close"):
+            ctx = env.context(f"held-{how}")
+            pair = ctx.pair(1 - rank)
+            pair.isend(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)  # connected both ways
+            pair.irecv(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)
+            if rank == 0:
+                env.barrier(f"posted-{how}")
+                _tcp_write_raw(pair, _HEADER.pack(_MAGIC, _DATA, 0, 0, 8, 1000) + bytes(10))
+                env.barrier(f"checked-{how}")
+                continue
+            req = pair.irecv(memoryview(bytearray(1000)), 8)
+            env.barrier(f"posted-{how}")
+            failed_at: list[float] = []
+
+            def fail_it(ctx: Context = ctx, how: str = how,
+                        failed_at: list[float] = failed_at) -> None:
+                time.sleep(0.5)  # the header is in by then: the reader holds our request
+                failed_at.append(time.monotonic())
+                if how == "abort":
+                    ctx.abort(ABORT_OTHER, "stopped by another thread")
+                else:
+                    ctx.close()
+
+            th = threading.Thread(target=fail_it)
+            th.start()
+            try:
+                req.wait(3 * TIMEOUT_S)
+            except DDLError as exc:
+                assert not isinstance(exc, DDLTimeoutError), exc
+                out.append((f"{how}: {exc}", time.monotonic() - failed_at[0]))
+            else:
+                raise AssertionError(f"the half-received message survived {how}")
+            th.join(TIMEOUT_S)
+            env.barrier(f"checked-{how}")
+    return out

@@ -166,6 +166,12 @@ def test_tcp_wait_keeps_its_deadline_inside_a_stalled_frame():
     assert "stopped by another thread" in failed and t_failed < 2.0, (failed, t_failed)
 
 
+def test_tcp_abort_or_close_fails_a_half_received_message():
+    _, seen = run_ranks(conf.tcp_abort_while_a_message_is_half_in, 2, timeout=JOB_TIMEOUT_S)
+    assert [outcome.split(":")[0] for outcome, _ in seen] == ["abort", "close"], seen
+    assert all(took < 2.0 for _, took in seen), seen  # the deadline was 15 s
+
+
 # --- TCP specifics (one process: no peer involved) ------------------------------------------------
 def _tcp_context(environ: dict[str, str]):
     from unittest.mock import patch
