@@ -928,7 +928,7 @@ class TcpContext(PairTableContext):
 
 
 class TcpTransport(Transport):
-    """Sockets over any IPv4 network; always available."""
+    """Sockets over any IPv4 network; always available (on Linux, as the rest of ddlcore)."""
 
     name = "tcp"
 
