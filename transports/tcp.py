@@ -176,7 +176,7 @@ class _Channel:
         self.driving: TcpRequest | None = None  # the request whose waiter reads the socket
         self.resume_at = 0.0
         self.wake_fd = -1  # eventfd: asks the reader in poll() to look at its flags again
-        self.waiter_poll = select.poll()  # the driving waiter's: socket and eventfd, from _attach
+        self.waiter_poll = select.poll()  # the driving waiter's (one at a time): set before sock
         self.inbound = _Inbound(self)
 
     # --- sending --------------------------------------------------------------------------------
@@ -275,9 +275,7 @@ class _Channel:
         """The receiver thread: read frames whenever no waiter does (see the module docstring)."""
         sock, cond = self.sock, self.rcond
         assert sock is not None
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        poller.register(self.wake_fd, select.POLLIN)
+        poller = self.socket_and_wake_poll(sock)
         fd = sock.fileno()
         alive = True
         while alive:
@@ -354,6 +352,13 @@ class _Channel:
                     spin_end = time.monotonic() + _SPIN_S
                 else:
                     self.drain()
+
+    def socket_and_wake_poll(self, sock: socket.socket) -> select.poll:
+        """A poll object on ``sock`` and the eventfd (each reader has its own)."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.register(self.wake_fd, select.POLLIN)
+        return poller
 
     def open_wake(self) -> None:
         """Make the eventfd, before the socket is attached (once)."""
@@ -470,9 +475,12 @@ class _Inbound:
         """The stream is unusable: fail the request the frame was for with everything else
         pending, and forget the frame (later reads see the socket's EOF or error)."""
         req = self.req
+        self._next_frame()
+        self.ch.broken(exc, req)
+
+    def _next_frame(self) -> None:
         self.hgot = self.nbytes = self.got = 0
         self.sink, self.req, self.data = None, None, None
-        self.ch.broken(exc, req)
 
     def _read(self, sock: socket.socket, blocking: bool) -> None:
         flags = socket.MSG_WAITALL if blocking else socket.MSG_DONTWAIT
@@ -559,8 +567,7 @@ class _Inbound:
                 ch.sock.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
             except OSError:
                 pass
-        self.hgot = self.nbytes = self.got = 0
-        self.sink, self.req, self.data = None, None, None
+        self._next_frame()
 
     def abandon(self, error_for: Callable[[TcpRequest], DDLError]) -> None:
         """Fail the request whose payload is coming in (abort, close, socket gone), from any
@@ -720,8 +727,7 @@ class TcpPair(Pair):
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         assert ch.wake_fd >= 0  # open_wake() came first: drive polls both once sock is set
-        ch.waiter_poll.register(sock, select.POLLIN)
-        ch.waiter_poll.register(ch.wake_fd, select.POLLIN)
+        ch.waiter_poll = ch.socket_and_wake_poll(sock)
         with ch.scond:
             ch.sock = sock
             if self._abort_frame is not None:  # we aborted before the peer connected: tell it

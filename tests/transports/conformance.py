@@ -405,35 +405,51 @@ def failure_wakes_a_waiter(rank: int, size: int, transport: str) -> list[float]:
     with rank_env(rank, size, transport) as env:
         for how in ("abort", "close"):
             ctx = env.context(how)
-            pair = ctx.pair(1 - rank)
-            pair.isend(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)  # connected both ways
-            pair.irecv(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)
+            pair = _connected_pair(ctx, rank)
             env.barrier(f"connected-{how}")
             if rank == 1:
                 pending = pair.irecv(memoryview(bytearray(8)), 2)
-                failed_at: list[float] = []
-
-                def fail_it(ctx: Context = ctx, how: str = how,
-                            failed_at: list[float] = failed_at) -> None:
-                    time.sleep(0.3)  # the main thread is inside wait() by then
-                    failed_at.append(time.monotonic())
-                    if how == "abort":
-                        ctx.abort(ABORT_OTHER, "stopped by another thread")
-                    else:
-                        ctx.close()
-
-                th = threading.Thread(target=fail_it)
-                th.start()
-                try:
-                    pending.wait(3 * TIMEOUT_S)
-                except DDLError as exc:
-                    assert not isinstance(exc, DDLTimeoutError), exc
-                else:
-                    raise AssertionError(f"the receive survived {how}")
-                took.append(time.monotonic() - failed_at[0])
-                th.join(TIMEOUT_S)
+                # 0.3 s: the main thread is inside wait() by then
+                took.append(_failed_by_another_thread(ctx, pending, how, 0.3)[1])
             env.barrier(f"checked-{how}")
     return took
+
+
+def _connected_pair(ctx: Context, rank: int) -> Any:
+    """The pair to rank ``1 - rank``, connected both ways (one message each way)."""
+    pair = ctx.pair(1 - rank)
+    pair.isend(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)
+    pair.irecv(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)
+    return pair
+
+
+def _failed_by_another_thread(ctx: Context, req: Any, how: str,
+                              delay_s: float) -> tuple[str, float]:
+    """Wait on ``req`` while another thread of this rank, ``delay_s`` later, aborts ``ctx``
+    (``how`` "abort") or closes it: the wait must end with that failure, not its timeout.
+    Returns the error's message and the seconds from the failure to the end of the wait."""
+    failed_at: list[float] = []
+
+    def fail_it() -> None:
+        time.sleep(delay_s)
+        failed_at.append(time.monotonic())
+        if how == "abort":
+            ctx.abort(ABORT_OTHER, "stopped by another thread")
+        else:
+            ctx.close()
+
+    th = threading.Thread(target=fail_it)
+    th.start()
+    try:
+        req.wait(3 * TIMEOUT_S)
+    except DDLError as exc:
+        assert not isinstance(exc, DDLTimeoutError), exc
+        message = str(exc)
+    else:
+        raise AssertionError(f"the receive survived {how}")
+    took = time.monotonic() - failed_at[0]
+    th.join(TIMEOUT_S)
+    return message, took
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -883,9 +899,7 @@ def tcp_abort_while_a_message_is_half_in(rank: int, size: int) -> list[tuple[str
     with rank_env(rank, size, "tcp") as env:
         for how in ("abort", "close"):
             ctx = env.context(f"held-{how}")
-            pair = ctx.pair(1 - rank)
-            pair.isend(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)  # connected both ways
-            pair.irecv(memoryview(bytearray(8)), 1).wait(TIMEOUT_S)
+            pair = _connected_pair(ctx, rank)
             if rank == 0:
                 env.barrier(f"posted-{how}")
                 _tcp_write_raw(pair, _HEADER.pack(_MAGIC, _DATA, 0, 0, 8, 1000) + bytes(10))
@@ -893,26 +907,8 @@ def tcp_abort_while_a_message_is_half_in(rank: int, size: int) -> list[tuple[str
                 continue
             req = pair.irecv(memoryview(bytearray(1000)), 8)
             env.barrier(f"posted-{how}")
-            failed_at: list[float] = []
-
-            def fail_it(ctx: Context = ctx, how: str = how,
-                        failed_at: list[float] = failed_at) -> None:
-                time.sleep(0.5)  # the header is in by then: the reader holds our request
-                failed_at.append(time.monotonic())
-                if how == "abort":
-                    ctx.abort(ABORT_OTHER, "stopped by another thread")
-                else:
-                    ctx.close()
-
-            th = threading.Thread(target=fail_it)
-            th.start()
-            try:
-                req.wait(3 * TIMEOUT_S)
-            except DDLError as exc:
-                assert not isinstance(exc, DDLTimeoutError), exc
-                out.append((f"{how}: {exc}", time.monotonic() - failed_at[0]))
-            else:
-                raise AssertionError(f"the half-received message survived {how}")
-            th.join(TIMEOUT_S)
+            # 0.5 s: the header is in by then, so the reader holds our request
+            message, took = _failed_by_another_thread(ctx, req, how, 0.5)
+            out.append((f"{how}: {message}", took))
             env.barrier(f"checked-{how}")
     return out
