@@ -195,6 +195,22 @@ _declare("DDL_DEBUG", parse_bool, False,
 _declare("DDL_REQUIRE_ALL", parse_bool, False,
          "Tests only: a test that would skip because a component is missing fails instead.")
 
+# --- security and diagnostics ----------------------------------------------------------------
+_declare("DDL_SECRET", str, "",
+         "The job's shared secret: every connection (store, TCP) proves it with an HMAC "
+         "challenge-response before anything else is acted on. ddlrun and MPI launchers provide a "
+         "fresh one per job; empty: DDL_SECRET_FILE, else the per-user ~/.config/ddlcore/secret.")
+_declare("DDL_SECRET_FILE", str, "",
+         "File holding the job's secret (readable by its owner only), used when DDL_SECRET is "
+         "empty.")
+_declare("DDL_FLIGHT_RECORDER", str, "",
+         "Directory where each rank writes its flight record (the last collectives: sequence "
+         "number, collective, size, dtype, op, algorithm, path, times, state) when a collective "
+         "times out or a peer fails; read them with python -m ddlcore.trace DIR. Empty: kept "
+         "in memory only.")
+_declare("DDL_FLIGHT_RECORDER_ENTRIES", _nonneg_int, 1024,
+         "How many of the last collectives the flight recorder keeps (0: off).")
+
 # --- rendezvous (set by ddlrun, or by hand) --------------------------------------------------
 _declare("DDL_RANK", _nonneg_int, None, "This process's rank (set by ddlrun).")
 _declare("DDL_SIZE", _positive_int, None, "Number of ranks in the job (set by ddlrun).")
