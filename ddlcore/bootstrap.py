@@ -14,6 +14,7 @@ from typing import Any
 
 from ddlcore import config, hostcoll, probe, topology
 from ddlcore.algorithms import mdring
+from ddlcore.auth import JobKey, job_secret
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
 from ddlcore.links import Links, level_transports, local_transports
@@ -45,17 +46,20 @@ _servers_lock = threading.Lock()
 _generation: dict[tuple[str, int], int] = {}
 
 
-def _store_for(info: RendezvousInfo, timeout: float) -> Any:
+def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] | None) -> Any:
     from ddlcore.store import PrefixStore, StoreClient, StoreServer
 
     assert info.master_addr is not None and info.master_port is not None
     key = (info.master_addr, info.master_port)
+    secret, origin = job_secret(environ)
+    job_key = JobKey(secret, str(info.master_port), origin)
     with _servers_lock:
         if info.rank == 0 and key not in _servers:
-            _servers[key] = StoreServer(info.master_addr, info.master_port)
+            _servers[key] = StoreServer(info.master_addr, info.master_port, job_key=job_key)
         generation = _generation.get(key, 0)
         _generation[key] = generation + 1
-    client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size)
+    client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank,
+                         size=info.size, job_key=job_key)
     return client, PrefixStore(client, f"g{generation}/")
 
 
@@ -200,7 +204,7 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
     info = resolve_master(info, environ)
     names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
-    client, store = _store_for(info, timeout)
+    client, store = _store_for(info, timeout, environ)
     links: Links | None = None
     host = node = None
     try:

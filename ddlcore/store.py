@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from typing import Any, Protocol
 
+from ddlcore.auth import JobKey, job_secret
 from ddlcore.errors import RendezvousError
 from ddlcore.transports.sockets import recv_exact
 
@@ -56,6 +57,13 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytearray | None:
     return buf if recv_exact(sock, memoryview(buf)) else None
 
 
+def default_key(port: int) -> JobKey:
+    """The key of a store on ``port`` when none is given: this process's job secret
+    (`ddlcore.auth.job_secret`) bound to the port."""
+    secret, origin = job_secret()
+    return JobKey(secret, str(port), origin)
+
+
 def _counter(raw: bytes | None) -> int:
     return 0 if raw is None else int(raw)
 
@@ -69,6 +77,8 @@ class StoreServer:
         Address to bind; only that address is served (``0.0.0.0`` only if given).
     port : int
         TCP port; the bound port is in ``self.port``.
+    job_key : JobKey, optional
+        What clients must prove (default: `default_key` of the bound port).
 
     Raises
     ------
@@ -76,7 +86,8 @@ class StoreServer:
         The address cannot be bound (in use, not an address of this host).
     """
 
-    def __init__(self, host: str, port: int, backlog: int = 4096) -> None:
+    def __init__(self, host: str, port: int, backlog: int = 4096,
+                 job_key: JobKey | None = None) -> None:
         try:
             family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         except OSError as exc:
@@ -95,6 +106,7 @@ class StoreServer:
             ) from None
         self.host = host
         self.port: int = sock.getsockname()[1]
+        self.job_key = job_key if job_key is not None else default_key(self.port)
         self._sock = sock
         self._data: dict[str, bytes] = {}
         self._cond = threading.Condition()
@@ -244,6 +256,9 @@ class StoreClient:
         Default deadline, in seconds, of connecting and of every wait.
     rank, size : int, optional
         This rank and the world size, used in error messages and as `barrier` defaults.
+    job_key : JobKey, optional
+        The job's key, proven to the server (default: `default_key` of ``port``); transports
+        authenticate their connections with it too (``store.job_key``).
 
     Raises
     ------
@@ -252,10 +267,11 @@ class StoreClient:
     """
 
     def __init__(self, host: str, port: int, timeout: float, rank: int | None = None,
-                 size: int | None = None) -> None:
+                 size: int | None = None, job_key: JobKey | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout={timeout} must be positive")
         self.host, self.port, self.timeout = host, int(port), float(timeout)
+        self.job_key = job_key if job_key is not None else default_key(self.port)
         self.rank, self.size = rank, size
         self._lock = threading.Lock()
         self._barrier_seq: dict[str, int] = defaultdict(int)
@@ -460,6 +476,8 @@ class PrefixStore:
         # The master's address: transports find their outgoing interface from it.
         self.host: str = getattr(store, "host", "")
         self.port: int = getattr(store, "port", 0)
+        # The job's key: transports authenticate their connections with it.
+        self.job_key: JobKey | None = getattr(store, "job_key", None)
 
     @property
     def rank(self) -> int | None:
