@@ -184,6 +184,11 @@ class JobKey:
                 f"secrets; ours is from {self.origin or 'unknown'}: give every rank the same "
                 "DDL_SECRET or DDL_SECRET_FILE)")
 
+    def acceptor(self) -> Acceptor:
+        """The acceptor's side of one handshake as a state machine over bytes (`Acceptor`), for
+        servers that serve many connections from one event loop."""
+        return Acceptor(self)
+
     def accept(self, sock: socket.socket, deadline: float) -> bytes:
         """Check the proof of a connector on ``sock``; returns its claim once proven.
 
@@ -194,25 +199,69 @@ class JobKey:
         ConnectionError, TimeoutError, OSError
             The connection broke or ``deadline`` passed.
         """
-        _settimeout(sock, deadline)
-        hello = _recv(sock, _HELLO.size + NONCE_BYTES, deadline)
-        magic, version, nclaim = _HELLO.unpack_from(hello)
-        if magic != _MAGIC or version != PROTOCOL_VERSION or nclaim > MAX_CLAIM_BYTES:
-            raise AuthenticationError("malformed hello")
-        nonce_c = hello[_HELLO.size:]
-        claim = _recv(sock, nclaim, deadline) if nclaim else b""
-        nonce_a = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(_CHALLENGE.pack(_MAGIC, 0) + nonce_a +
-                     self._mac(b"accept", claim, nonce_c, nonce_a))
-        proof = _recv(sock, MAC_BYTES, deadline)
-        if not hmac.compare_digest(proof, self._mac(b"connect", claim, nonce_c, nonce_a)):
-            try:
-                sock.sendall(_VERDICT.pack(_MAGIC, _REFUSED))
-            except OSError:
-                pass
-            raise AuthenticationError("wrong proof of the job's secret")
-        sock.sendall(_VERDICT.pack(_MAGIC, _OK))
-        return claim
+        acceptor = Acceptor(self)
+        while acceptor.claim is None:
+            reply = acceptor.feed(_recv(sock, acceptor.wants, deadline))
+            if acceptor.error is not None:
+                if reply:
+                    try:
+                        sock.sendall(reply)
+                    except OSError:
+                        pass
+                raise AuthenticationError(acceptor.error)
+            if reply:
+                _settimeout(sock, deadline)
+                sock.sendall(reply)
+        return acceptor.claim
+
+
+class Acceptor:
+    """The acceptor's side of the handshake, without I/O: `feed` it exactly `wants` bytes
+    received from the connector, send back what it returns, until `claim` is set (proven) or
+    `error` is (send the returned bytes, if any, then drop the connection).
+
+    It never asks for more than `MAX_CLAIM_BYTES` + `NONCE_BYTES` bytes at a time, so a caller
+    that reads what it wants allocates nothing a peer merely announces, and it judges the hello's
+    first 8 bytes before asking for the rest, so garbage is refused as soon as it arrives.
+    """
+
+    __slots__ = ("_key", "_step", "wants", "claim", "error", "_nonce_c", "_nonce_a",
+                 "_pending_claim")
+
+    def __init__(self, key: JobKey) -> None:
+        self._key = key
+        self._step = 0  # 0: hello header, 1: nonce and claim, 2: proof, 3: done or failed
+        self.wants = _HELLO.size
+        self.claim: bytes | None = None
+        self.error: str | None = None
+        self._nonce_c = self._nonce_a = self._pending_claim = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """Take the `wants` bytes asked for; returns the bytes to send back (maybe none)."""
+        if len(data) != self.wants or self._step == 3:
+            raise ValueError(f"fed {len(data)} bytes, wanted {self.wants} (step {self._step})")
+        if self._step == 0:
+            magic, version, nclaim = _HELLO.unpack(data)
+            if magic != _MAGIC or version != PROTOCOL_VERSION or nclaim > MAX_CLAIM_BYTES:
+                return self._fail("malformed hello", b"")
+            self._step, self.wants = 1, NONCE_BYTES + nclaim
+            return b""
+        if self._step == 1:
+            self._nonce_c, self._pending_claim = bytes(data[:NONCE_BYTES]), bytes(data[NONCE_BYTES:])
+            self._nonce_a = secrets.token_bytes(NONCE_BYTES)
+            self._step, self.wants = 2, MAC_BYTES
+            return (_CHALLENGE.pack(_MAGIC, 0) + self._nonce_a +
+                    self._key._mac(b"accept", self._pending_claim, self._nonce_c, self._nonce_a))
+        expected = self._key._mac(b"connect", self._pending_claim, self._nonce_c, self._nonce_a)
+        if not hmac.compare_digest(bytes(data), expected):
+            return self._fail("wrong proof of the job's secret", _VERDICT.pack(_MAGIC, _REFUSED))
+        self._step, self.wants = 3, 0
+        self.claim = self._pending_claim
+        return _VERDICT.pack(_MAGIC, _OK)
+
+    def _fail(self, why: str, reply: bytes) -> bytes:
+        self._step, self.wants, self.error = 3, 0, why
+        return reply
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:

@@ -1,0 +1,693 @@
+"""The rendezvous store's server: one event-loop thread on rank 0 serves every connection
+(``selectors``, non-blocking sockets), so an idle, slow or abandoned connection costs an fd and a
+few hundred bytes, never a thread, and never delays another.
+
+What it guarantees (the wire format is in ``store_wire``):
+
+- **Authenticated.** A connection proves the job key (``ddlcore.auth``) before any request is
+  read; one that fails, sends garbage, or does not finish within `HANDSHAKE_TIMEOUT_S` is dropped.
+- **Bounded.** At most ``max_connections`` connections; of those still in the handshake, at most
+  `MAX_PENDING` in all and `MAX_PENDING_PER_SOURCE` per source address. Over a cap, the oldest
+  connection still in its handshake is dropped (a real rank finishes its handshake in one round
+  trip and retries if it was the one dropped); authenticated connections are never dropped.
+  Keys and values are read as their bytes arrive (a header announcing 64 MiB allocates nothing);
+  stored values are capped at ``max_bytes`` in all; waits are clamped to ``MAX_WAIT_S``.
+- **Values freed.** A value lives while a connection that set it (or added to it) is open, and a
+  value set with ``readers=n`` goes after its n-th read. Barriers are served here: their state
+  goes when every rank has been answered.
+- **Nothing left.** A client that leaves mid-wait is noticed at once (its socket is watched);
+  `close` drops every connection and joins the thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ddlcore import store_wire as wire
+from ddlcore.auth import Acceptor, JobKey
+from ddlcore.errors import RendezvousError
+
+log = logging.getLogger("ddlcore")
+
+# A real rank's handshake takes one round trip; this only bounds idle and slow strangers.
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_PENDING = 128
+MAX_PENDING_PER_SOURCE = 32
+MAX_CONNECTIONS = 4096
+MAX_STORED_BYTES = 1 << 30
+# Largest single recv: bytes are read as they arrive, at most this much at a time.
+_RECV_CHUNK = 1 << 20
+# Connections accepted per wake-up of the listener, so one flood cannot starve the others.
+_ACCEPTS_PER_WAKE = 64
+# How long the listener rests when the process is out of fds and nothing can be dropped.
+_EMFILE_PAUSE_S = 0.1
+# Timers kept before the answered waits' stale ones are swept out.
+_COMPACT_TIMERS = 4096
+
+_HANDSHAKE, _HEADER, _BODY, _WAITING = range(4)
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    source: str
+    acceptor: Acceptor | None
+    deadline: float
+    phase: int = _HANDSHAKE
+    need: int = 0
+    inbuf: bytearray = field(default_factory=bytearray)
+    header: tuple = ()
+    out: memoryview | None = None
+    wait: _Wait | None = None
+    rank: int | None = None
+    keys: set[str] = field(default_factory=set)
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class _Wait:
+    conn: _Conn
+    op: int
+    key: str
+    arg: int
+
+
+@dataclass(eq=False)
+class _Entry:
+    value: bytes
+    readers: int  # reads left before the value is freed; 0: no limit
+    holders: set[_Conn]
+
+
+@dataclass(eq=False)
+class _Barrier:
+    size: int
+    arrived: bytearray  # bitmap
+    count: int = 0
+    answered: int = 0
+    waiting: list[_Wait] = field(default_factory=list)
+
+
+class StoreServer:
+    """The rendezvous key-value server, listening on exactly ``host:port`` (port 0: any free port).
+
+    Parameters
+    ----------
+    host : str
+        Address to bind; only that address is served (``0.0.0.0`` only if given).
+    port : int
+        TCP port; the bound port is in ``self.port``.
+    backlog : int
+        The listen backlog.
+    job_key : JobKey, optional
+        What clients must prove (default: `ddlcore.store.default_key` of the bound port).
+    max_connections : int
+        Most connections open at once (authenticated or in their handshake).
+    max_bytes : int
+        Most bytes of values stored at once; a SET past it is answered with an error.
+
+    Raises
+    ------
+    RendezvousError
+        The address cannot be bound (in use, not an address of this host).
+    """
+
+    def __init__(self, host: str, port: int, backlog: int = 4096,
+                 job_key: JobKey | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_bytes: int = MAX_STORED_BYTES) -> None:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except OSError as exc:
+            raise RendezvousError(f"cannot serve the rendezvous store at {host}:{port}: "
+                                  f"{host!r} does not resolve ({exc})") from None
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(backlog)
+        except OSError as exc:
+            sock.close()
+            raise RendezvousError(
+                f"cannot serve the rendezvous store at {host}:{port}: {exc.strerror or exc}; "
+                "is another job using that port, or is the address not one of this host's?"
+            ) from None
+        sock.setblocking(False)
+        self.host = host
+        self.port: int = sock.getsockname()[1]
+        if job_key is None:
+            from ddlcore.store import default_key
+
+            job_key = default_key(self.port)
+        self.job_key = job_key
+        self.max_connections = max(1, int(max_connections))
+        self.max_bytes = int(max_bytes)
+        self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._listening = True
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._pending: dict[_Conn, None] = {}  # in their handshake, oldest first
+        self._pending_by_source: dict[str, dict[_Conn, None]] = {}
+        self._data: dict[str, _Entry] = {}
+        self._stored = 0
+        self._waiters: dict[str, list[_Wait]] = {}
+        self._barriers: dict[str, _Barrier] = {}
+        self._timers: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._nclients = 0  # authenticated connections (under _cond: other threads read it)
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=f"ddl-store-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def sockname(self) -> tuple[str, int]:
+        """The address and port actually bound."""
+        return self._sock.getsockname()[:2]
+
+    # --- the event loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                timeout = None
+                if self._timers:
+                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
+                for skey, events in self._selector.select(timeout):
+                    obj = skey.fileobj
+                    if obj is self._sock:
+                        self._guarded(self._accept)
+                    elif obj is self._wake_r:
+                        self._drain_wake()
+                    else:
+                        conn = skey.data
+                        try:
+                            if events & selectors.EVENT_WRITE:
+                                self._write(conn)
+                            if events & selectors.EVENT_READ and not conn.closed:
+                                self._read(conn)
+                        except Exception as exc:  # noqa: BLE001 - one connection, not the loop
+                            self._drop(conn, f"error serving it: {exc!r}")
+                self._guarded(self._fire_timers)
+        finally:
+            for conn in list(self._conns.values()):
+                self._drop(conn, None)
+            self._selector.close()
+            self._sock.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - a bug here must not stop the store for everyone
+            log.debug("store %d: internal error", self.port, exc_info=True)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_WAKE):
+            try:
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if not self._drop_oldest_pending(None):
+                        self._pause_listening()
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue
+                return  # the listener was closed
+            source = addr[0] if isinstance(addr, tuple) else str(addr)
+            by_source = self._pending_by_source.get(source)
+            if by_source is not None and len(by_source) >= MAX_PENDING_PER_SOURCE:
+                self._drop_oldest_pending(source)
+            if len(self._pending) >= MAX_PENDING:
+                self._drop_oldest_pending(None)
+            if len(self._conns) >= self.max_connections and not self._drop_oldest_pending(None):
+                log.debug("store %d: refused a connection from %s: %d connections open",
+                          self.port, source, len(self._conns))
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            acceptor = self.job_key.acceptor()
+            conn = _Conn(sock, source, acceptor, time.monotonic() + HANDSHAKE_TIMEOUT_S,
+                         need=acceptor.wants)
+            self._conns[sock] = conn
+            self._pending[conn] = None
+            self._pending_by_source.setdefault(source, {})[conn] = None
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._timer(conn.deadline, conn)
+
+    def _pause_listening(self) -> None:
+        if self._listening:
+            self._selector.unregister(self._sock)
+            self._listening = False
+            self._timer(time.monotonic() + _EMFILE_PAUSE_S, self._sock)
+
+    def _drop_oldest_pending(self, source: str | None) -> bool:
+        pool = self._pending if source is None else self._pending_by_source.get(source, {})
+        if not pool:
+            return False
+        self._drop(next(iter(pool)), "over the cap on connections in their handshake")
+        return True
+
+    def _timer(self, when: float, what: object) -> None:
+        heapq.heappush(self._timers, (when, next(self._seq), what))
+        if len(self._timers) > _COMPACT_TIMERS and len(self._timers) > 4 * (len(self._conns) + 1):
+            # Answered waits leave their timers behind until due: drop those now and then.
+            self._timers = [t for t in self._timers if self._live(t[2])]
+            heapq.heapify(self._timers)
+
+    def _live(self, what: object) -> bool:
+        if isinstance(what, _Wait):
+            return what.conn.wait is what and not what.conn.closed
+        if isinstance(what, _Conn):
+            return not what.closed and what.phase == _HANDSHAKE
+        return True
+
+    def _fire_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, what = heapq.heappop(self._timers)
+            if what is self._sock:
+                if not self._listening and not self._stop:
+                    self._selector.register(self._sock, selectors.EVENT_READ, None)
+                    self._listening = True
+            elif isinstance(what, _Conn):
+                if self._live(what):
+                    self._drop(what, "handshake not finished in time")
+            elif isinstance(what, _Wait):
+                if self._live(what):
+                    self._expire(what)
+
+    # --- reading and writing --------------------------------------------------------------
+
+    def _read(self, conn: _Conn) -> None:
+        if conn.phase == _WAITING:
+            # A client sends nothing while its request is pending: this is its leaving.
+            try:
+                byte = conn.sock.recv(1)
+            except (BlockingIOError, InterruptedError):
+                return
+            if byte:
+                self._drop(conn, "sent bytes while its request was pending")
+            else:
+                self._drop(conn, None)
+            return
+        try:
+            chunk = conn.sock.recv(min(conn.need - len(conn.inbuf), _RECV_CHUNK))
+        except (BlockingIOError, InterruptedError):
+            return
+        if not chunk:
+            self._drop(conn, None if conn.phase == _HEADER and not conn.inbuf
+                       else "closed in the middle of a message")
+            return
+        conn.inbuf += chunk
+        if len(conn.inbuf) < conn.need:
+            return
+        data, conn.inbuf = conn.inbuf, bytearray()
+        if conn.phase == _HANDSHAKE:
+            self._handshake(conn, bytes(data))
+        elif conn.phase == _HEADER:
+            self._header(conn, bytes(data))
+        else:
+            klen = conn.header[3]
+            self._request(conn, bytes(data[:klen]), bytes(memoryview(data)[klen:]))
+
+    def _handshake(self, conn: _Conn, data: bytes) -> None:
+        acceptor = conn.acceptor
+        assert acceptor is not None
+        reply = acceptor.feed(data)
+        if acceptor.error is not None:
+            if reply:
+                try:
+                    conn.sock.send(reply)
+                except OSError:
+                    pass
+            self._drop(conn, acceptor.error)
+            return
+        if acceptor.claim is None:
+            conn.need = acceptor.wants
+            self._send(conn, reply)
+            return
+        claim = wire.decode_claim(acceptor.claim)
+        if claim is None:
+            self._drop(conn, f"proved the key but claimed {acceptor.claim[:64]!r}")
+            return
+        conn.rank = claim[0]
+        conn.acceptor = None
+        self._pending.pop(conn, None)
+        self._unlist_source(conn)
+        conn.phase, conn.need = _HEADER, wire.REQUEST.size
+        with self._cond:
+            self._nclients += 1
+        self._send(conn, reply)
+
+    def _header(self, conn: _Conn, data: bytes) -> None:
+        header = wire.REQUEST.unpack(data)
+        magic, op, flags, klen, vlen = header[:5]
+        if (magic != wire.MAGIC or flags or op not in wire.OPS or klen > wire.MAX_KEY_BYTES
+                or vlen > wire.MAX_VALUE_BYTES):
+            self._drop(conn, "malformed or oversize request header")
+            return
+        conn.header = header
+        if klen + vlen:
+            conn.phase, conn.need = _BODY, klen + vlen
+        else:
+            self._request(conn, b"", b"")
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        """Send ``data`` (one reply); the rest, if the socket is full, as it drains. A
+        connection with a reply going out is not read: one reply at most is buffered."""
+        if conn.closed or not data:
+            return
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(conn, None)
+            return
+        if sent < len(data):
+            conn.out = memoryview(data)[sent:]
+            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+
+    def _write(self, conn: _Conn) -> None:
+        assert conn.out is not None
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.out = conn.out[sent:]
+        if not len(conn.out):
+            conn.out = None
+            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _reply(self, conn: _Conn, status: int, value: bytes = b"", arg: int = 0) -> None:
+        conn.phase, conn.need, conn.wait = _HEADER, wire.REQUEST.size, None
+        self._send(conn, wire.REPLY.pack(wire.MAGIC, status, 0, len(value), arg) + value)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def _request(self, conn: _Conn, raw_key: bytes, value: bytes) -> None:
+        _, op, _, _, _, arg, wait_ms = conn.header
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError:
+            self._drop(conn, "a key that is not UTF-8")
+            return
+        wait_s = min(max(wait_ms, 0) / 1e3, wire.MAX_WAIT_S)
+        if op == wire.SET:
+            self._set(conn, key, value, max(0, arg))
+        elif op == wire.GET:
+            if not self._try_get(conn, key):
+                self._park(conn, wire.GET, key, 0, wait_s)
+        elif op == wire.CHECK:
+            self._reply(conn, wire.OK if key in self._data else wire.MISSING)
+        elif op == wire.DELETE:
+            entry = self._data.pop(key, None)
+            if entry is not None:
+                self._stored -= len(entry.value)
+            self._reply(conn, wire.MISSING if entry is None else wire.OK)
+        elif op == wire.ADD:
+            self._add(conn, key, arg)
+        elif op == wire.WAIT_GE:
+            current = self._counter(conn, key)
+            if current is None:
+                return
+            if current >= arg:
+                self._reply(conn, wire.OK, b"", current)
+            else:
+                self._park(conn, wire.WAIT_GE, key, arg, wait_s)
+        else:
+            self._barrier(conn, key, arg, wait_s)
+
+    def _hold(self, conn: _Conn, key: str, entry: _Entry) -> None:
+        entry.holders.add(conn)
+        conn.keys.add(key)
+
+    def _set(self, conn: _Conn, key: str, value: bytes, readers: int) -> None:
+        old = self._data.get(key)
+        grown = self._stored - (len(old.value) if old else 0) + len(value)
+        if grown > self.max_bytes:
+            self._reply(conn, wire.ERROR, f"the store holds {self._stored} bytes; storing "
+                        f"{len(value)} more under {key!r} would pass its cap of "
+                        f"{self.max_bytes}".encode())
+            return
+        self._stored = grown
+        entry = _Entry(value, readers, old.holders if old else set())
+        self._data[key] = entry
+        self._hold(conn, key, entry)
+        self._reply(conn, wire.OK)
+        self._wake(key)
+
+    def _try_get(self, conn: _Conn, key: str) -> bool:
+        entry = self._data.get(key)
+        if entry is None:
+            return False
+        if entry.readers:
+            entry.readers -= 1
+            if not entry.readers:
+                self._free(key)
+        self._reply(conn, wire.OK, entry.value)
+        return True
+
+    def _counter(self, conn: _Conn, key: str) -> int | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return 0
+        try:
+            return int(entry.value)
+        except ValueError:
+            self._reply(conn, wire.ERROR, f"key {key!r} does not hold a counter".encode())
+            return None
+
+    def _add(self, conn: _Conn, key: str, amount: int) -> None:
+        current = self._counter(conn, key)
+        if current is None:
+            return
+        current += amount
+        old = self._data.get(key)
+        value = str(current).encode()
+        self._stored += len(value) - (len(old.value) if old else 0)
+        entry = _Entry(value, 0, old.holders if old else set())
+        self._data[key] = entry
+        self._hold(conn, key, entry)
+        self._reply(conn, wire.OK, b"", current)
+        self._wake(key)
+
+    def _free(self, key: str) -> None:
+        entry = self._data.pop(key, None)
+        if entry is not None:
+            self._stored -= len(entry.value)
+
+    def _park(self, conn: _Conn, op: int, key: str, arg: int, wait_s: float) -> None:
+        if wait_s <= 0:
+            self._expire(_Wait(conn, op, key, arg))
+            return
+        wait = _Wait(conn, op, key, arg)
+        conn.wait, conn.phase = wait, _WAITING
+        self._waiters.setdefault(key, []).append(wait)
+        self._timer(time.monotonic() + wait_s, wait)
+
+    def _wake(self, key: str) -> None:
+        waits = self._waiters.get(key)
+        if not waits:
+            return
+        still = []
+        for wait in waits:
+            conn = wait.conn
+            if conn.closed or conn.wait is not wait:
+                continue
+            if wait.op == wire.GET:
+                if not self._try_get(conn, key):
+                    still.append(wait)
+            else:
+                current = self._counter(conn, key)
+                if current is None:
+                    continue  # answered with an error
+                if current >= wait.arg:
+                    self._reply(conn, wire.OK, b"", current)
+                else:
+                    still.append(wait)
+        if still:
+            self._waiters[key] = still
+        else:
+            del self._waiters[key]
+
+    def _unpark(self, wait: _Wait) -> None:
+        if wait.op == wire.BARRIER:
+            barrier = self._barriers.get(wait.key)
+            if barrier is not None and wait in barrier.waiting:
+                barrier.waiting.remove(wait)
+                barrier.answered += 1
+                self._retire(wait.key, barrier)
+            return
+        waits = self._waiters.get(wait.key)
+        if waits is not None and wait in waits:
+            waits.remove(wait)
+            if not waits:
+                del self._waiters[wait.key]
+
+    def _expire(self, wait: _Wait) -> None:
+        """Answer a wait whose time is up: MISSING, with what there is to say."""
+        barrier = self._barriers.get(wait.key) if wait.op == wire.BARRIER else None
+        self._unpark(wait)
+        conn = wait.conn
+        if wait.op == wire.BARRIER:
+            self._reply(conn, wire.MISSING, bytes(barrier.arrived) if barrier else b"",
+                        barrier.count if barrier else 0)
+        elif wait.op == wire.WAIT_GE:
+            current = self._counter(conn, wait.key)
+            if current is not None:
+                self._reply(conn, wire.MISSING, b"", current)
+        else:
+            self._reply(conn, wire.MISSING)
+
+    def _barrier(self, conn: _Conn, key: str, arg: int, wait_s: float) -> None:
+        size, rank = arg >> 32, arg & 0xFFFFFFFF
+        if not 0 < size <= wire.MAX_BARRIER_SIZE or rank >= size:
+            self._reply(conn, wire.ERROR, f"barrier {key!r}: rank {rank} of {size}".encode())
+            return
+        barrier = self._barriers.get(key)
+        if barrier is None:
+            barrier = self._barriers[key] = _Barrier(size, bytearray((size + 7) // 8))
+        if barrier.size != size:
+            self._reply(conn, wire.ERROR, f"barrier {key!r}: rank {rank} says {size} ranks, "
+                        f"an earlier one said {barrier.size}".encode())
+            return
+        byte, bit = rank >> 3, 1 << (rank & 7)
+        if barrier.arrived[byte] & bit:
+            self._reply(conn, wire.ERROR, f"barrier {key!r}: rank {rank} arrived twice (two "
+                        "processes claim that rank, or it called the barrier twice)".encode())
+            return
+        barrier.arrived[byte] |= bit
+        barrier.count += 1
+        if barrier.count < size:
+            wait = _Wait(conn, wire.BARRIER, key, arg)
+            conn.wait, conn.phase = wait, _WAITING
+            barrier.waiting.append(wait)
+            self._timer(time.monotonic() + wait_s, wait)
+            return
+        waiting, barrier.waiting = barrier.waiting, []
+        for wait in waiting:
+            self._reply(wait.conn, wire.OK, b"", size)
+        self._reply(conn, wire.OK, b"", size)
+        barrier.answered += len(waiting) + 1
+        self._retire(key, barrier)
+
+    def _retire(self, key: str, barrier: _Barrier) -> None:
+        if barrier.answered >= barrier.size:
+            del self._barriers[key]
+
+    # --- leaving ----------------------------------------------------------------------------
+
+    def _unlist_source(self, conn: _Conn) -> None:
+        by_source = self._pending_by_source.get(conn.source)
+        if by_source is not None:
+            by_source.pop(conn, None)
+            if not by_source:
+                del self._pending_by_source[conn.source]
+
+    def _drop(self, conn: _Conn, why: str | None) -> None:
+        """Close ``conn`` and release all it held: its wait, its share of values."""
+        if conn.closed:
+            return
+        conn.closed = True
+        if why is not None:
+            log.debug("store %d: dropped a connection from %s (rank %s): %s", self.port,
+                      conn.source, "?" if conn.rank is None else conn.rank, why)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        conn.sock.close()
+        self._conns.pop(conn.sock, None)
+        if conn.acceptor is not None:
+            self._pending.pop(conn, None)
+            self._unlist_source(conn)
+        else:
+            with self._cond:
+                self._nclients -= 1
+                self._cond.notify_all()
+        if conn.wait is not None:
+            self._unpark(conn.wait)
+            conn.wait = None
+        for key in conn.keys:
+            entry = self._data.get(key)
+            if entry is not None:
+                entry.holders.discard(conn)
+                if not entry.holders:
+                    self._free(key)
+        conn.keys.clear()
+        conn.inbuf = bytearray()
+        conn.out = None
+
+    # --- what other threads may call --------------------------------------------------------
+
+    def clients(self) -> int:
+        """How many authenticated client connections are open."""
+        with self._cond:
+            return self._nclients
+
+    def stats(self) -> dict[str, int]:
+        """What the server holds now (approximate when read while it serves): connections
+        open and in their handshake, keys, bytes of values, open barriers, parked waits."""
+        return {"connections": len(self._conns), "pending": len(self._pending),
+                "clients": self.clients(), "keys": len(self._data), "bytes": self._stored,
+                "barriers": len(self._barriers),
+                "waits": sum(len(w) for w in list(self._waiters.values()))}
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no client is connected (at most ``timeout`` seconds); True if none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._nclients, timeout)
+
+    def close(self, timeout: float = 5.0, linger: float = 0.0) -> None:
+        """Stop serving: drop every client connection and join the server's thread.
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds to wait for the server's thread to end.
+        linger : float
+            Seconds to first let clients finish and disconnect on their own, so that the
+            answer to a client's last request is not cut off.
+        """
+        if self._stop:
+            return
+        if linger > 0:
+            self.wait_idle(linger)
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
