@@ -19,7 +19,9 @@ comparison; ``key`` = HMAC(secret, job), so one secret serves many jobs without 
                                         <-  VERDICT  magic u32 | status u32 (0 ok, 1 refused)
 
 A claim is at most `MAX_CLAIM_BYTES`, read only after its length is checked; nothing here
-allocates what a peer announces beyond that. Payloads after the handshake are not encrypted or
+allocates what a peer announces beyond that. `JobKey.accept` serves one socket, blocking until a
+deadline; `Acceptor` is the same acceptor side without I/O, for a server that runs many
+handshakes from one event loop (the rendezvous store). Payloads after the handshake are not encrypted or
 authenticated: an attacker on the network path is out of scope (see SECURITY.md).
 """
 
@@ -50,6 +52,8 @@ _VERDICT = struct.Struct("<II")
 _OK, _REFUSED = 0, 1
 _KEY_LABEL = b"ddlcore job key v1\0"
 _SECRET_BYTES = 32
+_ADVICE = ("Give every rank the same DDL_SECRET or DDL_SECRET_FILE (ddlrun and mpiexec provide "
+           "one themselves; under torchrun, srun or by hand, set one)")
 
 
 class AuthenticationError(DDLError):
@@ -174,15 +178,15 @@ class JobKey:
         mac_a = challenge[_CHALLENGE.size + NONCE_BYTES:]
         if not hmac.compare_digest(mac_a, self._mac(b"accept", claim, nonce_c, nonce_a)):
             raise AuthenticationError(
-                "the other end could not prove it holds this job's secret (it belongs to "
-                f"another job, or holds another secret; ours is from {self.origin or 'unknown'})")
+                "the other end could not prove it holds this job's secret: it belongs to another "
+                f"job, or holds another secret (ours is from {self.origin or 'unknown'}). "
+                + _ADVICE)
         sock.sendall(self._mac(b"connect", claim, nonce_c, nonce_a))
         magic, status = _VERDICT.unpack(_recv(sock, _VERDICT.size, deadline))
         if magic != _MAGIC or status != _OK:
             raise AuthenticationError(
-                "the other end refused our proof of the job's secret (the ranks hold different "
-                f"secrets; ours is from {self.origin or 'unknown'}: give every rank the same "
-                "DDL_SECRET or DDL_SECRET_FILE)")
+                "the other end refused our proof of the job's secret: the ranks hold different "
+                f"secrets (ours is from {self.origin or 'unknown'}). " + _ADVICE)
 
     def acceptor(self) -> Acceptor:
         """The acceptor's side of one handshake as a state machine over bytes (`Acceptor`), for

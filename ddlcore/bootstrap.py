@@ -64,6 +64,7 @@ def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] 
     else:
         secret, origin = job_secret(environ)
     job_key = JobKey(secret, str(info.master_port), origin)
+    log.debug("rank %d: the job's secret comes from %s", info.rank, origin)
     with _servers_lock:
         if info.rank == 0 and key not in _servers:
             _servers[key] = StoreServer(info.master_addr, info.master_port, job_key=job_key,

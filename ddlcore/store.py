@@ -81,8 +81,11 @@ class StoreClient:
 
     Raises
     ------
-    RendezvousError
-        The store could not be reached within ``timeout``.
+    StoreAuthenticationError
+        The store refused this rank's proof of the job key, or could not prove it itself (the
+        ranks hold different secrets; the message says where this rank's came from).
+    StoreUnreachableError
+        The store could not be reached (and its handshake completed) within ``timeout``.
     """
 
     def __init__(self, host: str, port: int, timeout: float, rank: int | None = None,
@@ -131,10 +134,8 @@ class StoreClient:
                 except AuthenticationError as exc:
                     sock.close()
                     raise StoreAuthenticationError(
-                        f"{self._who()}cannot join the rendezvous store at {self.address}: {exc}. "
-                        "Every rank needs the same secret: ddlrun and mpiexec provide one "
-                        "themselves; under torchrun, srun or by hand, set DDL_SECRET (or "
-                        "DDL_SECRET_FILE) to the same value on every rank") from None
+                        f"{self._who()}cannot join the rendezvous store at {self.address}: {exc}"
+                    ) from None
                 except (OSError, ConnectionError, TimeoutError) as exc:
                     # Dropped during the handshake (the server sheds handshakes when strangers
                     # crowd it) or not answered in time: try again until the deadline.

@@ -12,9 +12,11 @@ What it guarantees (the wire format is in ``store_wire``):
   trip and retries if it was the one dropped); authenticated connections are never dropped.
   Keys and values are read as their bytes arrive (a header announcing 64 MiB allocates nothing);
   stored values are capped at ``max_bytes`` in all; waits are clamped to ``MAX_WAIT_S``.
-- **Values freed.** A value lives while a connection that set it (or added to it) is open, and a
-  value set with ``readers=n`` goes after its n-th read. Barriers are served here: their state
-  goes when every rank has been answered.
+- **Values freed.** A value set with ``readers=n`` goes after its n-th read (a record every rank
+  reads once); barriers are served here, and their state goes when every rank has been answered;
+  everything goes when the last client leaves. A value whose readers are not known beforehand
+  (a transport's address, read lazily by the peers that connect to it, maybe after its owner
+  left) stays until then, within ``max_bytes``.
 - **Nothing left.** A client that leaves mid-wait is noticed at once (its socket is watched);
   `close` drops every connection and joins the thread.
 """
@@ -69,7 +71,6 @@ class _Conn:
     out: memoryview | None = None
     wait: _Wait | None = None
     rank: int | None = None
-    keys: set[str] = field(default_factory=set)
     closed: bool = False
 
 
@@ -85,7 +86,6 @@ class _Wait:
 class _Entry:
     value: bytes
     readers: int  # reads left before the value is freed; 0: no limit
-    holders: set[_Conn]
 
 
 @dataclass(eq=False)
@@ -443,10 +443,6 @@ class StoreServer:
         else:
             self._barrier(conn, key, arg, wait_s)
 
-    def _hold(self, conn: _Conn, key: str, entry: _Entry) -> None:
-        entry.holders.add(conn)
-        conn.keys.add(key)
-
     def _set(self, conn: _Conn, key: str, value: bytes, readers: int) -> None:
         old = self._data.get(key)
         grown = self._stored - (len(old.value) if old else 0) + len(value)
@@ -456,9 +452,7 @@ class StoreServer:
                         f"{self.max_bytes}".encode())
             return
         self._stored = grown
-        entry = _Entry(value, readers, old.holders if old else set())
-        self._data[key] = entry
-        self._hold(conn, key, entry)
+        self._data[key] = _Entry(value, readers)
         self._reply(conn, wire.OK)
         self._wake(key)
 
@@ -491,9 +485,7 @@ class StoreServer:
         old = self._data.get(key)
         value = str(current).encode()
         self._stored += len(value) - (len(old.value) if old else 0)
-        entry = _Entry(value, 0, old.holders if old else set())
-        self._data[key] = entry
-        self._hold(conn, key, entry)
+        self._data[key] = _Entry(value, 0)
         self._reply(conn, wire.OK, b"", current)
         self._wake(key)
 
@@ -611,7 +603,8 @@ class StoreServer:
                 del self._pending_by_source[conn.source]
 
     def _drop(self, conn: _Conn, why: str | None) -> None:
-        """Close ``conn`` and release all it held: its wait, its share of values."""
+        """Close ``conn`` and release what it held: its wait; when it was the last client, every
+        value."""
         if conn.closed:
             return
         conn.closed = True
@@ -631,16 +624,14 @@ class StoreServer:
             with self._cond:
                 self._nclients -= 1
                 self._cond.notify_all()
+                last = not self._nclients
+            if last:  # the job has left: what it stored goes with it
+                self._data.clear()
+                self._barriers.clear()
+                self._stored = 0
         if conn.wait is not None:
             self._unpark(conn.wait)
             conn.wait = None
-        for key in conn.keys:
-            entry = self._data.get(key)
-            if entry is not None:
-                entry.holders.discard(conn)
-                if not entry.holders:
-                    self._free(key)
-        conn.keys.clear()
         conn.inbuf = bytearray()
         conn.out = None
 
