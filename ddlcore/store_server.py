@@ -12,11 +12,8 @@ What it guarantees (the wire format is in ``store_wire``):
   trip and retries if it was the one dropped); authenticated connections are never dropped.
   Keys and values are read as their bytes arrive (a header announcing 64 MiB allocates nothing);
   stored values are capped at ``max_bytes`` in all; waits are clamped to ``MAX_WAIT_S``.
-- **Values freed.** A value set with ``readers=n`` goes after its n-th read (a record every rank
-  reads once); barriers are served here, and their state goes when every rank has been answered;
-  everything goes when the last client leaves. A value whose readers are not known beforehand
-  (a transport's address, read lazily by the peers that connect to it, maybe after its owner
-  left) stays until then, within ``max_bytes``.
+- **Values freed** (the rules are ``store_table``'s): after their declared reads, barriers once
+  answered, everything when the last client leaves; the rest within ``max_bytes``.
 - **Nothing left.** A client that leaves mid-wait is noticed at once (its socket is watched);
   `close` drops every connection and joins the thread.
 """
@@ -37,6 +34,7 @@ from dataclasses import dataclass, field
 from ddlcore import store_wire as wire
 from ddlcore.auth import Acceptor, JobKey
 from ddlcore.errors import RendezvousError
+from ddlcore.store_table import StoreTable, Wait
 
 log = logging.getLogger("ddlcore")
 
@@ -55,7 +53,7 @@ _EMFILE_PAUSE_S = 0.1
 # Timers kept before the answered waits' stale ones are swept out.
 _COMPACT_TIMERS = 4096
 
-_HANDSHAKE, _HEADER, _BODY, _WAITING = range(4)
+_HANDSHAKE, _HEADER, _BODY = range(3)
 
 
 @dataclass(eq=False)
@@ -69,32 +67,9 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     header: tuple = ()
     out: memoryview | None = None
-    wait: _Wait | None = None
+    wait: Wait | None = None
     rank: int | None = None
     closed: bool = False
-
-
-@dataclass(eq=False)
-class _Wait:
-    conn: _Conn
-    op: int
-    key: str
-    arg: int
-
-
-@dataclass(eq=False)
-class _Entry:
-    value: bytes
-    readers: int  # reads left before the value is freed; 0: no limit
-
-
-@dataclass(eq=False)
-class _Barrier:
-    size: int
-    arrived: bytearray  # bitmap
-    count: int = 0
-    answered: int = 0
-    waiting: list[_Wait] = field(default_factory=list)
 
 
 class StoreServer:
@@ -149,7 +124,6 @@ class StoreServer:
             job_key = default_key(self.port)
         self.job_key = job_key
         self.max_connections = max(1, int(max_connections))
-        self.max_bytes = int(max_bytes)
         self._sock = sock
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -161,10 +135,7 @@ class StoreServer:
         self._conns: dict[socket.socket, _Conn] = {}
         self._pending: dict[_Conn, None] = {}  # in their handshake, oldest first
         self._pending_by_source: dict[str, dict[_Conn, None]] = {}
-        self._data: dict[str, _Entry] = {}
-        self._stored = 0
-        self._waiters: dict[str, list[_Wait]] = {}
-        self._barriers: dict[str, _Barrier] = {}
+        self._table = StoreTable(self._reply, self._timer, int(max_bytes))
         self._timers: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -280,7 +251,7 @@ class StoreServer:
             heapq.heapify(self._timers)
 
     def _live(self, what: object) -> bool:
-        if isinstance(what, _Wait):
+        if isinstance(what, Wait):
             return what.conn.wait is what and not what.conn.closed
         if isinstance(what, _Conn):
             return not what.closed and what.phase == _HANDSHAKE
@@ -297,14 +268,14 @@ class StoreServer:
             elif isinstance(what, _Conn):
                 if self._live(what):
                     self._drop(what, "handshake not finished in time")
-            elif isinstance(what, _Wait):
+            elif isinstance(what, Wait):
                 if self._live(what):
-                    self._expire(what)
+                    self._table.expire(what)
 
     # --- reading and writing --------------------------------------------------------------
 
     def _read(self, conn: _Conn) -> None:
-        if conn.phase == _WAITING:
+        if conn.wait is not None:
             # A client sends nothing while its request is pending: this is its leaving.
             try:
                 byte = conn.sock.recv(1)
@@ -334,6 +305,15 @@ class StoreServer:
         else:
             klen = conn.header[3]
             self._request(conn, bytes(data[:klen]), bytes(memoryview(data)[klen:]))
+
+    def _request(self, conn: _Conn, raw_key: bytes, value: bytes) -> None:
+        _, op, _, _, _, arg, wait_ms = conn.header
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError:
+            self._drop(conn, "a key that is not UTF-8")
+            return
+        self._table.request(conn, op, key, value, arg, min(max(wait_ms, 0) / 1e3, wire.MAX_WAIT_S))
 
     def _handshake(self, conn: _Conn, data: bytes) -> None:
         acceptor = conn.acceptor
@@ -410,189 +390,6 @@ class StoreServer:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def _request(self, conn: _Conn, raw_key: bytes, value: bytes) -> None:
-        _, op, _, _, _, arg, wait_ms = conn.header
-        try:
-            key = raw_key.decode("utf-8")
-        except UnicodeDecodeError:
-            self._drop(conn, "a key that is not UTF-8")
-            return
-        wait_s = min(max(wait_ms, 0) / 1e3, wire.MAX_WAIT_S)
-        if op == wire.SET:
-            self._set(conn, key, value, max(0, arg))
-        elif op == wire.GET:
-            if not self._try_get(conn, key):
-                self._park(conn, wire.GET, key, 0, wait_s)
-        elif op == wire.CHECK:
-            self._reply(conn, wire.OK if key in self._data else wire.MISSING)
-        elif op == wire.DELETE:
-            entry = self._data.pop(key, None)
-            if entry is not None:
-                self._stored -= len(entry.value)
-            self._reply(conn, wire.MISSING if entry is None else wire.OK)
-        elif op == wire.ADD:
-            self._add(conn, key, arg)
-        elif op == wire.WAIT_GE:
-            current = self._counter(conn, key)
-            if current is None:
-                return
-            if current >= arg:
-                self._reply(conn, wire.OK, b"", current)
-            else:
-                self._park(conn, wire.WAIT_GE, key, arg, wait_s)
-        else:
-            self._barrier(conn, key, arg, wait_s)
-
-    def _set(self, conn: _Conn, key: str, value: bytes, readers: int) -> None:
-        old = self._data.get(key)
-        grown = self._stored - (len(old.value) if old else 0) + len(value)
-        if grown > self.max_bytes:
-            self._reply(conn, wire.ERROR, f"the store holds {self._stored} bytes; storing "
-                        f"{len(value)} more under {key!r} would pass its cap of "
-                        f"{self.max_bytes}".encode())
-            return
-        self._stored = grown
-        self._data[key] = _Entry(value, readers)
-        self._reply(conn, wire.OK)
-        self._wake(key)
-
-    def _try_get(self, conn: _Conn, key: str) -> bool:
-        entry = self._data.get(key)
-        if entry is None:
-            return False
-        if entry.readers:
-            entry.readers -= 1
-            if not entry.readers:
-                self._free(key)
-        self._reply(conn, wire.OK, entry.value)
-        return True
-
-    def _counter(self, conn: _Conn, key: str) -> int | None:
-        entry = self._data.get(key)
-        if entry is None:
-            return 0
-        try:
-            return int(entry.value)
-        except ValueError:
-            self._reply(conn, wire.ERROR, f"key {key!r} does not hold a counter".encode())
-            return None
-
-    def _add(self, conn: _Conn, key: str, amount: int) -> None:
-        current = self._counter(conn, key)
-        if current is None:
-            return
-        current += amount
-        old = self._data.get(key)
-        value = str(current).encode()
-        self._stored += len(value) - (len(old.value) if old else 0)
-        self._data[key] = _Entry(value, 0)
-        self._reply(conn, wire.OK, b"", current)
-        self._wake(key)
-
-    def _free(self, key: str) -> None:
-        entry = self._data.pop(key, None)
-        if entry is not None:
-            self._stored -= len(entry.value)
-
-    def _park(self, conn: _Conn, op: int, key: str, arg: int, wait_s: float) -> None:
-        if wait_s <= 0:
-            self._expire(_Wait(conn, op, key, arg))
-            return
-        wait = _Wait(conn, op, key, arg)
-        conn.wait, conn.phase = wait, _WAITING
-        self._waiters.setdefault(key, []).append(wait)
-        self._timer(time.monotonic() + wait_s, wait)
-
-    def _wake(self, key: str) -> None:
-        waits = self._waiters.get(key)
-        if not waits:
-            return
-        still = []
-        for wait in waits:
-            conn = wait.conn
-            if conn.closed or conn.wait is not wait:
-                continue
-            if wait.op == wire.GET:
-                if not self._try_get(conn, key):
-                    still.append(wait)
-            else:
-                current = self._counter(conn, key)
-                if current is None:
-                    continue  # answered with an error
-                if current >= wait.arg:
-                    self._reply(conn, wire.OK, b"", current)
-                else:
-                    still.append(wait)
-        if still:
-            self._waiters[key] = still
-        else:
-            del self._waiters[key]
-
-    def _unpark(self, wait: _Wait) -> None:
-        if wait.op == wire.BARRIER:
-            barrier = self._barriers.get(wait.key)
-            if barrier is not None and wait in barrier.waiting:
-                barrier.waiting.remove(wait)
-                barrier.answered += 1
-                self._retire(wait.key, barrier)
-            return
-        waits = self._waiters.get(wait.key)
-        if waits is not None and wait in waits:
-            waits.remove(wait)
-            if not waits:
-                del self._waiters[wait.key]
-
-    def _expire(self, wait: _Wait) -> None:
-        """Answer a wait whose time is up: MISSING, with what there is to say."""
-        barrier = self._barriers.get(wait.key) if wait.op == wire.BARRIER else None
-        self._unpark(wait)
-        conn = wait.conn
-        if wait.op == wire.BARRIER:
-            self._reply(conn, wire.MISSING, bytes(barrier.arrived) if barrier else b"",
-                        barrier.count if barrier else 0)
-        elif wait.op == wire.WAIT_GE:
-            current = self._counter(conn, wait.key)
-            if current is not None:
-                self._reply(conn, wire.MISSING, b"", current)
-        else:
-            self._reply(conn, wire.MISSING)
-
-    def _barrier(self, conn: _Conn, key: str, arg: int, wait_s: float) -> None:
-        size, rank = arg >> 32, arg & 0xFFFFFFFF
-        if not 0 < size <= wire.MAX_BARRIER_SIZE or rank >= size:
-            self._reply(conn, wire.ERROR, f"barrier {key!r}: rank {rank} of {size}".encode())
-            return
-        barrier = self._barriers.get(key)
-        if barrier is None:
-            barrier = self._barriers[key] = _Barrier(size, bytearray((size + 7) // 8))
-        if barrier.size != size:
-            self._reply(conn, wire.ERROR, f"barrier {key!r}: rank {rank} says {size} ranks, "
-                        f"an earlier one said {barrier.size}".encode())
-            return
-        byte, bit = rank >> 3, 1 << (rank & 7)
-        if barrier.arrived[byte] & bit:
-            self._reply(conn, wire.ERROR, f"barrier {key!r}: rank {rank} arrived twice (two "
-                        "processes claim that rank, or it called the barrier twice)".encode())
-            return
-        barrier.arrived[byte] |= bit
-        barrier.count += 1
-        if barrier.count < size:
-            wait = _Wait(conn, wire.BARRIER, key, arg)
-            conn.wait, conn.phase = wait, _WAITING
-            barrier.waiting.append(wait)
-            self._timer(time.monotonic() + wait_s, wait)
-            return
-        waiting, barrier.waiting = barrier.waiting, []
-        for wait in waiting:
-            self._reply(wait.conn, wire.OK, b"", size)
-        self._reply(conn, wire.OK, b"", size)
-        barrier.answered += len(waiting) + 1
-        self._retire(key, barrier)
-
-    def _retire(self, key: str, barrier: _Barrier) -> None:
-        if barrier.answered >= barrier.size:
-            del self._barriers[key]
-
     # --- leaving ----------------------------------------------------------------------------
 
     def _unlist_source(self, conn: _Conn) -> None:
@@ -626,11 +423,9 @@ class StoreServer:
                 self._cond.notify_all()
                 last = not self._nclients
             if last:  # the job has left: what it stored goes with it
-                self._data.clear()
-                self._barriers.clear()
-                self._stored = 0
+                self._table.clear()
         if conn.wait is not None:
-            self._unpark(conn.wait)
+            self._table.leave(conn.wait)
             conn.wait = None
         conn.inbuf = bytearray()
         conn.out = None
@@ -646,9 +441,7 @@ class StoreServer:
         """What the server holds now (approximate when read while it serves): connections
         open and in their handshake, keys, bytes of values, open barriers, parked waits."""
         return {"connections": len(self._conns), "pending": len(self._pending),
-                "clients": self.clients(), "keys": len(self._data), "bytes": self._stored,
-                "barriers": len(self._barriers),
-                "waits": sum(len(w) for w in list(self._waiters.values()))}
+                "clients": self.clients(), **self._table.stats()}
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no client is connected (at most ``timeout`` seconds); True if none is."""
