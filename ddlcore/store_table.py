@@ -110,13 +110,13 @@ class StoreTable:
         grown = self._stored - (len(old.value) if old else 0) + len(value)
         if grown > self.max_bytes:
             self._answer(conn, wire.ERROR, f"the store holds {self._stored} bytes; storing "
-                        f"{len(value)} more under {key!r} would pass its cap of "
-                        f"{self.max_bytes}".encode())
+                         f"{len(value)} more under {key!r} would pass its cap of "
+                         f"{self.max_bytes}".encode())
             return
         self._stored = grown
         self._data[key] = _Entry(value, readers)
+        self._wake(key)  # first: the value may be read out (readers) before the setter hears
         self._answer(conn, wire.OK)
-        self._wake(key)
 
     def _try_get(self, conn: Any, key: str) -> bool:
         entry = self._data.get(key)
@@ -148,8 +148,8 @@ class StoreTable:
         value = str(current).encode()
         self._stored += len(value) - (len(old.value) if old else 0)
         self._data[key] = _Entry(value, 0)
-        self._answer(conn, wire.OK, b"", current)
         self._wake(key)
+        self._answer(conn, wire.OK, b"", current)
 
     def _free(self, key: str) -> None:
         entry = self._data.pop(key, None)
@@ -166,11 +166,11 @@ class StoreTable:
         self._timer(time.monotonic() + wait_s, wait)
 
     def _wake(self, key: str) -> None:
-        waits = self._waiters.get(key)
+        waits = self._waiters.pop(key, None)
         if not waits:
             return
         still = []
-        for wait in waits:
+        for wait in waits:  # (answering cannot park or unpark: the list is ours alone)
             conn = wait.conn
             if conn.wait is not wait:
                 continue
@@ -186,9 +186,7 @@ class StoreTable:
                 else:
                     still.append(wait)
         if still:
-            self._waiters[key] = still
-        else:
-            del self._waiters[key]
+            self._waiters.setdefault(key, []).extend(still)
 
     def leave(self, wait: Wait) -> None:
         """Forget ``wait`` (its client left, or its time is up)."""
@@ -230,12 +228,12 @@ class StoreTable:
             barrier = self._barriers[key] = _Barrier(size, bytearray((size + 7) // 8))
         if barrier.size != size:
             self._answer(conn, wire.ERROR, f"barrier {key!r}: rank {rank} says {size} ranks, "
-                        f"an earlier one said {barrier.size}".encode())
+                         f"an earlier one said {barrier.size}".encode())
             return
         byte, bit = rank >> 3, 1 << (rank & 7)
         if barrier.arrived[byte] & bit:
             self._answer(conn, wire.ERROR, f"barrier {key!r}: rank {rank} arrived twice (two "
-                        "processes claim that rank, or it called the barrier twice)".encode())
+                         "processes claim that rank, or it called the barrier twice)".encode())
             return
         barrier.arrived[byte] |= bit
         barrier.count += 1
@@ -246,11 +244,11 @@ class StoreTable:
             self._timer(time.monotonic() + wait_s, wait)
             return
         waiting, barrier.waiting = barrier.waiting, []
+        barrier.answered += len(waiting) + 1
+        self._retire(key, barrier)  # first: a rank answered may look at once
         for wait in waiting:
             self._answer(wait.conn, wire.OK, b"", size)
         self._answer(conn, wire.OK, b"", size)
-        barrier.answered += len(waiting) + 1
-        self._retire(key, barrier)
 
     def _retire(self, key: str, barrier: _Barrier) -> None:
         if barrier.answered >= barrier.size:
