@@ -32,7 +32,9 @@ _AUTH_MAGIC = 0xDD1A7E57
 # A store server in a process of its own, so that its memory, fds and threads can be read
 # from /proc while strangers work on it. It prints its port, then serves until stdin closes.
 _SERVER = """
-import sys
+import resource, sys
+if len(sys.argv) > 2:  # a cap on this process's fds
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]),) * 2)
 from ddlcore.auth import JobKey
 from ddlcore.store import StoreServer
 srv = StoreServer("127.0.0.1", 0, job_key=JobKey(sys.argv[1].encode(), "job"))
@@ -43,10 +45,10 @@ srv.close()
 
 
 class ServerProcess:
-    def __init__(self) -> None:
+    def __init__(self, *limits: str) -> None:
         self.secret = new_secret()
         self.key = JobKey(self.secret.encode(), "job")
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.secret],
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.secret, *limits],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.port = int(self.proc.stdout.readline())
@@ -304,6 +306,33 @@ def test_connection_caps_hold_and_a_real_client_still_gets_in():
             sock.close()
         for c in clients:
             c.close()
+
+
+def test_a_store_out_of_fds_sheds_strangers_and_keeps_serving():
+    """Rank 0 with few fds left: strangers' connections fill them; the store sheds the oldest
+    handshakes (or rests its listener) instead of failing, and a real rank still gets in."""
+    srv = ServerProcess("24")  # about 10 in use before any stranger comes
+    try:
+        with srv.client() as first:
+            first.set("k", b"v")
+            crowd = []
+            for _ in range(60):
+                try:
+                    crowd.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+                except OSError:
+                    break
+            time.sleep(0.5)
+            with srv.client(timeout=20.0) as late:  # sheds a stranger's handshake to get in
+                assert late.get("k") == b"v"
+            for sock in crowd:
+                sock.close()
+            assert first.get("k") == b"v"
+        err = srv.stop()
+        assert "Traceback" not in err, err
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.communicate()
 
 
 def test_values_are_freed_when_read_by_all_or_when_the_job_leaves():
