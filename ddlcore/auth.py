@@ -19,7 +19,9 @@ comparison; ``key`` = HMAC(secret, job), so one secret serves many jobs without 
                                         <-  VERDICT  magic u32 | status u32 (0 ok, 1 refused)
 
 A claim is at most `MAX_CLAIM_BYTES`, read only after its length is checked; nothing here
-allocates what a peer announces beyond that. Payloads after the handshake are not encrypted or
+allocates what a peer announces beyond that. `JobKey.accept` serves one socket, blocking until a
+deadline; `Acceptor` is the same acceptor side without I/O, for a server that runs many
+handshakes from one event loop (the rendezvous store). Payloads after the handshake are not encrypted or
 authenticated: an attacker on the network path is out of scope (see SECURITY.md).
 """
 
@@ -50,6 +52,8 @@ _VERDICT = struct.Struct("<II")
 _OK, _REFUSED = 0, 1
 _KEY_LABEL = b"ddlcore job key v1\0"
 _SECRET_BYTES = 32
+_ADVICE = ("Give every rank the same DDL_SECRET or DDL_SECRET_FILE (ddlrun and mpiexec provide "
+           "one themselves; under torchrun, srun or by hand, set one)")
 
 
 class AuthenticationError(DDLError):
@@ -174,15 +178,20 @@ class JobKey:
         mac_a = challenge[_CHALLENGE.size + NONCE_BYTES:]
         if not hmac.compare_digest(mac_a, self._mac(b"accept", claim, nonce_c, nonce_a)):
             raise AuthenticationError(
-                "the other end could not prove it holds this job's secret (it belongs to "
-                f"another job, or holds another secret; ours is from {self.origin or 'unknown'})")
+                "the other end could not prove it holds this job's secret: it belongs to another "
+                f"job, or holds another secret (ours is from {self.origin or 'unknown'}). "
+                + _ADVICE)
         sock.sendall(self._mac(b"connect", claim, nonce_c, nonce_a))
         magic, status = _VERDICT.unpack(_recv(sock, _VERDICT.size, deadline))
         if magic != _MAGIC or status != _OK:
             raise AuthenticationError(
-                "the other end refused our proof of the job's secret (the ranks hold different "
-                f"secrets; ours is from {self.origin or 'unknown'}: give every rank the same "
-                "DDL_SECRET or DDL_SECRET_FILE)")
+                "the other end refused our proof of the job's secret: the ranks hold different "
+                f"secrets (ours is from {self.origin or 'unknown'}). " + _ADVICE)
+
+    def acceptor(self) -> Acceptor:
+        """The acceptor's side of one handshake as a state machine over bytes (`Acceptor`), for
+        servers that serve many connections from one event loop."""
+        return Acceptor(self)
 
     def accept(self, sock: socket.socket, deadline: float) -> bytes:
         """Check the proof of a connector on ``sock``; returns its claim once proven.
@@ -194,25 +203,69 @@ class JobKey:
         ConnectionError, TimeoutError, OSError
             The connection broke or ``deadline`` passed.
         """
-        _settimeout(sock, deadline)
-        hello = _recv(sock, _HELLO.size + NONCE_BYTES, deadline)
-        magic, version, nclaim = _HELLO.unpack_from(hello)
-        if magic != _MAGIC or version != PROTOCOL_VERSION or nclaim > MAX_CLAIM_BYTES:
-            raise AuthenticationError("malformed hello")
-        nonce_c = hello[_HELLO.size:]
-        claim = _recv(sock, nclaim, deadline) if nclaim else b""
-        nonce_a = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(_CHALLENGE.pack(_MAGIC, 0) + nonce_a +
-                     self._mac(b"accept", claim, nonce_c, nonce_a))
-        proof = _recv(sock, MAC_BYTES, deadline)
-        if not hmac.compare_digest(proof, self._mac(b"connect", claim, nonce_c, nonce_a)):
-            try:
-                sock.sendall(_VERDICT.pack(_MAGIC, _REFUSED))
-            except OSError:
-                pass
-            raise AuthenticationError("wrong proof of the job's secret")
-        sock.sendall(_VERDICT.pack(_MAGIC, _OK))
-        return claim
+        acceptor = Acceptor(self)
+        while acceptor.claim is None:
+            reply = acceptor.feed(_recv(sock, acceptor.wants, deadline))
+            if acceptor.error is not None:
+                if reply:
+                    try:
+                        sock.sendall(reply)
+                    except OSError:
+                        pass
+                raise AuthenticationError(acceptor.error)
+            if reply:
+                _settimeout(sock, deadline)
+                sock.sendall(reply)
+        return acceptor.claim
+
+
+class Acceptor:
+    """The acceptor's side of the handshake, without I/O: `feed` it exactly `wants` bytes
+    received from the connector, send back what it returns, until `claim` is set (proven) or
+    `error` is (send the returned bytes, if any, then drop the connection).
+
+    It never asks for more than `MAX_CLAIM_BYTES` + `NONCE_BYTES` bytes at a time, so a caller
+    that reads what it wants allocates nothing a peer merely announces, and it judges the hello's
+    first 8 bytes before asking for the rest, so garbage is refused as soon as it arrives.
+    """
+
+    __slots__ = ("_key", "_step", "wants", "claim", "error", "_nonce_c", "_nonce_a",
+                 "_pending_claim")
+
+    def __init__(self, key: JobKey) -> None:
+        self._key = key
+        self._step = 0  # 0: hello header, 1: nonce and claim, 2: proof, 3: done or failed
+        self.wants = _HELLO.size
+        self.claim: bytes | None = None
+        self.error: str | None = None
+        self._nonce_c = self._nonce_a = self._pending_claim = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """Take the `wants` bytes asked for; returns the bytes to send back (maybe none)."""
+        if len(data) != self.wants or self._step == 3:
+            raise ValueError(f"fed {len(data)} bytes, wanted {self.wants} (step {self._step})")
+        if self._step == 0:
+            magic, version, nclaim = _HELLO.unpack(data)
+            if magic != _MAGIC or version != PROTOCOL_VERSION or nclaim > MAX_CLAIM_BYTES:
+                return self._fail("malformed hello", b"")
+            self._step, self.wants = 1, NONCE_BYTES + nclaim
+            return b""
+        if self._step == 1:
+            self._nonce_c, self._pending_claim = bytes(data[:NONCE_BYTES]), bytes(data[NONCE_BYTES:])
+            self._nonce_a = secrets.token_bytes(NONCE_BYTES)
+            self._step, self.wants = 2, MAC_BYTES
+            return (_CHALLENGE.pack(_MAGIC, 0) + self._nonce_a +
+                    self._key._mac(b"accept", self._pending_claim, self._nonce_c, self._nonce_a))
+        expected = self._key._mac(b"connect", self._pending_claim, self._nonce_c, self._nonce_a)
+        if not hmac.compare_digest(bytes(data), expected):
+            return self._fail("wrong proof of the job's secret", _VERDICT.pack(_MAGIC, _REFUSED))
+        self._step, self.wants = 3, 0
+        self.claim = self._pending_claim
+        return _VERDICT.pack(_MAGIC, _OK)
+
+    def _fail(self, why: str, reply: bytes) -> bytes:
+        self._step, self.wants, self.error = 3, 0, why
+        return reply
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:

@@ -18,7 +18,7 @@ from ddlcore.auth import JobKey, job_secret
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
 from ddlcore.links import Links, level_transports, local_transports
-from ddlcore.rendezvous import RendezvousInfo, detect, resolve_master
+from ddlcore.rendezvous import SECRET_ORIGIN_MPI, RendezvousInfo, detect, resolve_master
 from ddlcore.transports.base import PeerInfo
 
 log = logging.getLogger("ddlcore")
@@ -46,16 +46,29 @@ _servers_lock = threading.Lock()
 _generation: dict[tuple[str, int], int] = {}
 
 
+def _store_connections(size: int) -> int:
+    """The store's cap on connections: a few per rank (one per communicator it has open), plus
+    room for the handshakes in progress; never below the server's default."""
+    from ddlcore.store_server import MAX_CONNECTIONS, MAX_PENDING
+
+    return max(MAX_CONNECTIONS, 4 * size + MAX_PENDING)
+
+
 def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] | None) -> Any:
     from ddlcore.store import PrefixStore, StoreClient, StoreServer
 
     assert info.master_addr is not None and info.master_port is not None
     key = (info.master_addr, info.master_port)
-    secret, origin = job_secret(environ)
+    if info.secret is not None:  # drawn by rank 0 and broadcast over MPI (``rendezvous``)
+        secret, origin = info.secret, SECRET_ORIGIN_MPI
+    else:
+        secret, origin = job_secret(environ)
     job_key = JobKey(secret, str(info.master_port), origin)
+    log.debug("rank %d: the job's secret comes from %s", info.rank, origin)
     with _servers_lock:
         if info.rank == 0 and key not in _servers:
-            _servers[key] = StoreServer(info.master_addr, info.master_port, job_key=job_key)
+            _servers[key] = StoreServer(info.master_addr, info.master_port, job_key=job_key,
+                                        max_connections=_store_connections(info.size))
         generation = _generation.get(key, 0)
         _generation[key] = generation + 1
     client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank,
@@ -208,7 +221,9 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     links: Links | None = None
     host = node = None
     try:
-        store.set(f"peer/{info.rank}", _encode_peer(host_id, names, topology.rack_identity(environ)))
+        # Read once by every rank, then freed by the store.
+        store.set(f"peer/{info.rank}", _encode_peer(host_id, names, topology.rack_identity(environ)),
+                  readers=info.size)
         store.barrier("init", info.rank, info.size, timeout)
         records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
         peers = [peer for peer, _ in records]

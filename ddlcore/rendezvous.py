@@ -7,18 +7,29 @@ torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; MPI launcher
 srun). An MPI launcher gives no master address: then rank 0 opens the store on a free port and
 the address is broadcast with mpi4py (a fixed-size byte buffer, never a pickle). With none of
 these the process is a world of one.
+
+The job's secret (``ddlcore.auth``) travels with that broadcast: when neither ``DDL_SECRET`` nor
+``DDL_SECRET_FILE`` is set on rank 0, it draws a fresh one and every rank uses it, so an mpiexec
+job is authenticated with nothing to configure. When the master address is given explicitly
+(``DDL_MASTER_ADDR``/``MASTER_ADDR``), nothing goes over MPI, under any launcher: the secret then
+comes from ``DDL_SECRET``, ``DDL_SECRET_FILE`` or the per-user secret, as for torchrun.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddlcore import config
+from ddlcore.auth import new_secret
 from ddlcore.errors import RendezvousError
 
 _ADDR_BYTES = 256
+# The broadcast after the address: one byte (1: a secret follows, drawn by rank 0; 0: rank 0
+# has its own from the environment), then the secret as new_secret() makes it (hex).
+_SECRET_BYTES = 64
+SECRET_ORIGIN_MPI = "a secret rank 0 drew and broadcast over MPI"
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,8 @@ class RendezvousInfo:
     source: str  # which launcher's variables were used
     local_rank: int | None = None
     local_size: int | None = None
+    # The job's secret when rank 0 drew it and broadcast it over MPI; else None (environment).
+    secret: bytes | None = field(default=None, repr=False, compare=False)
 
 
 def _first(names: tuple[str, ...], environ: Mapping[str, str] | None):
@@ -108,12 +121,26 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
         raise RendezvousError(
             f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's variables say "
             f"rank {info.rank} of {info.size}; set DDL_MASTER_ADDR/DDL_MASTER_PORT explicitly")
-    buf = np.zeros(_ADDR_BYTES, np.uint8)
+    own_secret = bool(config.get("DDL_SECRET", environ) or config.get("DDL_SECRET_FILE", environ))
+    buf = np.zeros(_ADDR_BYTES + 1 + _SECRET_BYTES, np.uint8)
     if info.rank == 0:
         host = info.master_addr or _master_host(info, environ)
         raw = f"{host}:{info.master_port or _free_port(host)}".encode()
         buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+        if not own_secret:
+            drawn = new_secret().encode()
+            assert len(drawn) == _SECRET_BYTES
+            buf[_ADDR_BYTES] = 1
+            buf[_ADDR_BYTES + 1:] = np.frombuffer(drawn, np.uint8)
     comm.Bcast(buf, root=0)
-    host, _, port = bytes(buf).rstrip(b"\0").decode().rpartition(":")
+    raw_buf = buf.tobytes()
+    buf[:] = 0  # the secret stays in one place: the RendezvousInfo
+    host, _, port = raw_buf[:_ADDR_BYTES].rstrip(b"\0").decode().rpartition(":")
+    secret = raw_buf[_ADDR_BYTES + 1:] if raw_buf[_ADDR_BYTES] == 1 else None
+    if secret is None and not own_secret:
+        raise RendezvousError(
+            f"rank {info.rank}: rank 0 takes the job's secret from DDL_SECRET or DDL_SECRET_FILE, "
+            "but this rank has neither; set the same one on every rank (or on none: rank 0 then "
+            "draws one and shares it over MPI)")
     return RendezvousInfo(info.rank, info.size, host, int(port), info.source,
-                          info.local_rank, info.local_size)
+                          info.local_rank, info.local_size, secret)

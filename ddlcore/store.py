@@ -1,47 +1,41 @@
-"""The rendezvous store: a small TCP key-value server on rank 0 where ranks exchange addresses
-and meet at barriers before any transport is connected.
+"""The rendezvous store's client: what every rank (rank 0 included) uses to exchange addresses
+and meet at barriers with the others before any transport is connected, at the server rank 0
+runs (`StoreServer`, in ``store_server``).
 
-`StoreServer` runs in daemon threads of rank 0 (one per client connection); `StoreClient` is what
-every rank (rank 0 included) talks to it with; `PrefixStore` gives each communicator or transport
-its own key namespace. The wire format is fixed binary headers followed by raw bytes, with caps
-on key and value length; nothing is pickled, and a malformed or oversize frame closes that
-connection. Every wait has a deadline; a rendezvous that does not complete raises
+Every connection first proves the job's key (``ddlcore.auth``), claiming which rank it is; a
+store that cannot prove the key, or refuses ours, is an error naming where this rank's secret
+came from. Requests are fixed binary headers and raw bytes (``store_wire``), one at a time per
+connection, nothing pickled. Every wait has a deadline; a rendezvous that does not complete raises
 `RendezvousError` saying what was waited for, for how long, and which ranks did not arrive.
-
-Request:  magic u16, op u8, flags u8 (0), key length u16, value length u32, arg i64, wait ms i64,
-          then the key (UTF-8) and the value.
-Reply:    magic u16, status u8, flags u8 (0), value length u32, arg i64, then the value.
+`PrefixStore` gives each communicator or transport its own key namespace.
 """
 
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections import defaultdict
 from typing import Any, Protocol
 
-from ddlcore.auth import JobKey, job_secret
+from ddlcore import store_wire as wire
+from ddlcore.auth import AuthenticationError, JobKey, job_secret
 from ddlcore.errors import RendezvousError
+from ddlcore.store_server import StoreServer
+from ddlcore.store_wire import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from ddlcore.transports.sockets import recv_exact
 
-MAX_KEY_BYTES = 1024
-MAX_VALUE_BYTES = 64 << 20
-
-_MAGIC = 0xDD5C
-_REQUEST = struct.Struct("<HBBHIqq")
-_REPLY = struct.Struct("<HBBIq")
-
-_SET, _GET, _ADD, _WAIT_GE, _CHECK, _DELETE = 1, 2, 3, 4, 5, 6
-_OPS = frozenset((_SET, _GET, _ADD, _WAIT_GE, _CHECK, _DELETE))
-_OK, _MISSING, _ERROR = 0, 1, 2
+__all__ = ["MAX_KEY_BYTES", "MAX_VALUE_BYTES", "PrefixStore", "StoreAuthenticationError",
+           "StoreClient", "StoreServer", "StoreUnreachableError", "default_key"]
 
 # Extra seconds a client waits for the server's answer beyond the wait it asked the server for
 # (the server answers "missing" at the deadline itself; this only covers a lost network).
 _REPLY_SLACK_S = 10.0
 # Backoff between connection attempts while rank 0's server is not listening yet.
 _CONNECT_BACKOFF_S = (0.01, 0.25)
+# Longest one handshake attempt may take before the client tries again (the server drops a
+# handshake after 10 s; a real one takes a round trip).
+_HANDSHAKE_S = 15.0
 # How many missing ranks a barrier timeout lists by number before summarising.
 _MAX_LISTED = 32
 
@@ -49,6 +43,11 @@ _MAX_LISTED = 32
 class StoreUnreachableError(RendezvousError):
     """The store could not be reached, or the connection to it was lost (rank 0, which serves
     it, has probably exited). Distinct from a wait that timed out while the store was up."""
+
+
+class StoreAuthenticationError(RendezvousError, AuthenticationError):
+    """The store and this rank do not hold the same job secret: the store refused this rank's
+    proof, or could not prove the key itself (another job's store, or not a store at all)."""
 
 
 def _recv_exact(sock: socket.socket, nbytes: int) -> bytearray | None:
@@ -62,186 +61,6 @@ def default_key(port: int) -> JobKey:
     (`ddlcore.auth.job_secret`) bound to the port."""
     secret, origin = job_secret()
     return JobKey(secret, str(port), origin)
-
-
-def _counter(raw: bytes | None) -> int:
-    return 0 if raw is None else int(raw)
-
-
-class StoreServer:
-    """The rendezvous key-value server, listening on exactly ``host:port`` (port 0: any free port).
-
-    Parameters
-    ----------
-    host : str
-        Address to bind; only that address is served (``0.0.0.0`` only if given).
-    port : int
-        TCP port; the bound port is in ``self.port``.
-    job_key : JobKey, optional
-        What clients must prove (default: `default_key` of the bound port).
-
-    Raises
-    ------
-    RendezvousError
-        The address cannot be bound (in use, not an address of this host).
-    """
-
-    def __init__(self, host: str, port: int, backlog: int = 4096,
-                 job_key: JobKey | None = None) -> None:
-        try:
-            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        except OSError as exc:
-            raise RendezvousError(f"cannot serve the rendezvous store at {host}:{port}: "
-                                  f"{host!r} does not resolve ({exc})") from None
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(backlog)
-        except OSError as exc:
-            sock.close()
-            raise RendezvousError(
-                f"cannot serve the rendezvous store at {host}:{port}: {exc.strerror or exc}; "
-                "is another job using that port, or is the address not one of this host's?"
-            ) from None
-        self.host = host
-        self.port: int = sock.getsockname()[1]
-        self.job_key = job_key if job_key is not None else default_key(self.port)
-        self._sock = sock
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._closed = False
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"ddl-store-accept-{self.port}", daemon=True)
-        self._accept_thread.start()
-
-    def sockname(self) -> tuple[str, int]:
-        """The address and port actually bound."""
-        return self._sock.getsockname()[:2]
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # listener shut down by close()
-            with self._cond:
-                if self._closed:
-                    conn.close()
-                    return
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                thread = threading.Thread(target=self._serve, args=(conn,),
-                                          name=f"ddl-store-conn-{self.port}", daemon=True)
-                self._conns[conn] = thread
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            while True:
-                header = _recv_exact(conn, _REQUEST.size)
-                if header is None:
-                    return
-                magic, op, flags, klen, vlen, arg, wait_ms = _REQUEST.unpack(header)
-                if (magic != _MAGIC or flags or op not in _OPS or klen > MAX_KEY_BYTES
-                        or vlen > MAX_VALUE_BYTES):
-                    return  # malformed or oversize: drop the connection
-                raw_key = _recv_exact(conn, klen) if klen else bytearray()
-                value = bytes(_recv_exact(conn, vlen) or b"") if vlen else b""
-                if raw_key is None:
-                    return
-                key = raw_key.decode("utf-8")
-                status, out, out_arg = self._handle(op, key, value, arg, max(wait_ms, 0) / 1e3)
-                conn.sendall(_REPLY.pack(_MAGIC, status, 0, len(out), out_arg) + out)
-        except (OSError, UnicodeDecodeError, ConnectionError):
-            return
-        finally:
-            with self._cond:
-                self._conns.pop(conn, None)
-                self._cond.notify_all()
-            conn.close()
-
-    def _handle(self, op: int, key: str, value: bytes, arg: int,
-                wait_s: float) -> tuple[int, bytes, int]:
-        data = self._data
-        with self._cond:
-            if op == _SET:
-                data[key] = value
-                self._cond.notify_all()
-                return _OK, b"", 0
-            if op == _GET:
-                self._cond.wait_for(lambda: key in data or self._closed, wait_s)
-                return (_OK, data[key], 0) if key in data else (_MISSING, b"", 0)
-            if op == _CHECK:
-                return (_OK if key in data else _MISSING), b"", 0
-            if op == _DELETE:
-                return (_OK if data.pop(key, None) is not None else _MISSING), b"", 0
-            try:
-                current = _counter(data.get(key))
-            except ValueError:
-                return _ERROR, f"key {key!r} does not hold a counter".encode(), 0
-            if op == _ADD:
-                current += arg
-                data[key] = str(current).encode()
-                self._cond.notify_all()
-                return _OK, b"", current
-
-            def reached() -> bool:
-                return self._closed or _counter(data.get(key)) >= arg
-
-            self._cond.wait_for(reached, wait_s)
-            current = _counter(data.get(key))
-            return (_OK if current >= arg else _MISSING), b"", current
-
-    def clients(self) -> int:
-        """How many client connections are open."""
-        with self._cond:
-            return len(self._conns)
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no client is connected (at most ``timeout`` seconds); True if none is."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._conns, timeout)
-
-    def close(self, timeout: float = 5.0, linger: float = 0.0) -> None:
-        """Stop serving: drop every client connection and join the server's threads.
-
-        Parameters
-        ----------
-        timeout : float
-            Seconds to wait for the server's threads to end.
-        linger : float
-            Seconds to first let clients finish and disconnect on their own, so that the
-            answer to a client's last request is not cut off.
-        """
-        with self._cond:
-            if self._closed:
-                return
-            if linger > 0:
-                self._cond.wait_for(lambda: not self._conns, linger)
-            self._closed = True
-            self._cond.notify_all()
-            conns = dict(self._conns)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        except OSError:
-            pass
-        deadline = time.monotonic() + timeout
-        self._accept_thread.join(max(0.0, deadline - time.monotonic()))
-        self._sock.close()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in conns.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-    def __enter__(self) -> StoreServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class StoreClient:
@@ -262,8 +81,11 @@ class StoreClient:
 
     Raises
     ------
-    RendezvousError
-        The store could not be reached within ``timeout``.
+    StoreAuthenticationError
+        The store refused this rank's proof of the job key, or could not prove it itself (the
+        ranks hold different secrets; the message says where this rank's came from).
+    StoreUnreachableError
+        The store could not be reached (and its handshake completed) within ``timeout``.
     """
 
     def __init__(self, host: str, port: int, timeout: float, rank: int | None = None,
@@ -306,6 +128,21 @@ class StoreClient:
                     last = exc
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    self.job_key.connect(sock, wire.encode_claim(self.rank, self.size),
+                                         min(deadline, time.monotonic() + _HANDSHAKE_S))
+                except AuthenticationError as exc:
+                    sock.close()
+                    raise StoreAuthenticationError(
+                        f"{self._who()}cannot join the rendezvous store at {self.address}: {exc}"
+                    ) from None
+                except (OSError, ConnectionError, TimeoutError) as exc:
+                    # Dropped during the handshake (the server sheds handshakes when strangers
+                    # crowd it) or not answered in time: try again until the deadline.
+                    sock.close()
+                    last = exc
+                    continue
+                sock.settimeout(None)
                 return sock
             left = deadline - time.monotonic()
             if left <= 0:
@@ -330,7 +167,9 @@ class StoreClient:
         if nvalue > MAX_VALUE_BYTES:
             raise ValueError(f"value is {nvalue} bytes; the store takes values of at most "
                              f"{MAX_VALUE_BYTES} bytes")
-        header = _REQUEST.pack(_MAGIC, op, 0, len(raw_key), nvalue, arg, int(wait_s * 1e3))
+        wait_s = min(max(wait_s, 0.0), wire.MAX_WAIT_S)
+        header = wire.REQUEST.pack(wire.MAGIC, op, 0, len(raw_key), nvalue, arg,
+                                   wire.wait_ms(wait_s))
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -342,11 +181,11 @@ class StoreClient:
                 sock.sendall(header + raw_key)
                 if nvalue:
                     sock.sendall(value)
-                reply = _recv_exact(sock, _REPLY.size)
+                reply = _recv_exact(sock, wire.REPLY.size)
                 if reply is None:
                     raise ConnectionError("the server closed the connection")
-                magic, status, flags, rlen, rarg = _REPLY.unpack(reply)
-                if magic != _MAGIC or flags or rlen > MAX_VALUE_BYTES:
+                magic, status, flags, rlen, rarg = wire.REPLY.unpack(reply)
+                if magic != wire.MAGIC or flags or rlen > MAX_VALUE_BYTES:
                     raise ConnectionError("malformed reply")
                 out = bytes(_recv_exact(sock, rlen) or b"") if rlen else b""
             except (OSError, ConnectionError) as exc:
@@ -355,16 +194,27 @@ class StoreClient:
                 raise StoreUnreachableError(
                     f"{self._who()}lost the connection to the rendezvous store at "
                     f"{self.address} ({exc}); rank 0, which serves it, may have exited") from None
-        if status == _ERROR:
+        if status == wire.ERROR:
             raise ValueError(out.decode("utf-8", "replace"))
         return status, out, rarg
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else max(0.0, float(timeout))
 
-    def set(self, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key`` (replacing any earlier value) and wake its waiters."""
-        self._request(_SET, key, value)
+    def set(self, key: str, value: bytes, readers: int = 0) -> None:
+        """Store ``value`` under ``key`` (replacing any earlier value) and wake its waiters.
+
+        The value lives while this client (or another that set the key) is connected; with
+        ``readers=n`` it is freed after its n-th read, as soon as everyone who needs it has it.
+
+        Raises
+        ------
+        ValueError
+            The store is full (see `StoreServer`'s ``max_bytes``).
+        """
+        if readers < 0:
+            raise ValueError(f"readers={readers} must not be negative")
+        self._request(wire.SET, key, value, arg=int(readers))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds (default: the client's) for
@@ -376,8 +226,8 @@ class StoreClient:
             The key was not set in time; the message names the key and the wait.
         """
         wait_s = self._deadline(timeout)
-        status, value, _ = self._request(_GET, key, wait_s=wait_s)
-        if status != _OK:
+        status, value, _ = self._request(wire.GET, key, wait_s=wait_s)
+        if status != wire.OK:
             raise RendezvousError(
                 f"{self._who()}waited {wait_s:.1f} s for key {key!r} at the rendezvous store "
                 f"{self.address}; the rank that sets it has not started, is stuck, or failed")
@@ -385,15 +235,15 @@ class StoreClient:
 
     def check(self, key: str) -> bool:
         """Whether ``key`` is set (no waiting)."""
-        return self._request(_CHECK, key)[0] == _OK
+        return self._request(wire.CHECK, key)[0] == wire.OK
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it was set."""
-        return self._request(_DELETE, key)[0] == _OK
+        return self._request(wire.DELETE, key)[0] == wire.OK
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter ``key`` (missing: 0) and return the new value."""
-        return self._request(_ADD, key, arg=int(amount))[2]
+        return self._request(wire.ADD, key, arg=int(amount))[2]
 
     def wait_count(self, key: str, target: int, timeout: float | None = None) -> int:
         """Wait until the counter ``key`` reaches ``target``; returns its value then.
@@ -404,8 +254,8 @@ class StoreClient:
             Not reached in time; says how far the counter got.
         """
         wait_s = self._deadline(timeout)
-        status, _, value = self._request(_WAIT_GE, key, arg=int(target), wait_s=wait_s)
-        if status != _OK:
+        status, _, value = self._request(wire.WAIT_GE, key, arg=int(target), wait_s=wait_s)
+        if status != wire.OK:
             raise RendezvousError(
                 f"{self._who()}counter {key!r} at the rendezvous store {self.address} reached "
                 f"{value} of {target} after {wait_s:.1f} s")
@@ -425,14 +275,18 @@ class StoreClient:
         if rank is None or size is None:
             raise ValueError("barrier needs rank and size (pass them, or give them to StoreClient)")
         wait_s = self._deadline(timeout)
+        if not 0 <= rank < size <= wire.MAX_BARRIER_SIZE:
+            raise ValueError(f"barrier {name!r}: rank={rank} of size={size}")
         self._barrier_seq[name] += 1
         base = f"barrier/{name}/{self._barrier_seq[name]}"
-        self.set(f"{base}/{rank}", b"1")
-        self.add(f"{base}/count", 1)
-        status, _, _ = self._request(_WAIT_GE, f"{base}/count", arg=size, wait_s=wait_s)
-        if status == _OK:
+        # One request: the server counts the ranks in and answers all at once (and forgets the
+        # barrier when it has); a timeout is answered with the ranks that did arrive.
+        status, arrived, _ = self._request(wire.BARRIER, base, arg=wire.barrier_arg(rank, size),
+                                           wait_s=wait_s)
+        if status == wire.OK:
             return
-        missing = [r for r in range(size) if not self.check(f"{base}/{r}")]
+        present = set(wire.arrived_ranks(arrived, size))
+        missing = [r for r in range(size) if r not in present]
         listed = str(missing[:_MAX_LISTED])
         if len(missing) > _MAX_LISTED:
             listed = listed[:-1] + f", ... ({len(missing) - _MAX_LISTED} more)]"
@@ -491,8 +345,11 @@ class PrefixStore:
     def timeout(self) -> float:
         return self.store.timeout  # type: ignore[attr-defined]
 
-    def set(self, key: str, value: bytes) -> None:
-        self.store.set(self.prefix + key, value)
+    def set(self, key: str, value: bytes, readers: int = 0) -> None:
+        if readers:
+            self.store.set(self.prefix + key, value, readers)  # type: ignore[call-arg]
+        else:
+            self.store.set(self.prefix + key, value)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         return self.store.get(self.prefix + key, timeout)

@@ -12,6 +12,7 @@ import pytest
 
 from ddlcore.errors import RendezvousError
 from ddlcore.store import MAX_KEY_BYTES, MAX_VALUE_BYTES, PrefixStore, StoreClient, StoreServer
+from ddlcore.store_wire import encode_claim
 from tests.harness import free_port
 
 
@@ -154,8 +155,11 @@ def test_oversize_key_and_value_are_refused_by_the_client(server):
     struct.pack("<HBBHIqq", 0xDD5C, 99, 0, 1, 0, 0, 0),                    # unknown op
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",                                   # not our protocol
 ])
-def test_malformed_frames_close_the_connection(server, frame):
+@pytest.mark.parametrize("authenticated", [False, True])
+def test_malformed_frames_close_the_connection(server, frame, authenticated):
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        if authenticated:  # past the handshake, the request parser judges it
+            server.job_key.connect(raw, encode_claim(None, None), time.monotonic() + 5)
         raw.sendall(frame)
         try:
             answer = raw.recv(64)
@@ -240,3 +244,59 @@ def test_unreachable_store_error_is_a_distinct_rendezvous_error():
     with pytest.raises(StoreUnreachableError):
         StoreClient("127.0.0.1", free_port(), 0.2)
     assert issubclass(StoreUnreachableError, RendezvousError)
+
+
+def test_a_barrier_with_disagreeing_sizes_or_a_rank_twice_is_an_error(server):
+    with client(server, rank=0, size=2) as a, client(server, rank=1, size=3) as b, \
+            client(server, rank=0, size=2) as twin:
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                a.barrier("x", timeout=1.0)
+            except RendezvousError as exc:
+                errors.append(exc)
+
+        arrived = threading.Thread(target=first)
+        arrived.start()
+        time.sleep(0.2)
+        with pytest.raises(ValueError, match="says 3 ranks, an earlier one said 2"):
+            b.barrier("x")
+        with pytest.raises(ValueError, match="rank 0 arrived twice"):
+            twin.barrier("x")
+        arrived.join(10)
+        assert "1 of 2 ranks" in str(errors[0]) and "missing ranks: [1]" in str(errors[0])
+        with pytest.raises(ValueError, match="rank=2 of size=2"):
+            a.barrier("y", rank=2)
+
+
+def test_readers_free_a_value_after_its_last_read(server):
+    with client(server) as c:
+        PrefixStore(c, "p/").set("once", b"v", readers=2)
+        assert c.get("p/once") == b"v" and c.check("p/once")
+        assert c.get("p/once") == b"v" and not c.check("p/once")
+        with pytest.raises(ValueError, match="readers"):
+            c.set("k", b"v", readers=-1)
+        assert server.stats()["keys"] == 0
+
+
+def test_values_stay_while_any_client_is_connected_and_go_with_the_last(server):
+    stays = client(server)
+    with client(server) as leaves:
+        leaves.set("address", b"x" * 1000)  # read after its owner left: UCX's lazy wire-up
+        leaves.add("shared", 1)
+    assert stays.get("address") == b"x" * 1000 and stays.add("shared", 1) == 2
+    stays.close()
+    deadline = time.monotonic() + 5
+    while server.stats()["keys"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.stats()["keys"] == 0 and server.stats()["bytes"] == 0
+
+
+def test_the_store_full_is_an_error_and_nothing_is_kept():
+    with StoreServer("127.0.0.1", 0, max_bytes=1000) as srv, client(srv) as c:
+        c.set("a", b"x" * 600)
+        with pytest.raises(ValueError, match="cap of 1000"):
+            c.set("b", b"x" * 600)
+        c.set("a", b"y" * 900)  # replacing counts only the difference
+        assert srv.stats()["bytes"] == 900 and not c.check("b")
