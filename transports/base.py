@@ -68,9 +68,9 @@ class Store(Protocol):
     """The rendezvous key-value store as transports see it (see ``ddlcore.store``)."""
 
     host: str  # the master's address: transports find their outgoing interface from it
-    # The job's key: a transport that opens its own connections (tcp, ucx) proves it on each
-    # one (`ddlcore.auth.JobKey`); see `transports.common.job_key_of`.
-    job_key: JobKey
+    # The job's key (`ddlcore.auth.JobKey`): a transport that opens its own connections (tcp,
+    # ucx) proves it on each one; with None they refuse to start (`common.job_key_of`).
+    job_key: JobKey | None
 
     def set(self, key: str, value: bytes) -> None: ...
 

@@ -737,6 +737,7 @@ class TcpPair(Pair):
                             index)
         what = f"rank {self.rank} could not connect to {where} (TCP channel {index})"
         pause = _RETRY_PAUSE_S[0]
+        dropped = 0  # times the listener dropped us mid-handshake
         while True:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             connected = False
@@ -759,9 +760,16 @@ class TcpPair(Pair):
                                       f"{seconds(ctx.timeout)} s (TCP channel {index})") from None
             except OSError as exc:
                 sock.close()
-                if not connected or time.monotonic() + pause >= deadline:
+                if not connected:
                     raise PeerFailureError(f"{what}: {exc}; rank {peer} has closed its "
                                            "transport or exited", peer) from None
+                dropped += 1
+                if time.monotonic() + pause >= deadline:
+                    raise DDLTimeoutError(
+                        f"{what} within {seconds(ctx.timeout)} s: its listener dropped our "
+                        f"handshake {dropped} time(s), the last with {exc}; too many "
+                        f"connections are pending there (strangers'?), or rank {peer} is "
+                        "closing") from None
             time.sleep(pause)  # dropped mid-handshake: the listener was busy, or is going away
             pause = min(2 * pause, _RETRY_PAUSE_S[1])
 
