@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ddlcore import auth, config
 from tests.harness import run_ranks
@@ -372,3 +373,37 @@ def test_fuzz_idle_and_slow_connections_while_the_job_runs(tmp_path):
         assert fds1 <= fds0 and threads1 <= threads0, r
         assert rss1 - rss0 < 20 << 20, r
         assert r["refusals"], r
+
+
+def test_ranks_holding_different_secrets_are_told_so():
+    """A rank whose secret differs is refused, and both ends' errors name the real cause: the
+    connector's that the secrets differ, the listener's wait that it refused a connection
+    (never that the peer exited)."""
+    from ddlcore.transports.tcp import TcpTransport
+
+    from ddlcore.errors import DDLTimeoutError
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    clients = [StoreClient("127.0.0.1", server.port, 5.0, rank=r, size=2) for r in range(2)]
+    contexts = []
+    try:
+        stores = [PrefixStore(c, "s/") for c in clients]
+        stores[0].job_key = auth.JobKey(b"one secret", "job", "DDL_SECRET")
+        stores[1].job_key = auth.JobKey(b"another secret", "job", "DDL_SECRET")
+        contexts = [TcpTransport().create_context(r, 2, stores[r], 5.0) for r in (1, 0)]
+        with pytest.raises(auth.AuthenticationError, match="rank 0 could not connect to rank 1"
+                           r".*could not prove it holds this job's secret"):
+            contexts[1].pair(1)
+        buf = bytearray(4)
+        req = contexts[0].pair(0).irecv(memoryview(buf), 3)
+        with pytest.raises(DDLTimeoutError, match=r"rank 0 has not connected to rank 1 yet; "
+                           r"rank 1's listener: 1 connection\(s\) refused, the last from "
+                           r"127\.0\.0\.1:\d+: ConnectionResetError"):
+            req.wait(0.5)
+    finally:
+        for ctx in contexts:
+            ctx.close()
+        for client in clients:
+            client.close()
+        server.close()
