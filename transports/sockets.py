@@ -10,6 +10,7 @@ reach the master, so peers on other hosts reach it over the same network.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import struct
 import threading
@@ -27,6 +28,7 @@ _RETRY_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno
 _ACCEPT_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
                      errno.EPROTO, errno.EPERM, errno.EINTR)
 _ACCEPT_PAUSE_S = 0.01
+_log = logging.getLogger("ddlcore")
 
 
 def interface_names() -> list[str]:
@@ -177,7 +179,7 @@ class HandshakeListener:
     open cannot keep a new one out, and a real peer whose attempt was dropped that way tries
     again. ``serve(conn, address, deadline)`` returns True when it kept the connection (after
     calling `adopt`); when it returns False or raises, the connection is closed and counted in
-    `refusals`.
+    `refusals` (and logged at debug level: ``DDL_DEBUG=1`` shows each one).
 
     Parameters
     ----------
@@ -299,6 +301,7 @@ class HandshakeListener:
             where = format_address(*address[:2]) if len(address) >= 2 else "?"
             self.last_refusal = f"from {where}: {why}"
         conn.close()
+        _log.debug("%s: refused a connection from %s: %s", self._name, where, why)
 
     def close(self, timeout: float) -> None:
         """Stop accepting, drop every pending handshake and wait (up to ``timeout`` s) for their

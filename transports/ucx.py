@@ -18,10 +18,12 @@ every control message starts with the token of its pair, ``token(s -> d)`` = the
 of ``HMAC(job key, "ucx token" | nonce_d | s | d)`` (`JobKey.derive`; nonce_d is the
 receiver's, fresh per context, and reaches peers only through the authenticated store). A
 control message whose token is not that of the source rank in its UCX tag is dropped unread
-(counted: `UcxContext.forged`), whatever it says. A payload's tag is not guessable either: its
-60 low bits are a keyed hash (BLAKE2b, keyed with the pair's token) of the message number, so a
-stranger cannot slip a payload in ahead of the real one. Payloads themselves are not
-authenticated: an attacker on the network path is out of scope, as for tcp.
+(counted in `UcxContext.forged`, logged with ``DDL_DEBUG=1``), whatever it says. A payload's
+tag is not guessable either: its 60 low bits are a keyed hash (BLAKE2b, keyed with the pair's
+token) of the message number, so a stranger cannot slip a payload in ahead of the real one.
+Payloads themselves are not authenticated: an attacker on the network path is out of scope, as
+for tcp. Nor is UCX's memory bounded against strangers: messages on tags nobody receives stay
+in UCX's unexpected queue until the context closes.
 
 Wire: UCX's tag receive matches per worker, not per endpoint, so every control tag names its
 source rank: ``kind (4 bits) | source rank (28) | 0 (32)``. A message is a control message
@@ -74,6 +76,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import select
@@ -166,6 +169,7 @@ _MEMORY_TYPES_WORD = 3
 _UCS_MEMORY_TYPE_CUDA = 1
 
 _import_lock = threading.Lock()
+_log = logging.getLogger("ddlcore")
 
 
 def _foreign_ucx() -> str:
@@ -779,6 +783,9 @@ class UcxContext(PairTableContext):
                 if len(frame) < _FRAME or not hmac.compare_digest(frame[:_TOKEN_BYTES],
                                                                   pair._in_token):
                     self.forged += 1  # not from the rank its tag names: not a word is heard
+                    _log.debug("rank %d dropped a UCX control message of %d bytes claiming to "
+                               "be from rank %d: its token is not that rank's", self.rank,
+                               length, pair.peer)
                     continue
                 try:
                     if failed is not None:
