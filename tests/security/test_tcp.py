@@ -72,6 +72,14 @@ def _allreduce(pair, rank: int, step: int, timeout: float) -> None:
                              f"({int(np.sum(got != want))} of {want.size} elements)")
 
 
+def _go_on(pair, rank: int, mine: bool, timeout: float) -> bool:
+    """Rank 0's decision whether to run another step, on both ranks (they must agree)."""
+    flag = np.array([mine], np.uint8)
+    req = pair.isend(memoryview(flag), tag=8) if rank == 0 else pair.irecv(memoryview(flag), tag=8)
+    req.wait(timeout)
+    return bool(flag[0])
+
+
 def _resources() -> tuple[int, int, int]:
     """(open fds, threads, resident bytes) of this process."""
     with open("/proc/self/statm") as f:
@@ -95,25 +103,26 @@ def job(rank: int, size: int, workdir: str, steps: int, timeout: float,
         out["start_s"] = time.monotonic() - start
         step = 1
         if watch:
-            for step in range(1, 50):  # warm: every buffer size seen once
+            while step < 50:  # warm: every buffer size seen
                 _allreduce(pair, rank, step, timeout)
+                step += 1
             before = _resources()
             _publish(workdir, f"ready{rank}", "")
-        while step < steps or (watch and not Path(workdir, "done").exists()):
+        while _go_on(pair, rank, step < steps or (watch and not Path(workdir, "done").exists()),
+                     timeout):
             _allreduce(pair, rank, step, timeout)
             step += 1
         out["steps"] = step
         if watch:
             deadline = time.monotonic() + 15.0  # the stranger's sockets close: handshakes end
             while True:
-                _allreduce(pair, rank, step, timeout)
-                step += 1
                 after = _resources()
                 if (after[0] <= before[0] and after[1] <= before[1]) or \
                         time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
             out["before"], out["after"] = before, after
+            _allreduce(pair, rank, step, timeout)  # and the job still works
         out["refusals"] = ctx.refusals()
         env.barrier("end")
     return out
