@@ -155,6 +155,14 @@ class JobKey:
         return hmac.new(self._key, label + b"\0" + claim + nonce_c + nonce_a,
                         hashlib.sha256).digest()
 
+    def derive(self, label: bytes, data: bytes) -> bytes:
+        """32 bytes that only holders of the key can compute, ``HMAC(key, label | 0 | data)``
+        (``label`` other than the handshake's own): for transports that authenticate messages
+        rather than connections (ucx)."""
+        if label in (b"accept", b"connect"):
+            raise ValueError(f"label {label!r} is the handshake's own")
+        return hmac.new(self._key, label + b"\0" + data, hashlib.sha256).digest()
+
     def connect(self, sock: socket.socket, claim: bytes, deadline: float) -> None:
         """Prove ``claim`` to the acceptor at the other end of ``sock``, and check its proof.
 

@@ -30,6 +30,9 @@ Semantics every transport keeps (the conformance suite in ``tests/transports`` c
   with the same error class and reason. Requests pending at a local ``close()`` fail with
   `CommunicatorClosedError`.
 * Nothing received is unpickled: control data is fixed binary headers with length caps.
+* Only the job's ranks are heard: a transport that accepts connections or messages from the
+  network acts on nothing from a sender that has not proven the job's key (``store.job_key``),
+  and a stranger's connection or message is dropped without failing anything of the job's.
 * Device memory: a pair whose ``device_memory`` is true also takes a `DeviceView` (GPU memory)
   wherever a view is asked for, and moves it without host staging (UCX's CUDA transports,
   CUDA-aware MPI). The other pairs take host memory only; the engines stage device buffers
@@ -45,7 +48,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ddlcore.auth import JobKey
 
 API_VERSION = 1
 
@@ -62,6 +68,9 @@ class Store(Protocol):
     """The rendezvous key-value store as transports see it (see ``ddlcore.store``)."""
 
     host: str  # the master's address: transports find their outgoing interface from it
+    # The job's key (`ddlcore.auth.JobKey`): a transport that opens its own connections (tcp,
+    # ucx) proves it on each one; with None they refuse to start (`common.job_key_of`).
+    job_key: JobKey | None
 
     def set(self, key: str, value: bytes) -> None: ...
 

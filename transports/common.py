@@ -13,8 +13,16 @@ from _thread import allocate_lock
 from collections import deque
 from typing import Any
 
-from ddlcore.transports.base import ABORT_MISMATCH, ABORT_TIMEOUT, Context, DeviceView, Request
+from ddlcore.transports.base import (
+    ABORT_MISMATCH,
+    ABORT_TIMEOUT,
+    Context,
+    DeviceView,
+    Request,
+    Store,
+)
 
+from ddlcore.auth import JobKey
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -72,6 +80,22 @@ def copy_error(error: DDLError) -> DDLError:
     if isinstance(error, PeerFailureError):
         new.peer = error.peer  # type: ignore[attr-defined]
     return new
+
+
+def job_key_of(store: Store, transport: str) -> JobKey:
+    """The job's key the rendezvous store carries, which ``transport`` proves on its connections.
+
+    Raises
+    ------
+    DDLError
+        The store has none (a store object made outside ``ddlcore.store``).
+    """
+    key = getattr(store, "job_key", None)
+    if not isinstance(key, JobKey):
+        raise DDLError(f"the {transport} transport authenticates its connections with the job's "
+                       f"key, but the rendezvous store it was given ({type(store).__name__}) has "
+                       "no job_key; pass a ddlcore.store.StoreClient (or a PrefixStore over one)")
+    return key
 
 
 def seconds(t: float) -> str:

@@ -1,5 +1,6 @@
 """Socket helpers shared by the rendezvous store and the TCP transport: which local address to
-listen on, connecting with retries, exact reads, and "host:port" strings.
+listen on, connecting with retries, exact reads, "host:port" strings, and `HandshakeListener`
+(accepting connections and serving their handshakes concurrently, bounded).
 
 The address a rank listens on is the IPv4 address of ``DDL_SOCKET_IFNAME`` when that is set
 (looked up with the ``SIOCGIFADDR`` ioctl), otherwise the local address the kernel would use to
@@ -9,15 +10,25 @@ reach the master, so peers on other hosts reach it over the same network.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import struct
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: get an interface's IPv4 address
 _IFNAMSIZ = 16
 # Errors worth retrying while the listener may not be up yet (or a SYN got lost).
 _RETRY_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH,
                  errno.ETIMEDOUT, errno.ECONNABORTED)
+# accept() errors that pass: out of descriptors or memory for a moment, or a connection that
+# was reset before we took it. The listener pauses (_ACCEPT_PAUSE_S) and goes on.
+_ACCEPT_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                     errno.EPROTO, errno.EPERM, errno.EINTR)
+_ACCEPT_PAUSE_S = 0.01
+_log = logging.getLogger("ddlcore")
 
 
 def interface_names() -> list[str]:
@@ -155,3 +166,163 @@ def parse_address(text: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+class HandshakeListener:
+    """Accept connections on a listening socket and serve each one's handshake on a thread of its
+    own, so that an idle or slow connection never delays another's.
+
+    Bounds: a handshake must be over within ``handshake_s`` (the whole of it, not per read: the
+    ``serve`` callback gets the deadline); at most ``max_pending`` handshakes are pending at once,
+    and at most ``max_per_source`` from one source address. A connection that would pass a cap
+    drops the oldest pending handshake of its source (or of all): a stranger holding connections
+    open cannot keep a new one out, and a real peer whose attempt was dropped that way tries
+    again. ``serve(conn, address, deadline)`` returns True when it kept the connection (after
+    calling `adopt`); when it returns False or raises, the connection is closed and counted in
+    `refusals` (and logged at debug level: ``DDL_DEBUG=1`` shows each one).
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A bound, listening socket; the listener owns it from here on.
+    serve : callable
+        The handshake, run on its own thread.
+    name : str
+        Prefix of the threads' names.
+    """
+
+    def __init__(self, sock: socket.socket,
+                 serve: Callable[[socket.socket, tuple, float], bool], name: str,
+                 handshake_s: float, max_pending: int, max_per_source: int) -> None:
+        self._sock, self._serve, self._name = sock, serve, name
+        self.handshake_s = handshake_s
+        self.max_pending, self.max_per_source = max_pending, max(1, max_per_source)
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first
+        self._per_source: dict[str, int] = {}
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self.refused = 0  # connections dropped without being kept
+        self.last_refusal = ""  # why the last one was, and where it came from
+        self._accepter = threading.Thread(target=self._accept_loop, name=f"{name}-accept",
+                                          daemon=True)
+        self._accepter.start()
+
+    def refusals(self) -> str:
+        """"" when no connection was refused, else how many and the last one's reason."""
+        with self._lock:
+            if not self.refused:
+                return ""
+            return f"{self.refused} connection(s) refused, the last {self.last_refusal}"
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def adopt(self, conn: socket.socket) -> bool:
+        """Called by ``serve`` before keeping ``conn``: takes it out of the pending handshakes (no
+        cap drops it any more). False: it was dropped already, and must not be kept."""
+        with self._lock:
+            source = self._pending.pop(conn, None)
+            if source is None:
+                return False
+            self._forget_source(source)
+            return not self._closed
+
+    def _forget_source(self, source: str) -> None:
+        left = self._per_source[source] - 1
+        if left:
+            self._per_source[source] = left
+        else:
+            del self._per_source[source]
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, address = self._sock.accept()
+            except OSError as exc:
+                if self._closed:
+                    return  # close() shut the listener down
+                if exc.errno in _ACCEPT_TRANSIENT or isinstance(exc, TimeoutError):
+                    time.sleep(_ACCEPT_PAUSE_S)
+                    continue
+                return  # the listening socket itself is broken: nothing more will come
+            source = address[0] if address else "?"
+            deadline = time.monotonic() + self.handshake_s
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                victim = self._victim_for(source)
+                self._pending[conn] = source
+                self._per_source[source] = self._per_source.get(source, 0) + 1
+                thread = threading.Thread(target=self._run, args=(conn, address, deadline),
+                                          name=f"{self._name}-handshake", daemon=True)
+                self._threads.add(thread)
+            if victim is not None:
+                _shutdown(victim)  # its thread sees the socket fail, and closes it
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: drop this connection
+                with self._lock:
+                    self._threads.discard(thread)
+                self._run_done(conn, address, "no thread could be started for it")
+
+    def _victim_for(self, source: str) -> socket.socket | None:
+        """At a cap: the oldest pending connection to drop for a new one (lock held)."""
+        victim = None
+        if self._per_source.get(source, 0) >= self.max_per_source:
+            victim = next(c for c, s in self._pending.items() if s == source)
+        elif len(self._pending) >= self.max_pending:
+            victim = next(iter(self._pending))
+        if victim is not None:
+            self._forget_source(self._pending.pop(victim))
+        return victim
+
+    def _run(self, conn: socket.socket, address: tuple, deadline: float) -> None:
+        why = ""
+        try:
+            if self._serve(conn, address, deadline):
+                return
+            why = "refused by the handshake"
+        except BaseException as exc:  # a stranger, a bad proof, a stall, a cap: drop it
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+        self._run_done(conn, address, why)
+
+    def _run_done(self, conn: socket.socket, address: tuple, why: str) -> None:
+        with self._lock:
+            source = self._pending.pop(conn, None)
+            if source is not None:
+                self._forget_source(source)
+            self.refused += 1
+            where = format_address(*address[:2]) if len(address) >= 2 else "?"
+            self.last_refusal = f"from {where}: {why}"
+        conn.close()
+        _log.debug("%s: refused a connection from %s: %s", self._name, where, why)
+
+    def close(self, timeout: float) -> None:
+        """Stop accepting, drop every pending handshake and wait (up to ``timeout`` s) for their
+        threads."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+        _shutdown(self._sock)  # wakes accept() on Linux
+        self._accepter.join(max(0.0, deadline - time.monotonic()))
+        self._sock.close()
+        for conn in pending:
+            _shutdown(conn)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

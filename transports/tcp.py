@@ -5,10 +5,18 @@ Shape (after Gloo): `TcpTransport` -> `TcpContext` (this rank's listener and pai
 because the wire protocol, the per-socket threads and the failure rules only make sense together.
 
 Connecting is lazy: the lower rank of a pair connects to the higher rank's listener (address from
-the store key ``tcp/addr/{rank}``), one socket per channel, and introduces itself with a fixed
-hello; the higher rank's accept thread answers and files the socket under its pair. ``pair(p)``
-never waits for the peer's program: on the higher side it returns at once, sends queue until the
-peer connects, and a request that waits too long says the peer never connected.
+the store key ``tcp/addr/{rank}``), one socket per channel. Before anything else on a socket is
+acted on, the connector proves the job's key (``store.job_key``, `ddlcore.auth.JobKey`) with
+its claim bound into the proof: protocol version, source rank, destination rank, world size,
+channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
+Only then does the higher rank answer (ACK: accepted, or why not) and file the socket under its
+pair; a second connection for a channel already connected is refused. Handshakes are served
+concurrently (`HandshakeListener`): each has _HANDSHAKE_TIMEOUT_S for the whole of it, and caps
+on pending ones (in all, and per source address) drop the oldest, so strangers holding
+connections open delay nobody; a connector dropped that way tries again. ``pair(p)`` never
+waits for the peer's program: on the higher side it returns at once, sends queue until the peer
+connects, and a request that waits too long says the peer never connected (and how many
+connections this rank refused, and why the last one was).
 
 Each socket has a sender thread (queue of frames; ``sendmsg`` of header + payload view, no copy;
 when the socket is idle the caller's thread sends without waiting) and a receiver thread, which
@@ -66,6 +74,7 @@ from ddlcore.transports.common import (
     check_tag,
     checks_match,
     copy_error,
+    job_key_of,
     mismatch_error,
     queue_under,
     recv_view,
@@ -74,6 +83,7 @@ from ddlcore.transports.common import (
     timeout_error,
 )
 from ddlcore.transports.sockets import (
+    HandshakeListener,
     format_address,
     interface_address,
     parse_address,
@@ -82,6 +92,7 @@ from ddlcore.transports.sockets import (
 )
 
 from ddlcore import config
+from ddlcore.auth import AuthenticationError
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -92,14 +103,23 @@ from ddlcore.errors import (
 )
 from ddlcore.store import StoreUnreachableError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the hello is a claim proven with the job's key
 _MAGIC = 0xDD1C7C90
 _HEADER = struct.Struct("<IHHIQQ")
-_HELLO = struct.Struct("<IHHIIIHH")  # magic, version, nchannels, src, dst, size, channel, 0
+# The claim a connector proves: label, version, nchannels, src, dst, size, channel.
+_CLAIM = struct.Struct("<4sHHIIIH")
+_CLAIM_LABEL = b"tcp\0"
 _ACK = struct.Struct("<IHHHH")  # magic, version, status, nchannels, 0
 _DATA, _ABORT, _CLOSE = 1, 2, 3
 _ACK_OK, _ACK_WRONG_PEER, _ACK_NCHANNELS, _ACK_DUPLICATE, _ACK_CLOSED = 0, 1, 2, 3, 4
-_HELLO_TIMEOUT_S = 10.0  # a connection that does not introduce itself by then is dropped
+# A connection that has not finished its handshake by then is dropped; a real one takes
+# milliseconds (two round trips and four HMACs).
+_HANDSHAKE_TIMEOUT_S = 10.0
+# Pending handshakes at most, in all and from one source address (scaled up for large jobs:
+# every lower rank's channels may be connecting at once, all from one host address).
+_MIN_PENDING = 64
+_MIN_PENDING_PER_SOURCE = 16
+_RETRY_PAUSE_S = (0.005, 0.1)  # a connector dropped by a busy listener retries: first, longest
 _CLOSE_TIMEOUT_S = 2.0  # how long close() lets peers answer CLOSE before cutting sockets
 _DRAIN_CHUNK = 1 << 20
 # A waiting receive polls its socket this long before sleeping in poll(): a reply usually comes
@@ -653,7 +673,9 @@ class TcpPair(Pair):
     def _timeout_error(self, req: TcpRequest, timeout: float) -> DDLTimeoutError:
         note = ""
         if self._channel_for(req.tag).sock is None:
-            note = f" (rank {self.peer} has not connected to rank {self.rank} yet)"
+            note = f" (rank {self.peer} has not connected to rank {self.rank} yet"
+            refusals = self._ctx.refusals()
+            note += f"; rank {self.rank}'s listener: {refusals})" if refusals else ")"
         return timeout_error(self.rank, self.peer, req, timeout, note)
 
     # --- connection -----------------------------------------------------------------------------
@@ -688,24 +710,7 @@ class TcpPair(Pair):
             if ch.sock is not None:
                 continue
             ch.open_wake()
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                sock.connect((host, port))
-                sock.sendall(_HELLO.pack(_MAGIC, PROTOCOL_VERSION, self._nch, self.rank, peer,
-                                         ctx.size, ch.index, 0))
-                ack = bytearray(_ACK.size)
-                if not recv_exact(sock, memoryview(ack)):
-                    raise ConnectionResetError("closed before answering the hello")
-            except TimeoutError:
-                sock.close()
-                raise DDLTimeoutError(f"rank {self.rank} could not connect to {where} within "
-                                      f"{seconds(ctx.timeout)} s (TCP channel {ch.index})") from None
-            except OSError as exc:
-                sock.close()
-                raise PeerFailureError(
-                    f"rank {self.rank} could not connect to {where} (TCP channel {ch.index}): "
-                    f"{exc}; rank {peer} has closed its transport or exited", peer) from None
+            sock, ack = self._open_channel(ch.index, (host, port), where, deadline)
             magic, version, status, their_nch, _ = _ACK.unpack(ack)
             if magic != _MAGIC or version != PROTOCOL_VERSION or status != _ACK_OK:
                 sock.close()
@@ -721,6 +726,52 @@ class TcpPair(Pair):
                     raise CommunicatorClosedError(f"rank {self.rank}: the TCP pair to rank "
                                                   f"{peer} was closed while connecting")
                 self._attach(ch, sock)
+
+    def _open_channel(self, index: int, addr: tuple[str, int], where: str,
+                      deadline: float) -> tuple[socket.socket, bytearray]:
+        """Connect channel ``index``, prove our claim and read the peer's answer (ACK). A
+        connection the peer's listener dropped before answering (too many pending handshakes
+        there, strangers' perhaps) is tried again until ``deadline``."""
+        ctx, peer = self._ctx, self.peer
+        claim = _CLAIM.pack(_CLAIM_LABEL, PROTOCOL_VERSION, self._nch, self.rank, peer, ctx.size,
+                            index)
+        what = f"rank {self.rank} could not connect to {where} (TCP channel {index})"
+        pause = _RETRY_PAUSE_S[0]
+        dropped = 0  # times the listener dropped us mid-handshake
+        while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            connected = False
+            try:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.connect(addr)
+                connected = True
+                ctx.key.connect(sock, claim, deadline)
+                ack = bytearray(_ACK.size)
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                if not recv_exact(sock, memoryview(ack)):
+                    raise ConnectionResetError("closed before answering the hello")
+                return sock, ack
+            except AuthenticationError as exc:
+                sock.close()
+                raise AuthenticationError(f"{what}: {exc}") from None
+            except TimeoutError:
+                sock.close()
+                raise DDLTimeoutError(f"rank {self.rank} could not connect to {where} within "
+                                      f"{seconds(ctx.timeout)} s (TCP channel {index})") from None
+            except OSError as exc:
+                sock.close()
+                if not connected:
+                    raise PeerFailureError(f"{what}: {exc}; rank {peer} has closed its "
+                                           "transport or exited", peer) from None
+                dropped += 1
+                if time.monotonic() + pause >= deadline:
+                    raise DDLTimeoutError(
+                        f"{what} within {seconds(ctx.timeout)} s: its listener dropped our "
+                        f"handshake {dropped} time(s), the last with {exc}; too many "
+                        f"connections are pending there (strangers'?), or rank {peer} is "
+                        "closing") from None
+            time.sleep(pause)  # dropped mid-handshake: the listener was busy, or is going away
+            pause = min(2 * pause, _RETRY_PAUSE_S[1])
 
     def _attach(self, ch: _Channel, sock: socket.socket) -> None:
         """Start using ``sock`` for channel ``ch`` (called with ``self._lock`` held)."""
@@ -844,40 +895,44 @@ class TcpContext(PairTableContext):
             master = getattr(store, "host", None)
             self.address = (route_address(master) if master else
                             socket.gethostbyname(socket.gethostname()))
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.key = job_key_of(store, "TCP")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._init_pairs()
         self._closed = False
+        self._handshakes: HandshakeListener | None = None
         try:
-            self._listener.bind((self.address, 0))
-            self._listener.listen(max(128, size * self.nchannels))
-            self.port: int = self._listener.getsockname()[1]
-            self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
-                                              name=f"ddl-tcp-accept-{rank}")
-            self._accepter.start()
+            listener.bind((self.address, 0))
+            listener.listen(max(128, size * self.nchannels))
+            self.port: int = listener.getsockname()[1]
+            per_source = max(_MIN_PENDING_PER_SOURCE, size * self.nchannels)
+            self._handshakes = HandshakeListener(
+                listener, self._handshake, f"ddl-tcp-{rank}",
+                min(self.timeout, _HANDSHAKE_TIMEOUT_S), max(_MIN_PENDING, 2 * per_source),
+                per_source)
             store.set(f"tcp/addr/{rank}", format_address(self.address, self.port).encode())
         except BaseException:
-            self._shutdown_listener()
+            if self._handshakes is not None:
+                self._handshakes.close(_CLOSE_TIMEOUT_S)
+            else:
+                listener.close()
             raise
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # listener shut down by close()
-            try:
-                self._handshake(conn)
-            except Exception:  # a stranger, or a peer that vanished mid-hello: drop it
-                conn.close()
+    def refusals(self) -> str:
+        """How many connections this rank's listener refused and why the last (or "")."""
+        return self._handshakes.refusals() if self._handshakes is not None else ""
 
-    def _handshake(self, conn: socket.socket) -> None:
-        conn.settimeout(min(self.timeout, _HELLO_TIMEOUT_S))
-        hello = bytearray(_HELLO.size)
-        if not recv_exact(conn, memoryview(hello)):
-            raise ConnectionResetError("no hello")
-        magic, version, nch, src, dst, size, index, _ = _HELLO.unpack(hello)
-        if magic != _MAGIC:
-            raise ConnectionError("not a ddlcore tcp peer")
+    def _handshake(self, conn: socket.socket, address: tuple, deadline: float) -> bool:
+        """A connection's handshake (on its own thread): its proof of the job's key and claim,
+        then our answer. True: the socket now belongs to a pair."""
+        claim = self.key.accept(conn, deadline)
+        if len(claim) != _CLAIM.size:
+            raise AuthenticationError(f"a proven claim of {len(claim)} bytes, not a TCP channel's")
+        label, version, nch, src, dst, size, index = _CLAIM.unpack(claim)
+        if label != _CLAIM_LABEL:
+            raise AuthenticationError(f"a proven claim for {label!r}, not a TCP channel")
+        assert self._handshakes is not None
+        if not self._handshakes.adopt(conn):  # dropped meanwhile (a cap, or close)
+            return False
         status = _ACK_OK
         if self._closed:
             status = _ACK_CLOSED
@@ -892,9 +947,8 @@ class TcpContext(PairTableContext):
                 self._pair_for(src)._fail_pair(RendezvousError(
                     f"rank {src} has DDL_NCHANNELS={nch} but rank {self.rank} has "
                     f"DDL_NCHANNELS={self.nchannels}; set the same value on every rank"))
-            raise ConnectionError(f"refused hello (status {status})")
-        if self._pair_for(src)._accept(index, conn) != _ACK_OK:
-            raise ConnectionError("refused a duplicate or late channel")
+            return False
+        return self._pair_for(src)._accept(index, conn) == _ACK_OK
 
     def _new_pair(self, peer: int) -> TcpPair:
         return TcpPair(self, peer)
@@ -908,22 +962,13 @@ class TcpContext(PairTableContext):
         found._connect(time.monotonic() + self.timeout)
         return found
 
-    def _shutdown_listener(self) -> None:
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        except OSError:
-            pass
-        accepter = getattr(self, "_accepter", None)
-        if accepter is not None:
-            accepter.join(_CLOSE_TIMEOUT_S)
-        self._listener.close()
-
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._shutdown_listener()
+        if self._handshakes is not None:
+            self._handshakes.close(_CLOSE_TIMEOUT_S)
         with self._lock:
             pairs = list(self._pairs.values())
         for p in pairs:  # all CLOSE frames first, then wait for all peers together

@@ -6,17 +6,31 @@ thread) -> `UcxPair` (one endpoint to one peer) -> `UcxRequest`. This file is ov
 guide because the wire protocol, the progress thread and the failure rules only make sense
 together.
 
-Endpoints: each context publishes its worker address under the store key ``ucx/addr/{rank}``
-when it is created; ``pair(p)`` reads ``p``'s address (published at ``p``'s init, so this waits
-for the peer's init at most, never for its program to reach the pair) and creates an endpoint
-with peer error handling. UCX connects in the background; sends queue in UCX until it is up.
+Endpoints: each context publishes a fresh nonce and its worker address under the store key
+``ucx/addr/{rank}`` when it is created; ``pair(p)`` reads ``p``'s (published at ``p``'s init, so
+this waits for the peer's init at most, never for its program to reach the pair) and creates an
+endpoint with peer error handling. UCX connects in the background; sends queue in UCX until it
+is up.
 
-Wire: UCX's tag receive matches per worker, not per endpoint, so every UCX tag names its
-source rank: ``kind (4 bits) | source rank (28) | low 32 bits``. A message is a control message
-on ``(CTRL, src, 0)``: a fixed header (little endian, 32 bytes: kind u16 | version u16 |
-check u32 | tag u64 | nbytes u64 | msgno u64) followed, up to _EAGER_BYTES, by the payload
-itself; a larger payload travels separately on the unique tag ``(PAYLOAD, src, msgno)`` (msgno
-counts the sender's messages to that peer). ABORT carries an ``ABORT_*`` code in ``check`` and a
+Trust: UCX accepts any endpoint that reaches the worker, and its tag matching is per worker, not
+per endpoint, so a handshake on an endpoint would vouch for nothing received later. Instead
+every control message starts with the token of its pair, ``token(s -> d)`` = the first 16 bytes
+of ``HMAC(job key, "ucx token" | nonce_d | s | d)`` (`JobKey.derive`; nonce_d is the
+receiver's, fresh per context, and reaches peers only through the authenticated store). A
+control message whose token is not that of the source rank in its UCX tag is dropped unread
+(counted in `UcxContext.forged`, logged with ``DDL_DEBUG=1``), whatever it says. A payload's
+tag is not guessable either: its 60 low bits are a keyed hash (BLAKE2b, keyed with the pair's
+token) of the message number, so a stranger cannot slip a payload in ahead of the real one.
+Payloads themselves are not authenticated: an attacker on the network path is out of scope, as
+for tcp. Nor is UCX's memory bounded against strangers: messages on tags nobody receives stay
+in UCX's unexpected queue until the context closes.
+
+Wire: UCX's tag receive matches per worker, not per endpoint, so every control tag names its
+source rank: ``kind (4 bits) | source rank (28) | 0 (32)``. A message is a control message
+on ``(CTRL, src, 0)``: the pair's token (16 bytes), a fixed header (little endian, 32 bytes:
+kind u16 | version u16 | check u32 | tag u64 | nbytes u64 | msgno u64) and, up to
+_EAGER_BYTES, the payload itself; a larger payload travels separately on the unique tag
+``(PAYLOAD, keyed hash of msgno)`` (msgno counts the sender's messages to that peer). ABORT carries an ``ABORT_*`` code in ``check`` and a
 UTF-8 reason of at most MAX_ABORT_REASON_BYTES; CLOSE says the sender closed its context.
 
 Matching happens in Python, on this context's progress thread: it probes control messages from
@@ -60,7 +74,11 @@ up with `DeviceView.upload`.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
+import logging
 import os
+import secrets
 import select
 import struct
 import sys
@@ -91,6 +109,7 @@ from ddlcore.transports.common import (
     check_tag,
     checks_match,
     copy_error,
+    job_key_of,
     loaded_libraries,
     mismatch_error,
     queue_under,
@@ -111,8 +130,13 @@ from ddlcore.errors import (
 )
 from ddlcore.store import StoreUnreachableError
 
-PROTOCOL_VERSION = 2  # 2: DATA_APART (device payloads of any size travel on their own tag)
+# 2: DATA_APART (device payloads of any size travel on their own tag); 3: tokens, keyed tags
+PROTOCOL_VERSION = 3
 _HEADER = struct.Struct("<HHIQQQ")  # kind, version, check, tag, nbytes, msgno
+_TOKEN_BYTES = 16  # before the header: the pair's token (see Trust in the module docstring)
+_NONCE_BYTES = 16  # a context's nonce, published before its worker address
+_TOKEN_LABEL = b"ucx token"
+_PAYLOAD_BITS = (1 << 60) - 1
 _DATA, _ABORT, _CLOSE, _DATA_APART = 1, 2, 3, 4
 _CTRL_KIND, _PAYLOAD_KIND = 1, 2
 _KIND_SHIFT, _SRC_SHIFT = 60, 32
@@ -121,7 +145,8 @@ _MAX_RANKS = 1 << 28  # the source rank's field in a UCX tag
 # Python round trip before the payload's receive is posted. Kept under UCX's default rendezvous
 # threshold (8 KB) so a header message never needs a rendezvous handshake.
 _EAGER_BYTES = 4096
-_MAX_CTRL_BYTES = _HEADER.size + max(_EAGER_BYTES, MAX_ABORT_REASON_BYTES)
+_FRAME = _TOKEN_BYTES + _HEADER.size  # a control message's bytes before its body
+_MAX_CTRL_BYTES = _FRAME + max(_EAGER_BYTES, MAX_ABORT_REASON_BYTES)
 _IDLE_WAIT_MS = 100  # the progress thread's longest sleep; UCX keepalive runs from progress
 _PROBES_PER_ROUND = 256  # control messages taken per round, so completions are not starved
 _GOODBYE_TIMEOUT_S = 0.5  # how long close() lets CLOSE notices leave before closing endpoints
@@ -144,6 +169,7 @@ _MEMORY_TYPES_WORD = 3
 _UCS_MEMORY_TYPE_CUDA = 1
 
 _import_lock = threading.Lock()
+_log = logging.getLogger("ddlcore")
 
 
 def _foreign_ucx() -> str:
@@ -211,6 +237,13 @@ def _ucx_tag(kind: int, src: int, low: int) -> int:
     return (kind << _KIND_SHIFT) | (src << _SRC_SHIFT) | low
 
 
+def _payload_tag(token: bytes, msgno: int) -> int:
+    """The UCX tag of payload ``msgno`` of the pair whose token is ``token``: unguessable
+    without the token, and distinct per message (60 bits of a keyed hash)."""
+    digest = hashlib.blake2b(msgno.to_bytes(8, "little"), digest_size=8, key=token).digest()
+    return (_PAYLOAD_KIND << _KIND_SHIFT) | (int.from_bytes(digest, "little") & _PAYLOAD_BITS)
+
+
 class UcxRequest(ThreadRequest):
     """A pending send or receive (completed by the progress thread, waited on through a lock),
     plus the number of UCX operations a send still waits for."""
@@ -259,8 +292,10 @@ class UcxPair(Pair):
         self._lost: str | None = None  # the peer closed or died (a PeerFailureError prefix)
         self._connected = False  # _connect ran: the endpoint exists, or the pair is lost
         self._connect_error: DDLError | None = None
-        self._abort_frame: bytes | None = None
+        self._abort_frame: bytes | None = None  # header and reason; the token goes on at sending
         self._abort_sent = False
+        self._in_token = ctx._token(peer, ctx.rank, ctx._nonce)  # what the peer's messages carry
+        self._out_token = b""  # what ours carry: known once the peer's nonce is (_connect)
         self._heard = False  # any control message arrived from the peer
         self._msgno = count()
         self._ctrl: deque[tuple[Any, bytearray, int]] = deque()  # progress thread only
@@ -281,22 +316,25 @@ class UcxPair(Pair):
             req._fail(self._error_for(req))
             return req
         nbytes = req.nbytes
-        msgno = next(self._msgno) & 0xFFFFFFFF
+        msgno = next(self._msgno)
+        token = self._out_token
         lib, Array = self._ctx._lib, self._ctx._Array
         parts: list[tuple[Any, Any]] = []  # (UCX request, the buffer it reads)
         try:
             if nbytes <= _EAGER_BYTES and not (on_device and nbytes):
-                frame = bytearray(_HEADER.size + nbytes)
-                _HEADER.pack_into(frame, 0, _DATA, PROTOCOL_VERSION, check, tag, nbytes, 0)
+                frame = bytearray(_FRAME + nbytes)
+                frame[:_TOKEN_BYTES] = token
+                _HEADER.pack_into(frame, _TOKEN_BYTES, _DATA, PROTOCOL_VERSION, check, tag,
+                                  nbytes, 0)
                 if nbytes:
                     assert isinstance(view, memoryview)  # a device payload travels apart
-                    frame[_HEADER.size:] = view
+                    frame[_FRAME:] = view
                 parts.append((ep.tag_send(Array(frame), self._ctrl_tag), frame))
             else:
                 kind = _DATA_APART if on_device else _DATA
-                header = _HEADER.pack(kind, PROTOCOL_VERSION, check, tag, nbytes, msgno)
+                header = token + _HEADER.pack(kind, PROTOCOL_VERSION, check, tag, nbytes, msgno)
                 parts.append((ep.tag_send(Array(header), self._ctrl_tag), header))
-                payload_tag = lib.UCXXTag(_ucx_tag(_PAYLOAD_KIND, self.rank, msgno))
+                payload_tag = lib.UCXXTag(_payload_tag(token, msgno))
                 parts.append((ep.tag_send(Array(view), payload_tag), view))
         except Exception as exc:  # UCX refused a send outright: the endpoint is unusable
             self._broken(exc)
@@ -405,8 +443,15 @@ class UcxPair(Pair):
             if self._lost is not None:  # it said goodbye already: nothing to connect to
                 self._connected = True
                 return
+            if len(raw) <= _NONCE_BYTES:
+                error = RendezvousError(f"rank {self.rank}: the UCX address rank {self.peer} "
+                                        f"published is {len(raw)} bytes: it runs another "
+                                        "ddlcore; run the same one on every rank")
+                self._connect_error = error
+                raise copy_error(error)
+            self._out_token = ctx._token(self.rank, self.peer, raw[:_NONCE_BYTES])
             try:
-                address = ctx._lib.UCXAddress.create_from_buffer(raw)
+                address = ctx._lib.UCXAddress.create_from_buffer(raw[_NONCE_BYTES:])
                 ep = ctx._worker.create_endpoint_from_worker_address(address, True)
             except Exception as exc:
                 self._connected = True
@@ -506,7 +551,8 @@ class UcxPair(Pair):
         """`close`, returning the UCX request of the CLOSE notice (None when none was sent)."""
         sent = None
         if self._failure is None and self._ep is not None and self._lost is None:
-            sent = self._ctx._send_ctrl(self, _HEADER.pack(_CLOSE, PROTOCOL_VERSION, 0, 0, 0, 0))
+            sent = self._ctx._send_ctrl(self, _HEADER.pack(_CLOSE, PROTOCOL_VERSION, 0, 0, 0,
+                                                           0))
         self._fail_pair(CommunicatorClosedError(
             f"rank {self.rank} closed its UCX connection to rank {self.peer} while the request "
             "was pending"))
@@ -522,6 +568,9 @@ class UcxContext(PairTableContext):
         if size > _MAX_RANKS:
             raise ValueError(f"size={size}: the UCX transport carries at most {_MAX_RANKS} ranks")
         self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
+        self._key = job_key_of(store, "UCX")
+        self._nonce = secrets.token_bytes(_NONCE_BYTES)
+        self.forged = 0  # control messages dropped for a wrong token (strangers')
         self._lib, self._Array = _import_ucxx()
         lib = self._lib
         self._init_pairs()  # _lock guards pairs, closed, failure
@@ -554,7 +603,7 @@ class UcxContext(PairTableContext):
             self._thread = threading.Thread(target=self._run, name=f"ddl-ucx-progress-{rank}",
                                             daemon=True)
             self._thread.start()
-            store.set(f"ucx/addr/{rank}", self._worker.address.tobytes())
+            store.set(f"ucx/addr/{rank}", self._nonce + self._worker.address.tobytes())
         except BaseException:
             self._shutdown()
             raise
@@ -571,6 +620,11 @@ class UcxContext(PairTableContext):
         found = self._pair_for(peer)
         found._connect(time.monotonic() + self.timeout)
         return found
+
+    def _token(self, src: int, dst: int, nonce: bytes) -> bytes:
+        """The token of the messages ``src`` sends ``dst`` (whose context's nonce is ``nonce``)."""
+        data = nonce + struct.pack("<QQ", src, dst)
+        return self._key.derive(_TOKEN_LABEL, data)[:_TOKEN_BYTES]
 
     # --- handing work to the progress thread ----------------------------------------------------
     def _wake(self) -> None:
@@ -604,6 +658,7 @@ class UcxContext(PairTableContext):
         """Best effort: send an ABORT or CLOSE notice; returns its UCX request while UCX still
         holds it (None when done or refused: a broken endpoint tells the peer anyway)."""
         try:
+            frame = pair._out_token + frame
             ucx_req = pair._ep.tag_send(self._Array(frame), pair._ctrl_tag)
         except Exception:
             return None
@@ -721,10 +776,24 @@ class UcxContext(PairTableContext):
                 taken += 1
                 try:
                     ucx_req.check_error()
+                    failed = None
+                except Exception as exc:  # e.g. truncated: a stranger's, or a peer's bug
+                    failed = exc
+                frame = memoryview(buf)
+                if len(frame) < _FRAME or not hmac.compare_digest(frame[:_TOKEN_BYTES],
+                                                                  pair._in_token):
+                    self.forged += 1  # not from the rank its tag names: not a word is heard
+                    _log.debug("rank %d dropped a UCX control message of %d bytes claiming to "
+                               "be from rank %d: its token is not that rank's", self.rank,
+                               length, pair.peer)
+                    continue
+                try:
+                    if failed is not None:
+                        raise failed
                     if length > _MAX_CTRL_BYTES:
                         raise ValueError(f"a control message of {length} bytes (cap "
                                          f"{_MAX_CTRL_BYTES})")
-                    self._on_control(pair, memoryview(buf))
+                    self._on_control(pair, frame[_TOKEN_BYTES:])
                 except Exception as exc:
                     pair._broken(exc)
             if not fifo:
@@ -789,7 +858,7 @@ class UcxContext(PairTableContext):
         if self._binds:  # a device receive posted since this round began
             self._run_binds()
         lib = self._lib
-        tag = lib.UCXXTag(_ucx_tag(_PAYLOAD_KIND, pair.peer, msgno))
+        tag = lib.UCXXTag(_payload_tag(pair._in_token, msgno))
         try:
             op.ucx = self._worker.tag_recv(self._Array(target), tag)
         except Exception as exc:

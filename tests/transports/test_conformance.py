@@ -235,3 +235,25 @@ def test_device_views(name, direct):
         # each rank's progress thread made "the GPU" current once, before its first use
         for _, _, binds in results:
             assert len(binds) == 1 and binds[0].startswith("ddl-ucx-progress"), binds
+
+
+@pytest.mark.parametrize("name", ["tcp", "ucx"])
+def test_a_store_without_the_job_key_is_refused(name):
+    """Transports that open their own connections prove the job's key on them: a store that
+    carries none (made outside ddlcore.store) is refused at once, saying so."""
+    require(*conf.transport_class(name).is_available())
+    from ddlcore.errors import DDLError, RendezvousError
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)
+    try:
+        store = PrefixStore(client, "t/")
+        store.job_key = None
+        with pytest.raises(DDLError, match=f"the {name.upper()} transport .* no job_key"):
+            conf.transport_class(name)().create_context(0, 2, store, 2.0)
+        with pytest.raises(RendezvousError):  # nothing was published
+            client.get(f"t/{name}/addr/0", 0.1)
+    finally:
+        client.close()
+        server.close()
