@@ -21,6 +21,7 @@ from ddlcore.errors import (
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
+    parse_reason,
 )
 
 MAX_TAG = (1 << 64) - 1
@@ -69,8 +70,8 @@ def queue_under(table: dict[int, deque], tag: int, item: Any) -> None:
 def copy_error(error: DDLError) -> DDLError:
     """A fresh instance of ``error`` for one request (an exception object is raised once)."""
     new = type(error)(str(error))
-    if isinstance(error, PeerFailureError):
-        new.peer = error.peer  # type: ignore[attr-defined]
+    if isinstance(error, PeerFailureError) and isinstance(new, PeerFailureError):
+        new.peer, new.cause = error.peer, error.cause
     return new
 
 
@@ -130,10 +131,13 @@ def mismatch_error(peer: int, rank: int, tag: int, sent_nbytes: int, sent_check:
 def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:
     """The error for rank ``who`` having aborted with ``code`` and ``reason`` (raised by its
     peers when told, and by ``who`` itself, with ``peer`` the other end of the pair)."""
-    text = f"rank {who} aborted: {reason}"
+    origin, reason = parse_reason(reason)
     cls = ABORT_CLASS.get(code, PeerFailureError)
-    return PeerFailureError(text, who if peer is None else peer) if cls is PeerFailureError \
-        else cls(text)
+    if cls is not PeerFailureError:
+        return cls(f"rank {who} aborted: {reason}")
+    if origin is not None and origin != who:  # ``who`` relays another rank's failure
+        return PeerFailureError(f"{reason} (reported by rank {who})", origin, reason)
+    return PeerFailureError(f"rank {who} aborted: {reason}", who if peer is None else peer)
 
 
 def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
