@@ -273,7 +273,7 @@ def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) 
     if isinstance(exc, DDLTimeoutError):
         message += (". A peer may have died, be stuck, or be calling a different collective; "
                     "raise DDL_TIMEOUT if the job is just slow")
-    err = rewrap(exc, message)
+    err = rewrap(exc, message)  # peers hear the cause (``exc``), not our step
     # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
     links.abort(abort_code(exc), abort_reason(err, message.split(": ", 1)[1]))
     return err

@@ -284,10 +284,13 @@ class HostCollectives:
         peer = self.ranks[q]
         where = f"rank {self.ranks[self.rank]}: {label} via {NAME}"
         if status == _STATUS_TIMEOUT:
-            return DDLTimeoutError(
-                f"{where}: rank {peer} did not reach sync point {self._arena.epoch} within "
-                f"DDL_TIMEOUT={self.timeout:g} s. A peer may have died, be stuck, or be calling "
-                "a different collective; raise DDL_TIMEOUT if the job is just slow")
+            cause = (f"rank {peer} did not reach sync point {self._arena.epoch} within "
+                     f"DDL_TIMEOUT={self.timeout:g} s")
+            err: DDLError = DDLTimeoutError(
+                f"{where}: {cause}. A peer may have died, be stuck, or be calling a different "
+                "collective; raise DDL_TIMEOUT if the job is just slow")
+            err.cause = cause
+            return err
         if status == _STATUS_DEAD:
             remove_segments_of({self._pids[q]})  # a survivor cleans up for the dead
             return _peer_error(where, f"rank {peer} (pid {self._pids[q]}) exited", peer)
@@ -303,9 +306,11 @@ class HostCollectives:
         if status == _STATUS_MISMATCH:
             mine = self._arena.entry(self.rank)
             theirs = self._arena.entry(q)
-            return CollectiveMismatchError(
-                f"{where}: ranks called different collectives: rank {self.ranks[self.rank]} "
-                f"{_describe(mine)}, rank {peer} {_describe(theirs)}")
+            cause = (f"ranks called different collectives: rank {self.ranks[self.rank]} "
+                     f"{_describe(mine)}, rank {peer} {_describe(theirs)}")
+            err = CollectiveMismatchError(f"{where}: {cause}")
+            err.cause = cause
+            return err
         if status == _STATUS_CMA:
             return _peer_error(where, f"reading or writing rank {peer}'s memory failed: "
                                f"{os.strerror(-self._arena.err)}", peer)

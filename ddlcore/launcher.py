@@ -361,15 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddlrun", description="Start the ranks of a ddlcore job.",
         usage="ddlrun -np N [options] (prog.py | -m module | command) [args...]")
     p.add_argument("-np", dest="np", type=int, required=True, help="number of ranks")
-    p.add_argument("--transport", help="DDL_TRANSPORT for every rank (tcp, shm, mpi, ucx, auto)")
-    p.add_argument("--timeout", help="DDL_TIMEOUT for every rank, in seconds")
-    p.add_argument("--topology", help="DDL_TOPOLOGY for every rank, e.g. 4x2 (holds -np ranks)")
+    p.add_argument("--transport", help="DDL_TRANSPORT for every rank: tcp, shm, mpi, ucx or auto (default: the "
+                   "environment's, else auto)")
+    p.add_argument("--timeout", help="DDL_TIMEOUT for every rank, in seconds (default: the environment's, else 600)")
+    p.add_argument("--topology", help="DDL_TOPOLOGY for every rank, e.g. 4x2, holding -np ranks (default: derived "
+                   "from the hosts)")
     p.add_argument("--hosts", help="h1:4,h2:4: launch across hosts through mpiexec")
     p.add_argument("--master-addr", default="127.0.0.1",
                    help="rendezvous address (local mode; default: %(default)s)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: free)")
     p.add_argument("--job-timeout", type=float, default=None,
-                   help="stop every rank and exit 124 after this many seconds")
+                   help="stop every rank and exit 124 after this many seconds (default: no limit)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
     p.add_argument("-m", dest="module", action="store_true", help="prog is a module (python -m)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="prog [args...]",

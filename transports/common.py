@@ -70,8 +70,9 @@ def queue_under(table: dict[int, deque], tag: int, item: Any) -> None:
 def copy_error(error: DDLError) -> DDLError:
     """A fresh instance of ``error`` for one request (an exception object is raised once)."""
     new = type(error)(str(error))
+    new.cause, new.origin = error.cause, error.origin
     if isinstance(error, PeerFailureError) and isinstance(new, PeerFailureError):
-        new.peer, new.cause = error.peer, error.cause
+        new.peer = error.peer
     return new
 
 
@@ -131,13 +132,18 @@ def mismatch_error(peer: int, rank: int, tag: int, sent_nbytes: int, sent_check:
 def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:
     """The error for rank ``who`` having aborted with ``code`` and ``reason`` (raised by its
     peers when told, and by ``who`` itself, with ``peer`` the other end of the pair)."""
-    origin, reason = parse_reason(reason)
+    origin, cause = parse_reason(reason)
+    if origin is None or origin == who:  # ``who`` failed itself
+        origin, cause = who, f"rank {who} aborted: {cause}"
+        text = cause
+    else:  # ``who`` relays the failure of rank ``origin``
+        text = f"{cause} (reported by rank {who})"
     cls = ABORT_CLASS.get(code, PeerFailureError)
-    if cls is not PeerFailureError:
-        return cls(f"rank {who} aborted: {reason}")
-    if origin is not None and origin != who:  # ``who`` relays another rank's failure
-        return PeerFailureError(f"{reason} (reported by rank {who})", origin, reason)
-    return PeerFailureError(f"rank {who} aborted: {reason}", who if peer is None else peer)
+    err = cls(text)
+    err.cause, err.origin = cause, origin
+    if isinstance(err, PeerFailureError):
+        err.peer = origin if origin != who or peer is None else peer
+    return err
 
 
 def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
