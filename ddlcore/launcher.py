@@ -195,9 +195,9 @@ def _die_with_parent() -> Callable[[], None]:
 
     PR_SET_PDEATHSIG fires when the *thread* that forked the child exits: ddlrun forks from its
     main thread, which lives as long as ddlrun. A parent that died before the prctl took effect
-    is caught by comparing getppid() with the pid the parent had. Only async-signal-safe work
-    runs here (libc is loaded before the fork), and the ranks are forked before ddlrun starts
-    any thread."""
+    is caught by comparing getppid() with the pid the parent had. Little runs here (libc is
+    loaded before the fork), and the ranks are forked before ddlrun starts any thread, as
+    preexec_fn requires."""
     parent = os.getpid()
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -226,7 +226,6 @@ class LocalJob:
         self.signals: list[int] = []     # signals ddlrun received, in order
         self.kill_at: float | None = None  # SIGKILL every rank then (an escalated stop)
         preexec = _die_with_parent()
-        pipes = []
         try:
             for rank in range(np_):
                 child_env = dict(os.environ)
@@ -239,12 +238,11 @@ class LocalJob:
                                         stdout=subprocess.PIPE if prefix else None,
                                         stderr=subprocess.PIPE if prefix else None)
                 self.procs.append(proc)
-                pipes.append(proc)
         except BaseException:
             self.stop()
             raise
         # Threads only now: forking with other threads running is what preexec_fn must avoid.
-        for rank, proc in enumerate(pipes):
+        for rank, proc in enumerate(self.procs):
             if proc.stdout is not None and proc.stderr is not None:  # prefixing
                 self.pumps.append(_Output(proc.stdout, sys.stdout, f"[{rank}] "))
                 self.pumps.append(_Output(proc.stderr, sys.stderr, f"[{rank}] "))
