@@ -52,6 +52,7 @@ Device memory is host-staged above this layer; CUDA IPC handles are where it wou
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import secrets
 import select
@@ -162,6 +163,8 @@ _OWNER_LOCKS: dict[str, int] = {}
 # `remove_orphans` leaves younger segments alone: their owner may not hold its lock yet (it
 # takes it right after creating the file, microseconds later).
 _ORPHAN_MIN_AGE_S = 1.0
+_SWEEP_EVERY_S = 10.0
+_last_sweep = -_SWEEP_EVERY_S
 
 
 def create_segment(name: str, nbytes: int, reserve: int, what: str) -> tuple[str, int]:
@@ -169,8 +172,12 @@ def create_segment(name: str, nbytes: int, reserve: int, what: str) -> tuple[str
     allocated now, and map it; returns (path, address). Names start with `PREFIX` and the
     owner's pid, which is how `remove_segments_of` finds a dead rank's segments; the owner
     holds a lock on it until `_unlink_quietly`, which is how `remove_orphans` tells a dead
-    owner's segment from a live one. First removes the orphans of earlier jobs."""
-    remove_orphans()
+    owner's segment from a live one. First removes the orphans of earlier jobs (at most every
+    `_SWEEP_EVERY_S`: a sweep costs about 0.1 ms per segment in /dev/shm)."""
+    global _last_sweep
+    if time.monotonic() - _last_sweep >= _SWEEP_EVERY_S:
+        _last_sweep = time.monotonic()
+        remove_orphans()
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -211,12 +218,17 @@ def remove_segments_of(pids: set[int]) -> list[str]:
     return removed
 
 
+@functools.lru_cache(maxsize=1)
 def _boot_time() -> float:
+    """When this host booted (wall clock, whole seconds)."""
     with open("/proc/stat") as f:
         for line in f:
             if line.startswith("btime "):
                 return float(line.split()[1])
     raise OSError("no btime in /proc/stat")
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def _owner_gone(pid: int, since: float, boot: float) -> bool:
@@ -232,7 +244,7 @@ def _owner_gone(pid: int, since: float, boot: float) -> bool:
         return True
     except (OSError, ValueError, IndexError):
         return False
-    return boot + ticks / os.sysconf("SC_CLK_TCK") > since
+    return boot + ticks / _TICKS_PER_S > since
 
 
 def remove_orphans() -> list[str]:
