@@ -240,6 +240,8 @@ class Communicator:
                 self._run_in_host_memory(call, seq, itemsize, mode, staged)
         except BaseException as exc:  # a DDLError, or Ctrl-C (or a bug) half-way through a call
             self._broken = str(exc) or type(exc).__name__
+            from ddlcore.launcher import record_failure  # for ddlrun: who failed first
+            record_failure(self.rank, exc)
             # Whichever path failed has told its own peers; tell the other path's too, so that
             # nobody waits out its deadline there (the reason without our "rank R: " prefix).
             reason = engine.failure_reason(exc)

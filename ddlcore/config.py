@@ -218,6 +218,9 @@ _declare("DDL_LOCAL_RANK", _nonneg_int, None, "Rank among the ranks of this host
 _declare("DDL_LOCAL_SIZE", _positive_int, None, "Ranks on this host (set by ddlrun).")
 _declare("DDL_MASTER_ADDR", str, None, "Address of rank 0's rendezvous store.")
 _declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
+_declare("DDL_FAILURE_DIR", str, "",
+         "Set by ddlrun: a directory where a rank whose collective failed records which rank "
+         "failed first (itself, or the peer it names), so that ddlrun reports the root cause.")
 
 # --- other launchers' variables, understood for rendezvous ----------------------------------
 _EXTERNAL: list[tuple[str, Callable[[str], Any], str]] = [

@@ -28,7 +28,14 @@ import numpy as np
 
 import ddlcore.kernels as kernels
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
-from ddlcore.errors import CollectiveMismatchError, DDLError, DDLTimeoutError, PeerFailureError
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    DDLError,
+    DDLTimeoutError,
+    PeerFailureError,
+    abort_reason,
+    rewrap,
+)
 from ddlcore.ops import Op
 from ddlcore.transports.base import (
     ABORT_MISMATCH,
@@ -85,7 +92,7 @@ def abort_code(exc: BaseException) -> int:
 def failure_reason(exc: BaseException) -> str:
     """What a failure is called in an abort note: its message without our "rank R: " prefix,
     or its type where it has no message (KeyboardInterrupt)."""
-    return str(exc).split(": ", 1)[-1] or type(exc).__name__
+    return abort_reason(exc, str(exc).split(": ", 1)[-1] or type(exc).__name__)
 
 
 @dataclass
@@ -266,9 +273,7 @@ def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) 
     if isinstance(exc, DDLTimeoutError):
         message += (". A peer may have died, be stuck, or be calling a different collective; "
                     "raise DDL_TIMEOUT if the job is just slow")
-    err = type(exc)(message)
-    if isinstance(exc, PeerFailureError):
-        err.peer = exc.peer  # type: ignore[attr-defined]
+    err = rewrap(exc, message)  # peers hear the cause (``exc``), not our step
     # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
-    links.abort(abort_code(exc), message.split(": ", 1)[1])
+    links.abort(abort_code(exc), abort_reason(err, message.split(": ", 1)[1]))
     return err

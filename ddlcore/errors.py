@@ -10,7 +10,14 @@ from __future__ import annotations
 
 
 class DDLError(RuntimeError):
-    """Base class of every ddlcore failure that is not a plain argument error."""
+    """Base class of every ddlcore failure that is not a plain argument error.
+
+    A failure another rank told us of (an abort) says the cause once, in the words of the rank
+    that saw it first: ``cause`` is that text (None: the message is the cause) and ``origin``
+    that rank (None: this rank), both carried along when the failure is relayed further."""
+
+    cause: str | None = None
+    origin: int | None = None
 
 
 class DDLTimeoutError(DDLError, TimeoutError):
@@ -18,11 +25,15 @@ class DDLTimeoutError(DDLError, TimeoutError):
 
 
 class PeerFailureError(DDLError):
-    """A peer closed its connection, died, or reported that it aborted."""
+    """A peer closed its connection, died, or reported that it aborted.
 
-    def __init__(self, message: str, peer: int | None = None) -> None:
+    ``peer`` is the rank that failed, also when another rank relayed the failure to us (aborts
+    carry their origin: `abort_reason`)."""
+
+    def __init__(self, message: str, peer: int | None = None, cause: str | None = None) -> None:
         super().__init__(message)
         self.peer = peer
+        self.cause = cause
 
 
 class CollectiveMismatchError(DDLError):
@@ -44,3 +55,52 @@ class CommunicatorClosedError(DDLError):
 class ParametersDifferError(DDLError):
     """Data-parallel training found the ranks' parameters different where they must be equal
     (the PyTorch `DistributedOptimizer` checks at its first step)."""
+
+
+# --- relaying a failure: the origin travels with the abort reason ----------------------------
+# A rank that aborts because of another rank's failure tells its peers which rank that was and
+# the cause, so every rank's PeerFailureError names the rank that failed (not the one that
+# relayed it) and each message says the cause once. The origin rides in front of the reason,
+# between record separators (a byte no message of ours contains; not NUL, where C may stop).
+_MARK = "\x1e"
+
+
+def root_cause(exc: BaseException) -> str:
+    """What failed first, as the rank that saw it said it."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, str) else str(exc)
+
+
+def _origin(exc: BaseException) -> int | None:
+    rank = exc.peer if isinstance(exc, PeerFailureError) else getattr(exc, "origin", None)
+    return rank if isinstance(rank, int) and rank >= 0 else None
+
+
+def rewrap(exc: DDLError, message: str, cause: str | None = None) -> DDLError:
+    """An error of ``exc``'s class with ``message`` (more context around ``exc``), keeping its
+    cause (``cause`` if given), its origin, and whom a `PeerFailureError` blames."""
+    err = type(exc)(message)
+    err.cause = cause if cause is not None else root_cause(exc)
+    err.origin = exc.origin
+    if isinstance(exc, PeerFailureError) and isinstance(err, PeerFailureError):
+        err.peer = exc.peer
+    return err
+
+
+def abort_reason(exc: BaseException, reason: str) -> str:
+    """The reason to send peers when aborting because of ``exc``: its cause (``reason``, our
+    account without our "rank R: " prefix, where it has none), after the rank it came from
+    when that is not us."""
+    cause = getattr(exc, "cause", None)
+    text = cause if isinstance(cause, str) else reason
+    origin = _origin(exc)
+    return text if origin is None else f"{_MARK}{origin}{_MARK}{text}"
+
+
+def parse_reason(reason: str) -> tuple[int | None, str]:
+    """(origin rank or None, cause) of an abort reason made by `abort_reason`."""
+    if reason.startswith(_MARK):
+        origin, mark, text = reason[1:].partition(_MARK)
+        if mark and origin.isdigit():
+            return int(origin), text
+    return None, reason

@@ -62,6 +62,8 @@ from ddlcore.errors import (
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
+    abort_reason,
+    rewrap,
 )
 from ddlcore.transports import _arena, _shm
 from ddlcore.transports.base import MAX_ABORT_REASON_BYTES
@@ -72,6 +74,7 @@ from ddlcore.transports.shm import (
     _cma_allowed,
     _unlink_quietly,
     create_segment,
+    remove_segments_of,
 )
 
 log = logging.getLogger("ddlcore")
@@ -104,6 +107,9 @@ SLOTS, DIRECT, SYNC_ONLY = 0, 1, 2
 # After a failed direct call, how long to wait for peers to stop touching our buffers (they look
 # for abort notes before every chunk); also how long close() waits for a call in progress.
 _SETTLE_S = 5.0
+# After a failed direct call, how long it waits for that (a live peer takes milliseconds): short,
+# so a timeout fires within DDL_TIMEOUT + 1 s; past it the buffers are pinned, which keeps safe.
+_SETTLE_FAILED_S = 0.5
 
 
 def _board_bytes() -> int:
@@ -264,8 +270,8 @@ class HostCollectives:
                                  check, time.monotonic() + self.timeout)
             if st:
                 err = self._error(st, label())
-                self.abort(abort_code(err), str(err).split(": ", 1)[1])
-                if mode == DIRECT and not self._arena.settle(time.monotonic() + _SETTLE_S):
+                self.abort(abort_code(err), abort_reason(err, str(err).split(": ", 1)[1]))
+                if mode == DIRECT and not self._arena.settle(time.monotonic() + _SETTLE_FAILED_S):
                     # A stopped peer may still write into them: never give them back.
                     self._pinned.append(keep)
                 raise err
@@ -278,32 +284,36 @@ class HostCollectives:
         peer = self.ranks[q]
         where = f"rank {self.ranks[self.rank]}: {label} via {NAME}"
         if status == _STATUS_TIMEOUT:
-            return DDLTimeoutError(
-                f"{where}: rank {peer} did not reach sync point {self._arena.epoch} within "
-                f"DDL_TIMEOUT={self.timeout:g} s. A peer may have died, be stuck, or be calling "
-                "a different collective; raise DDL_TIMEOUT if the job is just slow")
+            cause = (f"rank {peer} did not reach sync point {self._arena.epoch} within "
+                     f"DDL_TIMEOUT={self.timeout:g} s")
+            err: DDLError = DDLTimeoutError(
+                f"{where}: {cause}. A peer may have died, be stuck, or be calling a different "
+                "collective; raise DDL_TIMEOUT if the job is just slow")
+            err.cause = cause
+            return err
         if status == _STATUS_DEAD:
-            return PeerFailureError(f"{where}: rank {peer} (pid {self._pids[q]}) exited", peer)
+            remove_segments_of({self._pids[q]})  # a survivor cleans up for the dead
+            return _peer_error(where, f"rank {peer} (pid {self._pids[q]}) exited", peer)
         if status == _STATUS_ABORTED:
             code, reason = self._arena.abort_note(q)
             if q == self.rank:
                 return CommunicatorClosedError(f"{where}: the communicator was closed (or failed) "
                                                "on another thread during the call")
             if code == _CLOSED:
-                return PeerFailureError(f"{where}: rank {peer} closed its communicator", peer)
+                return _peer_error(where, f"rank {peer} closed its communicator", peer)
             told = abort_error(code - 1, peer, reason.decode("utf-8", "replace"), peer=peer)
-            if isinstance(told, PeerFailureError):
-                return PeerFailureError(f"{where}: {told}", peer)
-            return type(told)(f"{where}: {told}")
+            return rewrap(told, f"{where}: {told}")  # a relayed failure keeps its origin
         if status == _STATUS_MISMATCH:
             mine = self._arena.entry(self.rank)
             theirs = self._arena.entry(q)
-            return CollectiveMismatchError(
-                f"{where}: ranks called different collectives: rank {self.ranks[self.rank]} "
-                f"{_describe(mine)}, rank {peer} {_describe(theirs)}")
+            cause = (f"ranks called different collectives: rank {self.ranks[self.rank]} "
+                     f"{_describe(mine)}, rank {peer} {_describe(theirs)}")
+            err = CollectiveMismatchError(f"{where}: {cause}")
+            err.cause = cause
+            return err
         if status == _STATUS_CMA:
-            return PeerFailureError(f"{where}: reading or writing rank {peer}'s memory failed: "
-                                    f"{os.strerror(-self._arena.err)}", peer)
+            return _peer_error(where, f"reading or writing rank {peer}'s memory failed: "
+                               f"{os.strerror(-self._arena.err)}", peer)
         return DDLError(f"{where}: internal error (status {status})")
 
     # --- failure and lifetime -----------------------------------------------------------------
@@ -342,6 +352,10 @@ class HostCollectives:
     def _release(self) -> None:
         _shm.unmap(self._base, self._bytes)
         self._unlink_at_exit()
+
+
+def _peer_error(where: str, cause: str, peer: int) -> PeerFailureError:
+    return PeerFailureError(f"{where}: {cause}", peer, cause)
 
 
 def _describe(entry: tuple[int, int, int, int, int]) -> str:

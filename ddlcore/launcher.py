@@ -1,36 +1,55 @@
-"""``ddlrun``: start the ranks of a job.
+"""``ddlrun``: start the ranks of a job, stop them together, and name the rank that failed first.
 
     ddlrun -np 4 [--transport tcp] [--timeout 60] [--topology 2x2] prog.py args...
     ddlrun -np 2 -m ddlcore.bench -b 4K -e 64M
     ddlrun -np 8 --hosts h1:4,h2:4 prog.py args...      # across hosts, through mpiexec
 
 Local mode spawns N processes with the rendezvous variables set (``DDL_RANK``, ``DDL_SIZE``,
-``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``, ``DDL_MASTER_ADDR``, ``DDL_MASTER_PORT``), prefixes every
-line they print with ``[rank]``, forwards SIGINT/SIGTERM, and when one rank fails stops the
-others (SIGTERM, then SIGKILL after a grace period) and exits with that rank's code. Each rank
-runs in its own process group so its children are stopped too: no orphans, no hang.
+``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``, ``DDL_MASTER_ADDR``, ``DDL_MASTER_PORT``) and a fresh
+``DDL_SECRET`` (in their environment, never on a command line), prefixes every line they print
+with ``[rank]``, and stops them all when one fails (SIGTERM to each rank's process group, SIGKILL
+after `GRACE_S`). Each rank dies with ddlrun, even when ddlrun is killed with SIGKILL: the kernel
+sends it SIGKILL when ddlrun exits (``PR_SET_PDEATHSIG``, set in the child before it runs the
+program, so it holds for any program, before it has imported anything).
+
+Which rank is to blame: a rank whose collective failed because of another rank (a
+`PeerFailureError`) writes that rank's number into ``DDL_FAILURE_DIR`` (`record_failure`, called
+by the communicator). Such ranks often exit before the rank that caused it (which may still be
+printing its traceback or closing), so ddlrun reports the first rank to fail that names no other
+rank, waiting up to `GRACE_S` for the rank the others name. Signals: the first SIGINT or SIGTERM
+is forwarded to the ranks (SIGINT is restored to its default in them, so a ddlrun started with
+SIGINT ignored, as a background job of a script is, still stops them); a second one sends
+SIGTERM, then SIGKILL after `GRACE_S`; a third sends SIGKILL.
 
 With ``--hosts`` it hands the job to an MPI launcher (``mpiexec`` from the mpich wheel, or the
-one on PATH); ``ddlcore.init()`` then finds rank and size from the MPI launcher's variables.
+one on PATH, Hydra's syntax); ``ddlcore.init()`` then finds rank and size from the MPI launcher's
+variables, and the ranks agree on a secret over MPI (nothing secret goes on mpiexec's command
+line).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
+import math
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from ddlcore import config
 
 GRACE_S = 3.0
+_POLL_S = 0.02
+_PR_SET_PDEATHSIG = 1
 
 
 def _free_port(host: str) -> int:
@@ -46,6 +65,26 @@ def program_argv(prog: str, args: Sequence[str], module: bool) -> list[str]:
     if prog.endswith(".py"):
         return [sys.executable, prog, *args]
     return [prog, *args]
+
+
+def check_program(prog: str, module: bool) -> None:
+    """Raise ValueError (one line) if the program cannot be started here: better once in ddlrun
+    than once per rank."""
+    if module:
+        try:
+            found = importlib.util.find_spec(prog) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"no module named {prog!r} (for python -m)")
+    elif prog.endswith(".py"):
+        if not os.path.isfile(prog):
+            raise ValueError(f"no such script: {prog}")
+    elif os.sep in prog:
+        if not (os.path.isfile(prog) and os.access(prog, os.X_OK)):
+            raise ValueError(f"no such executable: {prog}")
+    elif shutil.which(prog) is None:
+        raise ValueError(f"command not found: {prog}")
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -76,17 +115,52 @@ def find_mpiexec() -> str | None:
 
 
 def mpiexec_command(mpiexec: str, np_: int, hosts: str, forwarded: dict[str, str],
-                    command: list[str]) -> list[str]:
-    """Hydra's syntax: ``mpiexec -n N -hosts h1:4,h2:4 -genv K V ... prog args``."""
+                    command: list[str], prefix: bool = False) -> list[str]:
+    """Hydra's syntax: ``mpiexec -n N -hosts h1:4,h2:4 [-prepend-rank] -genv K V ... prog args``
+    (``forwarded`` holds option values only: never a secret, which ``ps`` would show)."""
     slots = sum(n for _, n in parse_hosts(hosts))
     if slots < np_:
         raise ValueError(f"--hosts {hosts} has {slots} slots, fewer than -np {np_}")
     argv = [mpiexec, "-n", str(np_), "-hosts", hosts]
+    if prefix:
+        argv.append("-prepend-rank")  # "[rank] " before each line, as in local mode
     for key, value in forwarded.items():
         argv += ["-genv", key, value]
     return argv + command
 
 
+# --- the rank's half: what failed first ------------------------------------------------------
+def record_failure(rank: int, exc: BaseException) -> None:
+    """Called by a rank whose collective failed: record in ``DDL_FAILURE_DIR`` (set by ddlrun;
+    nothing to do without it) the rank that failed first as far as this rank knows: the peer a
+    `PeerFailureError` names, else this rank. The first failure of a process is kept."""
+    directory = config.get("DDL_FAILURE_DIR")
+    if not directory:
+        return
+    from ddlcore.errors import PeerFailureError
+
+    peer = getattr(exc, "peer", None) if isinstance(exc, PeerFailureError) else None
+    origin = peer if isinstance(peer, int) and peer >= 0 else rank
+    try:
+        fd = os.open(os.path.join(directory, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                     0o600)
+    except OSError:  # recorded already, or ddlrun's directory is gone: nothing to add
+        return
+    try:
+        os.write(fd, f"{origin}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def _recorded_origin(directory: str, rank: int) -> int | None:
+    try:
+        with open(os.path.join(directory, str(rank))) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# --- ddlrun's half ----------------------------------------------------------------------------
 class _Output:
     """Copies a child's pipe to our stream line by line, prefixed, without interleaving lines."""
 
@@ -115,74 +189,165 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-class LocalJob:
-    """N local ranks and their output pumps."""
+def _die_with_parent() -> Callable[[], None]:
+    """The child's set-up between fork and exec: SIGKILL when ddlrun exits, however it exits,
+    and SIGINT back to its default (the ranks hear Ctrl-C only from ddlrun, which forwards it).
 
-    def __init__(self, command: list[str], np_: int, env: dict[str, str], prefix: bool) -> None:
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits: ddlrun forks from its
+    main thread, which lives as long as ddlrun. A parent that died before the prctl took effect
+    is caught by comparing getppid() with the pid the parent had. Little runs here (libc is
+    loaded before the fork), and the ranks are forked before ddlrun starts any thread, as
+    preexec_fn requires."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the ranks still stop with ddlrun's signals
+        prctl = None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return preexec
+
+
+class LocalJob:
+    """N local ranks, their output pumps, and the decision of which rank failed first."""
+
+    def __init__(self, command: list[str], np_: int, env: dict[str, str], prefix: bool,
+                 failure_dir: str) -> None:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[_Output] = []
-        for rank in range(np_):
-            child_env = dict(os.environ)
-            child_env.update(env)
-            child_env.update({"DDL_RANK": str(rank), "DDL_SIZE": str(np_),
-                              "DDL_LOCAL_RANK": str(rank), "DDL_LOCAL_SIZE": str(np_),
-                              "PYTHONUNBUFFERED": "1"})
-            proc = subprocess.Popen(command, env=child_env, start_new_session=True,
-                                    stdout=subprocess.PIPE if prefix else None,
-                                    stderr=subprocess.PIPE if prefix else None)
-            self.procs.append(proc)
+        self.failure_dir = failure_dir
+        self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when seen, exit code)
+        self.signals: list[int] = []     # signals ddlrun received, in order
+        self.kill_at: float | None = None  # SIGKILL every rank then (an escalated stop)
+        preexec = _die_with_parent()
+        try:
+            for rank in range(np_):
+                child_env = dict(os.environ)
+                child_env.update(env)
+                child_env.update({"DDL_RANK": str(rank), "DDL_SIZE": str(np_),
+                                  "DDL_LOCAL_RANK": str(rank), "DDL_LOCAL_SIZE": str(np_),
+                                  "DDL_FAILURE_DIR": failure_dir, "PYTHONUNBUFFERED": "1"})
+                proc = subprocess.Popen(command, env=child_env, start_new_session=True,
+                                        preexec_fn=preexec,
+                                        stdout=subprocess.PIPE if prefix else None,
+                                        stderr=subprocess.PIPE if prefix else None)
+                self.procs.append(proc)
+        except BaseException:
+            self.stop()
+            raise
+        # Threads only now: forking with other threads running is what preexec_fn must avoid.
+        for rank, proc in enumerate(self.procs):
             if proc.stdout is not None and proc.stderr is not None:  # prefixing
                 self.pumps.append(_Output(proc.stdout, sys.stdout, f"[{rank}] "))
                 self.pumps.append(_Output(proc.stderr, sys.stderr, f"[{rank}] "))
 
     def signal_all(self, signum: int, skip: int | None = None) -> None:
         for rank, proc in enumerate(self.procs):
-            if rank != skip and proc.poll() is None:
-                try:
+            if rank != skip and proc.returncode is None:
+                try:  # the whole group: a rank's own children go too
                     os.killpg(proc.pid, signum)
                 except (ProcessLookupError, PermissionError):
                     pass
+
+    def on_signal(self, signum: int, _frame: object = None) -> None:
+        """ddlrun's SIGINT/SIGTERM handler: forward, then escalate (see the module doc)."""
+        self.signals.append(signum)
+        if len(self.signals) == 1:
+            self.signal_all(signum)
+        elif len(self.signals) == 2:
+            self.signal_all(signal.SIGTERM)
+            self.kill_at = time.monotonic() + GRACE_S
+        else:
+            self.signal_all(signal.SIGKILL)
 
     def stop(self, skip: int | None = None) -> None:
         """SIGTERM every other rank's process group, SIGKILL whatever is left after the grace."""
         self.signal_all(signal.SIGTERM, skip)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(0.05)
+            time.sleep(_POLL_S)
         for proc in self.procs:
-            try:  # the whole group: a rank's own children go too
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
 
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for rank, proc in enumerate(self.procs):
+            if rank not in self.exits:
+                code = proc.poll()
+                if code is not None:
+                    self.exits[rank] = (now, code)
+
+    def culprit(self, settled: bool) -> int | None:
+        """The rank to blame among those that exited with an error, or None to wait longer.
+
+        A failed rank that recorded no other rank as the origin of its failure is a root cause;
+        the first of those to exit is to blame. If every failed rank names another, wait (until
+        ``settled``) for the ranks they name; then blame the first failed rank."""
+        failed = sorted((when, rank) for rank, (when, code) in self.exits.items() if code != 0)
+        if not failed:
+            return None
+        origins = {rank: _recorded_origin(self.failure_dir, rank) for _, rank in failed}
+        roots = [rank for _, rank in failed if origins[rank] in (None, rank)]
+        if roots:
+            return roots[0]
+        named = {o for o in origins.values() if o is not None and 0 <= o < len(self.procs)}
+        if not settled and any(o not in self.exits for o in named):
+            return None
+        return failed[0][1]
+
     def wait(self, job_timeout: float | None) -> int:
-        """Exit code of the job: 0, the first failing rank's code, or 124 on --job-timeout."""
+        """Exit code of the job: 0, the culprit's code (128 + signal if a signal killed it),
+        128 + the signal that stopped ddlrun, or 124 on --job-timeout."""
         deadline = None if job_timeout is None else time.monotonic() + job_timeout
-        pending = set(range(len(self.procs)))
-        while pending:
-            for rank in sorted(pending):
-                code = self.procs[rank].poll()
-                if code is None:
-                    continue
-                pending.discard(rank)
-                if code != 0:
-                    what = f"code {code}" if code > 0 else _signal_name(code)
-                    others = len(pending)
-                    print(f"ddlrun: rank {rank} exited with {what}; terminating the other "
-                          f"{others} rank{'s' if others != 1 else ''}", file=sys.stderr, flush=True)
-                    self.stop(skip=rank)
-                    self._drain()
-                    return code if code > 0 else 128 - code
-            if deadline is not None and time.monotonic() > deadline:
+        first_failure: float | None = None
+        while True:
+            self._poll()
+            now = time.monotonic()
+            if len(self.exits) == len(self.procs) and (self.signals or first_failure is None):
+                break  # every rank is done, without a failure to name (or after our signal)
+            if self.kill_at is not None and now >= self.kill_at:
+                self.signal_all(signal.SIGKILL)
+                self.kill_at = None
+            if not self.signals and any(code != 0 for _, code in self.exits.values()):
+                if first_failure is None:
+                    first_failure = now
+                settled = now - first_failure >= GRACE_S or len(self.exits) == len(self.procs)
+                rank = self.culprit(settled)
+                if rank is not None:
+                    return self._fail(rank)
+            if deadline is not None and now > deadline and not self.signals:
                 print(f"ddlrun: job still running after --job-timeout {job_timeout:g} s; "
                       "stopping every rank", file=sys.stderr, flush=True)
                 self.stop()
                 self._drain()
                 return 124
-            time.sleep(0.02)
+            time.sleep(_POLL_S)
         self._drain()
+        if self.signals:
+            name = signal.Signals(self.signals[0]).name
+            print(f"ddlrun: stopped by {name}", file=sys.stderr, flush=True)
+            return 128 + self.signals[0]
         return 0
+
+    def _fail(self, rank: int) -> int:
+        code = self.exits[rank][1]
+        what = f"code {code}" if code > 0 else _signal_name(code)
+        others = sum(1 for p in self.procs if p.poll() is None)
+        print(f"ddlrun: rank {rank} exited with {what}; terminating the other {others} "
+              f"rank{'s' if others != 1 else ''}", file=sys.stderr, flush=True)
+        self.stop(skip=rank)
+        self._drain()
+        return code if code > 0 else 128 - code
 
     def _drain(self) -> None:
         for pump in self.pumps:
@@ -190,21 +355,25 @@ class LocalJob:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddlrun", description="Start the ranks of a ddlcore job.",
-                                usage="ddlrun -np N [options] (prog.py | -m module | command) [args...]")
+    p = argparse.ArgumentParser(
+        prog="ddlrun", description="Start the ranks of a ddlcore job.",
+        usage="ddlrun -np N [options] (prog.py | -m module | command) [args...]")
     p.add_argument("-np", dest="np", type=int, required=True, help="number of ranks")
-    p.add_argument("--transport", help="DDL_TRANSPORT for every rank (tcp, shm, mpi, ucx, auto)")
-    p.add_argument("--timeout", help="DDL_TIMEOUT for every rank, in seconds")
-    p.add_argument("--topology", help="DDL_TOPOLOGY for every rank, e.g. 4x2")
+    p.add_argument("--transport", help="DDL_TRANSPORT for every rank: tcp, shm, mpi, ucx or auto (default: the "
+                   "environment's, else auto)")
+    p.add_argument("--timeout", help="DDL_TIMEOUT for every rank, in seconds (default: the environment's, else 600)")
+    p.add_argument("--topology", help="DDL_TOPOLOGY for every rank, e.g. 4x2, holding -np ranks (default: derived "
+                   "from the hosts)")
     p.add_argument("--hosts", help="h1:4,h2:4: launch across hosts through mpiexec")
-    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (local mode)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="rendezvous address (local mode; default: %(default)s)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: free)")
     p.add_argument("--job-timeout", type=float, default=None,
-                   help="stop every rank and exit 124 after this many seconds")
+                   help="stop every rank and exit 124 after this many seconds (default: no limit)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
     p.add_argument("-m", dest="module", action="store_true", help="prog is a module (python -m)")
-    p.add_argument("prog", help="program: script.py, module (with -m) or executable")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the program")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="prog [args...]",
+                   help="the program (script.py, module with -m, or executable) and its arguments")
     return p
 
 
@@ -217,11 +386,23 @@ def _forwarded(args: argparse.Namespace) -> dict[str, str]:
         if value is None:
             continue
         try:
-            config.VARS[var].parse(value)
+            parsed = config.VARS[var].parse(value)
         except ValueError as exc:
             raise ValueError(f"--{option} {value!r}: {exc}") from None
+        if option == "topology" and parsed and math.prod(parsed) != args.np:
+            raise ValueError(f"--topology {value} holds {math.prod(parsed)} ranks, but -np is "
+                             f"{args.np}")
         out[var] = value
     return out
+
+
+def _secret_env() -> dict[str, str]:
+    """A fresh job secret for the local ranks, unless the user gave one."""
+    if config.get("DDL_SECRET") or config.get("DDL_SECRET_FILE"):
+        return {}
+    from ddlcore import auth
+
+    return {"DDL_SECRET": auth.new_secret()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,44 +410,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.np < 1:
         parser.error("-np must be at least 1")
+    if not args.command:
+        parser.error("no program given: ddlrun -np N prog.py [args...] (or -m module, or a "
+                     "command)")
+    prog, prog_args = args.command[0], args.command[1:]
     try:
         forwarded = _forwarded(args)
+        if not args.hosts:  # other hosts may hold files this one lacks
+            check_program(prog, args.module)
     except ValueError as exc:
         parser.error(str(exc))
-    command = program_argv(args.prog, args.args, args.module)
+    command = program_argv(prog, prog_args, args.module)
     if args.hosts:
-        mpiexec = find_mpiexec()
-        if mpiexec is None:
-            print("ddlrun: --hosts needs mpiexec; install it with pip install 'ddlcore[mpi]'",
-                  file=sys.stderr)
-            return 2
-        try:
-            argv_mpi = mpiexec_command(mpiexec, args.np, args.hosts, forwarded, command)
-        except ValueError as exc:
-            parser.error(str(exc))
-        return subprocess.call(argv_mpi)
+        return _run_mpiexec(parser, args, forwarded, command)
     env = dict(forwarded)
+    env.update(_secret_env())
     env["DDL_MASTER_ADDR"] = args.master_addr
     env["DDL_MASTER_PORT"] = str(args.master_port or _free_port(args.master_addr))
+    failure_dir = tempfile.mkdtemp(prefix="ddlrun-")
     try:
-        job = LocalJob(command, args.np, env, prefix=not args.no_prefix)
-    except OSError as exc:
-        print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
-    received: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        received.append(signum)
-        job.signal_all(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = job.wait(args.job_timeout)
+        try:
+            job = LocalJob(command, args.np, env, prefix=not args.no_prefix,
+                           failure_dir=failure_dir)
+        except OSError as exc:
+            print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
+            return 127
+        old = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = job.wait(args.job_timeout)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            _remove_shared_memory(job)
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        _remove_shared_memory(job)
+        shutil.rmtree(failure_dir, ignore_errors=True)
     return code
+
+
+def _run_mpiexec(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 forwarded: dict[str, str], command: list[str]) -> int:
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        print("ddlrun: --hosts needs mpiexec; install it with pip install 'ddlcore[mpi]'",
+              file=sys.stderr)
+        return 2
+    try:
+        argv_mpi = mpiexec_command(mpiexec, args.np, args.hosts, forwarded, command,
+                                   prefix=not args.no_prefix)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # mpiexec dies with us too; its proxies then stop the ranks (they lose their connection).
+    proc = subprocess.Popen(argv_mpi, preexec_fn=_die_with_parent())
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # mpiexec got the terminal's Ctrl-C too: let it finish
+            continue
 
 
 def _remove_shared_memory(job: LocalJob) -> None:

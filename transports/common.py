@@ -29,6 +29,7 @@ from ddlcore.errors import (
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
+    parse_reason,
 )
 
 MAX_TAG = (1 << 64) - 1
@@ -77,8 +78,9 @@ def queue_under(table: dict[int, deque], tag: int, item: Any) -> None:
 def copy_error(error: DDLError) -> DDLError:
     """A fresh instance of ``error`` for one request (an exception object is raised once)."""
     new = type(error)(str(error))
-    if isinstance(error, PeerFailureError):
-        new.peer = error.peer  # type: ignore[attr-defined]
+    new.cause, new.origin = error.cause, error.origin
+    if isinstance(error, PeerFailureError) and isinstance(new, PeerFailureError):
+        new.peer = error.peer
     return new
 
 
@@ -154,10 +156,18 @@ def mismatch_error(peer: int, rank: int, tag: int, sent_nbytes: int, sent_check:
 def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:
     """The error for rank ``who`` having aborted with ``code`` and ``reason`` (raised by its
     peers when told, and by ``who`` itself, with ``peer`` the other end of the pair)."""
-    text = f"rank {who} aborted: {reason}"
+    origin, cause = parse_reason(reason)
+    if origin is None or origin == who:  # ``who`` failed itself
+        origin, cause = who, f"rank {who} aborted: {cause}"
+        text = cause
+    else:  # ``who`` relays the failure of rank ``origin``
+        text = f"{cause} (reported by rank {who})"
     cls = ABORT_CLASS.get(code, PeerFailureError)
-    return PeerFailureError(text, who if peer is None else peer) if cls is PeerFailureError \
-        else cls(text)
+    err = cls(text)
+    err.cause, err.origin = cause, origin
+    if isinstance(err, PeerFailureError):
+        err.peer = origin if origin != who or peer is None else peer
+    return err
 
 
 def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,

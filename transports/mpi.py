@@ -44,7 +44,7 @@ from ddlcore.transports.base import (
     Store,
     Transport,
 )
-from ddlcore.transports.common import loaded_libraries
+from ddlcore.transports.common import abort_error, loaded_libraries
 
 from ddlcore import config
 from ddlcore.errors import (
@@ -291,9 +291,7 @@ class MpiContext(Context):
         reason = bytes(self._abort_buf[8:8 + min(length, MAX_ABORT_REASON_BYTES)]).decode(
             "utf-8", "replace")
         peer = self._ranks_of.get(self._abort_status.Get_source(), -1)
-        text = f"rank {peer} aborted: {reason}"
-        cls = _ERROR_CLASS.get(code)
-        self.failure = cls(text) if cls is not None else PeerFailureError(text, peer)
+        self.failure = abort_error(code, peer, reason)
         raise self.failure
 
     def notify_abort(self, mpi_peer: int, code: int, reason: str) -> None:
@@ -309,9 +307,7 @@ class MpiContext(Context):
             if peer != self.rank:
                 self.notify_abort(self._mpi_rank[peer], code, reason)
         if self.failure is None:
-            text = f"rank {self.rank} aborted: {reason}"
-            cls = _ERROR_CLASS.get(code)
-            self.failure = cls(text) if cls is not None else PeerFailureError(text)
+            self.failure = abort_error(code, self.rank, reason)
 
     def close(self) -> None:
         if self._closed:

@@ -33,10 +33,13 @@ there ATTACHED (with its pid and inbox name, so the peer attaches back without t
 A peer's state lives in the slot it produces into, i.e. in our own inbox: CLOSED (its context
 closed: data already in the ring is still delivered, then requests fail), ABORTED (code and
 reason: requests fail at once with that error class). A peer that dies is seen through a pidfd
-within ``_LIVENESS_S``. Segments are unlinked by their owner's ``close()``; a survivor unlinks
-the inbox of a peer it saw die; ``ddlrun`` removes those of ranks that died before anyone
-noticed (`remove_segments_of`). Names carry the owner's pid and random bits, so two jobs on one
-host never collide.
+within ``_LIVENESS_S``. Segments are unlinked by their owner's ``close()`` (or at its exit); a
+survivor unlinks the segments of a peer it saw die, before it raises (here and in the host
+collectives); ``ddlrun`` removes those of its ranks once they have exited
+(`remove_segments_of`); and every new context first removes this user's segments whose owner is
+gone (`remove_orphans`: the pid in the name is dead or was reused, and the owner's lock on the
+file is free), which covers ranks that died unseen under any launcher. Names carry the owner's
+pid and random bits, so two jobs on one host never collide.
 
 Single copy. A message of ``_CMA_MIN`` bytes or more travels as a CMA record (the address of the
 data in the sender); the receiver reads it with ``process_vm_readv`` straight into the posted
@@ -48,6 +51,8 @@ Device memory is host-staged above this layer; CUDA IPC handles are where it wou
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import os
 import secrets
 import select
@@ -152,40 +157,129 @@ def _reserve(fd: int, offset: int, length: int, what: str) -> None:
                        "DDL_TRANSPORT=tcp") from None
 
 
+# Segment paths -> the descriptor holding the owner's shared lock on it, until it is unlinked:
+# the kernel drops the lock when the owner dies, however it dies (`remove_orphans`).
+_OWNER_LOCKS: dict[str, int] = {}
+# `remove_orphans` leaves younger segments alone: their owner may not hold its lock yet (it
+# takes it right after creating the file, microseconds later).
+_ORPHAN_MIN_AGE_S = 1.0
+_SWEEP_EVERY_S = 10.0
+_last_sweep = -_SWEEP_EVERY_S
+
+
 def create_segment(name: str, nbytes: int, reserve: int, what: str) -> tuple[str, int]:
     """Create ``/dev/shm/<name>`` (owner-only) of ``nbytes``, its first ``reserve`` bytes
     allocated now, and map it; returns (path, address). Names start with `PREFIX` and the
-    owner's pid, which is how `remove_segments_of` finds a dead rank's segments."""
+    owner's pid, which is how `remove_segments_of` finds a dead rank's segments; the owner
+    holds a lock on it until `_unlink_quietly`, which is how `remove_orphans` tells a dead
+    owner's segment from a live one. First removes the orphans of earlier jobs (at most every
+    `_SWEEP_EVERY_S`: a sweep costs about 0.1 ms per segment in /dev/shm)."""
+    global _last_sweep
+    if time.monotonic() - _last_sweep >= _SWEEP_EVERY_S:
+        _last_sweep = time.monotonic()
+        remove_orphans()
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
         os.ftruncate(fd, nbytes)
         _reserve(fd, 0, reserve, what)
-        return path, _shm.map_shared(fd, nbytes)
+        address = _shm.map_shared(fd, nbytes)
     except BaseException:
         os.unlink(path)
-        raise
-    finally:
         os.close(fd)
+        raise
+    _OWNER_LOCKS[path] = fd
+    return path, address
+
+
+def _segment_owner(name: str) -> int | None:
+    parts = name.split("-")
+    if len(parts) >= 3 and parts[0] + "-" == PREFIX and parts[1].isdigit():
+        return int(parts[1])
+    return None
 
 
 def remove_segments_of(pids: set[int]) -> list[str]:
     """Unlink the segments owned by the given (dead) processes; returns the names removed.
-    The launcher calls this for ranks that died, whose survivors may not have noticed."""
+    A survivor calls this for a peer it saw die, the launcher for ranks that died."""
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in names:
-        parts = name.split("-")
-        if len(parts) >= 3 and parts[0] + "-" == PREFIX and parts[1].isdigit() \
-                and int(parts[1]) in pids:
+        if _segment_owner(name) in pids:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
             except OSError:
                 pass
+    return removed
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_time() -> float:
+    """When this host booted (wall clock, whole seconds)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    raise OSError("no btime in /proc/stat")
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _owner_gone(pid: int, since: float, boot: float) -> bool:
+    """Whether process ``pid`` cannot be the one that made a segment that existed at ``since``
+    (wall clock): no such pid here, or one started after that (the pid was reused). The start
+    time computed from whole-second ``btime`` errs early, so a live owner is never taken for
+    gone; a process of another pid namespace is, and the segment's lock decides then."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22: start time
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return boot + ticks / _TICKS_PER_S > since
+
+
+def remove_orphans() -> list[str]:
+    """Unlink this user's segments whose owner is gone: its pid names no process that could
+    have made the segment (`_owner_gone`) and nobody holds the owner's lock (a live owner in
+    another pid namespace does). Every context creation calls this, so the segments of a rank
+    that died unseen (SIGKILL, under any launcher) go at the next job on the host."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
+        boot = _boot_time() if names else 0.0
+    except OSError:
+        return removed
+    now, uid = time.time(), os.getuid()
+    for name in names:
+        pid = _segment_owner(name)
+        if pid is None or pid == os.getpid():
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid or now - st.st_ctime < _ORPHAN_MIN_AGE_S or \
+                    not _owner_gone(pid, st.st_ctime, boot):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -225,6 +319,9 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:  # a survivor took us for dead, or the launcher cleaned up
         pass
+    fd = _OWNER_LOCKS.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _cma_allowed() -> bool:
@@ -862,9 +959,10 @@ class ShmContext(PairTableContext):
             if p._watched and p._pidfd in dead:
                 p._watched = False
                 self._pidfds.unregister(p._pidfd)
-                p._peer_gone(f"rank {p.peer} (pid {p._peer_pid}) exited while")
-                # Survivors clean up: the dead rank's inbox would otherwise outlive the job.
+                # Survivors clean up (before anyone hears of it and exits): the dead rank's
+                # segments would otherwise outlive the job.
                 remove_segments_of({p._peer_pid})
+                p._peer_gone(f"rank {p.peer} (pid {p._peer_pid}) exited while")
 
     # --- shutdown ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -4,6 +4,7 @@ every surviving rank, within the timeout (seconds here)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -135,3 +136,64 @@ def _after_failure(rank, size):
 
 def test_broken_communicator_refuses_further_collectives():
     run_ranks(_after_failure, 2, timeout=60)
+
+
+def _relayed(rank, size, victim):
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.allreduce(np.random.default_rng(rank).standard_normal(1009))
+    comm.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(np.random.default_rng(rank).standard_normal(1009))
+    except ddlcore.PeerFailureError as exc:
+        return exc.peer, str(exc)
+    raise AssertionError(f"rank {rank}: allreduce succeeded although rank {victim} died")
+
+
+@pytest.mark.parametrize("algo", ["auto", "ring"])
+def test_relayed_failure_names_its_origin_once(algo):
+    # Some survivors see rank 1 die, the others hear it from them: all must blame rank 1, and say
+    # the collective and the cause once each.
+    results = run_ranks(_relayed, 4, 1, may_die={1}, timeout=90,
+                        env={"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo})
+    for rank, res in enumerate(results):
+        if rank == 1:
+            continue
+        peer, message = res
+        assert peer == 1, f"rank {rank} blames rank {peer}: {message}"
+        assert message.startswith(f"rank {rank}: allreduce #"), message
+        assert message.count("allreduce #") == 1 and message.count("exited") == 1, message
+
+
+def _stopped_mid_call(rank, size, timeout):
+    import threading
+
+    import ddlcore
+
+    comm = ddlcore.init(timeout=timeout)
+    pids = comm.allgather(np.array([os.getpid()], np.int64))
+    x = np.random.default_rng(rank).standard_normal(8_000_000).astype(np.float32)  # 32 MB
+    comm.allreduce(x[:1000])
+    if rank == 1:  # stop, most likely in the middle of reading and writing the peer's buffers
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    try:
+        for _ in range(100_000):  # until rank 1 stops
+            t0 = time.monotonic()
+            comm.allreduce(x)
+    except ddlcore.DDLError as exc:
+        elapsed = time.monotonic() - t0
+        if rank == 0:
+            os.kill(int(pids[1]), signal.SIGCONT)
+        return type(exc).__name__, elapsed
+    raise AssertionError(f"rank {rank}: 100,000 allreduces and rank 1 never stopped")
+
+
+def test_timeout_with_a_stopped_peer_fires_within_timeout_plus_one_second():
+    timeout = 3.0
+    res = run_ranks(_stopped_mid_call, 2, timeout, timeout=90)
+    name, elapsed = res[0]
+    assert name == "DDLTimeoutError", res
+    assert elapsed < timeout + 1, f"rank 0 raised after {elapsed:.1f} s with DDL_TIMEOUT={timeout}"

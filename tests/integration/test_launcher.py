@@ -1,4 +1,5 @@
-"""ddlrun: variables, prefixed output, failure handling without orphans, signals, -m, --hosts."""
+"""ddlrun: variables, secret, prefixed output, failure handling without orphans, naming the rank
+that failed first, signals and their escalation, -m, --hosts, checks made once before spawning."""
 
 from __future__ import annotations
 
@@ -72,19 +73,125 @@ def test_failing_rank_stops_the_others(tmp_path, mode, code, word):
     assert not any(_alive(p) for p in pids), "a sleeping rank survived ddlrun"
 
 
-def test_sigterm_to_ddlrun_stops_every_rank(tmp_path):
+def _start_sleepers(tmp_path, *ignored: str, preexec_fn=None) -> subprocess.Popen:
+    """ddlrun with 2 sleeping ranks (ignoring the signals named), once both are up."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    proc = subprocess.Popen(DDLRUN + ["-np", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(DDLRUN + ["-np", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path),
+                                      *ignored],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=preexec_fn)
     deadline = time.monotonic() + 30
     while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(_pids(tmp_path)) == 2
+    time.sleep(0.2)  # the ranks' signal dispositions are set once their pid is written
+    return proc
+
+
+def test_sigterm_to_ddlrun_stops_every_rank(tmp_path):
+    proc = _start_sleepers(tmp_path)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)
-    assert proc.returncode != 0
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert b"ddlrun: stopped by SIGTERM" in err
     time.sleep(0.2)
     assert not any(_alive(p) for p in _pids(tmp_path))
+
+
+def test_sigint_stops_the_ranks_although_ddlrun_started_with_sigint_ignored(tmp_path):
+    # As a background job of a script (``ddlrun ... &``) starts: SIGINT ignored, inherited.
+    proc = _start_sleepers(tmp_path,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in _pids(tmp_path))
+
+
+def test_second_sigint_escalates_to_sigterm_then_sigkill(tmp_path):
+    proc = _start_sleepers(tmp_path, "SIGINT", "SIGTERM")  # only SIGKILL stops these ranks
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert proc.poll() is None and all(_alive(p) for p in _pids(tmp_path))
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # SIGTERM (ignored), then SIGKILL after the grace
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert time.monotonic() - t0 < launcher.GRACE_S + 10
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.parametrize("mode,code", [("raise", 1), ("exit", 7)])
+def test_the_rank_that_failed_first_is_named(mode, code):
+    # The other ranks fail with a PeerFailureError naming rank 1, and often exit first.
+    res = _run(["-np", "3", "--timeout", "30", str(SCRIPTS / "fail_in_with.py"), mode],
+               timeout=120)
+    ddlrun_lines = [line for line in res.stderr.splitlines() if line.startswith("ddlrun:")]
+    assert res.returncode == code, res.stderr
+    assert ddlrun_lines and ddlrun_lines[0].startswith(f"ddlrun: rank 1 exited with code {code};"), \
+        res.stderr
+
+
+def _job_with_exits(directory: pathlib.Path, exits: dict[int, tuple[float, int]],
+                    origins: dict[int, int]) -> launcher.LocalJob:
+    """A LocalJob of 4 ranks as `LocalJob.wait` sees it: exit times and codes, and the origins
+    the failed ranks recorded (what `launcher.record_failure` writes)."""
+    directory.mkdir()
+    job = launcher.LocalJob.__new__(launcher.LocalJob)
+    job.procs, job.exits, job.failure_dir = [None] * 4, dict(exits), str(directory)
+    for rank, origin in origins.items():
+        (directory / str(rank)).write_text(f"{origin}\n")
+    return job
+
+
+def test_culprit_rules(tmp_path):
+    # A failed rank naming no other rank beats earlier ranks that name one.
+    job = _job_with_exits(tmp_path / "a", {0: (1.0, 1), 2: (1.1, 1), 1: (1.2, 7)}, {0: 1, 2: 1})
+    assert job.culprit(settled=False) == 1
+    # Only relayed failures so far, and the rank they name still runs: wait for it ...
+    job = _job_with_exits(tmp_path / "b", {0: (1.0, 1), 2: (1.1, 1)}, {0: 3, 2: 3})
+    assert job.culprit(settled=False) is None
+    # ... until the grace has passed: then the first to fail is named ...
+    assert job.culprit(settled=True) == 0
+    # ... or the named rank exits cleanly (it closed early): then too.
+    job.exits[3] = (1.2, 0)
+    assert job.culprit(settled=False) == 0
+    # Own failures (no record, or the rank names itself): the first to exit, ties by rank.
+    job = _job_with_exits(tmp_path / "c", {3: (1.0, -9), 1: (1.0, 1), 2: (0.9, 1)}, {2: 2})
+    assert job.culprit(settled=False) == 2
+    job = _job_with_exits(tmp_path / "d", {3: (1.0, -9), 1: (1.0, 1)}, {})
+    assert job.culprit(settled=False) == 1
+    job = _job_with_exits(tmp_path / "e", {3: (1.0, 0)}, {})
+    assert job.culprit(settled=True) is None  # nobody failed
+
+
+def test_each_job_gets_a_fresh_secret_never_on_a_command_line():
+    seen = []
+    for _ in range(2):
+        res = _run(["-np", "2", str(SCRIPTS / "show_secret.py")])
+        assert res.returncode == 0, res.stderr
+        lines = sorted(res.stdout.splitlines())
+        assert len(lines) == 2 and lines[0][4:] == lines[1][4:], lines  # both ranks: the same
+        assert "len=64 on_cmdline=False file=-" in lines[0], lines
+        seen.append(lines[0])
+    assert seen[0] != seen[1]
+
+
+def test_a_secret_the_user_set_is_kept(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    res = subprocess.run(DDLRUN + ["-np", "1", str(SCRIPTS / "show_secret.py")], env={
+        **env, "DDL_SECRET": "the-users-own-secret"}, capture_output=True, text=True, timeout=60)
+    import hashlib
+    want = hashlib.sha256(b"the-users-own-secret").hexdigest()[:16]
+    assert f"secret={want} len=20 on_cmdline=False" in res.stdout, res.stdout + res.stderr
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from a file\n")
+    secret_file.chmod(0o600)
+    res = subprocess.run(DDLRUN + ["-np", "1", str(SCRIPTS / "show_secret.py")], env={
+        **env, "DDL_SECRET_FILE": str(secret_file)}, capture_output=True, text=True, timeout=60)
+    assert f"secret=- len=0 on_cmdline=False file={secret_file}" in res.stdout, res.stdout
 
 
 def test_job_timeout(tmp_path):
@@ -97,6 +204,27 @@ def test_bad_options_are_rejected_before_spawning():
     assert res.returncode == 2 and "--topology" in res.stderr and "DDL_RANK" not in res.stdout
     res = _run(["-np", "2", "--transport", "pigeon", str(SCRIPTS / "show_env.py")])
     assert res.returncode == 2 and "--transport" in res.stderr
+
+
+def _error_line(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 2 and not res.stdout, (res.stdout, res.stderr)
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, res.stderr  # once, from ddlrun, not once per rank
+    return errors[0]
+
+
+def test_mistakes_get_one_line_from_ddlrun_before_spawning(tmp_path):
+    assert "no program given" in _error_line(_run(["-np", "2"]))
+    assert "--topology 3x3 holds 9 ranks, but -np is 4" in _error_line(
+        _run(["-np", "4", "--topology", "3x3", str(SCRIPTS / "show_env.py")]))
+    missing = tmp_path / "nope.py"
+    assert f"no such script: {missing}" in _error_line(_run(["-np", "3", str(missing)]))
+    assert "no module named 'no_such_module_here'" in _error_line(
+        _run(["-np", "2", "-m", "no_such_module_here"]))
+    assert "command not found: no-such-command-here" in _error_line(
+        _run(["-np", "2", "no-such-command-here"]))
+    usage = _run(["-np", "2"]).stderr
+    assert "args" not in usage.replace("[args...]", ""), usage
 
 
 def test_module_mode_and_program_flags_pass_through():
@@ -112,6 +240,8 @@ def test_mpiexec_command():
                                     ["python", "prog.py", "--lr", "0.1"])
     assert argv == ["mpiexec", "-n", "8", "-hosts", "h1:4,h2:4", "-genv", "DDL_TRANSPORT", "tcp",
                     "python", "prog.py", "--lr", "0.1"]
+    assert launcher.mpiexec_command("mpiexec", 2, "h1:2", {}, ["prog"], prefix=True) == \
+        ["mpiexec", "-n", "2", "-hosts", "h1:2", "-prepend-rank", "prog"]
     with pytest.raises(ValueError, match="fewer than"):
         launcher.mpiexec_command("mpiexec", 9, "h1:4,h2:4", {}, ["prog"])
     with pytest.raises(ValueError, match="host"):
@@ -124,6 +254,8 @@ def test_hosts_mode_hands_off_to_mpiexec():
     assert res.returncode == 0, res.stderr
     ranks = sorted(re.findall(r"PMI_RANK=(\d+)", res.stdout))
     assert ranks == ["0", "1"], (res.stdout, res.stderr)
+    for line in res.stdout.splitlines():  # prefixed by rank, as in local mode
+        assert line.startswith(f"[{line.split('PMI_RANK=')[1].split()[0]}] DDL_RANK="), line
     assert "DDL_TIMEOUT=30" in res.stdout
 
 
@@ -156,7 +288,8 @@ def test_allreduce_job_under_ddlrun_and_mpiexec(tmp_path):
 def test_no_shared_memory_left_when_ranks_die(tmp_path):
     res = _run(["-np", "3", "--transport", "shm", "--timeout", "20",
                 str(SCRIPTS / "shm_then_die.py"), str(tmp_path)])
-    assert res.returncode != 0
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr
+    assert "ddlrun: rank 1 exited with SIGKILL" in res.stderr, res.stderr  # not a survivor
     made = [n for f in tmp_path.glob("*.shm") for n in f.read_text().split()]
     # Each rank's shm inbox and its host-collective board, named after its pid.
     assert len({n.split("-")[1] for n in made}) == 3 and len(made) == 6, (made, res.stderr)

@@ -1,8 +1,12 @@
-"""Every rank records its pid, then sleeps (to be stopped by a signal to ddlrun)."""
+"""Every rank records its pid, then sleeps (to be stopped by a signal to ddlrun). Further
+arguments name signals the rank ignores (e.g. SIGINT SIGTERM: only SIGKILL stops it)."""
 import os
+import signal
 import sys
 import time
 
+for name in sys.argv[2:]:
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
 with open(os.path.join(sys.argv[1], f"{os.environ['DDL_RANK']}.pid"), "w") as f:
     f.write(str(os.getpid()))
 time.sleep(60)
