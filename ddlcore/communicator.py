@@ -119,7 +119,7 @@ class Communicator:
         # fails: ddlcore.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
         self._flight = flight.FlightRecorder.for_communicator(
             self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ)
-        self._execute_recorded = self._flight.recording(self._execute, self)
+        self._execute_recorded = self._flight.recording(self._execute)
 
     # --- introspection -------------------------------------------------------------------------
     @property

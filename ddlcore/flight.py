@@ -34,8 +34,10 @@ VERSION = 1
 STARTED, COMPLETED, FAILED = "started", "completed", "failed"
 _STATES = (STARTED, COMPLETED, FAILED)
 
-# An entry while recording: a list, the cheapest mutable record to build per call.
-_SEQ, _COLL, _COUNT, _DTYPE, _OP, _ROOT, _MEMORY, _START, _END, _STATE = range(10)
+# An entry while recording: a list, the cheapest mutable record to build per call. Its end
+# time says its state: 0.0 while started, the time it completed, or minus the time it failed.
+_SEQ, _COLL, _COUNT, _DTYPE, _OP, _ROOT, _MEMORY, _START, _END = range(9)
+_REFUSED = -1.0  # the end of a call the broken communicator refused (left out of the record)
 
 # Communicators made in this process per rendezvous address, so that a second one (an init after
 # a failure, or a sub-communicator) writes its own file instead of overwriting the first's.
@@ -78,7 +80,7 @@ class FlightRecorder:
         self._describe = describe
         self._context = dict(context or {})
         self._ring: deque[list[Any]] = deque(maxlen=max(entries, 1))
-        self._recorded = 0  # collectives recorded in all
+        self.failure: BaseException | None = None  # the error that broke the communicator
         with _made_lock:
             self.comm_index = _made.get(job, 0)
             _made[job] = self.comm_index + 1
@@ -113,30 +115,26 @@ class FlightRecorder:
         return os.path.join(self.directory, file_name(self.rank, self.comm_index))
 
     # --- recording (the hot path) ---------------------------------------------------------------
-    def recording(self, execute: Callable[[Any, int], Any], comm: Any) -> Callable[[Any, int], Any]:
+    def recording(self, execute: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
         """``execute(call, seq)`` with each call recorded; ``execute`` itself when recording is
-        off. A call ``comm`` refuses because an earlier one broke it is not recorded."""
+        off. ``execute`` is a communicator's: its first failure breaks it, and it refuses every
+        call after that (those are not recorded)."""
         if not self.enabled:
             return execute
-        append, clock, ring = self._ring.append, time.time, self
+        append, clock, recorder = self._ring.append, time.time, self
 
         def run(call: Any, seq: int) -> Any:
-            if comm._broken is not None:  # refused at once: nothing happened to record
-                return execute(call, seq)
             inp = call.inp
-            entry = [seq, call.collective, call.count, None, call.op, call.root, None, clock(),
-                     0.0, STARTED]
-            if inp is not None:
-                entry[_DTYPE], entry[_MEMORY] = inp.dtype, inp.memory
+            entry = [seq, call.collective, call.count, inp and inp.dtype, call.op, call.root,
+                     inp and inp.memory, clock(), 0.0]
             append(entry)
-            ring._recorded += 1
             try:
                 result = execute(call, seq)
             except BaseException as exc:
-                entry[_END], entry[_STATE] = clock(), FAILED
-                ring.failed(exc)
+                entry[_END] = -clock()
+                recorder.failed(exc, entry)
                 raise
-            entry[_END], entry[_STATE] = clock(), COMPLETED
+            entry[_END] = clock()
             return result
 
         return run
@@ -160,7 +158,9 @@ class FlightRecorder:
             if key not in known:
                 known[key] = self._algorithm_and_path(*key)
             algorithm, path = known[key]
-            op = e[_OP]
+            op, end = e[_OP], e[_END]
+            if end == _REFUSED:
+                continue
             out.append({
                 "seq": e[_SEQ], "collective": e[_COLL], "count": e[_COUNT], "bytes": nbytes,
                 "dtype": dtype.name if dtype is not None else None,
@@ -168,8 +168,8 @@ class FlightRecorder:
                 "root": e[_ROOT] if e[_COLL] == "broadcast" else None,
                 "memory": e[_MEMORY].value if e[_MEMORY] is not None else None,
                 "algorithm": algorithm, "path": path,
-                "start": e[_START], "end": e[_END] if e[_STATE] != STARTED else None,
-                "state": e[_STATE]})
+                "start": e[_START], "end": abs(end) if end else None,
+                "state": COMPLETED if end > 0 else FAILED if end < 0 else STARTED})
         return out
 
     def _algorithm_and_path(self, collective: str, nbytes: int, cuda: bool) -> tuple[str, str]:
@@ -184,8 +184,9 @@ class FlightRecorder:
 
     def document(self, reason: str, error: BaseException | None = None) -> dict[str, Any]:
         """The whole record as written to the file: who (rank, size, host, pid, job), why
-        (``reason``: "failure", "close" or "request"; the error), and the entries."""
-        err = None
+        (``reason``: "failure", "close" or "request"; the error that broke the communicator,
+        if one did), and the entries."""
+        err, error = None, error or self.failure
         if error is not None:
             err = {"type": type(error).__name__, "message": str(error) or type(error).__name__,
                    "peer": getattr(error, "peer", None)}
@@ -193,7 +194,7 @@ class FlightRecorder:
                 "comm": self.comm_index, "rank": self.rank, "size": self.size,
                 "host": socket.gethostname(), "pid": os.getpid(), "created": self.created,
                 "written": time.time(), "reason": reason, "error": err,
-                **self._context, "capacity": self.capacity, "recorded": self._recorded,
+                **self._context, "capacity": self.capacity,
                 "entries": self.entries() if self.enabled else []}
 
     # --- writing ----------------------------------------------------------------------------------
@@ -207,10 +208,14 @@ class FlightRecorder:
         os.replace(tmp, path)
         return path
 
-    def failed(self, exc: BaseException) -> None:
-        """The collective in progress failed and broke the communicator: write the record (once)
-        and name its file in the error's message."""
-        if not self.directory or self.written is not None:
+    def failed(self, exc: BaseException, entry: list[Any]) -> None:
+        """The collective of ``entry`` failed. The first failure broke the communicator: write
+        the record and name its file in the error's message; later calls were refused."""
+        if self.failure is not None:
+            entry[_END] = _REFUSED
+            return
+        self.failure = exc
+        if not self.directory:
             return
         try:
             self.written = self.write(self.document("failure", exc))
@@ -228,7 +233,7 @@ class FlightRecorder:
     def closed(self) -> None:
         """The communicator is being closed: write the record unless a failure already did, so
         that a rank that left early is on file too."""
-        if not self.directory or not self.enabled or self.written is not None:
+        if not self.directory or not self.enabled or self.failure is not None:
             return
         try:
             self.write(self.document("close"))

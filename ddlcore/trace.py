@@ -206,9 +206,16 @@ def analyze(group: Group) -> list[Finding]:
                 continue
             nxt = front if mine is None else mine + 1
             calls = {r: e[nxt] for r, e in seqs.items() if nxt in e}
+            rec = group.records[rank]
+            if not calls:  # the others' records no longer reach back that far
+                findings.append(Finding(
+                    "behind", [rank], nxt,
+                    f"rank {rank} is behind: its last collective was #{mine}, the others "
+                    f"reached #{front} (their records start later than #{nxt}); "
+                    f"{_ending(rec)}"))
+                continue
             sig, _ = _majority(calls)
             theirs = next(e for e in calls.values() if _signature(e) == sig)
-            rec = group.records[rank]
             if mine is None:
                 before = "it recorded no collective"
             else:
@@ -332,7 +339,8 @@ def report(group: Group, with_tables: bool = False, last: int = 20,
                 continue
             rec = group.records[rank]
             shown = min(last, len(rec["entries"])) if last else len(rec["entries"])
-            lines.append(f"\nrank {rank}: last {shown} of {rec.get('recorded')} collectives")
+            lines.append(f"\nrank {rank}: its last {shown} collectives (of "
+                         f"{len(rec['entries'])} recorded)")
             lines.append(table(rec, last))
     return "\n".join(lines)
 
