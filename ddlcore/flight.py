@@ -80,7 +80,9 @@ class FlightRecorder:
         self._describe = describe
         self._context = dict(context or {})
         self._ring: deque[list[Any]] = deque(maxlen=max(entries, 1))
-        self.failure: BaseException | None = None  # the error that broke the communicator
+        # The error that broke the communicator, summarized (the exception itself would keep
+        # its traceback's frames and buffers alive).
+        self.failure: dict[str, Any] | None = None
         with _made_lock:
             self.comm_index = _made.get(job, 0)
             _made[job] = self.comm_index + 1
@@ -186,10 +188,7 @@ class FlightRecorder:
         """The whole record as written to the file: who (rank, size, host, pid, job), why
         (``reason``: "failure", "close" or "request"; the error that broke the communicator,
         if one did), and the entries."""
-        err, error = None, error or self.failure
-        if error is not None:
-            err = {"type": type(error).__name__, "message": str(error) or type(error).__name__,
-                   "peer": getattr(error, "peer", None)}
+        err = _summary(error) if error is not None else self.failure
         return {"format": FORMAT, "version": VERSION, "job": self.job,
                 "comm": self.comm_index, "rank": self.rank, "size": self.size,
                 "host": socket.gethostname(), "pid": os.getpid(), "created": self.created,
@@ -214,7 +213,7 @@ class FlightRecorder:
         if self.failure is not None:
             entry[_END] = _REFUSED
             return
-        self.failure = exc
+        self.failure = _summary(exc)
         if not self.directory:
             return
         try:
@@ -240,6 +239,11 @@ class FlightRecorder:
         except Exception as werr:
             log.warning("rank %d: could not write the flight record to %s: %s", self.rank,
                         self.directory, werr)
+
+
+def _summary(exc: BaseException) -> dict[str, Any]:
+    return {"type": type(exc).__name__, "message": str(exc) or type(exc).__name__,
+            "peer": getattr(exc, "peer", None)}
 
 
 def dumps(doc: dict[str, Any]) -> str:
