@@ -125,12 +125,18 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _error_line(rec: Record) -> str:
+def _error_line(rec: Record, limit: int = 200) -> str:
     err = rec.get("error")
     if not err:
         return ""
     first = str(err.get("message", "")).splitlines()[0] if err.get("message") else ""
-    return f"{err.get('type')}: {first[:300]}"
+    if len(first) > limit:
+        first = first[:limit - 3] + "..."
+    return f"{err.get('type')}: {first}"
+
+
+def _error_type(rec: Record) -> str:
+    return str((rec.get("error") or {}).get("type", "an error"))
 
 
 def _ending(rec: Record) -> str:
@@ -241,7 +247,8 @@ def analyze(group: Group) -> list[Finding]:
                         "late", [rank], front,
                         f"rank {rank} is behind: it started {describe(e)} "
                         f"{_seconds(e['start'] - t0)} after {_ranks(early)}, when rank {first} "
-                        f"had already failed in it ({_error_line(group.records[first])})"))
+                        f"had already failed in it ({_error_type(group.records[first])} at "
+                        f"{_clock(first_end)})"))
         if not any(f.kind in ("behind", "late", "mismatch") for f in findings):
             findings.append(_front_state(group, seqs, front, started))
     missing = [r for r in range(group.size) if r not in group.records]
@@ -366,7 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if len(groups) > 1:
         print(f"{len(groups)} communicators' records, the newest first\n")
-    print("\n\n".join(report(g, args.table, args.last, args.rank) for g in groups))
+    text = "\n\n".join(report(g, args.table, args.last, args.rank) for g in groups)
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # piped into head: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
