@@ -4,7 +4,7 @@ that both halves see the same machine load; rank 0 prints the median call of eac
 median of the paired block differences, and the recorder's own cost per call measured without
 communication.
 
-    ddlrun -np 2 python benchmarks/flight_overhead.py 4096 40 2000
+    ddlrun -np 2 python benchmarks/flight_overhead.py 4096 200 500
 
 (bytes, blocks, calls per block). Switching inside one process is what makes the comparison
 fair on a shared machine; separate runs with DDL_FLIGHT_RECORDER_ENTRIES=0 differ by more than
@@ -79,8 +79,9 @@ def main() -> None:
                   f"(p90 {np.percentile(off, 90) * 1e6:.2f})")
             print(f"  recorder on:  median {np.median(on_) * 1e6:.2f} us "
                   f"(p90 {np.percentile(on_, 90) * 1e6:.2f})")
+            rel = np.median(diff) / np.median(off)
             print(f"  on - off, paired block medians: median {np.median(diff) * 1e6:+.2f} us "
-                  f"(quartiles {q1:+.2f} .. {q3:+.2f})")
+                  f"({rel:+.1%}; quartiles {q1:+.2f} .. {q3:+.2f} us)")
             print(f"  the recorder alone: {recorder_alone() * 1e9:.0f} ns per call")
 
 

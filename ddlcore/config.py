@@ -207,9 +207,9 @@ _declare("DDL_FLIGHT_RECORDER", str, "",
          "Directory where each rank writes its flight record (its last collectives: sequence "
          "number, collective, size, dtype, op, algorithm, path, times, state), as JSON in "
          "rankR.json, when a collective fails (timeout, peer failure, mismatch: the error names "
-         "the file) and when the communicator is closed; python -m ddlcore.trace DIR merges "
-         "them and says which rank was behind. Empty: kept in memory only "
-         "(Communicator.flight_record()).")
+         "the file), when the communicator is closed, and on SIGTERM (unless the program has "
+         "its own handler); python -m ddlcore.trace DIR merges them and says which rank was "
+         "behind. Empty: kept in memory only (Communicator.flight_record()).")
 _declare("DDL_FLIGHT_RECORDER_ENTRIES", _nonneg_int, 1024,
          "How many of the last collectives the flight recorder keeps per communicator (0: off).")
 

@@ -7,7 +7,10 @@ root, memory, start and end times, state started/completed/failed); the last
 call: the algorithm and the execution path are worked out only when the record is read. When a
 collective fails (timeout, peer failure, mismatch: anything that breaks the communicator), and
 when the communicator is closed, each rank writes its record as JSON, one file per rank, into the
-``DDL_FLIGHT_RECORDER`` directory, and a failure's message names the file. ``python -m
+``DDL_FLIGHT_RECORDER`` directory, and a failure's message names the file. So does a rank stopped
+by SIGTERM (how ddlrun, and most launchers, stop the others when one rank fails): the rank that
+was behind is often the one busy elsewhere, not in a collective, and would otherwise leave
+nothing. ``python -m
 ddlcore.trace DIR`` merges the ranks' files and says which rank was behind, in which collective.
 The files hold plain JSON only; nothing is pickled.
 """
@@ -17,9 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,6 +48,35 @@ _REFUSED = -1.0  # the end of a call the broken communicator refused (left out o
 # a failure, or a sub-communicator) writes its own file instead of overwriting the first's.
 _made: dict[str, int] = {}
 _made_lock = threading.Lock()
+
+
+# Recorders to write when SIGTERM arrives: those with a directory, not failed and not closed.
+_live: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+_sigterm_installed = False
+
+
+def _watch_sigterm(recorder: FlightRecorder) -> None:
+    """Write ``recorder`` if this process gets SIGTERM. The handler is installed once, only
+    from the main thread and only where SIGTERM has its default action (never over the
+    program's own handler); after writing, it lets the signal end the process as before."""
+    global _sigterm_installed
+    _live.add(recorder)
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not allowed here (an embedded interpreter)
+        return
+    _sigterm_installed = True
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for recorder in list(_live):
+        recorder.terminated(signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def file_name(rank: int, comm_index: int) -> str:
@@ -88,6 +122,7 @@ class FlightRecorder:
             _made[job] = self.comm_index + 1
         self.created = time.time()
         self.written: str | None = None  # the path of the record written after a failure
+        self._write_lock = threading.Lock()  # a signal handler must not write over a write
 
     @classmethod
     def for_communicator(cls, comm: Any, job: str,
@@ -104,8 +139,12 @@ class FlightRecorder:
         context = {"local_rank": comm.local_rank, "local_size": comm.local_size,
                    "box": comm.topology.shape, "timeout": comm.timeout,
                    "transports": {str(p): t for p, t in sorted(comm.transports.items())}}
-        return cls(comm.rank, comm.size, job, config.get("DDL_FLIGHT_RECORDER_ENTRIES", environ),
-                   config.get("DDL_FLIGHT_RECORDER", environ), describe, context)
+        recorder = cls(comm.rank, comm.size, job,
+                       config.get("DDL_FLIGHT_RECORDER_ENTRIES", environ),
+                       config.get("DDL_FLIGHT_RECORDER", environ), describe, context)
+        if recorder.directory and recorder.enabled:
+            _watch_sigterm(recorder)
+        return recorder
 
     @property
     def enabled(self) -> bool:
@@ -186,8 +225,8 @@ class FlightRecorder:
 
     def document(self, reason: str, error: BaseException | None = None) -> dict[str, Any]:
         """The whole record as written to the file: who (rank, size, host, pid, job), why
-        (``reason``: "failure", "close" or "request"; the error that broke the communicator,
-        if one did), and the entries."""
+        (``reason``: "failure", "close", "SIGTERM" or "request"; the error that broke the
+        communicator, if one did), and the entries."""
         err = _summary(error) if error is not None else self.failure
         return {"format": FORMAT, "version": VERSION, "job": self.job,
                 "comm": self.comm_index, "rank": self.rank, "size": self.size,
@@ -201,7 +240,7 @@ class FlightRecorder:
         """Write ``doc`` as JSON (atomically: a reader never sees half a file); returns the path."""
         path = path or self.path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(dumps(doc))
         os.replace(tmp, path)
@@ -214,13 +253,12 @@ class FlightRecorder:
             entry[_END] = _REFUSED
             return
         self.failure = _summary(exc)
+        _live.discard(self)
         if not self.directory:
             return
-        try:
-            self.written = self.write(self.document("failure", exc))
-        except Exception as werr:  # the collective's error is the one to raise
-            log.warning("rank %d: could not write the flight record to %s: %s", self.rank,
-                        self.directory, werr)
+        with self._write_lock:
+            self.written = self._write_quietly("failure", exc)
+        if self.written is None:
             return
         note = (f"flight record: {self.written} (python -m ddlcore.trace {self.directory} "
                 "merges every rank's)")
@@ -232,13 +270,30 @@ class FlightRecorder:
     def closed(self) -> None:
         """The communicator is being closed: write the record unless a failure already did, so
         that a rank that left early is on file too."""
+        _live.discard(self)
         if not self.directory or not self.enabled or self.failure is not None:
             return
+        with self._write_lock:
+            self._write_quietly("close")
+
+    def terminated(self, signum: int) -> None:
+        """The process got ``signum`` (SIGTERM) and is about to end: write the record."""
+        if self.failure is not None or not self._write_lock.acquire(blocking=False):
+            return  # written already, or being written by the code the signal interrupted
         try:
-            self.write(self.document("close"))
+            self._write_quietly(signal.Signals(signum).name)
+        finally:
+            self._write_lock.release()
+
+    def _write_quietly(self, reason: str, exc: BaseException | None = None) -> str | None:
+        """Write the record; a failure to write is logged, never raised (the collective's
+        error, or the closing, is what the caller is about)."""
+        try:
+            return self.write(self.document(reason, exc))
         except Exception as werr:
             log.warning("rank %d: could not write the flight record to %s: %s", self.rank,
                         self.directory, werr)
+            return None
 
 
 def _summary(exc: BaseException) -> dict[str, Any]:

@@ -146,6 +146,8 @@ def _ending(rec: Record) -> str:
         return f"it closed its communicator at {_clock(rec.get('written'))}"
     if reason == "failure":
         return f"then it failed: {_error_line(rec)}"
+    if str(reason).startswith("SIG"):
+        return f"it was stopped by {reason} at {_clock(rec.get('written'))}"
     return f"its record was taken at {_clock(rec.get('written'))} ({reason})"
 
 
@@ -198,6 +200,7 @@ def analyze(group: Group) -> list[Finding]:
     """What the records of one communicator say, most telling first (see the module doc)."""
     findings: list[Finding] = []
     seqs = _by_seq(group)
+    missing = [r for r in range(group.size) if r not in group.records]
     mismatch = _mismatch(seqs)
     if mismatch is not None:
         findings.append(mismatch)
@@ -250,13 +253,13 @@ def analyze(group: Group) -> list[Finding]:
                         f"had already failed in it ({_error_type(group.records[first])} at "
                         f"{_clock(first_end)})"))
         if not any(f.kind in ("behind", "late", "mismatch") for f in findings):
-            findings.append(_front_state(group, seqs, front, started))
-    missing = [r for r in range(group.size) if r not in group.records]
+            findings.append(_front_state(group, seqs, front, started, not missing))
     if missing:
         blamed = sorted({r for r, rec in group.records.items()
                          if (rec.get("error") or {}).get("peer") in missing})
-        text = (f"{_ranks(missing)} left no record: killed, crashed, or still running (a rank "
-                "writes its record when its communicator fails or is closed)")
+        text = (f"{_ranks(missing)} left no record: killed (SIGKILL), crashed, or still "
+                "running (a rank writes its record when its communicator fails or is closed, "
+                "and on SIGTERM)")
         if blamed:
             text += f"; the errors of {_ranks(blamed)} name it as the peer that failed"
         findings.append(Finding("missing", missing, None, text))
@@ -264,8 +267,10 @@ def analyze(group: Group) -> list[Finding]:
 
 
 def _front_state(group: Group, seqs: dict[int, dict[int, Entry]], front: int,
-                 started: list[int]) -> Finding:
-    """Nobody behind: how the last collective ended (completed, or where it failed first)."""
+                 started: list[int], complete: bool) -> Finding:
+    """Nobody on record behind: how the last collective ended (completed, or where it failed
+    first); ``complete``: every rank left a record."""
+    nobody = "no rank was behind" if complete else "no rank on record was behind"
     entries = [seqs[r][front] for r in started]
     e0 = entries[0]
     spread = max(e["start"] for e in entries) - min(e["start"] for e in entries)
@@ -273,7 +278,7 @@ def _front_state(group: Group, seqs: dict[int, dict[int, Entry]], front: int,
                     if e["state"] == flight.FAILED)
     if not failed and all(e["state"] == flight.COMPLETED for e in entries):
         return Finding("completed", started, front,
-                       f"no rank was behind: {_ranks(started)} completed {describe(e0)}, "
+                       f"{nobody}: {_ranks(started)} completed {describe(e0)}, "
                        "the last collective recorded")
     if not failed:
         running = [r for r, e in zip(started, entries, strict=True)
@@ -283,7 +288,7 @@ def _front_state(group: Group, seqs: dict[int, dict[int, Entry]], front: int,
                        f"{_ranks(running)} had not finished it when the record was taken")
     first_t, first = failed[0]
     return Finding("failed", [first], front,
-                   f"no rank was behind: {_ranks(started)} started {describe(e0)} within "
+                   f"{nobody}: {_ranks(started)} started {describe(e0)} within "
                    f"{_seconds(spread)}; it failed first on rank {first} at {_clock(first_t)}: "
                    f"{_error_line(group.records[first])}")
 

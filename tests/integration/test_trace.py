@@ -1,7 +1,8 @@
 """The flight recorder end to end: real ranks, one of them behind (asleep past DDL_TIMEOUT, or
-leaving without the last collective) or calling another collective; every surviving rank writes
-its record into DDL_FLIGHT_RECORDER and names it in its error, and ``python -m ddlcore.trace DIR``
-(a subprocess) says which rank was behind, in which collective."""
+leaving without the last collective, or busy elsewhere until ddlrun stops it) or calling another
+collective; every surviving rank writes its record into DDL_FLIGHT_RECORDER and names it in its
+error, and ``python -m ddlcore.trace DIR`` (a subprocess) says which rank was behind, in which
+collective."""
 
 from __future__ import annotations
 
@@ -112,3 +113,35 @@ def test_trace_names_the_rank_that_called_another_collective(tmp_path):
     out = _trace(directory)
     assert f"collective #{seq}: rank {ODD} called broadcast (4099 x float32, root 0) where " \
         "ranks 0, 1 called allreduce (4099 x float32, sum)" in out, out
+
+
+_BUSY_ELSEWHERE = """
+import time
+import numpy as np
+import ddlcore
+
+comm = ddlcore.init()
+x = np.random.default_rng(comm.rank).standard_normal(4099).astype(np.float32)
+for _ in range(3):
+    comm.allreduce(x)
+comm.barrier()
+if comm.rank == 2:
+    time.sleep(120)  # busy elsewhere: ddlrun stops it once another rank has failed
+comm.allreduce(x)
+"""
+
+
+def test_trace_under_ddlrun_names_the_rank_it_stopped(tmp_path):
+    directory = str(tmp_path / "flight")
+    script = tmp_path / "busy_elsewhere.py"
+    script.write_text(_BUSY_ELSEWHERE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    env.update(DDL_FLIGHT_RECORDER=directory, DDL_TIMEOUT=str(TIMEOUT_S))
+    res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "3", str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert res.returncode != 0, res.stderr
+    assert f"flight record: {os.path.join(directory, 'rank0.json')}" in res.stderr, res.stderr
+    out = _trace(directory)
+    assert "rank 2 is behind: it never started allreduce #4 (4099 x float32, sum), which " \
+        "ranks 0, 1 started; its last collective was barrier #3" in out, out
+    assert "it was stopped by SIGTERM" in out, out

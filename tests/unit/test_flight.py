@@ -261,7 +261,7 @@ def test_verdict_missing_rank_and_clean_end():
     group = _group(_record(0, 3, [("allreduce", OK)], reason="close"),
                    _record(1, 3, [("allreduce", OK)], reason="close"))
     kinds = {f.kind: f for f in trace.analyze(group)}
-    assert kinds["completed"].text.startswith("no rank was behind")
+    assert kinds["completed"].text.startswith("no rank on record was behind")
     assert kinds["missing"].ranks == [2] and "rank 2 left no record" in kinds["missing"].text
 
 
