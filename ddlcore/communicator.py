@@ -454,12 +454,18 @@ class Communicator:
         return self._executor.submit(functools.partial(self._execute_recorded, call), handle)
 
     def flight_record(self) -> dict[str, Any]:
-        """This rank's flight record now: the last collectives (``DDL_FLIGHT_RECORDER_ENTRIES``,
-        oldest first), each with its sequence number, collective, count, bytes, dtype, op, root,
-        algorithm, path (boards, host-staged, schedule or device), start and end (Unix time)
-        and state (started, completed, failed), under the key "entries", with the rank, size,
-        host and pid. Plain JSON data: ``json.dump`` it into a directory with the other ranks'
-        and ``python -m ddlcore.trace DIR`` reads it like the files written on a failure."""
+        """This rank's flight record, now (what ``DDL_FLIGHT_RECORDER`` files hold).
+
+        Returns
+        -------
+        dict
+            Plain JSON data: rank, size, host, pid, the error that broke the communicator (or
+            None), and under "entries" the last ``DDL_FLIGHT_RECORDER_ENTRIES`` collectives,
+            oldest first: seq, collective, count, bytes, dtype, op, root, algorithm, path
+            (boards, host-staged, schedule or device), start and end (Unix time) and state
+            (started, completed or failed). ``json.dump`` it into a directory with the other
+            ranks' and ``python -m ddlcore.trace DIR`` reads it.
+        """
         return self._flight.document("request")
 
     def _wait_budget(self) -> float:
