@@ -352,7 +352,7 @@ def report(group: Group, with_tables: bool = False, last: int = 20,
             rec = group.records[rank]
             shown = min(last, len(rec["entries"])) if last else len(rec["entries"])
             lines.append(f"\nrank {rank}: its last {shown} collectives (of "
-                         f"{len(rec['entries'])} recorded)")
+                         f"{len(rec['entries'])} kept)")
             lines.append(table(rec, last))
     return "\n".join(lines)
 
