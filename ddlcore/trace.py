@@ -235,14 +235,17 @@ def analyze(group: Group) -> list[Finding]:
                 "behind", [rank], nxt,
                 f"rank {rank} is behind: it never started {describe(theirs)}, which "
                 f"{_ranks(calls)} started; {before}, and {_ending(rec)}"))
-        # Late: started the front collective only after another rank had failed in it.
+        # Late: started the front collective only after another rank had given up waiting in
+        # it (a failure after at least half its DDL_TIMEOUT: a quick one, like a peer that
+        # died, says nothing about who came late).
         failed_ends = [(e["end"], r) for r in started for e in [seqs[r][front]]
                        if e["state"] == flight.FAILED and e.get("end") is not None]
         if failed_ends:
             first_end, first = min(failed_ends)
+            waited = first_end - seqs[first][front]["start"]
             late = [r for r in started if seqs[r][front]["start"] > first_end]
             early = [r for r in started if r not in late]
-            if late and early:
+            if late and early and waited >= float(group.records[first].get("timeout") or 0) / 2:
                 t0 = min(seqs[r][front]["start"] for r in early)
                 for rank in late:
                     e = seqs[rank][front]

@@ -240,6 +240,20 @@ def test_verdict_rank_that_started_after_the_others_failed():
     assert "after ranks 0, 1" in findings[0].text
 
 
+def test_verdict_no_late_rank_after_a_quick_failure():
+    # Rank 0 failed at once (its peer rank 3 died); rank 1 came a little later: not "behind".
+    dead = PeerFailureError("rank 0: rank 3 died", 3)
+    first = _record(0, 4, [("barrier", OK), ("allreduce", "failed")], error=dead)
+    first["entries"][-1]["end"] = first["entries"][-1]["start"] + 1e-3
+    second = _record(1, 4, [("barrier", OK), ("allreduce", "failed")], error=dead,
+                     starts={1: first["entries"][-1]["start"] + 0.1})
+    findings = trace.analyze(_group(first, second, _record(2, 4, [("barrier", OK), (
+        "allreduce", "failed")], error=dead)))
+    assert [f.kind for f in findings] == ["failed", "missing"]
+    assert findings[0].text.startswith("no rank on record was behind")
+    assert findings[1].ranks == [3] and "name it as the peer that failed" in findings[1].text
+
+
 @pytest.mark.parametrize("size,odd", [(4, 1), (2, 1)])
 def test_verdict_mismatch(size, odd):
     records = [_record(r, size, [("barrier", OK), ("broadcast" if r == odd else "allreduce",
