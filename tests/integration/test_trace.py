@@ -1,6 +1,6 @@
-"""The flight recorder end to end: real ranks, one of them behind (asleep past DDL_TIMEOUT, or
-leaving without the last collective, or busy elsewhere until ddlrun stops it) or calling another
-collective; every surviving rank writes its record into DDL_FLIGHT_RECORDER and names it in its
+"""The flight recorder end to end: real ranks, one of them behind (busy elsewhere until the
+others have given up on a collective at DDL_TIMEOUT, then calling it late or leaving without it,
+or busy until ddlrun stops it) or calling another collective; every surviving rank writes its record into DDL_FLIGHT_RECORDER and names it in its
 error, and ``python -m ddlcore.trace DIR`` (a subprocess) says which rank was behind, in which
 collective."""
 
@@ -18,7 +18,7 @@ import pytest
 from tests.harness import run_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TIMEOUT_S = 3.0  # the ranks' DDL_TIMEOUT: short, the test waits it out once
+TIMEOUT_S = 3.0  # the ranks' DDL_TIMEOUT: short, each test waits it out once
 ODD = 2  # the rank that misbehaves
 
 
@@ -34,17 +34,28 @@ def _warm_up(comm, rank: int) -> int:
     return 5
 
 
+def _await_records(ranks: list[int], limit: float = 60.0) -> None:
+    """Wait until ``ranks`` have written their records (they failed), at most ``limit`` s."""
+    directory = os.environ["DDL_FLIGHT_RECORDER"]
+    deadline = time.monotonic() + limit
+    while not all(os.path.exists(os.path.join(directory, f"rank{r}.json")) for r in ranks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no records from ranks {ranks} in {directory} after {limit} s")
+        time.sleep(0.05)
+
+
 def _behind(rank: int, size: int, how: str):
     import ddlcore
 
     comm = ddlcore.init()
     seq = _warm_up(comm, rank)
     x = np.random.default_rng(rank).standard_normal(4099).astype(np.float32)
-    if rank == ODD and how == "leaves":  # skips the last allreduce and closes its communicator
-        comm.close()
-        return "left", seq
-    if rank == ODD and how == "sleeps":
-        time.sleep(TIMEOUT_S + 4)  # past the others' DDL_TIMEOUT
+    if rank == ODD and how in ("leaves", "sleeps"):
+        # Busy elsewhere until the others have given up on the next collective (DDL_TIMEOUT).
+        _await_records([r for r in range(size) if r != ODD])
+        if how == "leaves":  # then leaves without calling it
+            comm.close()
+            return "left", seq
     try:
         if rank == ODD and how == "mismatch":
             comm.broadcast(x, root=0)
