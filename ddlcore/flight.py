@@ -3,7 +3,7 @@ when it breaks, so that a hang or a failure can be explained after the fact.
 
 Every collective a communicator runs is one entry (sequence number, collective, size, dtype, op,
 root, memory, start and end times, state started/completed/failed); the last
-``DDL_FLIGHT_RECORDER_ENTRIES`` are kept. Recording costs two clock reads and one small list per
+``DDL_FLIGHT_RECORDER_ENTRIES`` are kept. Recording costs two clock reads and one small tuple per
 call: the algorithm and the execution path are worked out only when the record is read. When a
 collective fails (timeout, peer failure, mismatch: anything that breaks the communicator), and
 when the communicator is closed, each rank writes its record as JSON, one file per rank, into the
@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,9 +38,11 @@ VERSION = 1
 STARTED, COMPLETED, FAILED = "started", "completed", "failed"
 _STATES = (STARTED, COMPLETED, FAILED)
 
-# An entry while recording: a list, the cheapest mutable record to build per call. Its end
-# time says its state: 0.0 while started, the time it completed, or minus the time it failed.
-_SEQ, _COLL, _COUNT, _DTYPE, _OP, _ROOT, _MEMORY, _START, _END = range(9)
+# An entry while recording: a tuple of what the call was and when it started, in slot
+# seq % N of a list made once, and its end time in the same slot of another: 0.0 while started,
+# the time it completed, or minus the time it failed. Nothing is allocated per call but the
+# tuple, which replaces the one N calls older.
+_SEQ, _COLL, _COUNT, _DTYPE, _OP, _ROOT, _MEMORY, _START = range(8)
 _REFUSED = -1.0  # the end of a call the broken communicator refused (left out of the record)
 
 # Communicators made in this process per rendezvous address, so that a second one (an init after
@@ -113,7 +114,8 @@ class FlightRecorder:
         self.directory = directory
         self._describe = describe
         self._context = dict(context or {})
-        self._ring: deque[list[Any]] = deque(maxlen=max(entries, 1))
+        self._calls: list[tuple[Any, ...] | None] = [None] * entries
+        self._ends = [0.0] * entries
         # The error that broke the communicator, summarized (the exception itself would keep
         # its traceback's frames and buffers alive).
         self.failure: dict[str, Any] | None = None
@@ -162,20 +164,21 @@ class FlightRecorder:
         call after that (those are not recorded)."""
         if not self.enabled:
             return execute
-        append, clock, recorder = self._ring.append, time.time, self
+        calls, ends, n, clock, recorder = self._calls, self._ends, self.capacity, time.time, self
 
         def run(call: Any, seq: int) -> Any:
             inp = call.inp
-            entry = [seq, call.collective, call.count, inp and inp.dtype, call.op, call.root,
-                     inp and inp.memory, clock(), 0.0]
-            append(entry)
+            slot = seq % n
+            calls[slot] = (seq, call.collective, call.count, inp and inp.dtype, call.op,
+                           call.root, inp and inp.memory, clock())
+            ends[slot] = 0.0
             try:
                 result = execute(call, seq)
             except BaseException as exc:
-                entry[_END] = -clock()
-                recorder.failed(exc, entry)
+                ends[slot] = -clock()
+                recorder.failed(exc, slot)
                 raise
-            entry[_END] = clock()
+            ends[slot] = clock()
             return result
 
         return run
@@ -183,15 +186,12 @@ class FlightRecorder:
     # --- reading ----------------------------------------------------------------------------------
     def entries(self) -> list[dict[str, Any]]:
         """The kept collectives, oldest first, as plain dicts (see `document`)."""
-        while True:
-            try:
-                raw = [list(e) for e in self._ring]
-                break
-            except RuntimeError:  # appended to while copied (another thread's collective)
-                continue
+        raw = sorted(((c, end) for c, end in zip(list(self._calls), list(self._ends),
+                                                    strict=True) if c is not None),
+                     key=lambda ce: ce[0][_SEQ])
         known: dict[tuple[str, int, bool], tuple[str, str]] = {}
         out = []
-        for e in raw:
+        for e, end in raw:
             dtype = e[_DTYPE]
             nbytes = e[_COUNT] * dtype.itemsize if dtype is not None else 0
             cuda = e[_MEMORY] is not None and e[_MEMORY].value == "cuda"
@@ -199,9 +199,11 @@ class FlightRecorder:
             if key not in known:
                 known[key] = self._algorithm_and_path(*key)
             algorithm, path = known[key]
-            op, end = e[_OP], e[_END]
+            op = e[_OP]
             if end == _REFUSED:
                 continue
+            if end and abs(end) < e[_START]:  # read as a call was starting: the end is the last's
+                end = 0.0
             out.append({
                 "seq": e[_SEQ], "collective": e[_COLL], "count": e[_COUNT], "bytes": nbytes,
                 "dtype": dtype.name if dtype is not None else None,
@@ -246,11 +248,11 @@ class FlightRecorder:
         os.replace(tmp, path)
         return path
 
-    def failed(self, exc: BaseException, entry: list[Any]) -> None:
-        """The collective of ``entry`` failed. The first failure broke the communicator: write
+    def failed(self, exc: BaseException, slot: int) -> None:
+        """The collective in ``slot`` failed. The first failure broke the communicator: write
         the record and name its file in the error's message; later calls were refused."""
         if self.failure is not None:
-            entry[_END] = _REFUSED
+            self._ends[slot] = _REFUSED
             return
         self.failure = _summary(exc)
         _live.discard(self)
