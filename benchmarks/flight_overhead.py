@@ -6,7 +6,8 @@ communication.
 
     ddlrun -np 2 python benchmarks/flight_overhead.py 4096 200 500
 
-(bytes, blocks, calls per block). Switching inside one process is what makes the comparison
+(bytes, blocks, calls per block; a fourth argument ``aa`` runs both halves with the recorder off,
+which shows the method's own noise). Switching inside one process is what makes the comparison
 fair on a shared machine; separate runs with DDL_FLIGHT_RECORDER_ENTRIES=0 differ by more than
 the recorder costs.
 """
@@ -47,7 +48,9 @@ def main() -> None:
     nbytes, blocks, per_block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     with ddlcore.init() as comm:
         recorded, bare = comm._execute_recorded, comm._execute
-        if recorded == bare:
+        if len(sys.argv) > 4 and sys.argv[4] == "aa":
+            recorded = bare
+        elif recorded == bare:
             raise SystemExit("DDL_FLIGHT_RECORDER_ENTRIES=0: nothing to compare")
         x = np.random.default_rng(comm.rank).standard_normal(nbytes // 4).astype(np.float32)
         y = np.empty_like(x)
