@@ -30,6 +30,7 @@ from ddlcore import (
     device,
     device_engine,
     engine,
+    flight,
     host_staged,
     hostcoll,
     topology,
@@ -114,6 +115,11 @@ class Communicator:
         self._broken: str | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        # Each call runs through the flight recorder (its last collectives, written out when one
+        # fails: ddlcore.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
+        self._flight = flight.FlightRecorder.for_communicator(
+            self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ)
+        self._execute_recorded = self._flight.recording(self._execute)
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -440,14 +446,29 @@ class Communicator:
         if self._before_collective:
             self._run_hooks()
         return self._executor.run_inline(
-            functools.partial(self._execute, call),
+            functools.partial(self._execute_recorded, call),
             lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()))
 
     def _submit(self, call: Call) -> Handle:
         if self._before_collective:
             self._run_hooks()
         handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
-        return self._executor.submit(functools.partial(self._execute, call), handle)
+        return self._executor.submit(functools.partial(self._execute_recorded, call), handle)
+
+    def flight_record(self) -> dict[str, Any]:
+        """This rank's flight record, now (what ``DDL_FLIGHT_RECORDER`` files hold).
+
+        Returns
+        -------
+        dict
+            Plain JSON data: rank, size, host, pid, the error that broke the communicator (or
+            None), and under "entries" the last ``DDL_FLIGHT_RECORDER_ENTRIES`` collectives,
+            oldest first: seq, collective, count, bytes, dtype, op, root, algorithm, path
+            (boards, host-staged, schedule or device), start and end (Unix time) and state
+            (started, completed or failed). ``json.dump`` it into a directory with the other
+            ranks' and ``python -m ddlcore.trace DIR`` reads it.
+        """
+        return self._flight.document("request")
 
     def _wait_budget(self) -> float:
         # Each queued collective is bounded by DDL_TIMEOUT, so this bounds a handle's wait.
@@ -531,6 +552,7 @@ class Communicator:
             if self._broken is None:
                 self._executor.drain(self.timeout)
         finally:
+            self._flight.closed()
             self._executor.close(5.0)
             for boards in (self._host, self._node):
                 if boards is not None:

@@ -204,12 +204,14 @@ _declare("DDL_SECRET_FILE", str, "",
          "File holding the job's secret (readable by its owner only), used when DDL_SECRET is "
          "empty.")
 _declare("DDL_FLIGHT_RECORDER", str, "",
-         "Directory where each rank writes its flight record (the last collectives: sequence "
-         "number, collective, size, dtype, op, algorithm, path, times, state) when a collective "
-         "times out or a peer fails; read them with python -m ddlcore.trace DIR. Empty: kept "
-         "in memory only.")
+         "Directory where each rank writes its flight record (its last collectives: sequence "
+         "number, collective, size, dtype, op, algorithm, path, times, state), as JSON in "
+         "rankR.json, when a collective fails (timeout, peer failure, mismatch: the error names "
+         "the file), when the communicator is closed, and on SIGTERM (unless the program has "
+         "its own handler); python -m ddlcore.trace DIR merges them and says which rank was "
+         "behind. Empty: kept in memory only (Communicator.flight_record()).")
 _declare("DDL_FLIGHT_RECORDER_ENTRIES", _nonneg_int, 1024,
-         "How many of the last collectives the flight recorder keeps (0: off).")
+         "How many of the last collectives the flight recorder keeps per communicator (0: off).")
 
 # --- rendezvous (set by ddlrun, or by hand) --------------------------------------------------
 _declare("DDL_RANK", _nonneg_int, None, "This process's rank (set by ddlrun).")
