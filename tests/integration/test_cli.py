@@ -104,3 +104,50 @@ def test_gpu_kernel_benchmark_runs_on_the_simulator(tmp_path):
     rows = json.loads(out.read_text())
     assert set(rows["reduce"]["0.002"]) >= {"copy_GBps", "bfloat16", "float32", "int64"}
     assert "fused pack (addresses)" in rows["pack"]
+
+
+@pytest.mark.parametrize("nprocs,collective,dtype", [(2, "allreduce", "int8"),
+                                                     (3, "allreduce", "int64"),
+                                                     (3, "reduce_scatter", "uint8"),
+                                                     (2, "reduce_scatter", "int32")])
+def test_bench_checks_integer_avg_as_the_floor_of_the_mean(nprocs, collective, dtype):
+    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", str(nprocs), sys.executable,
+                "-m", "ddlcore.bench", "-C", collective, "-o", "avg", "-d", dtype, "-b", "3K",
+                "-e", "300K", "-f", "10", "-n", "2", "-w", "1"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Out of bounds values : 0 OK" in res.stdout
+
+
+def test_bench_times_in_place_without_resetting_inside_the_loop():
+    """The timed function is the collective alone: the reset runs once, before the loop (and
+    again before the check), never per iteration."""
+    import numpy as np
+
+    import ddlcore
+    from ddlcore import bench
+
+    with ddlcore.init(rank=0, size=1) as comm:
+        for collective in bench.COLLECTIVES:
+            case = bench.Case(collective, 4096, np.dtype(np.float32), 0, 1, "sum", 0)
+            resets = []
+            reset, run, result = bench._ddl_ops(comm, case, in_place=True)
+            bench._time(comm, run, 3, 7, lambda: resets.append(reset()))
+            assert len(resets) == 1, collective
+            result()[...] = -5.0  # not the input: a run that reset it would put case.x back
+            run()
+            assert (result() == -5.0).all() or collective == "reduce_scatter", collective
+
+
+def test_bench_without_a_gpu_says_so_in_one_line():
+    try:
+        from ddlcore.kernels.cuda import unusable_reason
+        reason = unusable_reason()
+    except ImportError:
+        reason = "numba-cuda not installed"
+    if reason is None:
+        pytest.skip("a GPU is usable here")
+    res = _run([sys.executable, "-m", "ddlcore.bench", "--memory", "cuda", "-e", "4K"])
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--memory cuda" in lines[0] and "GPU" in lines[0], res.stderr
