@@ -151,3 +151,53 @@ def test_bench_without_a_gpu_says_so_in_one_line():
     assert "Traceback" not in res.stderr, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--memory cuda" in lines[0] and "GPU" in lines[0], res.stderr
+
+
+SIZES = (0, 1000, 1 << 17, (1 << 17) + 8, 16_000_000)
+
+
+def _real_choices(rank, size):
+    """The choices a real job makes (comm.describe), and `job_choice`'s for its shape."""
+    import ddlcore
+    from ddlcore import config
+    from ddlcore.__main__ import job_choice
+    from ddlcore.algorithms import ALGORITHMS
+
+    with ddlcore.init() as comm:
+        host = "shm" if set(comm.transports.values()) <= {"shm"} else None
+        if comm.nhosts > 1:  # the transport two ranks of one host talk
+            local = [p for p in range(size) if p != rank and
+                     comm.peers[p].host_id == comm.peers[rank].host_id]
+            host = comm.transports[local[0]] if local else None
+        real, planned = {}, {}
+        for coll in ALGORITHMS:
+            for nbytes in SIZES:
+                real[f"{coll} {nbytes}"] = comm.describe(coll, nbytes).describe()
+                planned[f"{coll} {nbytes}"] = job_choice(
+                    coll, comm.topology, nbytes, config.get("DDL_ALGO"),
+                    config.get("DDL_CHUNK_BYTES"), host,
+                    None if comm._host is None and comm._node is None else
+                    (comm._host or comm._node).direct).describe()
+        return real, planned
+
+
+@pytest.mark.parametrize("nprocs,env,rank_envs", [
+    (3, {}, None),
+    (2, {"DDL_ALGO": "rhd"}, None),
+    (4, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"},
+     {r: {"DDL_HOST_ID": h} for r, h in enumerate("aabb")}),
+], ids=["one-host", "one-host-rhd", "two-hosts"])
+def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
+    from tests.harness import run_ranks
+
+    results = run_ranks(_real_choices, nprocs, env=env, rank_envs=rank_envs, timeout=180)
+    for real, planned in results:
+        assert real == planned
+    if rank_envs is None:  # info itself, on the same shape, prints the same lines
+        for nbytes in (1000, 16_000_000):
+            res = _run([sys.executable, "-m", "ddlcore", "info", "--np", str(nprocs), "--bytes",
+                        str(nbytes)], env=env)
+            assert res.returncode == 0, res.stderr
+            for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"):
+                line = f"  {coll:15s} {results[0][0][f'{coll} {nbytes}']}"
+                assert line in res.stdout.splitlines(), (line, res.stdout)
