@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
+import importlib.util
 import platform
 import sys
 
@@ -25,11 +27,17 @@ _BUILD_ONLY = ("Cython",)
 
 
 def _version(module: str) -> str:
-    try:
-        mod = importlib.import_module(module)
-    except Exception as exc:  # not installed, or broken: say which
-        return f"not available ({type(exc).__name__})"
-    return str(getattr(mod, "__version__", "installed"))
+    """The installed version of ``module``'s distribution, read from its metadata: importing
+    it could load native libraries (ucxx's UCX beside an MPI that started with its own)."""
+    dists = importlib.metadata.packages_distributions().get(module, [])
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    return "installed"
 
 
 def _kernels() -> str:
@@ -94,13 +102,18 @@ def info(argv: list[str]) -> int:
                         help="join the job (under a launcher) and show what it chose")
     args = parser.parse_args(argv)
 
+    spec = config.get("DDL_TRANSPORT")
+    try:  # start what a job starts first (MPI_Init under mpiexec): some answers depend on it
+        links.local_transports(spec)
+    except TransportUnavailableError:
+        pass  # said below, transport by transport
     print(f"ddlcore {__version__} on Python {platform.python_version()} ({platform.machine()})")
     print("packages:")
     for name in _OPTIONAL:
         print(f"  {name:12s} {_version(name)}")
     for name in _BUILD_ONLY:
         found = _version(name)
-        print(f"  {name:12s} {found if not found.startswith('not') else 'not installed'} "
+        print(f"  {name:12s} {found} "
               "(needed only to build the extensions from source)")
     print(f"kernels:\n  cpu          {_kernels()}")
     try:
@@ -115,7 +128,6 @@ def info(argv: list[str]) -> int:
     print("transports:")
     for name, (ok, why) in transports.available().items():
         print(f"  {name:12s} {'available' if ok else 'unavailable: ' + why}")
-    spec = config.get("DDL_TRANSPORT")
     print(f"links (DDL_TRANSPORT={spec}):")
     level_transports: dict[str, str] = {}
     try:

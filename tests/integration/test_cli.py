@@ -201,3 +201,20 @@ def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
             for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"):
                 line = f"  {coll:15s} {results[0][0][f'{coll} {nbytes}']}"
                 assert line in res.stdout.splitlines(), (line, res.stdout)
+
+
+def test_p2p_benchmark_under_mpiexec_runs_and_says_what_it_skips():
+    """The README's command: every transport named that can run is measured; one that cannot
+    (ucx beside the MPICH wheel's own UCX) is skipped with the reason, as info reports it."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
+    res = _run([mpiexec, "-n", "2", sys.executable, "benchmarks/p2p.py", "--transport",
+                "shm,tcp,ucx,mpi", "--max", "64"], timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "shm us" in res.stdout and "mpi4py us" in res.stdout
+    info = _run([mpiexec, "-n", "1", sys.executable, "-m", "ddlcore", "info"], timeout=120)
+    assert info.returncode == 0, info.stderr
+    ucx_line = next(line for line in info.stdout.splitlines() if line.startswith("  ucx "))
+    if "ucx us" not in res.stdout:  # skipped: said so, with the same reason info gives
+        skip = next(line for line in res.stdout.splitlines() if line.startswith("# ucx: skipped"))
+        assert "unavailable" in ucx_line and ucx_line.split(": ", 1)[1] in skip, (ucx_line, skip)
