@@ -129,9 +129,12 @@ def test_bench_times_in_place_without_resetting_inside_the_loop():
     with ddlcore.init(rank=0, size=1) as comm:
         for collective in bench.COLLECTIVES:
             case = bench.Case(collective, 4096, np.dtype(np.float32), 0, 1, "sum", 0)
-            resets = []
             reset, run, result = bench._ddl_ops(comm, case, in_place=True)
-            bench._time(comm, run, 3, 7, lambda: resets.append(reset()))
+            resets = []
+
+            def counted(reset=reset, resets=resets):
+                resets.append(reset())
+            bench._time(comm, run, 3, 7, counted)
             assert len(resets) == 1, collective
             result()[...] = -5.0  # not the input: a run that reset it would put case.x back
             run()

@@ -103,7 +103,7 @@ def test_avg_of_ints_at_the_type_limits(dtype, a, b, want):
     assert kernels.reduce_arrays(a.copy(), b, "avg").tolist() == want
     assert reference.avg_ref([a, b]).tolist() == want
     three = reference.avg_ref([a, b, b])  # the oracle is exact: Python integers
-    assert three.tolist() == [(int(x) + 2 * int(y)) // 3 for x, y in zip(a, b)]
+    assert three.tolist() == [(int(x) + 2 * int(y)) // 3 for x, y in zip(a, b, strict=True)]
 
 
 @pytest.fixture(params=["fast", "portable"])
