@@ -120,9 +120,12 @@ def info(argv: list[str]) -> int:
         import ddlcore.kernels.cuda as kcuda
 
         reason = kcuda.unusable_reason()
-        print(f"  cuda         {kcuda.describe()}")
-        if reason is not None:
-            print(f"               cannot run here: {reason}")
+        if importlib.util.find_spec("numba") is None:
+            print(f"  cuda         not available: {reason}")
+        else:
+            print(f"  cuda         {kcuda.describe()}")
+            if reason is not None:
+                print(f"               cannot run here: {reason}")
     except ImportError as exc:
         print(f"  cuda         not available ({exc})")
     print("transports:")

@@ -221,3 +221,20 @@ def test_p2p_benchmark_under_mpiexec_runs_and_says_what_it_skips():
     if "ucx us" not in res.stdout:  # skipped: said so, with the same reason info gives
         skip = next(line for line in res.stdout.splitlines() if line.startswith("# ucx: skipped"))
         assert "unavailable" in ucx_line and ucx_line.split(": ", 1)[1] in skip, (ucx_line, skip)
+
+
+def test_info_says_when_the_cuda_kernels_cannot_run_and_why():
+    from ddlcore.kernels.cuda import unusable_reason
+
+    reason = unusable_reason()
+    res = _run([sys.executable, "-m", "ddlcore", "info"])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  cuda "))
+    said = " ".join(lines[at:at + 2])
+    if reason is None:
+        assert "cannot run here" not in said and "not available" not in said, said
+    else:
+        assert reason in said and ("cannot run here" in said or "not available" in said), said
+    assert "Cython" in res.stdout and "not available" not in next(
+        line for line in lines if line.strip().startswith("Cython"))
