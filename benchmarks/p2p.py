@@ -1,15 +1,17 @@
 """Point-to-point latency and bandwidth of a transport, next to the same ping-pong over raw sockets.
 
     python benchmarks/p2p.py [--transport shm,tcp] [--min 1] [--max 256M] [--nchannels 1]
-    mpiexec -n 2 python benchmarks/p2p.py --transport shm,tcp,mpi    # adds an mpi4py column
+    mpiexec -n 2 python benchmarks/p2p.py --transport shm,tcp,ucx,mpi    # adds an mpi4py column
 
 Two ranks on this host play ping-pong: rank 0 sends ``n`` bytes, rank 1 sends them back.
 Latency is half the round trip (median over the iterations), bandwidth is ``n`` over that. Every
 transport named is measured in the same two processes, size by size, next to a plain TCP socket
 (``sendall`` / ``recv_into``, one thread, no tags, no queues: the bound a Python transport over
 the kernel's TCP path can approach) and, when started by ``mpiexec``, mpi4py's blocking
-Send/Recv (MPICH's shared-memory path). Receive buffers are touched before timing, so page
-faults of fresh memory are not counted.
+Send/Recv (MPICH's shared-memory path). A transport that cannot run in the process is skipped
+with a line saying why (under mpiexec with the MPICH wheel, ucx: that MPI's own UCX and ucxx's
+cannot share a process). Receive buffers are touched before timing, so page faults of fresh
+memory are not counted.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def _rank(rank: int, names: list[str], nchannels: int, host: str, port: int,
     os.environ["DDL_NCHANNELS"] = str(nchannels)
     from ddlcore.transports import load
 
+    names = usable(names, rank)
     from ddlcore.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer(host, port) if rank == 0 else None
@@ -99,6 +102,19 @@ def _rank(rank: int, names: list[str], nchannels: int, host: str, port: int,
     if conn is not None:
         conn.send(results)
     return results
+
+
+def usable(names: list[str], rank: int) -> list[str]:
+    """The transports of ``names`` that can run in this process (asked after MPI started, when
+    it did: the MPICH wheel's own UCX then keeps ucxx's out); rank 0 says why for the others."""
+    from ddlcore.transports import available
+
+    status = available()
+    for name in names:
+        ok, why = status.get(name, (False, "unknown transport"))
+        if not ok and rank == 0:
+            print(f"# {name}: skipped, unavailable here: {why}", flush=True)
+    return [n for n in names if status.get(n, (False, ""))[0]]
 
 
 def _byte() -> Any:
@@ -175,12 +191,14 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--transport", default="tcp",
                     help="comma-separated transports to measure side by side, e.g. shm,tcp,ucx")
-    ap.add_argument("--min", type=_size, default=1)
-    ap.add_argument("--max", type=_size, default=256 << 20)
-    ap.add_argument("--nchannels", type=int, default=1)
+    ap.add_argument("--min", type=_size, default=1, help="smallest message in bytes (K/M/G)")
+    ap.add_argument("--max", type=_size, default=256 << 20,
+                    help="largest message in bytes (K/M/G); sizes step by 4x")
+    ap.add_argument("--nchannels", type=int, default=1, help="TCP connections (DDL_NCHANNELS)")
     args = ap.parse_args(argv)
     names = [n for n in args.transport.split(",") if n]
     points = sizes(args.min, args.max)

@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import importlib.metadata
+import importlib.util
 import platform
 import sys
 
@@ -18,15 +21,23 @@ from ddlcore import __version__, config, links, topology, tuning
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.errors import TransportUnavailableError
 
-_OPTIONAL = ("numpy", "ml_dtypes", "Cython", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
+_OPTIONAL = ("numpy", "ml_dtypes", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
+# Needed to build the extensions from source only, never at run time.
+_BUILD_ONLY = ("Cython",)
 
 
 def _version(module: str) -> str:
-    try:
-        mod = importlib.import_module(module)
-    except Exception as exc:  # not installed, or broken: say which
-        return f"not available ({type(exc).__name__})"
-    return str(getattr(mod, "__version__", "installed"))
+    """The installed version of ``module``'s distribution, read from its metadata: importing
+    it could load native libraries (ucxx's UCX beside an MPI that started with its own)."""
+    dists = importlib.metadata.packages_distributions().get(module, [])
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    return "installed"
 
 
 def _kernels() -> str:
@@ -38,30 +49,88 @@ def _kernels() -> str:
         return f"NOT BUILT: {exc} (reinstall: pip install -e .)"
 
 
+def job_choice(collective: str, topo: topology.Topology, in_bytes: int, algo: str,
+               chunk_bytes: int, host_transport: str | None,
+               direct_reads: bool | None = None) -> tuning.Choice:
+    """What `Communicator.describe` says in a job of ``topo``'s shape for a collective of
+    ``in_bytes`` of input, without joining one: every rank on one host over shm runs
+    ``direct`` (the boards) where the slots hold the call or direct reads are allowed; with
+    host and network dimensions, mdring may run its host dimensions on the boards; otherwise
+    the cost model's choice (`tuning.choose`). ``host_transport``: what two ranks of one host
+    talk; ``direct_reads``: whether process_vm_readv works between them (default: what this
+    kernel's Yama setting allows)."""
+    from ddlcore import host_staged, hostcoll
+    from ddlcore.algorithms import mdring
+
+    if direct_reads is None:
+        direct_reads = hostcoll._cma_allowed()
+
+    def mode(nbytes: int) -> int:
+        if nbytes <= hostcoll.SMALL_MAX:
+            return hostcoll.SLOTS
+        return hostcoll.DIRECT if direct_reads else hostcoll.SYNC_ONLY
+
+    size, per_node = topo.size, topo.ranks_per_node
+    shm = host_transport == "shm"
+    one_host = per_node == size
+    if one_host and shm and algo in ("auto", hostcoll.NAME) and 1 < size <= hostcoll.MAX_RANKS:
+        how = mode(in_bytes)
+        if how != hostcoll.SYNC_ONLY:
+            return tuning.Choice(hostcoll.NAME,
+                                 hostcoll.CHUNK_BYTES if how == hostcoll.DIRECT else in_bytes)
+    node = (not one_host and shm and algo in ("auto", mdring.NAME) and
+            0 < topo.host_dims < len(topo.dims) and 1 < per_node <= hostcoll.MAX_RANKS)
+    boards = node and collective in host_staged.COLLECTIVES and \
+        mode(host_staged.board_bytes(collective, in_bytes, topo)) != hostcoll.SYNC_ONLY
+    choice = tuning.choose(collective, topo, tuning.model_bytes(collective, in_bytes, size),
+                           algo, chunk_bytes, boards)
+    if boards and choice.algorithm == mdring.NAME and tuning.host_first(topo, choice.dim_order):
+        return dataclasses.replace(choice, host_path=hostcoll.NAME)
+    return choice
+
+
 def info(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddlcore info")
-    parser.add_argument("--np", type=int, default=None, help="world size to plan for")
-    parser.add_argument("--hosts", type=int, default=1, help="hosts the --np ranks are spread over")
+    parser = argparse.ArgumentParser(prog="python -m ddlcore info",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--np", type=int, default=None,
+                        help="world size to plan for; not given: 2, or the job's with --init")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="hosts the --np ranks are spread over, evenly")
     parser.add_argument("--bytes", type=float, default=64e6,
                         help="message size to plan for: each rank's input, as comm.describe")
-    parser.add_argument("--init", action="store_true", help="join the job (under a launcher)")
+    parser.add_argument("--init", action="store_true",
+                        help="join the job (under a launcher) and show what it chose")
     args = parser.parse_args(argv)
 
+    spec = config.get("DDL_TRANSPORT")
+    try:  # start what a job starts first (MPI_Init under mpiexec): some answers depend on it
+        links.local_transports(spec)
+    except TransportUnavailableError:
+        pass  # said below, transport by transport
     print(f"ddlcore {__version__} on Python {platform.python_version()} ({platform.machine()})")
     print("packages:")
     for name in _OPTIONAL:
         print(f"  {name:12s} {_version(name)}")
+    for name in _BUILD_ONLY:
+        found = _version(name)
+        print(f"  {name:12s} {found} "
+              "(needed only to build the extensions from source)")
     print(f"kernels:\n  cpu          {_kernels()}")
     try:
         import ddlcore.kernels.cuda as kcuda
 
-        print(f"  cuda         {kcuda.describe()}")
+        reason = kcuda.unusable_reason()
+        if importlib.util.find_spec("numba") is None:
+            print(f"  cuda         not available: {reason}")
+        else:
+            print(f"  cuda         {kcuda.describe()}")
+            if reason is not None:
+                print(f"               cannot run here: {reason}")
     except ImportError as exc:
         print(f"  cuda         not available ({exc})")
     print("transports:")
     for name, (ok, why) in transports.available().items():
         print(f"  {name:12s} {'available' if ok else 'unavailable: ' + why}")
-    spec = config.get("DDL_TRANSPORT")
     print(f"links (DDL_TRANSPORT={spec}):")
     level_transports: dict[str, str] = {}
     try:
@@ -97,17 +166,24 @@ def info(argv: list[str]) -> int:
           f"host(s)): box {topo.shape}: {topo.describe()}")
     print(f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
           f"ddlcore.tuning):")
+    chosen = {}
     for coll in ALGORITHMS:
         choice = comm.describe(coll, int(args.bytes)) if comm is not None else \
-            tuning.choose(coll, topo, tuning.model_bytes(coll, int(args.bytes), size), algo,
-                          chunk)
+            job_choice(coll, topo, int(args.bytes), algo, chunk, level_transports.get("host"))
+        chosen[coll] = choice
         print(f"  {coll:15s} {choice.describe()}")
+    if any(c.algorithm == tuning.DIRECT for c in chosen.values()):
+        print(f"    ({tuning.DIRECT}: every rank on one host over shm, so the collectives run "
+              "through the shared boards, not as schedules; the schedules' candidates below "
+              "are what DDL_ALGO=ring|rhd|... would predict)")
     for coll in tuning.SELECTABLE:
         ranked = ", ".join(f"{c.algorithm}{'' if c.dim_order is None else list(c.dim_order)} "
                            f"{c.predicted_s * 1e6:.0f} us"
                            for c in tuning.candidates(
                                coll, topo, tuning.model_bytes(coll, int(args.bytes), size))[:4])
         print(f"    {coll} candidates: {ranked}")
+    print(f"    (predictions within {tuning.TIE:.0%} of the fastest count as a tie, won by the "
+          "simplest algorithm: ring, mdring, rhd, rd in that order)")
     if comm is not None:
         comm.close()
     return 0

@@ -5,8 +5,11 @@
 
 Columns are nccl-tests': size, count, type, redop, root, then time(us), algbw, busbw and #wrong for
 out-of-place and in-place. time is the slowest rank's mean over ``-n`` iterations after ``-w``
-warm-ups; algbw = size / time; busbw = algbw x 2(n-1)/n for allreduce, (n-1)/n for allgather and
-reduce_scatter, 1 for broadcast (nccl-tests' definitions, so numbers compare across tools).
+warm-ups, of the collective alone: in place, the input is reset before the loop, not inside it
+(the timed calls reduce their own results, as in nccl-tests), and ``-c 1`` checks one more call
+from fresh inputs after the timing. algbw = size / time; busbw = algbw x 2(n-1)/n for
+allreduce, (n-1)/n for allgather and reduce_scatter, 1 for broadcast (nccl-tests' definitions,
+so numbers compare across tools).
 ``--compare`` runs the same sizes through MPI_Allreduce (mpi4py; the job must be started by
 mpiexec) and torch.distributed's gloo backend in the same processes, alternating size by size so
 both see the same machine, and prints each peer's busbw and ddlcore's ratio to it. ``--membw``
@@ -97,6 +100,8 @@ class Case:
             factor = {"sum": size * (size + 1) / 2, "avg": (size + 1) / 2, "min": 1.0,
                       "max": float(size)}
             full = base ** size if op == "prod" else base * factor[op]
+            if op == "avg" and dtype.kind in "iu":  # integer avg: the exact mean rounded down
+                full = np.floor(full)
             k = count // size
             self.expect = full if collective == "allreduce" else full[rank * k:(rank + 1) * k]
             self.out = np.empty(count if collective == "allreduce" else k, dtype)
@@ -115,7 +120,17 @@ class Case:
         return max(self.x.nbytes, self.out.nbytes)
 
 
-def _device_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+# Each system's collective as (reset, run, result): ``reset`` puts the inputs back (in place
+# overwrites them) and is called before the timed loop and before the check, never inside the
+# loop; ``run`` is the collective alone, which is what the time column measures (as nccl-tests).
+Ops = tuple[Callable[[], None], Callable[[], None], Callable[[], np.ndarray]]
+
+
+def _nothing() -> None:
+    pass
+
+
+def _device_ops(comm, case: Case, in_place: bool) -> Ops:
     """The same collectives on CUDA device arrays (Numba), copied from the host case."""
     from numba import cuda
 
@@ -123,9 +138,11 @@ def _device_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], C
     x = cuda.to_device(case.x)
     out = x if in_place and c in ("allreduce", "broadcast") else cuda.to_device(case.out)
 
-    def run() -> None:
+    def reset() -> None:
         if in_place or c == "broadcast":
-            out.copy_to_device(case.x)  # reset: in place overwrites the input
+            out.copy_to_device(case.x)
+
+    def run() -> None:
         if c == "allreduce":
             comm.allreduce(out if in_place else x, op=case.op, out=out)
         elif c == "reduce_scatter":
@@ -134,41 +151,43 @@ def _device_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], C
             comm.allgather(x, out=out)
         else:
             comm.broadcast(out, root=case.root)
-    return run, lambda: out.copy_to_host()
+    return reset, run, lambda: out.copy_to_host()
 
 
-def _ddl_ops(comm, case: Case, in_place: bool) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+def _ddl_ops(comm, case: Case, in_place: bool) -> Ops:
     c = case.collective
     if c == "allreduce":
         buf = case.x.copy() if in_place else case.x
         out = buf if in_place else case.out
 
-        def run() -> None:
+        def reset() -> None:
             if in_place:
                 buf[...] = case.x
-            comm.allreduce(buf, op=case.op, out=out)
-        return run, lambda: out
+        return reset, lambda: comm.allreduce(buf, op=case.op, out=out), lambda: out
     if c == "reduce_scatter":
-        return (lambda: comm.reduce_scatter(case.x, op=case.op, out=case.out)), lambda: case.out
+        return (_nothing, lambda: comm.reduce_scatter(case.x, op=case.op, out=case.out),
+                lambda: case.out)
     if c == "allgather":
-        if in_place:
-            k = case.count
-            out = case.out
+        if in_place:  # the input is this rank's block of the output
+            k, out = case.count, case.out
+            mine = out[case.rank * k:(case.rank + 1) * k]
 
-            def run_ip() -> None:
-                out[case.rank * k:(case.rank + 1) * k] = case.x
-                comm.allgather(out[case.rank * k:(case.rank + 1) * k], out=out)
-            return run_ip, lambda: out
-        return (lambda: comm.allgather(case.x, out=case.out)), lambda: case.out
+            def reset_ag() -> None:
+                mine[...] = case.x
+            return reset_ag, lambda: comm.allgather(mine, out=out), lambda: out
+        return _nothing, lambda: comm.allgather(case.x, out=case.out), lambda: case.out
     buf = case.out
 
-    def run_bcast() -> None:
+    def reset_bcast() -> None:
         buf[...] = case.x
-        comm.broadcast(buf, root=case.root)
-    return run_bcast, lambda: buf
+    return reset_bcast, lambda: comm.broadcast(buf, root=case.root), lambda: buf
 
 
-def _time(comm, run: Callable[[], None], warmup: int, iters: int) -> float:
+def _time(comm, run: Callable[[], None], warmup: int, iters: int,
+          reset: Callable[[], None] = _nothing) -> float:
+    """The slowest rank's mean time of ``run`` over ``iters`` calls after ``warmup`` calls;
+    ``reset`` once before them, outside the timed loop."""
+    reset()
     for _ in range(warmup):
         run()
     comm.barrier()
@@ -298,6 +317,12 @@ def _fmt_size(n: int) -> str:
 def run(args: argparse.Namespace) -> list[Row]:
     import ddlcore
 
+    if args.memory == "cuda":  # one line, before joining the job, rather than Numba's traceback
+        from ddlcore.kernels.cuda import unusable_reason
+
+        reason = unusable_reason()
+        if reason is not None:
+            raise SystemExit(f"ddl-bench: --memory cuda: {reason}")
     comm = ddlcore.init(transport=args.transport, algo=args.algo)
     dtype = _dtype(args.dtype)
     peers = []
@@ -341,10 +366,12 @@ def run(args: argparse.Namespace) -> list[Row]:
         iters = max(1, args.iters)
         results = []
         for in_place in (False, True):
-            op, got = (_device_ops if args.memory == "cuda" else _ddl_ops)(comm, case, in_place)
-            t = _time(comm, op, args.warmup, iters)
+            reset, op, got = (_device_ops if args.memory == "cuda" else _ddl_ops)(comm, case,
+                                                                                    in_place)
+            t = _time(comm, op, args.warmup, iters, reset)
             wrong = 0
-            if args.check:
+            if args.check:  # from fresh inputs: in place, the timed calls reduced the results
+                reset()
                 op()
                 wrong = int(comm.allreduce(np.array([case.wrong(got())], np.int64))[0])
             algbw = case.nbytes() / t / 1e9 if t > 0 else 0.0
@@ -436,24 +463,42 @@ def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int,
         fig.savefig(args.plot, dpi=120)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default after its help."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddl-bench", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-C", "--collective", choices=COLLECTIVES, default="allreduce")
-    p.add_argument("-b", "--minbytes", type=config.parse_size, default=config.parse_size("8"))
-    p.add_argument("-e", "--maxbytes", type=config.parse_size, default=config.parse_size("32M"))
-    p.add_argument("-f", "--stepfactor", type=float, default=2.0)
-    p.add_argument("-n", "--iters", type=int, default=20)
-    p.add_argument("-w", "--warmup", type=int, default=5)
-    p.add_argument("-c", "--check", type=int, default=1, help="check results (1) or not (0)")
-    p.add_argument("-o", "--op", choices=("sum", "prod", "min", "max", "avg"), default="sum")
-    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float")
-    p.add_argument("-r", "--root", type=int, default=0)
+    p = argparse.ArgumentParser(prog="ddl-bench", description=__doc__,
+                                formatter_class=_HelpFormatter)
+    p.add_argument("-C", "--collective", choices=COLLECTIVES, default="allreduce",
+                   help="the collective to time")
+    p.add_argument("-b", "--minbytes", type=config.parse_size, default=config.parse_size("8"),
+                   help="smallest message in bytes (K/M/G suffixes)")
+    p.add_argument("-e", "--maxbytes", type=config.parse_size, default=config.parse_size("32M"),
+                   help="largest message in bytes (K/M/G suffixes)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0,
+                   help="multiply the size by this from one row to the next")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup", type=int, default=5,
+                   help="untimed iterations before them")
+    p.add_argument("-c", "--check", type=int, default=1,
+                   help="check results (1) or not (0); checked outside the timed loop")
+    p.add_argument("-o", "--op", choices=("sum", "prod", "min", "max", "avg"), default="sum",
+                   help="reduction op (integer avg: the exact mean rounded down)")
+    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float",
+                   help="element type")
+    p.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank")
     p.add_argument("--memory", choices=("host", "cuda"), default="host",
-                   help="where the buffers live (cuda: Numba device arrays, needs numba-cuda)")
-    p.add_argument("--transport", default=None, help="like DDL_TRANSPORT")
-    p.add_argument("--algo", default=None, help="like DDL_ALGO")
-    p.add_argument("--compare", default="", help="peers to run in the same job: mpi,gloo")
+                   help="where the buffers live (cuda: Numba device arrays, needs numba-cuda "
+                        "and a GPU)")
+    p.add_argument("--transport", default=None,
+                   help="like DDL_TRANSPORT: auto, shm, tcp, mpi, ucx (None: the variable's)")
+    p.add_argument("--algo", default=None,
+                   help="like DDL_ALGO: auto, ring, mdring, rhd, rd, direct (None: the "
+                        "variable's)")
+    p.add_argument("--compare", default="",
+                   help="peers to time in the same job, comma-separated: mpi (needs mpiexec), "
+                        "gloo (needs torch)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--csv", default=None, help="write the rows as CSV to this file")
     p.add_argument("--plot", default=None, help="draw busbw vs size to this PNG (matplotlib)")

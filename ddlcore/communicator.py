@@ -33,6 +33,7 @@ from ddlcore import (
     flight,
     host_staged,
     hostcoll,
+    int_avg,
     topology,
     tuning,
 )
@@ -220,6 +221,8 @@ class Communicator:
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
                 f"({self._broken}); create a new one with ddlcore.init()")
+        if int_avg.applies(call, self.size):  # a "sum" of a wider buffer, then a division
+            return self._integer_avg(call, seq)
         itemsize = call.inp.dtype.itemsize if call.inp is not None else 1
         boards = self._host or self._node
         self._on_boards = False
@@ -256,6 +259,18 @@ class Communicator:
             elif not self._on_boards and boards is not None:
                 boards.abort(engine.abort_code(exc), reason)
             raise
+        return call.result
+
+    def _integer_avg(self, call: Call, seq: int) -> Any:
+        """An integer avg, exact (``int_avg``): device buffers through host memory."""
+        assert call.inp is not None and call.out is not None
+        if call.inp.memory != MemoryKind.CUDA:
+            int_avg.run(call, self.size, None, lambda wide: self._execute(wide, seq))
+            return call.result
+        with device.on_device(call.inp.device):
+            host = self._host_arrays(call)
+            int_avg.run(call, self.size, host, lambda wide: self._execute(wide, seq))
+            self._device_staging().upload(host[1], call.out.array)
         return call.result
 
     def _run_in_host_memory(self, call: Call, seq: int, itemsize: int, mode: int | None,

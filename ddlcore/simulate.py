@@ -375,26 +375,38 @@ def _report(res: Result) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI. Exit status 0: simulated; 3: refused as too large (NOT SIMULATED, with the reason)."""
     p = argparse.ArgumentParser(prog="python -m ddlcore.simulate",
-                                description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--collective", default="allreduce", choices=tuning.SELECTABLE)
+                                description=(__doc__ or "").split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--collective", default="allreduce", choices=tuning.SELECTABLE,
+                   help="the collective to simulate")
     p.add_argument("--topology", default="4x16x4", help="box, fastest dimension first")
-    p.add_argument("--link-bw", default="", help="bytes/s per dimension (default: the paper's "
-                   "20e9,10e9,9.5e9 for as many dimensions as the box has)")
-    p.add_argument("--link-lat", default="", help="seconds per dimension (default "
-                   "5e-6,10e-6,20e-6, likewise)")
-    p.add_argument("--bytes", type=float, default=100e6)
+    p.add_argument("--link-bw", default="", help="bytes/s per dimension, comma-separated; one "
+                   "value applies to every dimension, fewer values than dimensions repeat the "
+                   "last (20e9,10e9 on a 3-D box: 20e9,10e9,10e9; the table shows each "
+                   "dimension's); empty: the paper's 20e9,10e9,9.5e9 for as many dimensions as "
+                   "the box has")
+    p.add_argument("--link-lat", default="", help="seconds per dimension, as --link-bw (empty: "
+                   "5e-6,10e-6,20e-6)")
+    p.add_argument("--bytes", type=float, default=100e6, help="each rank's input in bytes")
     p.add_argument("--algo", default="auto", help="ring, mdring, rhd, rd or auto")
-    p.add_argument("--dim-order", default="", help="mdring phase order, e.g. 0,2,1")
+    p.add_argument("--dim-order", default="", help="mdring phase order, e.g. 0,2,1 (empty: "
+                   "the best, under auto)")
     p.add_argument("--adapters", type=int, default=1, help="network adapters per host")
     p.add_argument("--placement", default="block", choices=("block", "cyclic"),
                    help="rank -> host map: block (host by host, as launchers do by default) or "
                    "cyclic (round-robin over hosts: rank order crosses a host every hop)")
-    p.add_argument("--levels", default="", help="level per dimension (first ones 'host')")
-    p.add_argument("--reduce-bw", type=float, default=tuning.REDUCE_BW)
-    p.add_argument("--copy-bw", type=float, default=None, help="default: --reduce-bw")
-    p.add_argument("--itemsize", type=int, default=4)
-    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
-    p.add_argument("--max-steps", type=float, default=MAX_STEPS)
+    p.add_argument("--levels", default="", help="level per dimension, comma-separated (empty: "
+                   "the first inside a host, the others across the network, e.g. host,rack,"
+                   "cross-rack)")
+    p.add_argument("--reduce-bw", type=float, default=tuning.REDUCE_BW,
+                   help="bytes/s of the reduction kernel")
+    p.add_argument("--copy-bw", type=float, default=None,
+                   help="bytes/s of a local copy (None: --reduce-bw)")
+    p.add_argument("--itemsize", type=int, default=4, help="bytes per element")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help="pipeline chunk in bytes")
+    p.add_argument("--max-steps", type=float, default=MAX_STEPS,
+                   help="refuse (exit 3) schedules with more steps than this")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     try:

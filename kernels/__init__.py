@@ -44,7 +44,8 @@ def _code(arr: np.ndarray, name: str) -> int:
 def reduce_arrays(dst: np.ndarray, src: np.ndarray, op: str | Op = "sum",
                   out: np.ndarray | None = None, divisor: int | None = None) -> np.ndarray:
     """``out = dst OP src`` (``out`` defaults to ``dst``, i.e. in place); for "avg", the sum is
-    divided by ``divisor`` (default 2)."""
+    divided by ``divisor`` (default 2): floats rounded once, integers the exact quotient rounded
+    down (floor; computed without wrapping, e.g. int8 100 and 101 give 100)."""
     rop = as_op(op)
     code = _code(dst, "dst")
     if src.dtype != dst.dtype or src.size != dst.size:
@@ -54,11 +55,25 @@ def reduce_arrays(dst: np.ndarray, src: np.ndarray, op: str | Op = "sum",
     if target.dtype != dst.dtype or target.size != dst.size:
         raise ValueError("out must match dst in dtype and size")
     _code(target, "out")
+    if rop == Op.AVG and dst.dtype.kind in "iu":
+        target[...] = _floor_avg(dst, src, 2 if divisor is None else divisor)
+        return target
     kop = Op.SUM if rop == Op.AVG else rop
     reduce_copy(target.ctypes.data, dst.ctypes.data, src.ctypes.data, dst.size, code, int(kop))
     if rop == Op.AVG:
         avg_finalize(target.ctypes.data, dst.size, code, 2 if divisor is None else divisor)
     return target
+
+
+def _floor_avg(a: np.ndarray, b: np.ndarray, divisor: int) -> np.ndarray:
+    """``floor((a + b) / divisor)`` element-wise without overflow: each operand split into
+    quotient and remainder (``a = d*qa + ra``), so nothing wider than int64 is needed."""
+    if divisor <= 0:
+        raise ValueError(f"divisor must be positive, got {divisor}")
+    a64, b64 = a.astype(np.int64).reshape(-1), b.astype(np.int64).reshape(-1)
+    qa, ra = np.divmod(a64, divisor)
+    qb, rb = np.divmod(b64, divisor)
+    return (qa + qb + (ra + rb) // divisor).astype(a.dtype).reshape(a.shape)
 
 
 def pack_arrays(arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:

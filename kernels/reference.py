@@ -3,7 +3,7 @@
 The reductions apply the op left to right in the arrays' own dtype exactly as NumPy does
 (float16 via NumPy's float16 arithmetic, bfloat16 via ml_dtypes, integers wrapping). ``avg`` is
 the sum divided by the number of arrays: floats rounded once (float16/bfloat16 through float32,
-as the kernels do), integers truncated toward zero, computed exactly even for int64. The
+as the kernels do); integers the exact mean rounded down (floor), never wrapping. The
 ``*_widened`` / ``accumulate_float32`` oracles keep half-precision sums in float32 and round once
 at the end; ``cast_ref`` and the ``*_cast_ref`` pack oracles convert and scale as the fused GPU
 pack kernels do.
@@ -34,12 +34,10 @@ def _combine(arrays: Sequence[np.ndarray], op: Op) -> np.ndarray:
 
 
 def divide_ref(total: np.ndarray, divisor: int) -> np.ndarray:
-    """``total / divisor`` with the kernels' rounding: floats once, integers toward zero."""
+    """``total / divisor`` with the kernels' rounding: floats once, integers down (floor)."""
     dt = total.dtype
     if dt.kind in "iu":
-        wide = total.astype(np.int64)
-        quot = np.abs(wide) // divisor  # |x| fits: int64 minimum is never an avg of our inputs
-        return (np.sign(wide) * quot).astype(dt)
+        return np.floor_divide(total.astype(np.int64), divisor).astype(dt)
     if dt.itemsize == 2:  # float16 and bfloat16: divide in float32, round once
         return (total.astype(np.float32) / np.float32(divisor)).astype(dt)
     return (total / dt.type(divisor)).astype(dt)
@@ -54,6 +52,14 @@ def reduce_ref(arrays: Sequence[np.ndarray], op: str | Op = "sum") -> np.ndarray
 
 
 def avg_ref(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The element-wise mean: floats as the kernels round it (sum in the dtype, then
+    `divide_ref`); integers exactly, rounded down (floor), in Python's unbounded integers."""
+    if arrays and np.asarray(arrays[0]).dtype.kind in "iu":
+        dt = np.asarray(arrays[0]).dtype
+        total = np.zeros(np.asarray(arrays[0]).shape, object)
+        for a in arrays:
+            total = total + np.asarray(a).astype(object)
+        return np.asarray(total // len(arrays)).astype(dt)
     return divide_ref(_combine(arrays, Op.SUM), len(arrays))
 
 

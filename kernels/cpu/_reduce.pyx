@@ -55,7 +55,7 @@ def reduce_copy(uintptr_t dst, uintptr_t a, uintptr_t b, int64_t count, int dtyp
 
 def avg_finalize(uintptr_t dst, int64_t count, int dtype, int64_t divisor):
     """dst[i] = dst[i] / divisor: floats rounded once (float16/bfloat16 via float32), integers
-    truncated toward zero."""
+    rounded down (floor, toward minus infinity)."""
     if divisor <= 0:
         raise ValueError(f"divisor must be positive, got {divisor}")
     _check(dtype, 0)

@@ -184,9 +184,16 @@ static inline int ddl_reduce(void *dst, const void *a, const void *b, int64_t n,
     }
 }
 
-/* Integer division truncating toward zero (C semantics), float division rounded once. */
+/* Integer division rounded down (floor, toward minus infinity: integer avg's rounding), float
+ * division rounded once. The collectives hand integers to it only summed wide (ddlcore/int_avg.py);
+ * given a sum that wrapped, it divides what it is given. */
 #define DDL_DIV_INT(T)                                                                        \
-    { T *p = (T *)dst; for (int64_t i = 0; i < n; i++) p[i] = (T)((int64_t)p[i] / divisor); return 0; }
+    { T *p = (T *)dst;                                                                        \
+      for (int64_t i = 0; i < n; i++) {                                                       \
+          int64_t x = (int64_t)p[i], q = x / divisor;                                         \
+          p[i] = (T)(q - (x % divisor != 0 && x < 0));                                        \
+      }                                                                                       \
+      return 0; }
 
 static inline int ddl_divide(void *dst, int64_t n, int dtype, int64_t divisor) {
     switch (dtype) {

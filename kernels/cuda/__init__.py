@@ -10,7 +10,7 @@ take ``dtype="bfloat16"`` (``flat_dtype`` / ``dtype`` for pack) to say so.
 from ddlcore.kernels.cuda.packing import pack, pack_addresses, unpack, unpack_addresses
 from ddlcore.kernels.cuda.ptx import compile_all_ptx, ptxas_usage
 from ddlcore.kernels.cuda.reduce import avg_scale, reduce_copy, reduce_into
-from ddlcore.kernels.cuda.runtime import DTYPES, KERNEL_DTYPES, launch_config
+from ddlcore.kernels.cuda.runtime import DTYPES, KERNEL_DTYPES, launch_config, unusable_reason
 from ddlcore.kernels.cuda.widen import narrow_copy, reduce_widen, widen_copy
 
 
@@ -23,4 +23,4 @@ def describe() -> str:
 
 __all__ = ["DTYPES", "KERNEL_DTYPES", "avg_scale", "compile_all_ptx", "describe", "launch_config",
            "narrow_copy", "pack", "pack_addresses", "ptxas_usage", "reduce_copy", "reduce_into",
-           "reduce_widen", "unpack", "unpack_addresses", "widen_copy"]
+           "reduce_widen", "unpack", "unpack_addresses", "unusable_reason", "widen_copy"]

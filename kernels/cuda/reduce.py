@@ -62,11 +62,7 @@ def avg_scale_kernel(dst, divisor, n):
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < n:
-        x = np.int64(dst[i])
-        q = x // divisor
-        if q < 0 and q * divisor != x:  # floor -> truncation toward zero
-            q += 1
-        dst[i] = q
+        dst[i] = np.int64(dst[i]) // divisor  # Python's //: floor, integer avg's rounding
         i += stride
 """
 
@@ -86,7 +82,7 @@ def reduce_copy_kernel(op: Op, dtype: str) -> Any:
 @functools.cache
 def avg_scale_kernel(dtype: str) -> Any:
     """``dst[i] = dst[i] / divisor``: floats rounded once (float16 and bfloat16 via float32),
-    integers truncated toward zero."""
+    integers rounded down (floor)."""
     dt = as_kernel_dtype(dtype, "dtype")
     if dt.kind in "iu":
         return build_kernel(_AVG_SCALE_INT_SOURCE, "avg_scale_kernel", f"avg_scale_kernel {dt}")
@@ -141,7 +137,7 @@ def reduce_into(dst: Any, src: Any, op: Op | str = Op.SUM, stream: Any = 0,
 
 def avg_scale(dst: Any, divisor: int, stream: Any = 0, dtype: Any = None) -> None:
     """``dst = dst / divisor`` in place: floats rounded once (half types through float32),
-    integers truncated toward zero. ``dtype`` as in `reduce_copy`; ValueError for a divisor < 1."""
+    integers rounded down (floor, as integer avg; the collectives sum integers wide first). ``dtype`` as in `reduce_copy`; ValueError for a divisor < 1."""
     if divisor <= 0:
         raise ValueError(f"divisor must be positive, got {divisor}")
     dt = element_dtype(dst.dtype, dtype, "dst")

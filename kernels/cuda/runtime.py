@@ -53,6 +53,27 @@ def simulated() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+def unusable_reason() -> str | None:
+    """Why the kernels cannot run in this process, in one line (None: a GPU, or the simulator,
+    is there). Asks the driver once; never raises."""
+    try:
+        cuda = numba_cuda()
+    except ImportError as exc:
+        return f"numba-cuda is not installed ({exc}; pip install 'ddlcore[cuda]')"
+    try:
+        if simulated():
+            return None
+        cuda.current_context()
+        return None
+    except Exception as exc:  # CudaSupportError (no driver, no device) and the like
+        words = " ".join(str(exc).split())
+        for noise in ("Error at driver init:", "Ensure that a compatible NVIDIA driver is "
+                      "installed and available on your system path."):
+            words = words.replace(noise, "")
+        words = words.strip(" :") or type(exc).__name__
+        return f"no usable GPU: {words}"
+
+
 def launch_config(n: int) -> tuple[int, int]:
     """(blocks, threads) for a grid-stride loop over n elements: one launch covers any n."""
     threads, max_blocks = ((SIMULATOR_THREADS, SIMULATOR_MAX_BLOCKS) if simulated()

@@ -153,9 +153,11 @@ def _segmented(rank, size):
             for count in (1009, 4099, SMALL_MAX // isz * 3, 300_007):
                 # 1009: ~500 segments of 2 elements, fewer than aaabbb's 3 ranks per host
                 host_staged._HOST_SEGMENTS = 600 if count == 1009 else 64
-                nseg = host_staged.host_segments(count * isz)
                 for op in matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
+                    # integer avg runs as a sum of int64 (ddlcore.int_avg): twice the bytes
+                    wide = 8 if op == "avg" and np.dtype(dtype).kind == "i" else isz
+                    nseg = host_staged.host_segments(count * wide)
                     del runs[:]
                     digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
                     assert runs == [nseg, nseg] and nseg > 1, (case, runs)

@@ -104,3 +104,137 @@ def test_gpu_kernel_benchmark_runs_on_the_simulator(tmp_path):
     rows = json.loads(out.read_text())
     assert set(rows["reduce"]["0.002"]) >= {"copy_GBps", "bfloat16", "float32", "int64"}
     assert "fused pack (addresses)" in rows["pack"]
+
+
+@pytest.mark.parametrize("nprocs,collective,dtype", [(2, "allreduce", "int8"),
+                                                     (3, "allreduce", "int64"),
+                                                     (3, "reduce_scatter", "uint8"),
+                                                     (2, "reduce_scatter", "int32")])
+def test_bench_checks_integer_avg_as_the_floor_of_the_mean(nprocs, collective, dtype):
+    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", str(nprocs), sys.executable,
+                "-m", "ddlcore.bench", "-C", collective, "-o", "avg", "-d", dtype, "-b", "3K",
+                "-e", "300K", "-f", "10", "-n", "2", "-w", "1"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Out of bounds values : 0 OK" in res.stdout
+
+
+def test_bench_times_in_place_without_resetting_inside_the_loop():
+    """The timed function is the collective alone: the reset runs once, before the loop (and
+    again before the check), never per iteration."""
+    import numpy as np
+
+    import ddlcore
+    from ddlcore import bench
+
+    with ddlcore.init(rank=0, size=1) as comm:
+        for collective in bench.COLLECTIVES:
+            case = bench.Case(collective, 4096, np.dtype(np.float32), 0, 1, "sum", 0)
+            reset, run, result = bench._ddl_ops(comm, case, in_place=True)
+            resets = []
+
+            def counted(reset=reset, resets=resets):
+                resets.append(reset())
+            bench._time(comm, run, 3, 7, counted)
+            assert len(resets) == 1, collective
+            result()[...] = -5.0  # not the input: a run that reset it would put case.x back
+            run()
+            assert (result() == -5.0).all() or collective == "reduce_scatter", collective
+
+
+def test_bench_without_a_gpu_says_so_in_one_line():
+    try:
+        from ddlcore.kernels.cuda import unusable_reason
+        reason = unusable_reason()
+    except ImportError:
+        reason = "numba-cuda not installed"
+    if reason is None:
+        pytest.skip("a GPU is usable here")
+    res = _run([sys.executable, "-m", "ddlcore.bench", "--memory", "cuda", "-e", "4K"])
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--memory cuda" in lines[0] and "GPU" in lines[0], res.stderr
+
+
+SIZES = (0, 1000, 1 << 17, (1 << 17) + 8, 16_000_000)
+
+
+def _real_choices(rank, size):
+    """The choices a real job makes (comm.describe), and `job_choice`'s for its shape."""
+    import ddlcore
+    from ddlcore import config
+    from ddlcore.__main__ import job_choice
+    from ddlcore.algorithms import ALGORITHMS
+
+    with ddlcore.init() as comm:
+        host = "shm" if set(comm.transports.values()) <= {"shm"} else None
+        if comm.nhosts > 1:  # the transport two ranks of one host talk
+            local = [p for p in range(size) if p != rank and
+                     comm.peers[p].host_id == comm.peers[rank].host_id]
+            host = comm.transports[local[0]] if local else None
+        real, planned = {}, {}
+        for coll in ALGORITHMS:
+            for nbytes in SIZES:
+                real[f"{coll} {nbytes}"] = comm.describe(coll, nbytes).describe()
+                planned[f"{coll} {nbytes}"] = job_choice(
+                    coll, comm.topology, nbytes, config.get("DDL_ALGO"),
+                    config.get("DDL_CHUNK_BYTES"), host,
+                    None if comm._host is None and comm._node is None else
+                    (comm._host or comm._node).direct).describe()
+        return real, planned
+
+
+@pytest.mark.parametrize("nprocs,env,rank_envs", [
+    (3, {}, None),
+    (2, {"DDL_ALGO": "rhd"}, None),
+    (4, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"},
+     {r: {"DDL_HOST_ID": h} for r, h in enumerate("aabb")}),
+], ids=["one-host", "one-host-rhd", "two-hosts"])
+def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
+    from tests.harness import run_ranks
+
+    results = run_ranks(_real_choices, nprocs, env=env, rank_envs=rank_envs, timeout=180)
+    for real, planned in results:
+        assert real == planned
+    if rank_envs is None:  # info itself, on the same shape, prints the same lines
+        for nbytes in (1000, 16_000_000):
+            res = _run([sys.executable, "-m", "ddlcore", "info", "--np", str(nprocs), "--bytes",
+                        str(nbytes)], env=env)
+            assert res.returncode == 0, res.stderr
+            for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"):
+                line = f"  {coll:15s} {results[0][0][f'{coll} {nbytes}']}"
+                assert line in res.stdout.splitlines(), (line, res.stdout)
+
+
+def test_p2p_benchmark_under_mpiexec_runs_and_says_what_it_skips():
+    """The README's command: every transport named that can run is measured; one that cannot
+    (ucx beside the MPICH wheel's own UCX) is skipped with the reason, as info reports it."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
+    res = _run([mpiexec, "-n", "2", sys.executable, "benchmarks/p2p.py", "--transport",
+                "shm,tcp,ucx,mpi", "--max", "64"], timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "shm us" in res.stdout and "mpi4py us" in res.stdout
+    info = _run([mpiexec, "-n", "1", sys.executable, "-m", "ddlcore", "info"], timeout=120)
+    assert info.returncode == 0, info.stderr
+    ucx_line = next(line for line in info.stdout.splitlines() if line.startswith("  ucx "))
+    if "ucx us" not in res.stdout:  # skipped: said so, with the same reason info gives
+        skip = next(line for line in res.stdout.splitlines() if line.startswith("# ucx: skipped"))
+        assert "unavailable" in ucx_line and ucx_line.split(": ", 1)[1] in skip, (ucx_line, skip)
+
+
+def test_info_says_when_the_cuda_kernels_cannot_run_and_why():
+    from ddlcore.kernels.cuda import unusable_reason
+
+    reason = unusable_reason()
+    res = _run([sys.executable, "-m", "ddlcore", "info"])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  cuda "))
+    said = " ".join(lines[at:at + 2])
+    if reason is None:
+        assert "cannot run here" not in said and "not available" not in said, said
+    else:
+        assert reason in said and ("cannot run here" in said or "not available" in said), said
+    assert "Cython" in res.stdout and "not available" not in next(
+        line for line in lines if line.strip().startswith("Cython"))

@@ -76,11 +76,34 @@ def test_avg_finalize(dtype, divisor):
     assert same_bits(got, reference.divide_ref(total, divisor))
 
 
-def test_avg_of_ints_truncates_toward_zero():
+def test_avg_of_ints_rounds_down():
     got = kernels.reduce_arrays(np.array([-7, 7, -1, 5], np.int32), np.array([0, 0, 0, 0], np.int32),
                                 "avg", divisor=2)
-    assert got.tolist() == [-3, 3, 0, 2]
-    assert reference.avg_ref([np.array([-7, 7], np.int64), np.array([0, 0], np.int64)]).tolist() == [-3, 3]
+    assert got.tolist() == [-4, 3, -1, 2]
+    assert reference.avg_ref([np.array([-7, 7], np.int64), np.array([0, 0], np.int64)]).tolist() == [-4, 3]
+    total = np.array([-7, 7, -1, 5, -6], np.int32)
+    kernels.avg_finalize(total.ctypes.data, total.size, dtype_code(total.dtype), 2)
+    assert total.tolist() == [-4, 3, -1, 2, -3]
+
+
+# (a, b, floor of their mean) at the limits of each integer type: a sum in the type would wrap
+INT_LIMITS = [
+    (np.int8, [100, 127, -128, -128, 127, -1], [101, 127, -128, -127, -128, 0], [100, 127, -128, -128, -1, -1]),
+    (np.uint8, [253, 255, 0, 255], [254, 255, 1, 0], [253, 255, 0, 127]),
+    (np.int32, [2**31 - 1, -2**31, -2**31, 2**31 - 2], [2**31 - 1, -2**31, 2**31 - 1, 2**31 - 1],
+     [2**31 - 1, -2**31, -1, 2**31 - 2]),
+    (np.int64, [2**63 - 1, -2**63, -2**63, 2**63 - 2, -3], [2**63 - 1, -2**63, 2**63 - 1, 2**63 - 1, 0],
+     [2**63 - 1, -2**63, -1, 2**63 - 2, -2]),
+]
+
+
+@pytest.mark.parametrize("dtype, a, b, want", INT_LIMITS, ids=lambda v: getattr(v, "__name__", ""))
+def test_avg_of_ints_at_the_type_limits(dtype, a, b, want):
+    a, b = np.array(a, dtype), np.array(b, dtype)
+    assert kernels.reduce_arrays(a.copy(), b, "avg").tolist() == want
+    assert reference.avg_ref([a, b]).tolist() == want
+    three = reference.avg_ref([a, b, b])  # the oracle is exact: Python integers
+    assert three.tolist() == [(int(x) + 2 * int(y)) // 3 for x, y in zip(a, b, strict=True)]
 
 
 @pytest.fixture(params=["fast", "portable"])

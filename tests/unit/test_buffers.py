@@ -37,6 +37,20 @@ def test_buffer_protocol_and_readonly():
     assert as_buffer(bytearray(5)).code == DType.UINT8
 
 
+def test_buffer_protocol_objects_are_read_in_place_and_give_numpy_results():
+    """As the README says: a bytearray or array.array is used without a copy; a new result
+    (empty_like) is a NumPy array of the same dtype and shape; out= may be such an object."""
+    import array
+
+    for obj, dtype in ((bytearray(b"abc"), np.uint8), (array.array("i", [1, -2, 3]), np.int32)):
+        d = as_buffer(obj)
+        assert d.dtype == dtype and d.count == 3
+        assert d.array.ctypes.data == np.frombuffer(obj, dtype).ctypes.data  # no copy
+        new = empty_like(d)
+        assert isinstance(d.wrap(new.array), np.ndarray) and new.dtype == dtype
+        assert not as_buffer(obj, "out").readonly
+
+
 def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="grads.*complex64"):
         as_buffer(np.ones(3, np.complex64), "grads")
