@@ -35,12 +35,13 @@ from ddlcore import (
     topology,
     tuning,
 )
-from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
+from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, agreement, mdring
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError
 from ddlcore.handles import Executor, Handle
 from ddlcore.kernels.cpu import array_address
+from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.links import Links
 from ddlcore.ops import Op
 from ddlcore.rendezvous import RendezvousInfo
@@ -50,6 +51,11 @@ log = logging.getLogger("ddlcore")
 
 _KIND = hostcoll.KIND
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
+# Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
+# ranks compare their calls explicitly before each collective (`engine.agree`).
+_CHECKED_TRANSPORTS = frozenset({"tcp", "shm", "ucx"})
+_FINGERPRINT = struct.Struct("<4sBBBxiq")  # magic, kind, dtype, op, root, count
+_FINGERPRINT_MAGIC = b"DDLa"
 
 
 def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int, count: int,
@@ -112,6 +118,9 @@ class Communicator:
         self._before_collective: list[Callable[[], Any]] = []
         self._in_hooks = threading.local()
         self._broken: str | None = None
+        # Some link cannot judge check words: compare the calls explicitly (`engine.agree`).
+        self._agree_explicitly = links is not None and any(
+            name not in _CHECKED_TRANSPORTS for name in links.choice.values())
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -162,16 +171,23 @@ class Communicator:
 
     def _build_schedule(self, collective: str, count: int, itemsize: int, root: int) -> tuple[tuning.Choice, Schedule]:
         choice = self._choose(collective, count * itemsize)
-        return choice, _make_schedule(collective, choice, self.rank, self.size, count, itemsize,
-                                      root, self.topology)
+        return choice, agreement.agreed(
+            lambda r: _make_schedule(collective, choice, r, self.size, count, itemsize, root,
+                                     self.topology),
+            self.rank, self.size, agreement.natural_completeness(collective, count))
 
-    def _build_across(self, collective: str, count: int, itemsize: int,
-                      choice: tuning.Choice) -> tuple[tuning.Choice, Schedule]:
+    def _build_across(self, collective: str, count: int, itemsize: int, choice: tuning.Choice,
+                      first: bool = True, call_count: int = 1) -> tuple[tuning.Choice, Schedule]:
+        """The host-staged rings across hosts on ``count`` elements; ``first``: the call's
+        first network phase (it makes first contact, see `agreement`); ``call_count``: the
+        call's element count (an empty call adds the agreement's rounds)."""
         make = {"allreduce": mdring.allreduce_across_hosts,
                 "reduce_scatter": mdring.reduce_scatter_across_hosts,
                 "allgather": mdring.allgather_across_hosts}[collective]
-        return choice, make(self.rank, self.size, count, itemsize, choice.chunk_bytes,
-                            self.topology, choice.dim_order)
+        return choice, agreement.agreed(
+            lambda r: make(r, self.size, count, itemsize, choice.chunk_bytes, self.topology,
+                           choice.dim_order),
+            self.rank, self.size, call_count > 0, first)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
@@ -195,6 +211,48 @@ class Communicator:
         raw = struct.pack("<BBBqq", _KIND[kind or call.collective], code, op, call.count,
                           call.root)
         return zlib.crc32(raw) | 1
+
+    def _fingerprint(self, call: Call) -> bytes:
+        """The call's kind, dtype, op, root and count as `engine.agree` compares them."""
+        return _FINGERPRINT.pack(_FINGERPRINT_MAGIC, _KIND[call.collective],
+                                 int(call.inp.code) if call.inp is not None else 255,
+                                 int(call.op) if call.op is not None else 255, call.root,
+                                 call.count)
+
+    @staticmethod
+    def _describe_fingerprint(raw: bytes) -> str:
+        magic, kind, code, op, root, count = _FINGERPRINT.unpack(raw)
+        if magic != _FINGERPRINT_MAGIC:
+            return "something else (not an agreement message)"
+        name = {v: k for k, v in _KIND.items()}.get(kind, f"collective {kind}")
+        if name == "barrier":
+            return "barrier()"
+        try:
+            dtype = numpy_dtype(DType(code)).name
+        except ValueError:
+            dtype = f"dtype {code}"
+        desc = f"{count} x {dtype}"
+        if op != 255:
+            desc += f", {Op(op).name.lower()}" if op in Op._value2member_map_ else f", op {op}"
+        if name == "broadcast":
+            desc += f", root {root}"
+        return f"{name}({desc})"
+
+    def _agree(self, call: Call, seq: int) -> None:
+        """Over links without check words: compare this call with every rank's (`engine.agree`)
+        before it runs."""
+        engine.agree(self.rank, self.size, seq & 0x7FFFFFFF, self._check_word(call),
+                     self._fingerprint(call), self._links, self.timeout,
+                     self._label(call, seq), self._describe_fingerprint)
+
+    def _sync_node(self, call: Call, seq: int, itemsize: int) -> None:
+        """Compare the call with this host's other ranks at one sync point of the boards
+        before a network phase starts (every path over several hosts begins with one, so
+        ranks of one host that disagree never take different paths)."""
+        assert self._node is not None
+        self._run_boards(self._node, call.collective, call, seq, None, None, itemsize,
+                         hostcoll.SYNC_ONLY, 0)
+        self._on_boards = False
 
     def _scratch_region(self, nbytes: int) -> engine.Region:
         if self._scratch.nbytes < nbytes:
@@ -220,6 +278,8 @@ class Communicator:
         try:
             if self._debug and self.size > 1:
                 self._check_agreement(call, seq, self._label(call, seq))
+            if self._agree_explicitly and self._host is None:
+                self._agree(call, seq)
             nbytes = call.count * itemsize
             mode = self._host.mode(nbytes) if self._host is not None else None
             staged = self._staged(call.collective, nbytes) if self._node is not None else None
@@ -227,6 +287,8 @@ class Communicator:
             if call.inp is not None and call.inp.memory == MemoryKind.CUDA and not on_boards:
                 if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                     self._run_on_host(call, seq, None, None, itemsize, mode)
+                elif self._node is not None:
+                    self._sync_node(call, seq, itemsize)
                 self._on_boards = False
                 self._run_device(call, seq, itemsize)
                 return call.result
@@ -271,6 +333,8 @@ class Communicator:
         else:
             if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
+            elif self._node is not None:
+                self._sync_node(call, seq, itemsize)
             self._on_boards = False
             self._run_schedule(call, seq, host_in, host_out, itemsize)
         if call.out is not None and call.out.memory == MemoryKind.CUDA:
