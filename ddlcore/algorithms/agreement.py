@@ -25,12 +25,17 @@ disagree", whatever their calls (``tests/collectives/test_mismatch.py``):
     broadcast, empty:     the dissemination rounds (round k: send -> rank+2^k, recv <-
                           rank-2^k; a root's sends go out with round 0's), then the rest
 
-The first costs one empty message per rank, in flight beside the data (schedules that start
-with a ring step, and every schedule at two ranks but broadcast's, have it already: nothing is
-added). The second makes a broadcast wait about log2 P message latencies longer.
+The first costs one empty message per rank, in flight beside the data; schedules that start
+with a ring step (ring, and rd, rhd and ring at two ranks but for a few elements) have it
+already and get nothing. The second makes a broadcast wait about log2 P message latencies
+longer: its root used to return as soon as its sends were queued.
 
-Transports without check words on the wire (MPI) cannot judge these messages:
-`engine.agree` exchanges the call's description explicitly instead.
+The other paths (`Communicator`): the host's boards compare every local rank's call at each
+sync point (complete by nature). Over several hosts every path begins with such a sync, so the
+ranks of one host never take different paths, and the host-staged rings across hosts make
+first contact with an empty message (their peers are not ring neighbours). Transports without
+check words on the wire (MPI) cannot judge any of these messages: there `engine.agree`
+exchanges the calls' descriptions explicitly, before the schedule.
 """
 
 from __future__ import annotations
