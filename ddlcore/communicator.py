@@ -8,7 +8,8 @@ dimensions, as mdring with its host dimensions on the boards and the rest as sch
 (``host_staged``); or otherwise ``tuning`` picks an algorithm whose schedule the ``engine``
 executes over the transports
 (``device_engine`` for device buffers, chunks pipelined on CUDA streams; the board paths stage
-device buffers whole).
+device buffers whole). Every way compares the ranks' calls as it runs, so ranks that disagree
+raise CollectiveMismatchError, all of them (``algorithms.agreement``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from ddlcore.calls import Call
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError
 from ddlcore.handles import Executor, Handle
 from ddlcore.kernels.cpu import array_address
-from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.links import Links
 from ddlcore.ops import Op
 from ddlcore.rendezvous import RendezvousInfo
@@ -54,8 +54,6 @@ _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart fr
 # Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
 # ranks compare their calls explicitly before each collective (`engine.agree`).
 _CHECKED_TRANSPORTS = frozenset({"tcp", "shm", "ucx"})
-_FINGERPRINT = struct.Struct("<4sBBBxiq")  # magic, kind, dtype, op, root, count
-_FINGERPRINT_MAGIC = b"DDLa"
 
 
 def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int, count: int,
@@ -212,38 +210,12 @@ class Communicator:
                           call.root)
         return zlib.crc32(raw) | 1
 
-    def _fingerprint(self, call: Call) -> bytes:
-        """The call's kind, dtype, op, root and count as `engine.agree` compares them."""
-        return _FINGERPRINT.pack(_FINGERPRINT_MAGIC, _KIND[call.collective],
-                                 int(call.inp.code) if call.inp is not None else 255,
-                                 int(call.op) if call.op is not None else 255, call.root,
-                                 call.count)
-
-    @staticmethod
-    def _describe_fingerprint(raw: bytes) -> str:
-        magic, kind, code, op, root, count = _FINGERPRINT.unpack(raw)
-        if magic != _FINGERPRINT_MAGIC:
-            return "something else (not an agreement message)"
-        name = {v: k for k, v in _KIND.items()}.get(kind, f"collective {kind}")
-        if name == "barrier":
-            return "barrier()"
-        try:
-            dtype = numpy_dtype(DType(code)).name
-        except ValueError:
-            dtype = f"dtype {code}"
-        desc = f"{count} x {dtype}"
-        if op != 255:
-            desc += f", {Op(op).name.lower()}" if op in Op._value2member_map_ else f", op {op}"
-        if name == "broadcast":
-            desc += f", root {root}"
-        return f"{name}({desc})"
-
     def _agree(self, call: Call, seq: int) -> None:
         """Over links without check words: compare this call with every rank's (`engine.agree`)
         before it runs."""
         engine.agree(self.rank, self.size, seq & 0x7FFFFFFF, self._check_word(call),
-                     self._fingerprint(call), self._links, self.timeout,
-                     self._label(call, seq), self._describe_fingerprint)
+                     calls.fingerprint(call), self._links, self.timeout,
+                     self._label(call, seq), calls.describe_fingerprint)
 
     def _sync_node(self, call: Call, seq: int, itemsize: int) -> None:
         """Compare the call with this host's other ranks at one sync point of the boards
