@@ -6,6 +6,7 @@ argument; nothing here talks to another rank."""
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,13 @@ import numpy as np
 
 from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
+from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op, as_op
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+_FINGERPRINT = struct.Struct("<4sBBBxiq")  # magic, collective, dtype, op, root, count
+_FINGERPRINT_MAGIC = b"DDLa"
+_NONE = 255  # no dtype (barrier), no op
 
 
 @dataclass
@@ -86,3 +93,36 @@ def prepare(collective: str, x: Any, op: Any, out: Any, root: int, size: int) ->
         raise AssertionError(collective)
     ready = device.ready_event(x, out) if xd.memory == MemoryKind.CUDA else None
     return Call(collective, xd, od, rop, int(root), result, ready, xd.count)
+
+
+def fingerprint(call: Call) -> bytes:
+    """The call's collective, dtype, op, root and element count in 20 bytes: what ranks compare
+    where their messages carry no check word (`engine.agree`)."""
+    return _FINGERPRINT.pack(_FINGERPRINT_MAGIC, COLLECTIVES.index(call.collective),
+                             int(call.inp.code) if call.inp is not None else _NONE,
+                             int(call.op) if call.op is not None else _NONE, call.root,
+                             call.count)
+
+
+def describe_fingerprint(raw: bytes) -> str:
+    """A `fingerprint` as the call it describes, e.g. "broadcast(1000 x float32, root 1)"."""
+    if len(raw) != _FINGERPRINT.size:
+        return f"something else ({len(raw)} bytes, not a call's description)"
+    magic, kind, code, op, root, count = _FINGERPRINT.unpack(raw)
+    if magic != _FINGERPRINT_MAGIC or kind >= len(COLLECTIVES):
+        return "something else (not a call's description)"
+    name = COLLECTIVES[kind]
+    if name == "barrier":
+        return "barrier()"
+    try:
+        desc = f"{count} x {numpy_dtype(DType(code)).name}"
+    except (ValueError, KeyError):
+        desc = f"{count} x dtype {code}"
+    if op != _NONE:
+        try:
+            desc += f", {Op(op).name.lower()}"
+        except ValueError:
+            desc += f", op {op}"
+    if name == "broadcast":
+        desc += f", root {root}"
+    return f"{name}({desc})"

@@ -8,7 +8,8 @@ dimensions, as mdring with its host dimensions on the boards and the rest as sch
 (``host_staged``); or otherwise ``tuning`` picks an algorithm whose schedule the ``engine``
 executes over the transports
 (``device_engine`` for device buffers, chunks pipelined on CUDA streams; the board paths stage
-device buffers whole).
+device buffers whole). Every way compares the ranks' calls as it runs, so ranks that disagree
+raise CollectiveMismatchError, all of them (``algorithms.agreement``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ddlcore import (
     topology,
     tuning,
 )
-from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, mdring
+from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, agreement, mdring
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError
@@ -52,6 +53,9 @@ log = logging.getLogger("ddlcore")
 
 _KIND = hostcoll.KIND
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
+# Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
+# ranks compare their calls explicitly before each collective (`engine.agree`).
+_CHECKED_TRANSPORTS = frozenset({"tcp", "shm", "ucx"})
 
 
 def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int, count: int,
@@ -114,6 +118,9 @@ class Communicator:
         self._before_collective: list[Callable[[], Any]] = []
         self._in_hooks = threading.local()
         self._broken: str | None = None
+        # Some link cannot judge check words: compare the calls explicitly (`engine.agree`).
+        self._agree_explicitly = links is not None and any(
+            name not in _CHECKED_TRANSPORTS for name in links.choice.values())
         self._closed = False
         self._close_lock = threading.Lock()
         # Each call runs through the flight recorder (its last collectives, written out when one
@@ -169,16 +176,23 @@ class Communicator:
 
     def _build_schedule(self, collective: str, count: int, itemsize: int, root: int) -> tuple[tuning.Choice, Schedule]:
         choice = self._choose(collective, count * itemsize)
-        return choice, _make_schedule(collective, choice, self.rank, self.size, count, itemsize,
-                                      root, self.topology)
+        return choice, agreement.agreed(
+            lambda r: _make_schedule(collective, choice, r, self.size, count, itemsize, root,
+                                     self.topology),
+            self.rank, self.size, agreement.natural_completeness(collective, count))
 
-    def _build_across(self, collective: str, count: int, itemsize: int,
-                      choice: tuning.Choice) -> tuple[tuning.Choice, Schedule]:
+    def _build_across(self, collective: str, count: int, itemsize: int, choice: tuning.Choice,
+                      first: bool = True, call_count: int = 1) -> tuple[tuning.Choice, Schedule]:
+        """The host-staged rings across hosts on ``count`` elements; ``first``: the call's
+        first network phase (it makes first contact, see `agreement`); ``call_count``: the
+        call's element count (an empty call adds the agreement's rounds)."""
         make = {"allreduce": mdring.allreduce_across_hosts,
                 "reduce_scatter": mdring.reduce_scatter_across_hosts,
                 "allgather": mdring.allgather_across_hosts}[collective]
-        return choice, make(self.rank, self.size, count, itemsize, choice.chunk_bytes,
-                            self.topology, choice.dim_order)
+        return choice, agreement.agreed(
+            lambda r: make(r, self.size, count, itemsize, choice.chunk_bytes, self.topology,
+                           choice.dim_order),
+            self.rank, self.size, call_count > 0, first)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
@@ -202,6 +216,22 @@ class Communicator:
         raw = struct.pack("<BBBqq", _KIND[kind or call.collective], code, op, call.count,
                           call.root)
         return zlib.crc32(raw) | 1
+
+    def _agree(self, call: Call, seq: int) -> None:
+        """Over links without check words: compare this call with every rank's (`engine.agree`)
+        before it runs."""
+        engine.agree(self.rank, self.size, seq & 0x7FFFFFFF, self._check_word(call),
+                     calls.fingerprint(call), self._links, self.timeout,
+                     self._label(call, seq), calls.describe_fingerprint)
+
+    def _sync_node(self, call: Call, seq: int, itemsize: int) -> None:
+        """Compare the call with this host's other ranks at one sync point of the boards
+        before a network phase starts (every path over several hosts begins with one, so
+        ranks of one host that disagree never take different paths)."""
+        assert self._node is not None
+        self._run_boards(self._node, call.collective, call, seq, None, None, itemsize,
+                         hostcoll.SYNC_ONLY, 0)
+        self._on_boards = False
 
     def _scratch_region(self, nbytes: int) -> engine.Region:
         if self._scratch.nbytes < nbytes:
@@ -229,6 +259,8 @@ class Communicator:
         try:
             if self._debug and self.size > 1:
                 self._check_agreement(call, seq, self._label(call, seq))
+            if self._agree_explicitly and self._host is None:
+                self._agree(call, seq)
             nbytes = call.count * itemsize
             mode = self._host.mode(nbytes) if self._host is not None else None
             staged = self._staged(call.collective, nbytes) if self._node is not None else None
@@ -236,6 +268,8 @@ class Communicator:
             if call.inp is not None and call.inp.memory == MemoryKind.CUDA and not on_boards:
                 if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                     self._run_on_host(call, seq, None, None, itemsize, mode)
+                elif self._node is not None:
+                    self._sync_node(call, seq, itemsize)
                 self._on_boards = False
                 self._run_device(call, seq, itemsize)
                 return call.result
@@ -294,6 +328,8 @@ class Communicator:
         else:
             if mode == hostcoll.SYNC_ONLY:  # compare the calls on the boards first
                 self._run_on_host(call, seq, host_in, host_out, itemsize, mode)
+            elif self._node is not None:
+                self._sync_node(call, seq, itemsize)
             self._on_boards = False
             self._run_schedule(call, seq, host_in, host_out, itemsize)
         if call.out is not None and call.out.memory == MemoryKind.CUDA:

@@ -254,6 +254,9 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
 
     def post_recv(j: int, early: bool) -> bool:
         s = steps[j]
+        if not s.count:  # an agreement message (`agreement`): its check word is all it says
+            posted[j] = pair(s.peer).irecv(memoryview(bytearray(0)), tag_base | s.slot, check)
+            return True
         slot = recv_slot_for(early)
         if slot < 0:
             return False
@@ -296,6 +299,10 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
                 lo, hi = span(s.src, s.src_off, s.count)
                 base = buffers[s.src]
                 tag = tag_base | s.slot
+                if not s.count:  # an agreement message: no device work behind it
+                    direct_sends.append((lo, lo, pair(s.peer).isend(memoryview(b""), tag,
+                                                                    check)))
+                    continue
                 if is_direct(s.peer):
                     queued.append((last_write(lo, hi), -1, s.peer, tag,
                                    ops.view(base, lo - base.ptr, hi - lo), lo, hi))
@@ -323,6 +330,8 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
                     nxt = i + 1
             wait_request(posted[i])
             posted[i] = None
+            if not s.count:
+                continue
             slot = recv_slot[i]
             lo, hi = span(s.dst, s.dst_off, s.count)
             dst = buffers[s.dst]

@@ -262,6 +262,47 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
         raise failure(schedule, coll, i, exc, links) from None
 
 
+_PINNED: list = []  # buffers of failed agreement checks (see `agree`)
+
+
+def agree(rank: int, size: int, seq: int, check: int, mine: bytes, links, timeout: float,
+          label: str, describe: Callable[[bytes], str]) -> None:
+    """Compare this rank's description of the call (``mine``, the same length on every rank)
+    with every other rank's, by dissemination: in round k, send the description to rank +
+    2^k and compare the one from rank - 2^k before going on, so a rank that finishes has
+    (through the others' comparisons) matched every rank. For transports without check words
+    on the wire (MPI), where the schedules' own messages cannot judge agreement (`agreement`).
+    Raises `CollectiveMismatchError` naming both calls, after aborting the links."""
+    remaining = deadline_clock(timeout)
+    tag = (seq & 0xFFFFFFFF) << 32  # slot 0 of the collective's own tags
+    out, theirs = bytearray(mine), bytearray(len(mine))
+    pair = pair_cache(links)
+    dist = 1
+    try:
+        while dist < size:
+            to, frm = (rank + dist) % size, (rank - dist) % size
+            sent = pair(to).isend(memoryview(out), tag, check)
+            pair(frm).irecv(memoryview(theirs), tag, check).wait(remaining())
+            # Finished before we may raise: MPI must not be left a send from freed memory.
+            sent.wait(remaining())
+            if theirs != out:
+                raise CollectiveMismatchError(
+                    f"rank {frm} called {describe(bytes(theirs))}, rank {rank} called "
+                    f"{describe(bytes(out))}: every rank must call the same collectives in "
+                    "the same order, with the same count, dtype, op and root")
+            dist *= 2
+    except DDLError as exc:
+        # A receive or send may still be posted (an abort ended the wait): MPI may write
+        # into these later, so they are never freed (once per failed communicator).
+        _PINNED.append((out, theirs))
+        message = f"rank {rank}: {label}: agreement check failed: {exc}"
+        err = type(exc)(message)
+        if isinstance(exc, PeerFailureError):
+            err.peer = exc.peer  # type: ignore[attr-defined]
+        links.abort(abort_code(exc), message.split(": ", 1)[1])
+        raise err from None
+
+
 def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) -> DDLError:
     """The error to raise for ``exc`` at step ``i``: the same class, with the rank, the
     collective, its sequence number and the step in the message. Tells the peers first

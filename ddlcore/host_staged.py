@@ -98,7 +98,8 @@ def allreduce(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
         off, length = split(count, node.size)[node.rank]
         part = flat_out[start + off:start + off + length]
         comm._run_schedule(call, seq, part, part, itemsize,
-                           comm._schedule_across("allreduce", length, itemsize, choice),
+                           comm._schedule_across("allreduce", length, itemsize, choice, s == 0,
+                                                call.count),
                            max(0.0, deadline - time.monotonic()))
 
     if len(segments) == 1:
@@ -198,7 +199,8 @@ def reduce_scatter(comm: Communicator, call: Call, seq: int, host_in: np.ndarray
                          node.mode(call.count * itemsize), 0, own_buffers=True)
     comm._on_boards = False
     comm._run_schedule(call, seq, part, host_out, itemsize,
-                       comm._schedule_across("reduce_scatter", nets * k, itemsize, choice))
+                       comm._schedule_across("reduce_scatter", nets * k, itemsize, choice,
+                                             True, call.count))
 
 
 def allgather(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | None,
@@ -209,8 +211,10 @@ def allgather(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
     assert node is not None and host_in is not None
     nets, k = comm.size // node.size, call.count
     part = comm._stage_buffer("part", nets * k * itemsize).view(host_in.dtype)
+    comm._sync_node(call, seq, itemsize)  # compared on this host before the network phase
     comm._run_schedule(call, seq, host_in, part, itemsize,
-                       comm._schedule_across("allgather", k, itemsize, choice))
+                       comm._schedule_across("allgather", k, itemsize, choice, True,
+                                             call.count))
     how = _arrangement(comm.topology, choice.dim_order)
     groups = _per_position(how, nets, host_out.nbytes)
     if groups is not None:

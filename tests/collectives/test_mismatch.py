@@ -1,0 +1,196 @@
+"""Ranks that call different collectives (kind, count, dtype, op or root) get
+CollectiveMismatchError on EVERY rank, on every path, transport and algorithm, within the
+timeout: never a silent wrong result, a timeout or a hang (`ddlcore.algorithms.agreement`).
+
+One spawned job runs many cases: a mismatch breaks the communicator, so each case makes a new
+one with ``ddlcore.init()``. The schedules' agreement properties are also checked symbolically
+for every algorithm, world size and count (no processes)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from tests.collectives.test_collectives import _transport_ready
+from tests.harness import run_ranks
+
+TIMEOUT_S = 20.0
+
+# (name, the call of the ranks that agree, the call of the rank that differs, which rank
+# differs: "last" or "middle"). A call is (collective, count, dtype, op, root).
+F32, I32 = "float32", "int32"
+CASES = [
+    ("broadcast root", ("broadcast", 1000, F32, None, 0), ("broadcast", 1000, F32, None, 1),
+     "middle"),
+    ("broadcast root, root calls another", ("broadcast", 1000, F32, None, 0),
+     ("broadcast", 1000, F32, None, 1), "first"),
+    ("count", ("allreduce", 1000, F32, "sum", 0), ("allreduce", 1003, F32, "sum", 0), "last"),
+    ("count 0", ("allreduce", 5, F32, "sum", 0), ("allreduce", 0, F32, "sum", 0), "middle"),
+    ("count 1", ("allreduce", 1, F32, "sum", 0), ("allreduce", 2, F32, "sum", 0), "last"),
+    ("dtype", ("allreduce", 1000, F32, "sum", 0), ("allreduce", 1000, I32, "sum", 0), "last"),
+    ("op", ("allreduce", 1000, F32, "sum", 0), ("allreduce", 1000, F32, "max", 0), "middle"),
+    ("allreduce vs allgather", ("allreduce", 999, F32, "sum", 0),
+     ("allgather", 333, F32, None, 0), "last"),
+    ("allreduce vs broadcast", ("allreduce", 1000, F32, "sum", 0),
+     ("broadcast", 1000, F32, None, 0), "middle"),
+    ("allreduce vs barrier", ("allreduce", 1000, F32, "sum", 0), ("barrier", 0, F32, None, 0),
+     "last"),
+    ("reduce_scatter vs allreduce", ("reduce_scatter", 996, F32, "sum", 0),
+     ("allreduce", 996, F32, "sum", 0), "first"),
+    ("reduce_scatter count", ("reduce_scatter", 996, F32, "sum", 0),
+     ("reduce_scatter", 1008, F32, "sum", 0), "middle"),
+    ("allgather dtype", ("allgather", 100, F32, None, 0), ("allgather", 100, I32, None, 0),
+     "last"),
+    ("broadcast count", ("broadcast", 70, F32, None, 0), ("broadcast", 77, F32, None, 0),
+     "last"),
+    # 8.4 MB: the host-staged allreduce runs in pipelined segments (`host_staged`)
+    ("count, pipelined", ("allreduce", 2_100_000, F32, "sum", 0),
+     ("allreduce", 2_100_001, F32, "sum", 0), "middle"),
+]
+
+
+def _differs(rank: int, size: int, which: str) -> bool:
+    return rank == {"first": 0, "middle": size // 2, "last": size - 1}[which]
+
+
+def _call(comm, rank: int, spec) -> None:
+    collective, count, dtype, op, root = spec
+    x = np.random.default_rng(rank).standard_normal(count).astype(dtype) + 1
+    if collective == "allreduce":
+        comm.allreduce(x, op=op)
+    elif collective == "reduce_scatter":
+        comm.reduce_scatter(x[: count - count % comm.size], op=op)
+    elif collective == "allgather":
+        comm.allgather(x)
+    elif collective == "broadcast":
+        comm.broadcast(x, root=root)
+    else:
+        comm.barrier()
+
+
+def _mismatch_cases(rank, size, names):
+    """Each case on a new communicator: (error class, message, seconds) per case name."""
+    import ddlcore
+
+    out = {}
+    for name, agreeing, differing, which in CASES:
+        if name not in names:
+            continue
+        comm = ddlcore.init()
+        try:
+            spec = differing if _differs(rank, size, which) else agreeing
+            t0 = time.monotonic()
+            try:
+                # Every pair connected, in step. A rank still waiting for the last message of
+                # this one may already hear of a peer's failure in the next (an abort overtakes
+                # the data), and raise here: still the mismatch's error.
+                comm.allreduce(np.ones(8, np.float32))
+                _call(comm, rank, spec)
+            except ddlcore.DDLError as exc:
+                out[name] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+            else:
+                out[name] = ("no error", "", time.monotonic() - t0)
+        finally:
+            comm.close()
+    return out
+
+
+def _check(results, names) -> None:
+    for rank, got in enumerate(results):
+        for name in names:
+            cls, message, elapsed = got[name]
+            assert cls == "CollectiveMismatchError", f"rank {rank}, {name}: {cls}: {message}"
+            assert elapsed < TIMEOUT_S / 2, f"rank {rank}, {name}: {elapsed:.1f} s: {message}"
+
+
+ALL = [c[0] for c in CASES if c[0] != "count, pipelined"]
+# Each world runs every case once; the algorithms are forced (DDL_ALGO) or the cost model's.
+WORLDS = [
+    ("shm", "auto", 2), ("shm", "auto", 3),            # the boards (one host)
+    ("shm", "ring", 2), ("shm", "ring", 3),            # schedules over the shm transport
+    ("shm", "rhd", 3), ("shm", "rd", 4),
+    ("tcp", "auto", 2), ("tcp", "auto", 3), ("tcp", "ring", 3), ("tcp", "mdring", 3),
+    ("tcp", "rhd", 2), ("tcp", "rhd", 3), ("tcp", "rd", 3), ("tcp", "rd", 4),
+    ("ucx", "auto", 3), ("mpi", "auto", 2), ("mpi", "ring", 3),
+]
+
+
+@pytest.mark.parametrize("transport,algo,nprocs", WORLDS)
+def test_mismatch_raises_on_every_rank(transport, algo, nprocs):
+    _transport_ready(transport)
+    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_CHUNK_BYTES": "1024",
+           "DDL_TRANSPORT": transport}
+    results = run_ranks(_mismatch_cases, nprocs, ALL, env=env, timeout=240,
+                        launcher="mpiexec" if transport == "mpi" else "spawn")
+    _check(results, ALL)
+
+
+def _hosts(*names):
+    return {r: {"DDL_HOST_ID": h} for r, h in enumerate(names)}
+
+
+HOST_CASES = ["broadcast root", "count", "count 0", "op", "allreduce vs allgather",
+              "reduce_scatter count", "count, pipelined"]
+
+
+@pytest.mark.parametrize("algo", ["auto", "mdring"])
+def test_mismatch_across_hosts(algo):
+    """Two "hosts" of two ranks (DDL_HOST_ID): the boards within each, tcp between them,
+    mdring's host-staged path or the schedules."""
+    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp",
+           "DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"}
+    results = run_ranks(_mismatch_cases, 4, HOST_CASES, env=env, timeout=240,
+                        rank_envs=_hosts("a", "a", "b", "b"))
+    _check(results, HOST_CASES)
+
+
+def _symbolic_worlds():
+    from ddlcore.algorithms import ALGORITHMS
+
+    for size in (2, 3, 4, 5, 8):
+        for collective, algos in ALGORITHMS.items():
+            for name in algos:
+                for count in ((0,) if collective == "barrier" else (0, 1, 2, 7, 1000)):
+                    yield size, collective, name, count
+
+
+def test_schedules_make_first_contact_and_pair_up():
+    """After `agreement.agreed`, every rank's first step sends slot 0 to rank + 1 and its first
+    receive is slot 0 from rank - 1; and every message sent is received (same slot, same
+    count) by its peer."""
+    from ddlcore import topology
+    from ddlcore.algorithms import ALGORITHMS, agreement
+    from ddlcore.algorithms.schedule import Kind
+
+    for size, collective, name, count in _symbolic_worlds():
+        make = ALGORITHMS[collective][name]
+        topo = topology.flat(size, level="host")
+        n = count * size if collective == "reduce_scatter" else count
+
+        def mk(r, make=make, topo=topo, n=n, collective=collective, size=size, count=count):
+            if collective == "barrier":
+                return make(r, size)
+            if collective == "broadcast":
+                return make(r, size, n, 4, 64, count % size)
+            return make(r, size, n, 4, 64, topo)
+
+        complete = agreement.natural_completeness(collective, n)
+        sent, got = defaultdict(list), defaultdict(list)
+        for r in range(size):
+            sched = agreement.agreed(mk, r, size, complete)
+            where = (size, collective, name, count, r)
+            assert agreement.sends_first(sched) and agreement.waits_first(sched), where
+            if not complete:  # every rank waits for every round of the dissemination
+                froms = {s.peer for s in sched.steps if s.kind == Kind.RECV and s.count == 0}
+                assert froms == {(r - d) % size for d in agreement.dissemination_rounds(size)}
+            for s in sched.steps:
+                if s.kind == Kind.SEND:
+                    sent[(r, s.peer)].append((s.slot, s.count))
+                elif s.kind != Kind.COPY:
+                    got[(s.peer, r)].append((s.slot, s.count))
+        for key in set(sent) | set(got):
+            assert sorted(sent[key]) == sorted(got[key]), (size, collective, name, count, key)
+            assert len({slot for slot, _ in sent[key]}) == len(sent[key]), key
