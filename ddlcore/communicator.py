@@ -208,6 +208,8 @@ class Communicator:
             desc += f", {call.op.name.lower()}"
         if call.collective == "broadcast":
             desc += f", root {call.root}"
+        elif call.root < 0:  # the wide sum of an integer avg (int_avg.marker)
+            desc += f": the integer avg of {int_avg.avg_dtype(call.root)}"
         return f"{call.collective} #{seq} ({desc})"
 
     def _check_word(self, call: Call, kind: str | None = None) -> int:

@@ -27,9 +27,28 @@ import numpy as np
 
 from ddlcore.buffers import as_buffer
 from ddlcore.calls import Call
+from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
 
 _NARROW_WIDE_LIMIT = 1 << 23  # ranks whose int8/uint8 sum still fits int32 (255 * 2**23 < 2**31)
+
+
+def marker(call: Call) -> int:
+    """The wide sum's ``root`` (unused by allreduce and reduce_scatter): negative and naming the
+    avg's own dtype, so that it enters the call's check word and fingerprint, and a rank's int32
+    avg never agrees with another rank's int64 sum of the same count."""
+    assert call.inp is not None
+    return -1 - int(call.inp.code)
+
+
+def avg_dtype(root: int) -> str | None:
+    """The dtype name of the integer avg a wide sum with this ``root`` stands for, else None."""
+    if root >= 0:
+        return None
+    try:
+        return numpy_dtype(DType(-1 - root)).name
+    except (ValueError, KeyError):
+        return None
 
 
 def applies(call: Call, size: int) -> bool:
@@ -75,6 +94,6 @@ def run(call: Call, size: int, host: tuple[np.ndarray, np.ndarray] | None,
     blocks = size if call.collective == "reduce_scatter" else 1
     wide = widen(x, size, blocks)
     total = np.empty(wide.size // blocks, wide.dtype)
-    execute(Call(call.collective, as_buffer(wide), as_buffer(total, "out"), Op.SUM, 0, total,
-                 None, wide.size))
+    execute(Call(call.collective, as_buffer(wide), as_buffer(total, "out"), Op.SUM,
+                 marker(call), total, None, wide.size))
     finish(total, size, y)
