@@ -214,6 +214,9 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         log.setLevel(logging.DEBUG)
     host_id = topology.host_identity(environ)
     if info.size == 1:
+        if info.source == "single process":  # DDL_DEBUG=1 says why a job is alone
+            log.info("rank 0 of 1: no launcher variables are set, so this process is a world of "
+                     "one; start N ranks with: ddlrun -np N python prog.py")
         return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
     info = resolve_master(info, environ)
     names = local_transports(spec)  # prepares them too: MPI_Init must precede the store

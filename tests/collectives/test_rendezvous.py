@@ -68,3 +68,18 @@ def test_debug_logs_algorithm_box_and_chunking(tmp_path):
     assert "allreduce #0 (1000 x float32, sum) via rd, chunks of 1024 B, predicted" in res.stderr, \
         res.stderr
     assert "box 2," in res.stderr
+
+
+def test_a_process_without_a_launcher_is_told_it_is_alone():
+    """No launcher variables: a world of one, and DDL_DEBUG=1 says why and what to run."""
+    from ddlcore import config
+
+    env = {k: v for k, v in os.environ.items() if k not in config.VARS}
+    env["DDL_DEBUG"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", "import ddlcore; c = ddlcore.init(); print(c.rank, c.size)"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]
+    assert "no launcher variables are set" in done.stderr
+    assert "ddlrun -np N" in done.stderr
