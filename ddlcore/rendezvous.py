@@ -22,13 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ddlcore import config
-from ddlcore.auth import new_secret
-from ddlcore.errors import RendezvousError
+from ddlcore.auth import job_secret, new_secret
+from ddlcore.errors import DDLError, RendezvousError
 
 _ADDR_BYTES = 256
 # The broadcast after the address: one byte (1: a secret follows, drawn by rank 0; 0: rank 0
 # has its own from the environment), then the secret as new_secret() makes it (hex).
 _SECRET_BYTES = 64
+_SECRET_DRAWN, _SECRET_UNREADABLE = 1, 2  # the broadcast's flag byte (0: rank 0 has its own)
 SECRET_ORIGIN_MPI = "a secret rank 0 drew and broadcast over MPI"
 
 
@@ -122,25 +123,44 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
             f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's variables say "
             f"rank {info.rank} of {info.size}; set DDL_MASTER_ADDR/DDL_MASTER_PORT explicitly")
     own_secret = bool(config.get("DDL_SECRET", environ) or config.get("DDL_SECRET_FILE", environ))
+    own_error: DDLError | None = None
     buf = np.zeros(_ADDR_BYTES + 1 + _SECRET_BYTES, np.uint8)
     if info.rank == 0:
         host = info.master_addr or _master_host(info, environ)
         raw = f"{host}:{info.master_port or _free_port(host)}".encode()
         buf[: len(raw)] = np.frombuffer(raw, np.uint8)
-        if not own_secret:
+        if own_secret:
+            try:  # read now: the others must not wait out DDL_TIMEOUT for a store never served
+                job_secret(environ)
+            except DDLError as exc:
+                own_error = exc
+                buf[_ADDR_BYTES] = _SECRET_UNREADABLE
+        else:
             drawn = new_secret().encode()
             assert len(drawn) == _SECRET_BYTES
-            buf[_ADDR_BYTES] = 1
+            buf[_ADDR_BYTES] = _SECRET_DRAWN
             buf[_ADDR_BYTES + 1:] = np.frombuffer(drawn, np.uint8)
     comm.Bcast(buf, root=0)
     raw_buf = buf.tobytes()
     buf[:] = 0  # the secret stays in one place: the RendezvousInfo
     host, _, port = raw_buf[:_ADDR_BYTES].rstrip(b"\0").decode().rpartition(":")
-    secret = raw_buf[_ADDR_BYTES + 1:] if raw_buf[_ADDR_BYTES] == 1 else None
-    if secret is None and not own_secret:
+    flag = raw_buf[_ADDR_BYTES]
+    secret = raw_buf[_ADDR_BYTES + 1:] if flag == _SECRET_DRAWN else None
+    # Every rank learns whether any rank's own secret disagrees with rank 0's choice (one
+    # integer, summed: nothing pickled), so that all of them fail at once, saying why.
+    differ = np.array([int(own_secret != (flag != _SECRET_DRAWN))], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, differ, op=MPI.SUM)
+    if own_error is not None:
+        raise own_error
+    if flag == _SECRET_UNREADABLE:
+        raise RendezvousError(f"rank {info.rank}: rank 0 cannot read the job's secret "
+                              "(DDL_SECRET_FILE); its own error says why")
+    if differ[0]:
+        drawn = flag == _SECRET_DRAWN
         raise RendezvousError(
-            f"rank {info.rank}: rank 0 takes the job's secret from DDL_SECRET or DDL_SECRET_FILE, "
-            "but this rank has neither; set the same one on every rank (or on none: rank 0 then "
-            "draws one and shares it over MPI)")
+            f"rank {info.rank}: the ranks disagree on the job's secret: rank 0 "
+            f"{'has no DDL_SECRET or DDL_SECRET_FILE' if drawn else 'has DDL_SECRET or DDL_SECRET_FILE'}"
+            f", {int(differ[0])} other rank(s) {'have one' if drawn else 'have neither'}; set the "
+            "same one on every rank (or on none: rank 0 then draws one and shares it over MPI)")
     return RendezvousInfo(info.rank, info.size, host, int(port), info.source,
                           info.local_rank, info.local_size, secret)

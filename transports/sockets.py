@@ -244,6 +244,8 @@ class HandshakeListener:
                 if self._closed:
                     return  # close() shut the listener down
                 if exc.errno in _ACCEPT_TRANSIENT or isinstance(exc, TimeoutError):
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        self._drop_oldest()  # out of fds: an unfinished handshake gives one back
                     time.sleep(_ACCEPT_PAUSE_S)
                     continue
                 return  # the listening socket itself is broken: nothing more will come
@@ -267,6 +269,14 @@ class HandshakeListener:
                 with self._lock:
                     self._threads.discard(thread)
                 self._run_done(conn, address, "no thread could be started for it")
+
+    def _drop_oldest(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            victim = next(iter(self._pending))
+            self._forget_source(self._pending.pop(victim))
+        _shutdown(victim)  # its thread sees the socket fail, and closes it
 
     def _victim_for(self, source: str) -> socket.socket | None:
         """At a cap: the oldest pending connection to drop for a new one (lock held)."""

@@ -115,10 +115,13 @@ _ACK_OK, _ACK_WRONG_PEER, _ACK_NCHANNELS, _ACK_DUPLICATE, _ACK_CLOSED = 0, 1, 2,
 # A connection that has not finished its handshake by then is dropped; a real one takes
 # milliseconds (two round trips and four HMACs).
 _HANDSHAKE_TIMEOUT_S = 10.0
-# Pending handshakes at most, in all and from one source address (scaled up for large jobs:
-# every lower rank's channels may be connecting at once, all from one host address).
-_MIN_PENDING = 64
-_MIN_PENDING_PER_SOURCE = 16
+# Pending handshakes at most, in all and from one source address. Fixed, not scaled with the
+# job: each pending one holds a thread and an fd for up to _HANDSHAKE_TIMEOUT_S, so a stranger
+# from one address (or from 127.0.0.x, many) must never get more than these. A real handshake
+# takes milliseconds, and a real connector dropped at a cap retries (_RETRY_PAUSE_S), so a burst
+# of many lower ranks connecting at once is slowed, never refused.
+_MAX_PENDING = 128
+_MAX_PENDING_PER_SOURCE = 32
 _RETRY_PAUSE_S = (0.005, 0.1)  # a connector dropped by a busy listener retries: first, longest
 _CLOSE_TIMEOUT_S = 2.0  # how long close() lets peers answer CLOSE before cutting sockets
 _DRAIN_CHUNK = 1 << 20
@@ -739,7 +742,11 @@ class TcpPair(Pair):
         pause = _RETRY_PAUSE_S[0]
         dropped = 0  # times the listener dropped us mid-handshake
         while True:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            except OSError as exc:  # EMFILE: out of file descriptors
+                raise DDLError(f"{what}: no socket to be had ({exc}); raise the limit on open "
+                               "files (ulimit -n)") from None
             connected = False
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -904,11 +911,9 @@ class TcpContext(PairTableContext):
             listener.bind((self.address, 0))
             listener.listen(max(128, size * self.nchannels))
             self.port: int = listener.getsockname()[1]
-            per_source = max(_MIN_PENDING_PER_SOURCE, size * self.nchannels)
             self._handshakes = HandshakeListener(
                 listener, self._handshake, f"ddl-tcp-{rank}",
-                min(self.timeout, _HANDSHAKE_TIMEOUT_S), max(_MIN_PENDING, 2 * per_source),
-                per_source)
+                min(self.timeout, _HANDSHAKE_TIMEOUT_S), _MAX_PENDING, _MAX_PENDING_PER_SOURCE)
             store.set(f"tcp/addr/{rank}", format_address(self.address, self.port).encode())
         except BaseException:
             if self._handshakes is not None:

@@ -443,19 +443,33 @@ def test_mpiexec_job_without_a_secret_gets_one_from_rank_0():
     assert results == [expected, expected]
 
 
-def _mpi_secret_on_rank_0_only(rank, size):
+def _mpi_init_error(rank, size):
     import ddlcore
 
+    t0 = time.monotonic()
     try:
-        ddlcore.init(timeout=3)
-    except ddlcore.RendezvousError as exc:
-        return str(exc)
-    return "joined"
+        ddlcore.init(timeout=30)
+    except ddlcore.DDLError as exc:
+        return str(exc), time.monotonic() - t0
+    return "joined", time.monotonic() - t0
 
 
-def test_mpiexec_secret_on_rank_0_only_is_named():
+@pytest.mark.parametrize("case", ["rank 0 only", "rank 1 only", "rank 0's file unreadable"])
+def test_mpiexec_ranks_that_disagree_on_the_secret_all_fail_at_once(case, tmp_path):
+    """Under MPI, ranks whose own secrets disagree with rank 0's choice (or a rank 0 that cannot
+    read its DDL_SECRET_FILE) fail together at init, saying why: nobody waits out the timeout,
+    nobody silently drops its own secret."""
     require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
-    results = run_ranks(_mpi_secret_on_rank_0_only, 2, launcher="mpiexec", env=_MPI_ENV,
-                        rank_envs={0: {"DDL_SECRET": new_secret()}}, timeout=120)
-    assert "rank 1: rank 0 takes the job's secret from DDL_SECRET" in results[1], results
-    assert "missing ranks: [1]" in results[0], results
+    rank_envs = {"rank 0 only": {0: {"DDL_SECRET": new_secret()}},
+                 "rank 1 only": {1: {"DDL_SECRET": new_secret()}},
+                 "rank 0's file unreadable": {0: {"DDL_SECRET_FILE": str(tmp_path / "none")}},
+                 }[case]
+    results = run_ranks(_mpi_init_error, 2, launcher="mpiexec", env=_MPI_ENV,
+                        rank_envs=rank_envs, timeout=120)
+    for rank, (message, elapsed) in enumerate(results):
+        assert elapsed < 15, (rank, message, elapsed)
+        if case == "rank 0's file unreadable":
+            expected = "DDL_SECRET_FILE" if rank == 0 else "rank 0 cannot read the job's secret"
+        else:
+            expected = "the ranks disagree on the job's secret"
+        assert expected in message, (rank, message)

@@ -422,3 +422,44 @@ def test_ranks_holding_different_secrets_are_told_so():
         for client in clients:
             client.close()
         server.close()
+
+
+def test_a_stranger_holds_at_most_a_fixed_number_of_handshakes_of_a_large_job():
+    """Pending handshakes cost a thread and an fd each: their caps do not grow with the job, so
+    a stranger's idle connections to a rank of a 256-rank, 4-channel job cost it at most
+    ``_MAX_PENDING_PER_SOURCE`` threads (one address) however many it opens."""
+    from unittest import mock
+
+    from ddlcore.transports import tcp
+
+    class Store:
+        host, port, timeout = "127.0.0.1", 1, 30.0
+        job_key = auth.JobKey(secrets.token_bytes(32), "1", "test")
+        addr = b""
+
+        def set(self, key, value, readers=0):
+            self.addr = value
+
+        def get(self, key, timeout=None):
+            return self.addr
+
+    store = Store()
+    with mock.patch.dict(os.environ, {"DDL_NCHANNELS": "4"}):
+        ctx = tcp.TcpContext(255, 256, store, 30.0)
+    socks = []
+    try:
+        threads = threading.active_count()
+        host, port = store.addr.decode().rsplit(":", 1)
+        for _ in range(3 * tcp._MAX_PENDING_PER_SOURCE):
+            s = socket.create_connection((host, int(port)), timeout=5.0)
+            socks.append(s)
+        deadline = time.monotonic() + 10.0
+        while ctx._handshakes.refused < 2 * tcp._MAX_PENDING_PER_SOURCE and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ctx._handshakes.pending() <= tcp._MAX_PENDING_PER_SOURCE
+        assert threading.active_count() - threads <= tcp._MAX_PENDING_PER_SOURCE + 1
+    finally:
+        for s in socks:
+            s.close()
+        ctx.close()
