@@ -126,14 +126,15 @@ class Var:
     default: Any
     doc: str
     external: bool = False  # set by another tool (torchrun, mpiexec, srun), read for rendezvous
+    secret: bool = False  # its value is never shown (`resolved` redacts it)
 
 
 VARS: dict[str, Var] = {}
 
 
 def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str,
-             external: bool = False) -> None:
-    VARS[name] = Var(name, parse, default, doc, external)
+             external: bool = False, secret: bool = False) -> None:
+    VARS[name] = Var(name, parse, default, doc, external, secret)
 
 
 # --- behaviour ------------------------------------------------------------------------------
@@ -199,7 +200,9 @@ _declare("DDL_REQUIRE_ALL", parse_bool, False,
 _declare("DDL_SECRET", str, "",
          "The job's shared secret: every connection (store, TCP) proves it with an HMAC "
          "challenge-response before anything else is acted on. ddlrun and MPI launchers provide a "
-         "fresh one per job; empty: DDL_SECRET_FILE, else the per-user ~/.config/ddlcore/secret.")
+         "fresh one per job; empty: DDL_SECRET_FILE, else the per-user ~/.config/ddlcore/secret.",
+         secret=True)
+
 _declare("DDL_SECRET_FILE", str, "",
          "File holding the job's secret (readable by its owner only), used when DDL_SECRET is "
          "empty.")
@@ -278,5 +281,12 @@ def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
 
 
 def resolved(environ: Mapping[str, str] | None = None, external: bool = False) -> dict[str, Any]:
-    """All declared variables (the ``DDL_*`` ones unless ``external``) with their parsed values."""
-    return {name: get(name, environ) for name, var in VARS.items() if external or not var.external}
+    """All declared variables (the ``DDL_*`` ones unless ``external``) with their parsed values;
+    a secret's value is replaced by a note saying whether it is set (what `python -m ddlcore
+    info` prints ends up in bug reports)."""
+    return {name: (_redacted(get(name, environ)) if var.secret else get(name, environ))
+            for name, var in VARS.items() if external or not var.external}
+
+
+def _redacted(value: Any) -> str:
+    return f"<set, {len(value)} characters, not shown>" if value else ""

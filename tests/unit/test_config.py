@@ -68,3 +68,12 @@ def test_no_other_module_reads_ddl_variables():
             if path.name != "config.py" and pattern.search(path.read_text()):
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"DDL_* read from the environment outside config.py: {offenders}"
+
+
+def test_the_secret_is_never_shown():
+    """What `python -m ddlcore info` prints (config.resolved) ends up in bug reports."""
+    values = config.resolved({"DDL_SECRET": "topsecretvalue123"})
+    assert "topsecretvalue123" not in repr(values)
+    assert values["DDL_SECRET"] == "<set, 17 characters, not shown>"
+    assert config.resolved({})["DDL_SECRET"] == ""
+    assert config.get("DDL_SECRET", {"DDL_SECRET": "abc"}) == "abc"
