@@ -71,7 +71,9 @@ def root_cause(exc: BaseException) -> str:
     return cause if isinstance(cause, str) else str(exc)
 
 
-def _origin(exc: BaseException) -> int | None:
+def failure_origin(exc: BaseException) -> int | None:
+    """The rank a failure started at, as far as this rank knows: whom a `PeerFailureError`
+    blames, or the origin a relayed error carries; None: this rank's own."""
     rank = exc.peer if isinstance(exc, PeerFailureError) else getattr(exc, "origin", None)
     return rank if isinstance(rank, int) and rank >= 0 else None
 
@@ -93,7 +95,7 @@ def abort_reason(exc: BaseException, reason: str) -> str:
     when that is not us."""
     cause = getattr(exc, "cause", None)
     text = cause if isinstance(cause, str) else reason
-    origin = _origin(exc)
+    origin = failure_origin(exc)
     return text if origin is None else f"{_MARK}{origin}{_MARK}{text}"
 
 

@@ -133,14 +133,15 @@ def mpiexec_command(mpiexec: str, np_: int, hosts: str, forwarded: dict[str, str
 def record_failure(rank: int, exc: BaseException) -> None:
     """Called by a rank whose collective failed: record in ``DDL_FAILURE_DIR`` (set by ddlrun;
     nothing to do without it) the rank that failed first as far as this rank knows: the peer a
-    `PeerFailureError` names, else this rank. The first failure of a process is kept."""
+    `PeerFailureError` names, the origin a relayed timeout or mismatch carries, else this rank.
+    The first failure of a process is kept."""
     directory = config.get("DDL_FAILURE_DIR")
     if not directory:
         return
-    from ddlcore.errors import PeerFailureError
+    from ddlcore.errors import failure_origin
 
-    peer = getattr(exc, "peer", None) if isinstance(exc, PeerFailureError) else None
-    origin = peer if isinstance(peer, int) and peer >= 0 else rank
+    found = failure_origin(exc)
+    origin = rank if found is None else found
     try:
         fd = os.open(os.path.join(directory, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                      0o600)

@@ -202,19 +202,33 @@ def _segment_owner(name: str) -> int | None:
 
 def remove_segments_of(pids: set[int]) -> list[str]:
     """Unlink the segments owned by the given (dead) processes; returns the names removed.
-    A survivor calls this for a peer it saw die, the launcher for ranks that died."""
+    A survivor calls this for a peer it saw die, the launcher for ranks that died. Only this
+    user's segments whose owner's lock is free go: a pid reused since (by a rank of another job,
+    in this or another pid namespace) holds the lock on its own segments, which stay."""
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
+    uid = os.getuid()
     for name in names:
-        if _segment_owner(name) in pids:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except OSError:
-                pass
+        if _segment_owner(name) not in pids:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != uid:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live owner holds it
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return removed
 
 

@@ -115,6 +115,8 @@ def test_segments_of_a_job_killed_whole_go_at_the_next_init(tmp_path):
         # A live owner's segment is kept (it holds its lock), however old.
         shm.remove_orphans()
         assert _segments_of({live.pid}) == [f"ddl-{live.pid}-live-r0"]
+        # Nor does removing by pid take it (a pid reused since the rank it named died).
+        assert shm.remove_segments_of({live.pid}) == []
     finally:
         live.kill()
         live.wait()
