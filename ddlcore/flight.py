@@ -54,6 +54,8 @@ _made_lock = threading.Lock()
 # Recorders to write when SIGTERM arrives: those with a directory, not failed and not closed.
 _live: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 _sigterm_installed = False
+# How long a SIGTERM waits for another thread's write of the record before ending the process.
+_SIGNAL_WAIT_S = 2.0
 
 
 def _watch_sigterm(recorder: FlightRecorder) -> None:
@@ -76,6 +78,8 @@ def _watch_sigterm(recorder: FlightRecorder) -> None:
 def _on_sigterm(signum: int, frame: Any) -> None:
     for recorder in list(_live):
         recorder.terminated(signum)
+    if signal.getsignal(signum) is not _on_sigterm:
+        return  # a handler installed since calls us (a framework's graceful shutdown): its call
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
@@ -125,6 +129,10 @@ class FlightRecorder:
         self.created = time.time()
         self.written: str | None = None  # the path of the record written after a failure
         self._write_lock = threading.Lock()  # a signal handler must not write over a write
+        # The write in progress (reason, error) and its thread: a SIGTERM that interrupts it on
+        # that thread does it again itself, since the process ends right after the handler.
+        self._writing: tuple[str, BaseException | None] | None = None
+        self._writer: int | None = None
 
     @classmethod
     def for_communicator(cls, comm: Any, job: str,
@@ -255,11 +263,12 @@ class FlightRecorder:
             self._ends[slot] = _REFUSED
             return
         self.failure = _summary(exc)
-        _live.discard(self)
         if not self.directory:
+            _live.discard(self)
             return
         with self._write_lock:
-            self.written = self._write_quietly("failure", exc)
+            self.written = self._write_locked("failure", exc)
+        _live.discard(self)  # only now: a SIGTERM during the write must still see this record
         if self.written is None:
             return
         note = (f"flight record: {self.written} (python -m ddlcore.trace {self.directory} "
@@ -272,20 +281,35 @@ class FlightRecorder:
     def closed(self) -> None:
         """The communicator is being closed: write the record unless a failure already did, so
         that a rank that left early is on file too."""
-        _live.discard(self)
         if not self.directory or not self.enabled or self.failure is not None:
+            _live.discard(self)
             return
         with self._write_lock:
-            self._write_quietly("close")
+            self._write_locked("close")
+        _live.discard(self)
 
     def terminated(self, signum: int) -> None:
-        """The process got ``signum`` (SIGTERM) and is about to end: write the record."""
-        if self.failure is not None or not self._write_lock.acquire(blocking=False):
-            return  # written already, or being written by the code the signal interrupted
+        """The process got ``signum`` (SIGTERM) and is about to end: write the record (or finish
+        the write the signal interrupted; another thread's is waited for, briefly)."""
+        writing = self._writing
+        if writing is not None and self._writer == threading.get_ident():
+            self._write_quietly(*writing)  # interrupted on this thread: it never resumes
+            return
+        if not self._write_lock.acquire(timeout=_SIGNAL_WAIT_S):
+            return
         try:
-            self._write_quietly(signal.Signals(signum).name)
+            if self.failure is None:  # else failed() wrote it, under this lock
+                self._write_quietly(signal.Signals(signum).name)
         finally:
             self._write_lock.release()
+
+    def _write_locked(self, reason: str, exc: BaseException | None = None) -> str | None:
+        """`_write_quietly` with ``_write_lock`` held, telling a signal handler what it is at."""
+        self._writing, self._writer = (reason, exc), threading.get_ident()
+        try:
+            return self._write_quietly(reason, exc)
+        finally:
+            self._writing = self._writer = None
 
     def _write_quietly(self, reason: str, exc: BaseException | None = None) -> str | None:
         """Write the record; a failure to write is logged, never raised (the collective's

@@ -286,3 +286,33 @@ def test_report_and_table_print_every_rank():
     assert "rank 1 is behind: it never started allreduce #1" in text
     assert "/fr/rank0.json" in text and "/fr/rank1.json" in text
     assert "seq  collective" in text and "started" in text
+
+
+def test_a_sigterm_interrupting_the_write_on_its_thread_writes_the_record(tmp_path):
+    """SIGTERM while this thread writes the failure record: the handler ends the process right
+    after, so it writes the record itself (it used to skip it: a stray .tmp and no record)."""
+    rec = flight.FlightRecorder(3, 4, "job", entries=8, directory=str(tmp_path))
+    import threading
+
+    rec._writing, rec._writer = ("failure", DDLTimeoutError("rank 3: timed out")), \
+        threading.get_ident()
+    rec.terminated(15)
+    (path,) = tmp_path.glob("rank3*.json")
+    assert flight.load(str(path))["rank"] == 3
+
+
+def test_sigterm_handler_leaves_the_end_to_a_handler_that_chains_it(tmp_path):
+    """A framework that installs its own SIGTERM handler over ours and calls ours from it keeps
+    its graceful shutdown: ours writes the record and returns instead of ending the process."""
+    import signal
+
+    rec = flight.FlightRecorder(0, 2, "job", entries=8, directory=str(tmp_path))
+    flight._live.add(rec)
+    called = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: called.append(s))
+    try:
+        flight._on_sigterm(signal.SIGTERM, None)  # chained: the installed handler is not ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        flight._live.discard(rec)
+    assert list(tmp_path.glob("rank0*.json")) and not called
