@@ -10,9 +10,18 @@ from both ends' lists by the same rule, so both ends always agree:
 
 Contexts of the chosen transports are created eagerly at init (they publish their addresses in
 the store); pairs connect lazily on first use.
+
+A communicator is broken by any failure, so an abort a peer tells one context of is everyone's
+business: the context aborts itself (its pairs fail, its peers hear of it) and calls
+``on_abort``, with which `Links` aborts the communicator's other contexts with the same code
+and reason (class, origin and cause kept). Every rank passes it on once, so every rank hears of
+it within a few message latencies, also those blocked on peers that never heard of it
+directly.
 """
 
 from __future__ import annotations
+
+import threading
 
 import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
@@ -124,8 +133,14 @@ class Links:
         self.choice: dict[int, str] = {
             p.rank: choose(spec, me, p, instances) for p in peers if p.rank != rank}
         self.contexts: dict[str, Context] = {}
+        self._relayed = False  # an abort a peer told one context of went to all of them
+        self._relay_lock = threading.Lock()
         for name in sorted(set(self.choice.values())):
-            self.contexts[name] = instances[name].create_context(rank, size, store, timeout)
+            ctx = self.contexts[name] = instances[name].create_context(rank, size, store, timeout)
+            try:
+                ctx.on_abort = self._heard_abort
+            except AttributeError:  # a context that cannot take it: it only fails less promptly
+                pass
         self._pairs: dict[int, Pair] = {}
 
     def pair(self, peer: int) -> Pair:
@@ -134,8 +149,17 @@ class Links:
             p = self._pairs[peer] = self.contexts[self.choice[peer]].pair(peer)
         return p
 
+    def _heard_abort(self, code: int, reason: str) -> None:
+        """A context heard a peer's abort and aborted itself (`Context.on_abort`, called on a
+        transport's thread): abort the others with it, once."""
+        with self._relay_lock:
+            if self._relayed:
+                return
+            self._relayed = True
+        self.abort(code, reason)
+
     def abort(self, code: int, reason: str) -> None:
-        for ctx in self.contexts.values():
+        for ctx in list(self.contexts.values()):
             try:
                 ctx.abort(code, reason)
             except Exception:  # best effort: we are already failing

@@ -29,6 +29,13 @@ Semantics every transport keeps (the conformance suite in ``tests/transports`` c
   delivered). `Pair.abort` tells the peer why we stopped; the peer's requests then fail at once
   with the same error class and reason. Requests pending at a local ``close()`` fail with
   `CommunicatorClosedError`.
+* An abort heard from one peer is the whole communicator's: the context that hears it aborts
+  itself once, as `Context.abort` would, with the same class, origin and cause (every pair
+  fails, and the peers still waiting on us hear of it), then calls ``Context.on_abort(code,
+  reason)`` when set, with which the communicator aborts its other contexts. So every rank
+  hears of a failure within a few message latencies, also one blocked on a peer that never
+  heard of it directly. A context that does neither still works (API_VERSION 1): its peers'
+  aborts then reach its other pairs only when the communicator fails a collective.
 * Nothing received is unpickled: control data is fixed binary headers with length caps.
 * Only the job's ranks are heard: a transport that accepts connections or messages from the
   network acts on nothing from a sender that has not proven the job's key (``store.job_key``),
@@ -176,6 +183,9 @@ class Context(abc.ABC):
 
     rank: int
     size: int
+    # Set by the communicator's links: called (from any thread, at most once) with the code and
+    # the reason to pass on after an abort a peer told us of aborted this context.
+    on_abort: Callable[[int, str], None] | None = None
 
     @abc.abstractmethod
     def pair(self, peer: int) -> Pair:

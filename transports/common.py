@@ -15,6 +15,7 @@ from typing import Any
 
 from ddlcore.transports.base import (
     ABORT_MISMATCH,
+    ABORT_PEER_FAILURE,
     ABORT_TIMEOUT,
     Context,
     DeviceView,
@@ -29,7 +30,9 @@ from ddlcore.errors import (
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
+    abort_reason,
     parse_reason,
+    root_cause,
 )
 
 MAX_TAG = (1 << 64) - 1
@@ -160,6 +163,8 @@ def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DD
     if origin is None or origin == who:  # ``who`` failed itself
         origin, cause = who, f"rank {who} aborted: {cause}"
         text = cause
+    elif peer is not None:  # we pass on the failure of rank ``origin``: say its cause alone
+        text = cause
     else:  # ``who`` relays the failure of rank ``origin``
         text = f"{cause} (reported by rank {who})"
     cls = ABORT_CLASS.get(code, PeerFailureError)
@@ -168,6 +173,14 @@ def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DD
     if isinstance(err, PeerFailureError):
         err.peer = origin if origin != who or peer is None else peer
     return err
+
+
+def relay_of(error: DDLError) -> tuple[int, str]:
+    """The ``(code, reason)`` with which a rank that heard of ``error`` (an abort a peer told
+    it of, `abort_error`) passes it on: the same class, the same origin, the cause once."""
+    code = (ABORT_MISMATCH if isinstance(error, CollectiveMismatchError) else
+            ABORT_TIMEOUT if isinstance(error, DDLTimeoutError) else ABORT_PEER_FAILURE)
+    return code, abort_reason(error, root_cause(error))
 
 
 def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
@@ -243,8 +256,11 @@ class ThreadRequest(Request):
 
 class PairTableContext(Context):
     """A context whose pairs are made on first use, by ``pair()`` or by a peer reaching us first.
-    An abort reaches every pair, also those made after it. Subclasses call
-    ``_init_pairs()`` and implement ``_new_pair(peer)``."""
+    An abort reaches every pair, also those made after it. An abort a peer tells us of
+    (`_note_abort`, called by the pair that heard it, before it fails itself) aborts the whole
+    context in turn, once: every pair fails with the same class, origin and cause, the peers
+    still waiting on us hear of it, and ``on_abort`` passes it to the communicator's other
+    contexts. Subclasses call ``_init_pairs()`` and implement ``_new_pair(peer)``."""
 
     rank: int
     _closed: bool
@@ -274,8 +290,25 @@ class PairTableContext(Context):
         return list(self._pairs.values())  # one C-level copy: safe against a concurrent insert
 
     def _note_abort(self, error: DDLError) -> None:
-        if self._first_abort is None:
-            self._first_abort = error
+        """A peer told us it aborted (``error``, from `abort_error`): unless we aborted already,
+        abort every pair with it (the peers waiting on us then hear of it without waiting out
+        their deadline) and tell ``on_abort``. Called from a transport thread; a plain
+        `DDLError` of our own (no origin) is only noted."""
+        with self._lock:
+            if self._first_abort is None:
+                self._first_abort = error
+            if error.origin is None or self._failure is not None or self._closed:
+                return
+            self._failure = relay = relay_of(error)
+            pairs = self._pair_list()
+        for p in pairs:
+            p.abort(*relay)
+        hook = self.on_abort
+        if hook is not None:
+            try:
+                hook(*relay)
+            except Exception:  # best effort: this pair's own failure must still go on
+                pass
 
     def abort(self, code: int, reason: str) -> None:
         with self._lock:

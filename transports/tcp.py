@@ -40,7 +40,8 @@ the sender closed: the receiver stops sending on that socket (shutdown) so both 
 Failures: a size or check-word mismatch fails that one receive (`CollectiveMismatchError`), after
 draining the payload so the stream stays usable. CLOSE, EOF or a reset fail the pending and later
 requests of that socket with `PeerFailureError`; messages that had fully arrived before stay
-receivable. An ABORT (sent or received) and `close` fail everything on the pair at once.
+receivable. An ABORT (sent or received) and `close` fail everything on the pair at once; an
+ABORT received aborts the whole context in turn (`common.PairTableContext._note_abort`).
 """
 
 from __future__ import annotations
@@ -964,7 +965,8 @@ class TcpContext(PairTableContext):
             return found
         check_peer(self.rank, self.size, peer, self._closed, "TCP")
         found = self._pair_for(peer)
-        found._connect(time.monotonic() + self.timeout)
+        if found._failure is None:  # an aborted pair fails its requests: nothing to connect
+            found._connect(time.monotonic() + self.timeout)
         return found
 
     def close(self) -> None:

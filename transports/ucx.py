@@ -46,9 +46,10 @@ waits block on a lock the thread releases, always with a deadline.
 Failures: endpoints use UCX peer error handling (a dead peer's sockets or UCX keepalive make
 UCX call our close callback), which fails the pair's pending and later requests with
 `PeerFailureError`; fully arrived messages stay receivable. ABORT and local close fail
-everything on the pair at once, as in tcp.py. UCX 1.21's shared-memory transports (posix,
-sysv) have no peer-failure handler, so with error handling UCX carries same-host traffic over
-tcp (loopback); ddlcore's own shm transport is the fast path within a host.
+everything on the pair at once (an ABORT received, the whole context), as in tcp.py. UCX
+1.21's shared-memory transports (posix, sysv) have no peer-failure handler, so with error
+handling UCX carries same-host traffic over tcp (loopback); ddlcore's own shm transport is the
+fast path within a host.
 
 UCX configuration: UCX reads its ``UCX_*`` variables from the environment, and those always win.
 Our defaults (_UCX_DEFAULTS) go in the context's config only for names the user has not set.
@@ -618,7 +619,8 @@ class UcxContext(PairTableContext):
             return found
         check_peer(self.rank, self.size, peer, self._closed, "UCX")
         found = self._pair_for(peer)
-        found._connect(time.monotonic() + self.timeout)
+        if found._failure is None:  # an aborted pair fails its requests: nothing to connect
+            found._connect(time.monotonic() + self.timeout)
         return found
 
     def _token(self, src: int, dst: int, nonce: bytes) -> bytes:
