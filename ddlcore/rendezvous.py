@@ -156,11 +156,12 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
         raise RendezvousError(f"rank {info.rank}: rank 0 cannot read the job's secret "
                               "(DDL_SECRET_FILE); its own error says why")
     if differ[0]:
-        drawn = flag == _SECRET_DRAWN
+        rank0_drew = flag == _SECRET_DRAWN
+        rank0_has = "has no" if rank0_drew else "has"
         raise RendezvousError(
-            f"rank {info.rank}: the ranks disagree on the job's secret: rank 0 "
-            f"{'has no DDL_SECRET or DDL_SECRET_FILE' if drawn else 'has DDL_SECRET or DDL_SECRET_FILE'}"
-            f", {int(differ[0])} other rank(s) {'have one' if drawn else 'have neither'}; set the "
+            f"rank {info.rank}: the ranks disagree on the job's secret: rank 0 {rank0_has} "
+            f"DDL_SECRET or DDL_SECRET_FILE, {int(differ[0])} other rank(s) "
+            f"{'have one' if rank0_drew else 'have neither'}; set the "
             "same one on every rank (or on none: rank 0 then draws one and shares it over MPI)")
     return RendezvousInfo(info.rank, info.size, host, int(port), info.source,
                           info.local_rank, info.local_size, secret)
