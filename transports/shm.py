@@ -61,6 +61,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 from ddlcore.transports import _shm
 from ddlcore.transports.base import (
@@ -200,36 +201,38 @@ def _segment_owner(name: str) -> int | None:
     return None
 
 
+def _unlink_if_free(name: str, may_go: Callable[[os.stat_result], bool]) -> bool:
+    """Unlink segment ``name`` if it is this user's, ``may_go(its stat)`` says so, and nobody
+    holds its owner's lock (a live owner does, in any pid namespace); True if it went."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not may_go(st):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live owner holds it
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def remove_segments_of(pids: set[int]) -> list[str]:
     """Unlink the segments owned by the given (dead) processes; returns the names removed.
     A survivor calls this for a peer it saw die, the launcher for ranks that died. Only this
     user's segments whose owner's lock is free go: a pid reused since (by a rank of another job,
     in this or another pid namespace) holds the lock on its own segments, which stay."""
-    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
-        return removed
-    uid = os.getuid()
-    for name in names:
-        if _segment_owner(name) not in pids:
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != uid:
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live owner holds it
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
+        return []
+    return [name for name in names
+            if _segment_owner(name) in pids and _unlink_if_free(name, lambda st: True)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -272,28 +275,14 @@ def remove_orphans() -> list[str]:
         boot = _boot_time() if names else 0.0
     except OSError:
         return removed
-    now, uid = time.time(), os.getuid()
+    now = time.time()
     for name in names:
         pid = _segment_owner(name)
         if pid is None or pid == os.getpid():
             continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != uid or now - st.st_ctime < _ORPHAN_MIN_AGE_S or \
-                    not _owner_gone(pid, st.st_ctime, boot):
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
-            os.unlink(path)
+        if _unlink_if_free(name, lambda st: now - st.st_ctime >= _ORPHAN_MIN_AGE_S and
+                           _owner_gone(pid, st.st_ctime, boot)):  # noqa: B023 (called at once)
             removed.append(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
     return removed
 
 
