@@ -64,6 +64,10 @@ class RankEnv:
     def __init__(self, rank: int, size: int, transport: str, timeout: float = TIMEOUT_S) -> None:
         self.rank, self.size, self.transport, self.timeout = rank, size, transport, timeout
         host, port = config.get("DDL_MASTER_ADDR"), config.get("DDL_MASTER_PORT")
+        # As init does: MPI_Init holds the GIL until every rank has joined, so on the rank serving
+        # the store it must come first, or the store's thread cannot answer the other ranks'
+        # handshakes and they never reach MPI_Init (an intermittent deadlock).
+        transport_class(transport).prepare()
         self.server = StoreServer(host, port) if rank == 0 else None
         self.client = StoreClient(host, port, timeout, rank=rank, size=size)
         self.contexts: list[Context] = []
