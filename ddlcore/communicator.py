@@ -65,6 +65,9 @@ def _make_schedule(collective: str, choice: tuning.Choice, rank: int, size: int,
         return make(rank, size)
     if collective == "broadcast":
         return make(rank, size, count, itemsize, choice.chunk_bytes, root)
+    if choice.segments > 1:
+        return make(rank, size, count, itemsize, choice.chunk_bytes, topo,
+                    dim_order=choice.dim_order, segments=choice.segments)
     if choice.dim_order is not None:
         return make(rank, size, count, itemsize, choice.chunk_bytes, topo, dim_order=choice.dim_order)
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
@@ -100,6 +103,7 @@ class Communicator:
         self._algo = algo.lower() if algo else config.get("DDL_ALGO", environ)
         tuning.validate_algo(self._algo)
         self._chunk_bytes = max(1, config.get("DDL_CHUNK_BYTES", environ))
+        self._segments = config.get("DDL_SEGMENTS", environ)
         # Schedules are pure functions of the call's shape on a fixed topology: keep the recent.
         self._schedule = functools.lru_cache(maxsize=256)(self._build_schedule)
         self._staged = functools.lru_cache(maxsize=256)(self._host_stage)
@@ -158,7 +162,7 @@ class Communicator:
             hostcoll.SYNC_ONLY
         return tuning.choose(collective, self.topology,
                              tuning.model_bytes(collective, nbytes, self.size), self._algo,
-                             self._chunk_bytes, boards)
+                             self._chunk_bytes, boards, self._segments)
 
     def _host_stage(self, collective: str, nbytes: int) -> tuning.Choice | None:
         """The choice when a collective of ``nbytes`` of input runs as mdring with its host

@@ -173,6 +173,10 @@ _declare("DDL_FUSION_BYTES", parse_size, 25 << 20,
          "gradients are packed into buckets of up to this many bytes, each allreduced as soon as "
          "backward has produced it. 25 MiB is DDP's default bucket size; smaller buckets start "
          "communicating earlier in backward, larger ones pay the per-collective latency less.")
+_declare("DDL_SEGMENTS", _nonneg_int, 0,
+         "The mdring allreduce in this many segments pipelined across the box's dimensions (a "
+         "segment on the network while the next is reduced inside the hosts): 0 lets the cost "
+         "model choose (python -m ddlcore info shows it), 1 runs the phases one after another.")
 _declare("DDL_PIPELINE_DEPTH", _positive_int, 8,
          "How many chunks the engine keeps posted ahead of the one it is reducing.")
 _declare("DDL_GPU_DIRECT", _gpu_direct, "auto",

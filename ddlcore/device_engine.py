@@ -31,6 +31,10 @@ CUDA-aware MPI; ``Pair.device_memory``), that step skips the pinned slots::
     RECV_REDUCE  host:     irecv straight into a device slot; compute reduces from it
     RECV         host:     irecv into a device slot; compute copies it into the span
 
+A schedule with parts on several streams (mdring pipelined across dimensions) runs here in its
+program order, which is a valid serial order of its parts: correct, its chunks pipelined as
+above, but its segments' phases on different links do not yet overlap as on the host engine.
+
 What touches CUDA is behind `DeviceOps` (`NumbaStreams` in production, Numba's simulator in
 CI); the tests also drive the engine with ops that run queued work in random valid orders, which
 is how the ordering above is checked without a GPU.

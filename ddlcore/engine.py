@@ -10,6 +10,11 @@ touches its region and no send in flight reads it; a write (reduce, copy) waits 
 sends of its region. Regions are compared by address, so in-place calls (input is output) are
 safe.
 
+A schedule with parts on several streams (`ddlcore.algorithms.schedule`: mdring pipelined
+across the box's dimensions) runs each stream on a thread of its own, each with its staging
+slots; a part starts once the parts it comes after have finished, sends included. The kernels
+and the transports' waits release the GIL, so the streams' work overlaps.
+
 Every wait has a deadline. A failure (timeout, lost peer, mismatch) is re-raised with the rank,
 the collective, its sequence number and the step, after telling the peers (``links.abort``) so
 that every rank fails fast instead of waiting out its own timeout.
@@ -18,6 +23,7 @@ that every rank fails fast instead of waiting out its own timeout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,11 +70,19 @@ class Region:
 
 
 class StagingPool:
-    """Receive buffers for ``RECV_REDUCE`` steps, allocated once and reused by every collective."""
+    """Receive buffers for ``RECV_REDUCE`` steps, allocated once and reused by every collective;
+    each further stream of a schedule with parts has a pool of its own (`for_stream`)."""
 
     def __init__(self) -> None:
         self._arrays: list[np.ndarray] = []
         self.regions: list[Region] = []
+        self._streams: dict[int, StagingPool] = {}
+
+    def for_stream(self, stream: int) -> StagingPool:
+        pool = self._streams.get(stream)
+        if pool is None:
+            pool = self._streams[stream] = StagingPool()
+        return pool
 
     def ensure(self, nslots: int, nbytes: int) -> list[Region]:
         if len(self._arrays) < nslots or (self._arrays and self._arrays[0].nbytes < nbytes):
@@ -150,11 +164,20 @@ def post_ahead(steps, i: int, nxt: int, depth: int, post_recv: Callable[[int, bo
 def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links, staging: StagingPool,
         depth: int, timeout: float) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
-    failure (after aborting the links so the peers fail fast too)."""
-    steps = schedule.steps
+    failure (after aborting the links so the peers fail fast too). A schedule with parts runs
+    each stream on a thread of its own (`_run_streams`)."""
+    if schedule.parts:
+        _run_streams(schedule, coll, buffers, links, staging, depth, deadline_clock(timeout))
+    elif schedule.steps:
+        _run_steps(schedule, schedule.steps, None, coll, buffers, links, staging, depth,
+                   deadline_clock(timeout))
+
+
+def _run_steps(schedule: Schedule, steps, index, coll: Collective, buffers: dict[Buf, Region],
+               links, staging: StagingPool, depth: int, remaining: Callable[[], float]) -> None:
+    """Run ``steps`` (all of ``schedule``'s, or one part's, ``index`` then giving each one's
+    place in the schedule for messages) in program order."""
     nsteps = len(steps)
-    if nsteps == 0:
-        return
     isz = coll.itemsize
     tag_base = (coll.seq & 0xFFFFFFFF) << 32
     check = coll.check
@@ -168,7 +191,6 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
     staged: list[int] = [-1] * nsteps
     sends: deque = deque()  # (lo, hi, request) of sends in flight, oldest first
     pair = pair_cache(links)
-    remaining = deadline_clock(timeout)
     i = 0
 
     def span(buf: Buf, off: int, count: int) -> tuple[int, int]:
@@ -259,7 +281,63 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
             _, _, req = sends.popleft()
             req.wait(remaining())
     except DDLError as exc:
-        raise failure(schedule, coll, i, exc, links) from None
+        raise failure(schedule, coll, i if index is None else index[i], exc, links) from None
+
+
+def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
+                 staging: StagingPool, depth: int, remaining: Callable[[], float]) -> None:
+    """Run each stream of ``schedule`` on a thread (the first on this one), a part once the
+    parts it comes after have finished. The first failure aborts the links (so the other
+    streams' waits end at once), the other threads are joined, and it is raised here."""
+    parts, groups = schedule.parts, schedule.part_steps
+    done = [False] * len(parts)
+    failed: list[BaseException] = []
+    cond = threading.Condition()
+
+    def wait_for(p: int) -> bool:
+        """Wait until the parts ``p`` comes after have finished; False if a stream failed."""
+        after = parts[p].after
+        with cond:
+            while not failed and not all(done[q] for q in after):
+                try:
+                    cond.wait(min(remaining(), 1.0))
+                except DDLError as exc:  # our deadline: fail where this stream stands
+                    first = groups[p][0][0] if groups[p] else 0
+                    raise failure(schedule, coll, first, exc, links) from None
+            return not failed
+
+    def run_stream(stream: int, mine: list[int]) -> None:
+        pool = staging if stream == parts[0].stream else staging.for_stream(stream)
+        try:
+            for p in mine:
+                if not wait_for(p):
+                    return
+                group = groups[p]
+                if group:
+                    _run_steps(schedule, tuple(st for _, st in group), [i for i, _ in group],
+                               coll, buffers, links, pool, depth, remaining)
+                with cond:
+                    done[p] = True
+                    cond.notify_all()
+        except BaseException as exc:
+            if not isinstance(exc, DDLError):  # e.g. Ctrl-C: tell the peers (DDLErrors did)
+                links.abort(abort_code(exc), failure_reason(exc))
+            with cond:
+                failed.append(exc)
+                cond.notify_all()
+
+    streams = schedule.streams()
+    first = parts[0].stream
+    threads = [threading.Thread(target=run_stream, args=(k, mine), daemon=True,
+                                name=f"ddlcore-stream-{k}")
+               for k, mine in streams.items() if k != first]
+    for t in threads:
+        t.start()
+    run_stream(first, streams[first])
+    for t in threads:
+        t.join()  # their waits end by the deadline, or at once once the links are aborted
+    if failed:
+        raise failed[0]
 
 
 _PINNED: list = []  # buffers of failed agreement checks (see `agree`)

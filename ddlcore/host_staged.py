@@ -7,7 +7,7 @@ staged).
 
 * **allreduce**: each local rank reduces its part of the host's inputs (``RS_PART``), the rings
   allreduce that part across hosts, the local ranks read each other's parts back (``AG_PART``).
-  From ``_HOST_SEGMENT_BYTES`` x 2 on, in segments: the boards work on one segment while
+  From ``tuning._HOST_SEGMENT_BYTES`` x 2 on, in segments: the boards work on one segment while
   another crosses the network (``ddlcore.pipeline``).
 * **reduce_scatter** and **allgather**: the host phase gives each local rank, summed over the
   host (reduce-scatter), the blocks of the H ranks at its host position, one per network
@@ -47,20 +47,7 @@ from ddlcore.topology import Topology
 if TYPE_CHECKING:
     from ddlcore.communicator import Communicator
 
-# mdring with host phases on the boards splits an allreduce into segments of at least this many
-# bytes, at most _HOST_SEGMENTS of them, pipelined (`pipeline`): the boards' phases of one
-# segment run while another crosses the network, and only the first segment's reduce-scatter
-# and the last one's allgather are not hidden. Measured on the netns testbed at 4x2, 1 Gbit/s
-# (BENCHMARKS.md, "host phases pipelined"): 64 MB went from 1.22-1.28x the link bound to 1.09x.
-_HOST_SEGMENT_BYTES = 4 << 20
-_HOST_SEGMENTS = 8
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
-
-
-def host_segments(nbytes: int) -> int:
-    """How many pipelined segments an allreduce of ``nbytes`` takes on the host-staged path
-    (the same on every rank: a function of the size alone)."""
-    return max(1, min(_HOST_SEGMENTS, nbytes // _HOST_SEGMENT_BYTES))
 
 
 def board_bytes(collective: str, nbytes: int, topo: Topology) -> int:
@@ -78,10 +65,10 @@ def allreduce(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
     """Allreduce as mdring whose host dimensions run through this host's boards: each local
     rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
     that part (schedules over the network links), then the local ranks copy each other's
-    parts (boards); segment by segment, pipelined, for large calls (`host_segments`)."""
+    parts (boards); segment by segment, pipelined, for large calls (`tuning.host_segments`)."""
     node = comm._node
     assert node is not None
-    segments = split(call.count, host_segments(call.count * itemsize))
+    segments = split(call.count, tuning.host_segments(call.count * itemsize))
     flat_out = host_out.reshape(-1)
 
     def on_boards(kind: str, s: int) -> None:  # RS_PART or AG_PART of segment s

@@ -17,14 +17,19 @@ What it models (the link model of `ddlcore.tuning`, so the two can be compared):
   the rank's current time and the rank goes on; ``RECV`` waits for the message's arrival;
   ``RECV_REDUCE`` waits, then keeps the rank busy ``nbytes / reduce_bw``; ``COPY`` keeps it busy
   ``nbytes / copy_bw``. A rank's reductions and copies are serial; its messages overlap them.
+  A schedule with parts on several streams (mdring pipelined across dimensions) runs each
+  stream as an actor of its own, as the engine runs each on a thread: a part starts once the
+  parts it comes after have finished (their steps done, their sends out of the ports); each
+  stream's reductions are serial, different streams' overlap.
 
 What it does not model: packets, congestion control, switch or rack-uplink oversubscription
 (a level is only a bandwidth and a latency per message), the engine's pipeline depth and staging
 slots (every message is buffered at its receiver on arrival), write-after-send hazards, and
 per-message software overhead beyond ``lat``.
 
-It is a discrete-event simulation: a heap of ranks by their clock; the earliest runs on while
-its clock stays the earliest, so messages claim ports in global issue order. Schedules are
+It is a discrete-event simulation: a heap of actors (ranks, or streams of ranks) by their clock;
+the earliest runs on while its clock stays the earliest, so messages claim ports in global
+issue order. Schedules are
 compiled to flat arrays first (`Program`), so the event loop creates no per-step objects.
 Generating the schedules costs the algorithm modules ~10 us per step (the event loop ~3 us).
 The flat ring and rhd at 4096 ranks have ~67M steps (12 and 19 min of CPU, 1.7 and 4 GB);
@@ -51,11 +56,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from ddlcore import topology, tuning
-from ddlcore.algorithms import ALGORITHMS, Kind, Schedule
+from ddlcore.algorithms import ALGORITHMS, Kind, Schedule, Step
 from ddlcore.errors import DDLError
 
 _SEND, _RECV_REDUCE = int(Kind.SEND), int(Kind.RECV_REDUCE)
 _COPY = int(Kind.COPY)
+_AFTER, _DONE = -1, -2   # a part's markers in an actor's program (`Program`)
 # Default step budget: 16M steps take 3-5 minutes of CPU to generate and simulate on this
 # project's VM (11-18 us/step in all: 67M steps took 713 s for the ring, 1160 s for rhd);
 # mdring at 4096 ranks is ~6.5M.
@@ -77,47 +83,77 @@ class TooLargeToSimulate(SimulationError):
 
 @dataclass(frozen=True)
 class Program:
-    """All ranks' schedules as flat arrays (per rank: kind, peer, message key, bytes).
+    """All ranks' schedules as flat arrays, one program per stream of each rank (an "actor";
+    a schedule without parts is one): kind, peer, message key, bytes.
 
-    A message's key is ``(sender * size + receiver) << 32 | slot``, the same on both ends."""
+    A message's key is ``(sender * size + receiver) << 32 | slot``, the same on both ends. The
+    parts of a schedule with streams become markers in its actors' programs: ``_AFTER`` (wait
+    until part ``key`` has finished) before a part's steps, ``_DONE`` (part ``key`` finished
+    once its sends have left) after them; part keys are numbered across the whole program."""
 
     collective: str
     algorithm: str
     size: int
+    owner: tuple[int, ...]    # the rank of each actor
     kinds: tuple[array, ...]
     peers: tuple[array, ...]
     keys: tuple[array, ...]
     nbytes: tuple[array, ...]
     dim_order: tuple[int, ...] | None = None
-
-    @property
-    def steps(self) -> int:
-        return sum(len(k) for k in self.kinds)
+    steps: int = 0            # the schedules' steps, all ranks (markers not counted)
+    segments: int = 1
 
     @classmethod
     def from_schedules(cls, schedules: Iterable[Schedule], size: int, itemsize: int,
-                       dim_order: tuple[int, ...] | None = None) -> Program:
+                       dim_order: tuple[int, ...] | None = None,
+                       segments: int = 1) -> Program:
         """Compile ``size`` ranks' schedules (rank order), one at a time: an iterator of
         schedules never holds every rank's steps as objects."""
+        owner: list[int] = []
         kinds, peers, keys, nbytes = [], [], [], []
         name = ("", "")
+        total = part_base = 0
+        ranks = 0
         for rank, sched in enumerate(schedules):
+            ranks += 1
             name = (sched.collective, sched.algorithm)
             steps = sched.steps
+            total += len(steps)
             bad = [s for s in steps if s.kind != Kind.COPY and not (
                 0 <= s.peer < size and s.peer != rank and 0 <= s.slot < 1 << 32)]
             if bad:
                 raise SimulationError(f"rank {rank}: bad peer or slot in step {bad[0].describe()}")
-            kinds.append(array("b", [s.kind for s in steps]))
-            peers.append(array("l", [s.peer for s in steps]))
-            keys.append(array("q", [0 if s.kind == Kind.COPY else
-                                    ((rank * size + s.peer if s.kind == Kind.SEND else
-                                      s.peer * size + rank) << 32) | s.slot for s in steps]))
-            nbytes.append(array("q", [s.count * itemsize for s in steps]))
-        if len(kinds) != size:
-            raise ValueError(f"{len(kinds)} schedules for {size} ranks")
-        return cls(name[0], name[1], size, tuple(kinds), tuple(peers), tuple(keys),
-                   tuple(nbytes), dim_order)
+
+            def key(s: Step, rank: int = rank) -> int:
+                if s.kind == Kind.COPY:
+                    return 0
+                pair = rank * size + s.peer if s.kind == Kind.SEND else s.peer * size + rank
+                return pair << 32 | s.slot
+
+            if not sched.parts:
+                programs = [[(int(s.kind), s.peer, key(s), s.count * itemsize) for s in steps]]
+            else:
+                groups = sched.part_steps
+                programs = []
+                for parts in sched.streams().values():
+                    prog = []
+                    for p in parts:
+                        prog += [(_AFTER, -1, part_base + q, 0) for q in sched.parts[p].after]
+                        prog += [(int(s.kind), s.peer, key(s), s.count * itemsize)
+                                 for _, s in groups[p]]
+                        prog.append((_DONE, -1, part_base + p, 0))
+                    programs.append(prog)
+                part_base += len(sched.parts)
+            for prog in programs:
+                owner.append(rank)
+                kinds.append(array("b", [x[0] for x in prog]))
+                peers.append(array("l", [x[1] for x in prog]))
+                keys.append(array("q", [x[2] for x in prog]))
+                nbytes.append(array("q", [x[3] for x in prog]))
+        if ranks != size:
+            raise ValueError(f"{ranks} schedules for {size} ranks")
+        return cls(name[0], name[1], size, tuple(owner), tuple(kinds), tuple(peers),
+                   tuple(keys), tuple(nbytes), dim_order, total, segments)
 
 
 def element_count(collective: str, nbytes: float, size: int, itemsize: int) -> int:
@@ -134,15 +170,20 @@ def element_count(collective: str, nbytes: float, size: int, itemsize: int) -> i
 def compile_program(collective: str, algorithm: str, topo: topology.Topology, nbytes: float,
                     itemsize: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     dim_order: tuple[int, ...] | None = None,
-                    max_steps: int = MAX_STEPS) -> Program:
-    """Generate every rank's schedule with the library's own algorithm functions.
+                    max_steps: int = MAX_STEPS, segments: int = 1) -> Program:
+    """Generate every rank's schedule with the library's own algorithm functions (mdring's
+    allreduce pipelined in ``segments``).
 
     Raises `TooLargeToSimulate` (before generating them all) when the first and last ranks'
     schedules say the total would exceed ``max_steps``."""
     make = ALGORITHMS[collective][algorithm]
     size = topo.size
     count = element_count(collective, nbytes, size, itemsize)
-    extra = {"dim_order": dim_order} if algorithm == "mdring" and dim_order is not None else {}
+    extra: dict = {}
+    if algorithm == "mdring" and dim_order is not None:
+        extra["dim_order"] = dim_order
+    if algorithm == "mdring" and collective == "allreduce" and segments > 1:
+        extra["segments"] = segments
 
     def schedule(rank: int) -> Schedule:
         return make(rank, size, count, itemsize, chunk_bytes, topo, **extra)
@@ -157,7 +198,7 @@ def compile_program(collective: str, algorithm: str, topo: topology.Topology, nb
             f"{estimate * 11e-6 / 60:.0f}-{estimate * 18e-6 / 60:.0f} min of CPU and "
             f"{estimate * 25 / 1e9:.1f}-{estimate * 60 / 1e9:.1f} GB here")
     scheds = itertools.chain(ends[:1], (schedule(r) for r in range(1, size - 1)), ends[1:size])
-    return Program.from_schedules(scheds, size, itemsize, dim_order)
+    return Program.from_schedules(scheds, size, itemsize, dim_order, segments)
 
 
 @dataclass(frozen=True)
@@ -185,6 +226,7 @@ class Result:
     predicted_s: float
     steps: int
     dims: tuple[DimStats, ...]
+    segments: int = 1
 
     @property
     def algbw(self) -> float:
@@ -229,15 +271,21 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
         return j, egress, net_base + 2 * (hb * topo.adapters + ab) + 1
 
     arrived: dict[int, tuple[float, int]] = {}    # key -> (arrival time, bytes)
-    waiting: dict[int, int] = {}                  # key -> the rank blocked on it
-    pcs, clock, finish = [0] * size, [0.0] * size, [0.0] * size
-    heap = [(0.0, r) for r in range(size)]
+    waiting: dict[int, int] = {}                  # key -> the actor blocked on it
+    finished: dict[int, float] = {}               # part -> when it finished
+    after: dict[int, list[int]] = {}              # part -> the actors waiting for it
+    owner = program.owner
+    nactors = len(owner)
+    pcs, clock, sends_end = [0] * nactors, [0.0] * nactors, [0.0] * nactors
+    finish = [0.0] * size
+    heap = [(0.0, a) for a in range(nactors)]
     push, pop, inf = heapq.heappush, heapq.heappop, math.inf
     while heap:
-        t, r = pop(heap)
-        kinds, peers, keys, nbytes = (program.kinds[r], program.peers[r], program.keys[r],
-                                      program.nbytes[r])
-        n, pc = len(kinds), pcs[r]
+        t, a = pop(heap)
+        r = owner[a]
+        kinds, peers, keys, nbytes = (program.kinds[a], program.peers[a], program.keys[a],
+                                      program.nbytes[a])
+        n, pc = len(kinds), pcs[a]
         limit = heap[0][0] if heap else inf
         while pc < n:
             kind, key, nb = kinds[pc], keys[pc], nbytes[pc]
@@ -252,6 +300,8 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
                     start = free[ip]
                 dur = nb * inv_bw[j]
                 end = free[ep] = free[ip] = start + dur
+                if end > sends_end[a]:
+                    sends_end[a] = end
                 busy[ep * k + j] += dur
                 busy[ip * k + j] += dur
                 sent[r * k + j] += nb
@@ -269,15 +319,34 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
                         limit = wake
             elif kind == _COPY:
                 t += nb * inv_copy
+            elif kind == _DONE:  # the part ends once its sends have left (the engine waits)
+                done = finished[key] = t if t > sends_end[a] else sends_end[a]
+                for w in after.pop(key, ()):
+                    wake = done if done > clock[w] else clock[w]
+                    push(heap, (wake, w))
+                    if wake < limit:
+                        limit = wake
+            elif kind == _AFTER:
+                if key not in finished:
+                    after.setdefault(key, []).append(a)
+                    break
+                done = finished[key]
+                if done > t:
+                    if done > limit:
+                        t = done
+                        push(heap, (t, a))
+                        pc += 1
+                        break
+                    t = done
             else:
                 msg = arrived.get(key)
                 if msg is None:
-                    waiting[key] = r
+                    waiting[key] = a
                     break
                 if msg[0] > t:
                     if msg[0] > limit:
                         t = msg[0]
-                        push(heap, (t, r))
+                        push(heap, (t, a))
                         break
                     t = msg[0]
                 del arrived[key]
@@ -289,10 +358,10 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
                     t += nb * inv_reduce
             pc += 1
             if t > limit:
-                push(heap, (t, r))
+                push(heap, (t, a))
                 break
-        pcs[r], clock[r] = pc, t
-        if pc == n:
+        pcs[a], clock[a] = pc, t
+        if pc == n and t > finish[r]:
             finish[r] = t
     _check_complete(program, pcs, waiting, arrived)
     dims = tuple(DimStats(j, topo.dims[j], topo.levels[j], topo.bw[j], topo.lat[j],
@@ -304,12 +373,18 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
 
 def _check_complete(program: Program, pcs: list[int], waiting: dict[int, int],
                     arrived: dict[int, tuple[float, int]]) -> None:
-    stuck = [r for r in range(program.size) if pcs[r] < len(program.kinds[r])]
+    stuck = [a for a in range(len(program.owner)) if pcs[a] < len(program.kinds[a])]
     if stuck:
-        blocked = [f"rank {r} at step {pcs[r]} waits for rank {program.peers[r][pcs[r]]} "
-                   f"(slot {program.keys[r][pcs[r]] & 0xFFFFFFFF})" for r in stuck[:4]]
-        raise SimulationError(f"deadlock: {len(stuck)} of {program.size} ranks never finish; "
-                              + "; ".join(blocked) + ("; ..." if len(stuck) > 4 else ""))
+        def blocked(a: int) -> str:
+            r, pc = program.owner[a], pcs[a]
+            if program.kinds[a][pc] == _AFTER:
+                return f"rank {r} at step {pc} waits for its part {program.keys[a][pc]}"
+            return (f"rank {r} at step {pc} waits for rank {program.peers[a][pc]} "
+                    f"(slot {program.keys[a][pc] & 0xFFFFFFFF})")
+        ranks = sorted({program.owner[a] for a in stuck})
+        raise SimulationError(f"deadlock: {len(ranks)} of {program.size} ranks never finish; "
+                              + "; ".join(blocked(a) for a in stuck[:4])
+                              + ("; ..." if len(stuck) > 4 else ""))
     if arrived:
         lost = [f"rank {(key >> 32) // program.size} -> rank {(key >> 32) % program.size} "
                 f"slot {key & 0xFFFFFFFF}" for key in list(arrived)[:4]]
@@ -320,26 +395,43 @@ def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: f
              itemsize: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
              dim_order: tuple[int, ...] | None = None, reduce_bw: float = tuning.REDUCE_BW,
              copy_bw: float | None = None, max_steps: int = MAX_STEPS,
-             program: Program | None = None) -> Result:
+             program: Program | None = None, segments: int = 0) -> Result:
     """Simulate ``collective`` of ``nbytes`` with ``algorithm`` (or ``auto``) on ``topo``.
 
-    The algorithm and mdring's dimension order come from `tuning.choose`, as in a real job,
-    unless ``dim_order`` is given. ``program`` reuses compiled schedules (they do not depend on
-    the link speeds or adapters). Raises `TooLargeToSimulate` or `SimulationError`."""
-    choice = tuning.choose(collective, topo, int(nbytes), algorithm, chunk_bytes)
+    The algorithm, mdring's dimension order and its pipelined segments come from
+    `tuning.choose`, as in a real job, unless ``dim_order`` / ``segments`` (> 0) are given.
+    ``program`` reuses compiled schedules (they do not depend on the link speeds or adapters).
+    Raises `TooLargeToSimulate` or `SimulationError`."""
+    choice = tuning.choose(collective, topo, int(nbytes), algorithm, chunk_bytes,
+                           segments=segments)
     order = dim_order if dim_order is not None else choice.dim_order
+    nseg = choice.segments
     if choice.algorithm != "mdring":
-        order = None
+        order, nseg = None, 1
+    elif dim_order is not None and segments <= 0:  # the best count for the order asked
+        nseg = _segments_for(collective, topo, nbytes, order, reduce_bw)
     if program is None:
         program = compile_program(collective, choice.algorithm, topo, nbytes, itemsize,
-                                  chunk_bytes, order, max_steps)
+                                  chunk_bytes, order, max_steps, nseg)
     elif (program.collective, program.algorithm) != (collective, choice.algorithm):
         raise ValueError(f"program is {program.collective} via {program.algorithm}, not "
                          f"{collective} via {choice.algorithm}")
+    else:
+        nseg = program.segments
     time_s, _, dims = execute(program, topo, reduce_bw, copy_bw)
-    predicted = tuning.predict(collective, choice.algorithm, topo, nbytes, order, reduce_bw)
+    predicted = tuning.predict(collective, choice.algorithm, topo, nbytes, order, reduce_bw,
+                               segments=nseg)
     return Result(collective, choice.algorithm, order, topo.shape, topo.adapters, topo.size,
-                  float(nbytes), time_s, predicted, program.steps, dims)
+                  float(nbytes), time_s, predicted, program.steps, dims, nseg)
+
+
+def _segments_for(collective: str, topo: topology.Topology, nbytes: float,
+                  order: tuple[int, ...] | None, reduce_bw: float) -> int:
+    """The cost model's segment count for mdring in ``order``."""
+    if collective != "allreduce" or order is None:
+        return 1
+    return min((tuning.predict(collective, "mdring", topo, nbytes, order, reduce_bw,
+                               segments=s), s) for s in tuning.segment_counts(nbytes))[1]
 
 
 def cyclic(topo: topology.Topology) -> topology.Topology:
@@ -358,6 +450,8 @@ def _floats(text: str) -> list[float]:
 
 def _report(res: Result) -> str:
     order = f" (dimensions in order {','.join(map(str, res.dim_order))})" if res.dim_order else ""
+    if res.segments > 1:
+        order += f" pipelined in {res.segments} segments"
     lines = [
         f"{res.collective} of {res.nbytes / 1e6:g} MB via {res.algorithm}{order} on {res.topology} "
         f"({res.ranks} ranks, {res.adapters} network adapter(s) per host), {res.steps} steps",
@@ -389,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "5e-6,10e-6,20e-6)")
     p.add_argument("--bytes", type=float, default=100e6, help="each rank's input in bytes")
     p.add_argument("--algo", default="auto", help="ring, mdring, rhd, rd or auto")
+    p.add_argument("--segments", type=int, default=0, help="mdring allreduce: pipelined "
+                   "segments (0: the cost model's choice, 1: the phases one after another)")
     p.add_argument("--dim-order", default="", help="mdring phase order, e.g. 0,2,1 (empty: "
                    "the best, under auto)")
     p.add_argument("--adapters", type=int, default=1, help="network adapters per host")
@@ -428,11 +524,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     order = tuple(int(v) for v in a.dim_order.split(",")) if a.dim_order else None
     try:
         res = simulate(a.collective, a.algo, topo, a.bytes, a.itemsize, a.chunk_bytes, order,
-                       a.reduce_bw, a.copy_bw, int(a.max_steps))
+                       a.reduce_bw, a.copy_bw, int(a.max_steps), segments=a.segments)
     except TooLargeToSimulate as exc:
-        choice = tuning.choose(a.collective, topo, int(a.bytes), a.algo, a.chunk_bytes)
+        choice = tuning.choose(a.collective, topo, int(a.bytes), a.algo, a.chunk_bytes,
+                               segments=a.segments)
         model = tuning.predict(a.collective, choice.algorithm, topo, a.bytes,
-                               order or choice.dim_order, a.reduce_bw)
+                               order or choice.dim_order, a.reduce_bw, segments=choice.segments)
         if a.json:
             print(json.dumps({"simulated": False, "reason": str(exc), "time_s": None,
                               "algorithm": choice.algorithm, "topology": topo.shape,

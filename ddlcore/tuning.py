@@ -36,11 +36,12 @@ one algorithm each (pipelined chain, dissemination). The chunk size is ``DDL_CHU
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
 
-from ddlcore.algorithms import ALGORITHMS
+from ddlcore.algorithms import ALGORITHMS, mdring
 from ddlcore.algorithms.halving_doubling import virtual_shape
 from ddlcore.algorithms.mdring import active_dims
 from ddlcore.topology import Topology
@@ -61,6 +62,16 @@ BOARD_BW = 8e9
 TIE = 0.01
 # mdring dimension orders tried by auto: all of them up to this many dimensions.
 MAX_PERMUTED_DIMS = 4
+# mdring's pipelined segment counts tried by auto, and the smallest segment: below ~256 KiB a
+# segment's rings are all latency and per-step work, which the model does not see.
+SEGMENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+MIN_SEGMENT_BYTES = 8 << 20
+# mdring with host phases on the boards (``ddlcore.host_staged``) splits an allreduce into
+# segments of at least this many bytes, at most _HOST_SEGMENTS of them, pipelined on two
+# threads (``ddlcore.pipeline``): on the netns testbed at 4x2, 1 Gbit/s, 64 MB went from
+# 1.22-1.28x the link bound to 1.09x (BENCHMARKS.md).
+_HOST_SEGMENT_BYTES = 4 << 20
+_HOST_SEGMENTS = 8
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class Choice:
     dim_order: tuple[int, ...] | None = None   # mdring: the order of the ring phases
     predicted_s: float = math.nan
     host_path: str = ""   # mdring: the host dimensions run as this host collective instead
+    segments: int = 1     # mdring allreduce: pipelined across the dimensions in this many
 
     def describe(self) -> str:
         text = f"{self.algorithm}"
@@ -77,6 +89,8 @@ class Choice:
             text += f" (dimensions in order {','.join(map(str, self.dim_order))})"
         if self.host_path:
             text += f", host dimensions through shared memory ({self.host_path})"
+        if self.segments > 1:
+            text += f", pipelined in {self.segments} segments"
         text += f", chunks of {self.chunk_bytes} B"
         if not math.isnan(self.predicted_s):
             text += f", predicted {self.predicted_s * 1e6:.1f} us"
@@ -107,10 +121,11 @@ def _phase(topo: Topology, dim: int, steps: int, nbytes: float, share: int, redu
     chunk k+1 is on the wire)."""
     if steps <= 0 or dim < 0:
         return 0.0
-    transfer = nbytes * share / topo.bw[dim]
+    transfer = nbytes / topo.bw[dim]
     work = nbytes * gamma if reduce else 0.0
-    body = max(transfer, work) if chunk_bytes and nbytes > chunk_bytes else transfer + work
-    return steps * (topo.lat[dim] + body)
+    # A shared adapter is busy with the other ranks' bytes while this rank reduces its own.
+    own = max(transfer, work) if chunk_bytes and nbytes > chunk_bytes else transfer + work
+    return steps * (topo.lat[dim] + max(transfer * share, own))
 
 
 def _share(topo: Topology, dim: int, concurrent: int) -> int:
@@ -177,24 +192,76 @@ def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
 
 
 def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
-            order: tuple[int, ...], chunk_bytes: float, host_path: bool = False) -> float:
+            order: tuple[int, ...], chunk_bytes: float, host_path: bool = False,
+            segments: int = 1) -> float:
+    """mdring's phases one after another, or (``segments`` > 1, an allreduce) pipelined: every
+    phase runs once per segment, phases on different links overlap, and a dimension's
+    ``mdring.channels`` streams carry that many segments at once. After the first segment's
+    pass the busiest link sets the pace: its bytes, or its phases' step chains (latency,
+    transfer, reduction) shared among their streams, whichever is longer::
+
+        T = sum_i t_i + (S - 1) * max over links of max(sum bytes_i / bw, sum t_i / streams_i)
+
+    with t_i phase i's time on n / S bytes. A link is a host dimension's, or the network
+    adapters, which every network dimension shares."""
     if len(active_dims(topo, order)) <= 1:  # one ring, in box order
         return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes, topo.order)
-    t, m = 0.0, float(nbytes)
     boards = host_path and rs and ag and host_first(topo, order)
+    if not (rs and ag):
+        segments = 1
+    m = float(nbytes) / segments
+    net_streams = max([mdring.channels(topo.dims[j]) for j in active_dims(topo, order)
+                       if j >= topo.host_dims] or [1])  # the network dimensions share them
+    chains: dict[int, float] = {}  # per link: its phases' times over their streams (a segment)
+    wires: dict[int, float] = {}   # per link: the seconds its bytes take (one segment)
+    total = 0.0
     for j in active_dims(topo, order):
         d = topo.dims[j]
         seg = m / d
+        link = j if j < topo.host_dims else -1
         if boards and j < topo.host_dims:
-            # Reduce-scatter and allgather halves on the boards, each two sync points.
-            t += 4 * BOARD_SYNC_S + (d - 1) * seg * (2 / BOARD_BW + gamma)
-            m = seg
-            continue
-        share = _share(topo, j, topo.ranks_per_node)
-        t += _phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes)
-        t += _phase(topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes)
+            # Reduce-scatter and allgather halves on the boards, each two sync points; the
+            # host-staged pipeline runs one segment at a time.
+            t = wire = 4 * BOARD_SYNC_S + (d - 1) * seg * (2 / BOARD_BW + gamma)
+            streams = 1
+        else:
+            share = _share(topo, j, topo.ranks_per_node)
+            t = (_phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes) +
+                 _phase(topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes))
+            wire = (d - 1) * (int(rs) + int(ag)) * seg * share / topo.bw[j]
+            streams = mdring.channels(d) if link >= 0 else net_streams
+        total += t
+        chains[link] = chains.get(link, 0.0) + t / streams
+        wires[link] = wires.get(link, 0.0) + wire
         m = seg
-    return t
+    if segments == 1:
+        return total
+    return total + (segments - 1) * max(max(wires[link], chains[link]) for link in chains)
+
+
+def host_segments(nbytes: int) -> int:
+    """How many pipelined segments an allreduce of ``nbytes`` takes on the host-staged path
+    (the same on every rank: a function of the size alone)."""
+    return max(1, min(_HOST_SEGMENTS, int(nbytes) // _HOST_SEGMENT_BYTES))
+
+
+def segment_counts(nbytes: float) -> list[int]:
+    """The pipelined segment counts worth pricing for an allreduce of ``nbytes``."""
+    return [s for s in SEGMENT_COUNTS if s == 1 or nbytes / s >= MIN_SEGMENT_BYTES]
+
+
+def _best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int, ...],
+                 reduce_bw: float, host_path: bool, segments: int = 0) -> tuple[float, int]:
+    """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
+    else the best count (the host-staged path's own where it runs)."""
+    if collective != "allreduce":
+        counts = [1]
+    elif host_path and host_first(topo, order):
+        counts = [host_segments(int(nbytes))]
+    else:
+        counts = [segments] if segments > 0 else segment_counts(nbytes)
+    return min((predict(collective, "mdring", topo, nbytes, order, reduce_bw,
+                        host_path=host_path, segments=s), s) for s in counts)
 
 
 def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_only: bool,
@@ -242,10 +309,12 @@ def model_bytes(collective: str, in_bytes: int, size: int) -> int:
 
 def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
             dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW,
-            chunk_bytes: float = CHUNK_BYTES, host_path: bool = False) -> float:
+            chunk_bytes: float = CHUNK_BYTES, host_path: bool = False,
+            segments: int = 1) -> float:
     """Predicted seconds of ``collective`` moving ``nbytes`` (the allreduce / reduce_scatter
     input, the allgather output) with ``algorithm`` on ``topo``; ``host_path``: an allreduce's
-    host dimensions may run through the boards (mdring)."""
+    host dimensions may run through the boards (mdring); ``segments``: mdring's allreduce
+    pipelined in that many."""
     gamma = 1.0 / reduce_bw
     rs = collective in ("allreduce", "reduce_scatter")
     ag = collective in ("allreduce", "allgather")
@@ -253,7 +322,7 @@ def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
         return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes)
     if algorithm == "mdring":
         order = tuple(range(len(topo.dims))) if dim_order is None else dim_order
-        return _mdring(topo, nbytes, rs, ag, gamma, order, chunk_bytes, host_path)
+        return _mdring(topo, nbytes, rs, ag, gamma, order, chunk_bytes, host_path, segments)
     if algorithm == "rhd":
         return _rhd(topo, nbytes, collective, gamma, False, chunk_bytes)
     if algorithm == "rd":
@@ -269,9 +338,10 @@ def dim_orders(topo: Topology) -> list[tuple[int, ...]]:
     return list(itertools.permutations(range(k)))
 
 
-def candidates(collective: str, topo: Topology, nbytes: float,
-               host_path: bool = False) -> list[Choice]:
-    """Every (algorithm, dimension order) for ``collective`` with its predicted time, best first."""
+def candidates(collective: str, topo: Topology, nbytes: float, host_path: bool = False,
+               segments: int = 0) -> list[Choice]:
+    """Every (algorithm, dimension order) for ``collective`` with its predicted time, best
+    first; mdring with its best segment count (or ``segments``, if > 0)."""
     out = []
     for name in ALGORITHMS[collective]:
         if name == "mdring":
@@ -280,8 +350,9 @@ def candidates(collective: str, topo: Topology, nbytes: float,
                     out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
                 continue  # in rank order, a box with one dimension makes mdring the ring
             for order in dim_orders(topo):
-                out.append(Choice(name, 0, order, predict(collective, name, topo, nbytes, order,
-                                                          host_path=host_path)))
+                t, nseg = _best_mdring(collective, topo, nbytes, order, REDUCE_BW, host_path,
+                                       segments)
+                out.append(Choice(name, 0, order, t, segments=nseg))
         else:
             out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
     # Ties go to the registry's order (the simplest first).
@@ -289,21 +360,25 @@ def candidates(collective: str, topo: Topology, nbytes: float,
 
 
 def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes: int,
-           host_path: bool = False) -> Choice:
+           host_path: bool = False, segments: int = 0) -> Choice:
     """The algorithm for one call: ``algo`` if named and ``collective`` has it (``rd`` is an
     allreduce only: the other collectives then take the cost model's choice), else the lowest
-    predicted time (``host_path``: as `predict`)."""
+    predicted time (``host_path``: as `predict`; ``segments`` > 0: mdring's allreduce in that
+    many pipelined segments, else the cost model's count)."""
     candidates_of = ALGORITHMS[collective]
     if collective not in SELECTABLE:
         return Choice(next(iter(candidates_of)), chunk_bytes)
     if algo != "auto" and algo in candidates_of:
-        if algo == "mdring":
-            best = min((Choice("mdring", chunk_bytes, order,
+        if algo == "mdring" and len(active_dims(topo)) > 1:
+            best = min((c for c in candidates(collective, topo, nbytes, host_path, segments)
+                        if c.algorithm == algo), key=lambda c: c.predicted_s)
+            return dataclasses.replace(best, chunk_bytes=chunk_bytes)
+        if algo == "mdring":  # one ring in box order, whatever the order of the dimensions
+            return min((Choice("mdring", chunk_bytes, order,
                                predict(collective, algo, topo, nbytes, order, host_path=host_path))
                         for order in dim_orders(topo)), key=lambda c: c.predicted_s)
-            return best
         return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
-    ranked = candidates(collective, topo, nbytes, host_path)
+    ranked = candidates(collective, topo, nbytes, host_path, segments)
     # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins; but
     # where ranks are not placed host by host, the ring in box order (mdring) goes before the
     # ring in rank order: it never crosses more host boundaries, and a flat box (uneven hosts)
@@ -314,4 +389,4 @@ def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes:
         order.insert(0, "mdring")
     near = [c for c in ranked if c.predicted_s <= ranked[0].predicted_s * (1 + TIE)]
     best = min(near, key=lambda c: order.index(c.algorithm))
-    return Choice(best.algorithm, chunk_bytes, best.dim_order, best.predicted_s)
+    return dataclasses.replace(best, chunk_bytes=chunk_bytes)

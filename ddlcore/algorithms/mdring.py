@@ -19,6 +19,13 @@ only n/(d1...d(k-1)) and the latency is sum 2(dj - 1) steps instead of 2(P - 1).
 dimension's reduce-scatter and allgather run as one ring program (`ring.ring_phase`), pipelined
 chunk by chunk; every phase is the flat ring's program over a ring of ``dj`` ranks.
 
+Pipelined across the dimensions (``segments`` > 1, chosen by the cost model for large
+allreduces): the buffer in S segments, each run through every phase, a phase of one segment
+overlapping the others' phases on other links (`_pipelined`; parts on streams, as schedule
+data the engine, the device engine and the simulator all run). Sequential phases leave each
+link idle while the others work; pipelined, after the first segment the busiest link alone sets
+the pace: 1.10x the network bound on the paper's cluster (100 MB, 4x16x4) instead of 1.68x.
+
 Each element is reduced once, by the rank that owns it at the end of the reduce-scatters, then
 copied: results are bit-identical on every rank. Reduce-scatter and allgather need rank r's block
 at position r of the output, but the phases split the buffer by box coordinates, dimension 1
@@ -41,13 +48,35 @@ the blocks of the ranks at this rank's host position, one per network position
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from ddlcore.algorithms import ring
-from ddlcore.algorithms.schedule import Buf, Kind, Schedule, Step, drop_empty, nchunks_for, split
+from ddlcore.algorithms.schedule import (
+    Buf,
+    Kind,
+    Part,
+    Schedule,
+    Step,
+    drop_empty,
+    nchunks_for,
+    split,
+)
 from ddlcore.topology import Topology, flat
 
 NAME = "mdring"
+
+
+# Streams per dimension of a pipelined allreduce: one leaves the links idle during each ring
+# step's latency; two brought the paper's cluster (4x16x4, 100 MB) from 1.33x to 1.05x the
+# network bound in the simulator, four did no better (BENCHMARKS.md, "The paper's cluster").
+CHANNELS = 2
+
+
+def channels(d: int) -> int:
+    """Streams of a pipelined allreduce along a dimension of ``d`` ranks: a ring of two takes
+    one step each way, no chain of steps whose latencies a second stream could cover."""
+    return CHANNELS if d > 2 else 1
 
 
 def active_dims(topo: Topology, dim_order: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -83,12 +112,14 @@ def _block_index(topo: Topology, rank: int, dims: Sequence[int]) -> int:
 
 
 def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None, dim_order: Sequence[int] | None = None) -> Schedule:
+              topo: Topology | None = None, dim_order: Sequence[int] | None = None,
+              segments: int = 1) -> Schedule:
+    """``segments`` > 1: pipelined across the dimensions in that many segments (`_pipelined`)."""
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
         return ring.ring_over("allreduce", topo.order, rank, count, itemsize, chunk_bytes, NAME)
-    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims)
+    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims, segments)
 
 
 def allreduce_across_hosts(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
@@ -185,28 +216,86 @@ def _allgather_phases(topo: Topology, rank: int, dims: Sequence[int], total: int
     return steps
 
 
-def _allreduce_along(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                     topo: Topology, dims: Sequence[int]) -> Schedule:
-    chunk = ring.chunk_elems(chunk_bytes, itemsize)
-    steps: list[Step] = []
+def _allreduce_phases(rank: int, count: int, chunk: int, topo: Topology,
+                      dims: Sequence[int]) -> list[list[Step]]:
+    """The allreduce's phases in order, each a list of steps: the reduce-scatters along
+    ``dims[:-1]``, the last dimension's reduce-scatter and allgather as one ring program, then
+    the allgathers in reverse."""
     # Slots: phase i's rings are its members' only shared history, so phase i's base counts
     # the slots of phases 0..i-1 (reduce-scatter and allgather of each reserved together).
     slot = 0
-    plans = []
+    plans, out = [], []
     phases = _phases(topo, rank, dims, count)
     for i, (members, pos, segs) in enumerate(phases):
         last = i == len(phases) - 1
         nchunks = nchunks_for(segs[0][1], chunk)
         d = len(members)
-        steps += ring.ring_phase(members, pos, segs, nchunks, d - 1, d - 1 if last else 0,
-                                 rs_src=Buf.INPUT if i == 0 else Buf.OUTPUT,
-                                 finalize=last, slot_base=slot)
+        out.append(ring.ring_phase(members, pos, segs, nchunks, d - 1, d - 1 if last else 0,
+                                   rs_src=Buf.INPUT if i == 0 else Buf.OUTPUT,
+                                   finalize=last, slot_base=slot))
         plans.append((members, pos, segs, nchunks, slot + ring.span_slots(d - 1, 0, nchunks)))
         slot += ring.span_slots(d - 1, d - 1, nchunks)
     for members, pos, segs, nchunks, ag_slot in reversed(plans[:-1]):
-        steps += ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1,
-                                 slot_base=ag_slot)
+        out.append(ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1,
+                                   slot_base=ag_slot))
+    return out
+
+
+def _allreduce_along(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
+                     topo: Topology, dims: Sequence[int], segments: int = 1) -> Schedule:
+    chunk = ring.chunk_elems(chunk_bytes, itemsize)
+    if segments > 1 and count >= segments:
+        steps, parts = _pipelined(rank, count, chunk, topo, dims, segments)
+        return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps),
+                        parts=parts)
+    steps = [s for phase in _allreduce_phases(rank, count, chunk, topo, dims) for s in phase]
     return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+
+
+def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence[int],
+               segments: int) -> tuple[list[Step], tuple[Part, ...]]:
+    """The allreduce in ``segments`` contiguous segments, each run through every phase, with
+    the phases of different segments overlapping: phase i of segment s is a part on a stream
+    of its dimension, after phase i-1 of segment s. Each dimension has `CHANNELS` streams,
+    segment s on channel s % CHANNELS, so that two segments' rings share a link at once and
+    one's per-step latency is covered by the other's bytes. Each stream takes its parts in
+    wavefront order (phase i of segment s in wavefront s + i; the older segment first within
+    one), and so does the program order: while the network carries segment s, the host links
+    reduce segment s+1 and spread segment s-1::
+
+        host   stream:  RS0  RS1  RS2 AG0  RS3 AG1  ...
+        network stream:      N0   N1       N2       ...     (N = reduce-scatter + allgather)
+    """
+    k = len(dims)
+    units: dict[tuple[int, int], list[Step]] = {}
+    slot_base = 0
+    for s, (off, length) in enumerate(split(count, segments)):
+        phases = _allreduce_phases(rank, length, chunk, topo, dims)
+        top = 0
+        for i, phase in enumerate(phases):
+            units[(s, i)] = [_moved(st, off, slot_base) for st in phase]
+            top = max([top] + [st.slot + 1 for st in phase if st.kind != Kind.COPY])
+        slot_base += top
+    order = sorted(units, key=lambda u: (u[0] + u[1], u[0]))
+    index = {u: p for p, u in enumerate(order)}
+    net_channels = max([channels(topo.dims[j]) for j in dims if j >= topo.host_dims] or [1])
+
+    def stream(s: int, i: int) -> int:
+        j = dims[i] if i < k else dims[2 * k - 2 - i]
+        if j >= topo.host_dims:  # the network dimensions share the adapters: one stream
+            return topo.host_dims * CHANNELS + s % net_channels
+        return j * CHANNELS + s % channels(topo.dims[j])
+
+    parts = tuple(Part(stream(s, i), (index[(s, i - 1)],) if i else ()) for s, i in order)
+    steps = [dataclasses.replace(st, part=p) for p, u in enumerate(order) for st in units[u]]
+    return steps, parts
+
+
+def _moved(st: Step, offset: int, slot_base: int) -> Step:
+    """``st`` of a segment's schedule, placed at element ``offset`` of the whole buffers, its
+    slot after the earlier segments' (an allreduce uses the input and output only)."""
+    return dataclasses.replace(st, src_off=st.src_off + offset, dst_off=st.dst_off + offset,
+                               slot=st.slot + slot_base if st.kind != Kind.COPY else st.slot)
 
 
 def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,

@@ -21,12 +21,22 @@ Buffers are named by role: ``INPUT`` (the caller's data, never written), ``OUTPU
 Every message has a ``slot``, unique per collective for its (sender, receiver) pair; the engine
 builds the transport tag from the collective's sequence number and the slot, so the matching
 ``SEND`` on one rank and ``RECV*`` on the other carry the same slot.
+
+Streams. A schedule may be cut into ``parts`` (`Part`): each step names its part, each part a
+``stream`` and the parts it runs ``after``. Steps of one stream run in program order; parts of
+different streams run concurrently once their ``after`` parts have finished (every step done,
+every send complete), as CUDA streams with events do. The multi-dimensional ring uses this to
+pipeline segments across box dimensions (one stream per dimension: segment s on the network
+while segment s+1 is on the host links). The steps' own order is always a valid serial order
+(every part after the parts it waits for, the same interleaving on every rank), so an engine
+may also run them one by one. A schedule without parts is one stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -56,6 +66,7 @@ class Step:
     dst_off: int = 0
     finalize: bool = False
     staged_first: bool = False
+    part: int = 0     # index into `Schedule.parts` (0 where the schedule has none)
 
     def describe(self) -> str:
         if self.kind == Kind.SEND:
@@ -67,6 +78,14 @@ class Step:
             return (f"recv-red  rank {self.peer} (+) {self.src.name}[{self.src_off}:+{self.count}] -> "
                     f"{self.dst.name}[{self.dst_off}]{fin} (slot {self.slot})")
         return f"copy      {self.src.name}[{self.src_off}:+{self.count}] -> {self.dst.name}[{self.dst_off}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A run of steps on one stream, started once the parts ``after`` have finished."""
+
+    stream: int
+    after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,14 +100,41 @@ class Schedule:
     chunk_count: int    # elements per pipeline chunk
     steps: tuple[Step, ...]
     scratch_count: int = 0
+    parts: tuple[Part, ...] = ()   # empty: one stream, the steps in order
 
     def messages(self) -> int:
         return sum(1 for s in self.steps if s.kind == Kind.SEND)
 
+    @functools.cached_property
+    def part_steps(self) -> tuple[tuple[tuple[int, Step], ...], ...]:
+        """Each part's (index, step) pairs in program order."""
+        out: list[list[tuple[int, Step]]] = [[] for _ in self.parts or (None,)]
+        for i, s in enumerate(self.steps):
+            out[s.part].append((i, s))
+        return tuple(tuple(p) for p in out)
+
+    def streams(self) -> dict[int, list[int]]:
+        """Each stream's parts in the order it runs them (the first part's stream first); a
+        schedule without parts is part 0 on stream 0."""
+        if not self.parts:
+            return {0: [0]}
+        out: dict[int, list[int]] = {}
+        for p, part in enumerate(self.parts):
+            out.setdefault(part.stream, []).append(p)
+        return out
+
     def __str__(self) -> str:
         head = (f"{self.collective} via {self.algorithm}: rank {self.rank}/{self.size}, "
                 f"{self.count} elements, chunks of {self.chunk_count}, {len(self.steps)} steps")
-        return "\n".join([head] + [f"  {i:4d} {s.describe()}" for i, s in enumerate(self.steps)])
+        if not self.parts:
+            return "\n".join([head] + [f"  {i:4d} {s.describe()}"
+                                       for i, s in enumerate(self.steps)])
+        lines = [head + f" in {len(self.parts)} parts on {len(self.streams())} streams"]
+        for i, s in enumerate(self.steps):
+            part = self.parts[s.part]
+            after = f" after {','.join(map(str, part.after))}" if part.after else ""
+            lines.append(f"  {i:4d} [part {s.part} stream {part.stream}{after}] {s.describe()}")
+        return "\n".join(lines)
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

@@ -35,6 +35,18 @@ def _run_all(rank, size, collectives):
     return out, chosen
 
 
+def _run_pipelined(rank, size):
+    import ddlcore
+
+    digests = matrix.run_matrix(rank, size, "allreduce")
+    with ddlcore.init() as comm:
+        choice = comm.describe("allreduce", 4096)
+        sched = comm._schedule("allreduce", 1024, 4, 0)[1]
+        assert len(sched.streams()) > 1, sched  # the engine ran it on several threads
+        comm.barrier()
+    return digests, choice
+
+
 # Only mdring's phases depend on the box's shape (ring and rhd see np ranks on one host), so
 # 4x2 runs for mdring alone.
 CASES = [(a, b) for a in ALGOS for b in BOXES if b != "4x2" or a == "mdring"]
@@ -53,4 +65,21 @@ def test_algorithm_on_box(algo, box):
         digests = results[rank][0]
         differ = [case for case in digests0 if not case.startswith("reduce_scatter")
                   and digests[case] != digests0[case]]
+        assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"
+
+
+@pytest.mark.parametrize("box,transport", [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"),
+                                           ("2x2", "tcp")])
+def test_mdring_pipelined_across_dimensions(box, transport):
+    """mdring's allreduce in segments whose phases overlap (one engine thread per stream):
+    the matrix against NumPy, identical on every rank, on boxes of two and three dimensions."""
+    nprocs = BOXES[box]
+    env = {"DDL_ALGO": "mdring", "DDL_TOPOLOGY": box, "DDL_TRANSPORT": transport,
+           "DDL_SEGMENTS": "3", "DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60",
+           "MATRIX_COUNTS": COUNTS}
+    results = run_ranks(_run_pipelined, nprocs, env=env, timeout=300)
+    digests0, choice = results[0]
+    assert choice.algorithm == "mdring" and choice.segments == 3, choice
+    for rank in range(1, nprocs):
+        differ = [case for case in digests0 if results[rank][0][case] != digests0[case]]
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"

@@ -34,10 +34,16 @@ def _killed_mid_collective(rank, size, victim):
     raise AssertionError(f"rank {rank}: allreduce succeeded although rank {victim} died")
 
 
-@pytest.mark.parametrize("nprocs,victim", [(2, 1), (3, 1), (4, 2)])
-def test_killed_rank_fails_every_survivor_fast(nprocs, victim):
+# mdring pipelined across a 2x2 box: the engine runs each stream on a thread of its own.
+PIPELINED = {"DDL_ALGO": "mdring", "DDL_TOPOLOGY": "2x2", "DDL_SEGMENTS": "4",
+             "DDL_TRANSPORT": "tcp"}
+
+
+@pytest.mark.parametrize("nprocs,victim,extra", [(2, 1, {}), (3, 1, {}), (4, 2, {}),
+                                                 (4, 2, PIPELINED), (4, 1, PIPELINED)])
+def test_killed_rank_fails_every_survivor_fast(nprocs, victim, extra):
     results = run_ranks(_killed_mid_collective, nprocs, victim, may_die={victim},
-                        env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+                        env={"DDL_TIMEOUT": str(TIMEOUT_S), **extra}, timeout=90)
     for rank, res in enumerate(results):
         if rank == victim:
             continue

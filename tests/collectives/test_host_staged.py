@@ -141,9 +141,9 @@ def _segmented(rank, size):
     several, of unequal lengths, down to segments shorter than a host's rank count (zero-length
     parts) and segments on both sides of the boards' slots/direct switch."""
     import ddlcore
-    from ddlcore import host_staged
+    from ddlcore import tuning
 
-    host_staged._HOST_SEGMENT_BYTES = 8
+    tuning._HOST_SEGMENT_BYTES = 8
     runs = _spy_on_pipeline()
     digests = {}
     with ddlcore.init() as comm:
@@ -152,12 +152,12 @@ def _segmented(rank, size):
             # (smaller sizes take the network dimension first: no host phases to pipeline)
             for count in (1009, 4099, SMALL_MAX // isz * 3, 300_007):
                 # 1009: ~500 segments of 2 elements, fewer than aaabbb's 3 ranks per host
-                host_staged._HOST_SEGMENTS = 600 if count == 1009 else 64
+                tuning._HOST_SEGMENTS = 600 if count == 1009 else 64
                 for op in matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
                     # integer avg runs as a sum of int64 (ddlcore.int_avg): twice the bytes
                     wide = 8 if op == "avg" and np.dtype(dtype).kind == "i" else isz
-                    nseg = host_staged.host_segments(count * wide)
+                    nseg = tuning.host_segments(count * wide)
                     del runs[:]
                     digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
                     assert runs == [nseg, nseg] and nseg > 1, (case, runs)
