@@ -7,12 +7,15 @@ torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; MPI launcher
 srun). The store's address is ``DDL_MASTER_ADDR``/``DDL_MASTER_PORT`` when set, else
 ``MASTER_ADDR``/``MASTER_PORT``. With none of these the process is a world of one.
 
-Two launchers hold no port for ddlcore, and rank 0 serves its store on a free port of its own:
-- torchrun's agent serves torch's c10d store on ``MASTER_ADDR:MASTER_PORT`` itself
-  (``TORCHELASTIC_USE_AGENT_STORE=True``): rank 0 publishes its store's "host:port" there, under a
-  key of the run and restart, and the others read it (``DDL_MASTER_PORT`` set by hand wins);
-- an MPI launcher gives no master address: the address is broadcast with mpi4py (a fixed-size
-  byte buffer, never a pickle).
+``MASTER_PORT`` is torch's, and ddlcore's rank 0 then serves on a free port of its own, when
+torch holds it (``DDL_MASTER_PORT`` set by hand wins):
+- torchrun's agent serves torch's c10d store there (``TORCHELASTIC_USE_AGENT_STORE=True``): rank 0
+  publishes its store's "host:port" in it, under a key of the run and restart, and the others
+  read it;
+- the script called ``init_process_group`` first (the DDP recipe, under a launcher without an
+  agent, by hand or with srun): the same, through the default process group's store.
+With ``MASTER_PORT`` and neither, rank 0 serves ddlcore's store on it. An MPI launcher gives no
+master address: the address is broadcast with mpi4py (a fixed-size byte buffer, never a pickle).
 
 The job's secret (``ddlcore.auth``) travels with that broadcast: when neither ``DDL_SECRET`` nor
 ``DDL_SECRET_FILE`` is set on rank 0, it draws a fresh one and every rank uses it, so an mpiexec
@@ -25,8 +28,10 @@ store authenticates no one: no secret goes through it).
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ddlcore import config
 from ddlcore.auth import job_secret, new_secret
@@ -123,13 +128,24 @@ def _torch_store_key(environ: Mapping[str, str] | None) -> str:
     return f"ddlcore/{run_id}/{restart}/store"
 
 
-def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None,
-                     timeout: float) -> RendezvousInfo:
-    """Under torchrun: rank 0 picks a free port for its own store and publishes "host:port" in
-    the agent's store at MASTER_ADDR:MASTER_PORT (a port ddlcore must never serve on: the agent
-    holds it); the others read it there."""
+def _process_group_store(info: RendezvousInfo) -> Any:
+    """The store of this process's torch.distributed default process group, when the script
+    made one (``init_process_group`` before ``ddlcore.init``) over these same ranks; else None.
+    torch is not imported for this."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.size):
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):  # not a group ddlcore can use
+        return None
+
+
+def _agent_store(info: RendezvousInfo, timeout: float) -> Any:
+    """A client of the store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
     assert info.master_addr is not None and info.master_port is not None
-    where = f"torchrun's store at {info.master_addr}:{info.master_port}"
     try:
         from datetime import timedelta
 
@@ -138,49 +154,68 @@ def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None,
         raise RendezvousError(
             f"rank {info.rank}: started by torchrun, but torch.distributed does not import "
             f"({exc}); set DDL_MASTER_ADDR and DDL_MASTER_PORT for ddlcore's own store") from None
-    key = _torch_store_key(environ)
     try:
-        store = dist.TCPStore(info.master_addr, info.master_port, is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        return dist.TCPStore(info.master_addr, info.master_port, is_master=False,
+                             timeout=timedelta(seconds=timeout))
     except Exception as exc:  # torch raises RuntimeError or its DistError subclasses
         raise RendezvousError(
-            f"rank {info.rank}: cannot reach {where} within {timeout:g} s ({exc}); is the "
-            "torchrun agent running, and do MASTER_ADDR/MASTER_PORT name it?") from None
+            f"rank {info.rank}: cannot reach torchrun's store at {info.master_addr}:"
+            f"{info.master_port} within {timeout:g} s ({exc}); is the torchrun agent running, "
+            "and do MASTER_ADDR/MASTER_PORT name it?") from None
+
+
+def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, timeout: float,
+                     store: Any, where: str) -> RendezvousInfo:
+    """Rank 0 picks a free port for its own store and publishes "host:port" in torch's
+    ``store`` (MASTER_PORT is torch's: ddlcore never serves there); the others read it."""
+    from datetime import timedelta
+
+    assert info.master_addr is not None and info.master_port is not None
+    key = _torch_store_key(environ)
+    if info.rank == 0:
+        mine = (info.master_addr, info.master_port, key)
+        if mine not in _published:
+            host = _master_host(info, environ)
+            _published[mine] = (host, _free_port(host))
+        host, port = _published[mine]
+        store.set(key, f"{host}:{port}")
+        return replace(info, master_addr=host, master_port=port, torch_store=False)
     try:
-        if info.rank == 0:
-            mine = (info.master_addr, info.master_port, key)
-            if mine not in _published:
-                host = _master_host(info, environ)
-                _published[mine] = (host, _free_port(host))
-            host, port = _published[mine]
-            store.set(key, f"{host}:{port}")
-        else:
-            try:
-                raw = store.get(key)
-            except Exception as exc:
-                raise RendezvousError(
-                    f"rank {info.rank}: rank 0 did not publish its store's address in {where} "
-                    f"within {timeout:g} s (key {key!r}: {exc}); did rank 0 fail, or not call "
-                    "ddlcore.init()?") from None
-            host, _, port_text = raw.decode("utf-8", "replace").rpartition(":")
-            if not host or not port_text.isdigit():
-                raise RendezvousError(f"rank {info.rank}: {where} holds {raw[:80]!r} under "
-                                      f"{key!r}, not a host:port")
-            port = int(port_text)
-    finally:
-        del store  # closes the connection
-    return replace(info, master_addr=host, master_port=port, torch_store=False)
+        store.wait([key], timedelta(seconds=timeout))
+        raw = bytes(store.get(key))
+    except Exception as exc:  # torch's DistStoreError (a RuntimeError) or a lost connection
+        raise RendezvousError(
+            f"rank {info.rank}: rank 0 did not publish its store's address in {where} within "
+            f"{timeout:g} s (key {key!r}: {exc}); did rank 0 fail, or not call "
+            "ddlcore.init()?") from None
+    host, _, port_text = raw.decode("utf-8", "replace").rpartition(":")
+    if not host or not port_text.isdigit():
+        raise RendezvousError(f"rank {info.rank}: {where} holds {raw[:80]!r} under {key!r}, "
+                              "not a host:port")
+    return replace(info, master_addr=host, master_port=int(port_text), torch_store=False)
 
 
 def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = None,
                    timeout: float | None = None) -> RendezvousInfo:
-    """Fill in the address of ddlcore's store: from torchrun's store (`_via_torch_store`), or,
-    for an MPI-launched job, by broadcasting it with mpi4py. ``timeout``: DDL_TIMEOUT's."""
+    """Fill in the address of ddlcore's store: through torch's store (torchrun's agent's, or the
+    process group's the script made first), or, for an MPI-launched job, by broadcasting it
+    with mpi4py. ``timeout``: DDL_TIMEOUT's."""
     if info.size == 1:
         return info
+    wait_s = config.get("DDL_TIMEOUT", environ) if timeout is None else timeout
     if info.torch_store:
-        wait_s = config.get("DDL_TIMEOUT", environ) if timeout is None else timeout
-        return _via_torch_store(info, environ, wait_s)
+        store = _agent_store(info, wait_s)
+        try:
+            return _via_torch_store(info, environ, wait_s, store, "torchrun's store at "
+                                    f"{info.master_addr}:{info.master_port}")
+        finally:
+            del store  # closes the connection
+    if info.master_port is not None and not config.is_set("DDL_MASTER_PORT", environ) and \
+            info.master_port == config.get("MASTER_PORT", environ):
+        group_store = _process_group_store(info)
+        if group_store is not None:  # init_process_group serves torch's store on MASTER_PORT
+            return _via_torch_store(info, environ, wait_s, group_store,
+                                    "the store of torch.distributed's default process group")
     if info.master_addr and info.master_port:
         return info
     if info.source not in ("mpich", "openmpi", "slurm"):
