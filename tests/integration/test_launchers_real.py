@@ -10,6 +10,7 @@ job to mpiexec) and tests/collectives (``launcher="mpiexec"``).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -18,9 +19,7 @@ import sys
 
 import pytest
 
-from tests.harness import free_port
-
-pytest.importorskip("torch.distributed.run")
+from tests.harness import free_port, require
 
 README = pathlib.Path(__file__).parents[2] / "README.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -90,6 +89,12 @@ for _ in range(2):
         np.testing.assert_allclose(y, np.sum(xs, axis=0), rtol=1e-12)
 sys.stdout.write(f"allreduce ok: rank {comm.rank} of {comm.size}, attempt {attempt}\\n")
 """
+
+
+@pytest.fixture(autouse=True)
+def _needs_torch():
+    require(importlib.util.find_spec("torch") is not None,
+            "torch is not installed (pip install 'ddlcore[torch]'): no torchrun")
 
 
 def _env() -> dict[str, str]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from ddlcore import topology
 from ddlcore.errors import RendezvousError
 from ddlcore.rendezvous import detect, resolve_master
+from tests.harness import free_port, require
 
 
 def test_ddlrun_variables():
@@ -92,12 +95,18 @@ def test_ddl_master_port_wins_over_torchs():
     assert (info.master_addr, info.master_port) == ("10.0.0.1", 5000)
 
 
+def _torch_distributed():
+    require(importlib.util.find_spec("torch") is not None,
+            "torch is not installed (pip install 'ddlcore[torch]')")
+    import torch.distributed as dist
+
+    return dist
+
+
 def _torch_store():
-    dist = pytest.importorskip("torch.distributed")
     from datetime import timedelta
 
-    from tests.harness import free_port
-
+    dist = _torch_distributed()
     port = free_port()
     return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5)), port
 
@@ -122,9 +131,7 @@ def test_rank0_publishes_its_store_in_torchruns_and_the_others_read_it():
 
 
 def test_torchrun_store_unreachable_is_a_rendezvous_error():
-    from tests.harness import free_port
-
+    _torch_distributed()
     env = {**_TORCHRUN, "MASTER_PORT": str(free_port())}
-    pytest.importorskip("torch.distributed")
     with pytest.raises(RendezvousError, match="cannot reach torchrun's store"):
         resolve_master(detect(env), env, 0.5)
