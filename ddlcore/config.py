@@ -239,6 +239,10 @@ _EXTERNAL: list[tuple[str, Callable[[str], Any], str]] = [
     ("LOCAL_WORLD_SIZE", _positive_int, "Torchrun: ranks on this host."),
     ("MASTER_ADDR", str, "Torchrun: rendezvous address."),
     ("MASTER_PORT", _port, "Torchrun: rendezvous port."),
+    ("TORCHELASTIC_USE_AGENT_STORE", str, "Torchrun: 'True' when its agent serves the store at "
+     "MASTER_ADDR:MASTER_PORT."),
+    ("TORCHELASTIC_RUN_ID", str, "Torchrun: the job's run id."),
+    ("TORCHELASTIC_RESTART_COUNT", _nonneg_int, "Torchrun: how many times the workers restarted."),
     ("PMI_RANK", _nonneg_int, "MPICH/Hydra (mpiexec): global rank."),
     ("PMI_SIZE", _positive_int, "MPICH/Hydra (mpiexec): number of ranks."),
     ("MPI_LOCALRANKID", _nonneg_int, "MPICH/Hydra: rank on this host."),

@@ -5,8 +5,10 @@
     ddlrun -np 8 --hosts h1:4,h2:4 prog.py args...      # across hosts, through mpiexec
 
 Local mode spawns N processes with the rendezvous variables set (``DDL_RANK``, ``DDL_SIZE``,
-``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``, ``DDL_MASTER_ADDR``, ``DDL_MASTER_PORT``) and a fresh
-``DDL_SECRET`` (in their environment, never on a command line), prefixes every line they print
+``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``, ``DDL_MASTER_ADDR``, ``DDL_MASTER_PORT``), torchrun's too
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, and
+``MASTER_PORT``: another free port, for ``init_process_group``'s store, never ddlcore's) and a
+fresh ``DDL_SECRET`` (in their environment, never on a command line), prefixes every line they print
 with ``[rank]``, and stops them all when one fails (SIGTERM to each rank's process group, SIGKILL
 after `GRACE_S`). Each rank dies with ddlrun, even when ddlrun is killed with SIGKILL: the kernel
 sends it SIGKILL when ddlrun exits (``PR_SET_PDEATHSIG``, set in the child before it runs the
@@ -52,10 +54,16 @@ _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct free ports (all bound at once, so none is drawn twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def program_argv(prog: str, args: Sequence[str], module: bool) -> list[str]:
@@ -233,6 +241,8 @@ class LocalJob:
                 child_env.update(env)
                 child_env.update({"DDL_RANK": str(rank), "DDL_SIZE": str(np_),
                                   "DDL_LOCAL_RANK": str(rank), "DDL_LOCAL_SIZE": str(np_),
+                                  "RANK": str(rank), "WORLD_SIZE": str(np_),
+                                  "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(np_),
                                   "DDL_FAILURE_DIR": failure_dir, "PYTHONUNBUFFERED": "1"})
                 proc = subprocess.Popen(command, env=child_env, start_new_session=True,
                                         preexec_fn=preexec,
@@ -426,8 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_mpiexec(parser, args, forwarded, command)
     env = dict(forwarded)
     env.update(_secret_env())
-    env["DDL_MASTER_ADDR"] = args.master_addr
-    env["DDL_MASTER_PORT"] = str(args.master_port or _free_port(args.master_addr))
+    # Two ports: ddlcore's store, and torch's (a script's init_process_group serves it).
+    ports = _free_ports(args.master_addr, 2)
+    ddl_port = args.master_port or ports[0]
+    torch_port = ports[1] if ports[1] != ddl_port else ports[0]
+    env.update({"DDL_MASTER_ADDR": args.master_addr, "DDL_MASTER_PORT": str(ddl_port),
+                "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(torch_port)})
     failure_dir = tempfile.mkdtemp(prefix="ddlrun-")
     try:
         try:

@@ -4,22 +4,34 @@ started us, then meet the other ranks at the master's store.
 Sources, first match wins: explicit arguments to `ddlcore.init`; ddlrun's ``DDL_*`` variables;
 torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; MPI launchers (``PMI_RANK``/
 ``PMI_SIZE`` from MPICH's mpiexec, ``OMPI_COMM_WORLD_*`` from Open MPI, ``SLURM_PROCID`` from
-srun). An MPI launcher gives no master address: then rank 0 opens the store on a free port and
-the address is broadcast with mpi4py (a fixed-size byte buffer, never a pickle). With none of
-these the process is a world of one.
+srun). The store's address is ``DDL_MASTER_ADDR``/``DDL_MASTER_PORT`` when set, else
+``MASTER_ADDR``/``MASTER_PORT``. With none of these the process is a world of one.
+
+``MASTER_PORT`` is torch's, and ddlcore's rank 0 then serves on a free port of its own, when
+torch holds it (``DDL_MASTER_PORT`` set by hand wins):
+- torchrun's agent serves torch's c10d store there (``TORCHELASTIC_USE_AGENT_STORE=True``): rank 0
+  publishes its store's "host:port" in it, under a key of the run and restart, and the others
+  read it;
+- the script called ``init_process_group`` first (the DDP recipe, under a launcher without an
+  agent, by hand or with srun): the same, through the default process group's store.
+With ``MASTER_PORT`` and neither, rank 0 serves ddlcore's store on it. An MPI launcher gives no
+master address: the address is broadcast with mpi4py (a fixed-size byte buffer, never a pickle).
 
 The job's secret (``ddlcore.auth``) travels with that broadcast: when neither ``DDL_SECRET`` nor
 ``DDL_SECRET_FILE`` is set on rank 0, it draws a fresh one and every rank uses it, so an mpiexec
 job is authenticated with nothing to configure. When the master address is given explicitly
 (``DDL_MASTER_ADDR``/``MASTER_ADDR``), nothing goes over MPI, under any launcher: the secret then
-comes from ``DDL_SECRET``, ``DDL_SECRET_FILE`` or the per-user secret, as for torchrun.
+comes from ``DDL_SECRET``, ``DDL_SECRET_FILE`` or the per-user secret, as for torchrun (torch's
+store authenticates no one: no secret goes through it).
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ddlcore import config
 from ddlcore.auth import job_secret, new_secret
@@ -44,6 +56,9 @@ class RendezvousInfo:
     local_size: int | None = None
     # The job's secret when rank 0 drew it and broadcast it over MPI; else None (environment).
     secret: bytes | None = field(default=None, repr=False, compare=False)
+    # master_addr:master_port is torchrun's agent store, where rank 0 publishes its own store's
+    # address (`resolve_master`), not the address of ddlcore's store.
+    torch_store: bool = False
 
 
 def _first(names: tuple[str, ...], environ: Mapping[str, str] | None):
@@ -54,32 +69,33 @@ def _first(names: tuple[str, ...], environ: Mapping[str, str] | None):
 
 
 _SOURCES = (
-    # (label, rank var, size var, local rank var, local size var, addr var, port var)
-    ("ddlrun", "DDL_RANK", "DDL_SIZE", "DDL_LOCAL_RANK", "DDL_LOCAL_SIZE", "DDL_MASTER_ADDR",
-     "DDL_MASTER_PORT"),
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-     "MASTER_PORT"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None, None),
+    # (label, rank var, size var, local rank var, local size var)
+    ("ddlrun", "DDL_RANK", "DDL_SIZE", "DDL_LOCAL_RANK", "DDL_LOCAL_SIZE"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE", None, None),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, None, None),
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
 
 
 def detect(environ: Mapping[str, str] | None = None) -> RendezvousInfo:
     """Read rank, size and master address from the launcher's variables (see module doc)."""
-    for label, rank_var, size_var, lrank_var, lsize_var, addr_var, port_var in _SOURCES:
+    for label, rank_var, size_var, lrank_var, lsize_var in _SOURCES:
         if not (config.is_set(rank_var, environ) and config.is_set(size_var, environ)):
             continue
         rank, size = config.get(rank_var, environ), config.get(size_var, environ)
         if rank >= size:
             raise ValueError(f"{rank_var}={rank} is not below {size_var}={size}")
-        # An explicit master address (DDL_* or torchrun's) wins over an MPI broadcast.
-        addr = _first(tuple(v for v in (addr_var, "DDL_MASTER_ADDR", "MASTER_ADDR") if v), environ)
-        port = _first(tuple(v for v in (port_var, "DDL_MASTER_PORT", "MASTER_PORT") if v), environ)
+        # ddlcore's own names first: MASTER_PORT is torch's (its store, init_process_group's).
+        addr = _first(("DDL_MASTER_ADDR", "MASTER_ADDR"), environ)
+        port = _first(("DDL_MASTER_PORT", "MASTER_PORT"), environ)
+        torch_store = (label == "torchrun" and not config.is_set("DDL_MASTER_PORT", environ)
+                       and config.get("TORCHELASTIC_USE_AGENT_STORE", environ) == "True")
         local_rank = config.get(lrank_var, environ) if lrank_var else None
         local_size = config.get(lsize_var, environ) if lsize_var else None
-        return RendezvousInfo(rank, size, addr, port, label, local_rank, local_size)
+        return RendezvousInfo(rank, size, addr, port, label, local_rank, local_size,
+                              torch_store=torch_store)
     return RendezvousInfo(0, 1, None, None, "single process", 0, 1)
 
 
@@ -101,9 +117,106 @@ def _master_host(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str
     return socket.gethostbyname(socket.getfqdn())
 
 
-def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = None) -> RendezvousInfo:
-    """Fill in the master address of an MPI-launched job by broadcasting it with mpi4py."""
-    if info.size == 1 or (info.master_addr and info.master_port):
+# Rank 0's own store per torchrun store and run: another init in this process serves no other.
+_published: dict[tuple[str, int, str], tuple[str, int]] = {}
+
+
+def _torch_store_key(environ: Mapping[str, str] | None) -> str:
+    """The key of this run and restart (a restart's ranks must not read the last one's)."""
+    run_id = config.get("TORCHELASTIC_RUN_ID", environ) or "none"
+    restart = config.get("TORCHELASTIC_RESTART_COUNT", environ) or 0
+    return f"ddlcore/{run_id}/{restart}/store"
+
+
+def _process_group_store(info: RendezvousInfo) -> Any:
+    """The store of this process's torch.distributed default process group, when the script
+    made one (``init_process_group`` before ``ddlcore.init``) over these same ranks; else None.
+    torch is not imported for this."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.size):
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):  # not a group ddlcore can use
+        return None
+
+
+def _agent_store(info: RendezvousInfo, timeout: float) -> Any:
+    """A client of the store torchrun's agent serves at MASTER_ADDR:MASTER_PORT."""
+    assert info.master_addr is not None and info.master_port is not None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise RendezvousError(
+            f"rank {info.rank}: started by torchrun, but torch.distributed does not import "
+            f"({exc}); set DDL_MASTER_ADDR and DDL_MASTER_PORT for ddlcore's own store") from None
+    try:
+        return dist.TCPStore(info.master_addr, info.master_port, is_master=False,
+                             timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # torch raises RuntimeError or its DistError subclasses
+        raise RendezvousError(
+            f"rank {info.rank}: cannot reach torchrun's store at {info.master_addr}:"
+            f"{info.master_port} within {timeout:g} s ({exc}); is the torchrun agent running, "
+            "and do MASTER_ADDR/MASTER_PORT name it?") from None
+
+
+def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, timeout: float,
+                     store: Any, where: str) -> RendezvousInfo:
+    """Rank 0 picks a free port for its own store and publishes "host:port" in torch's
+    ``store`` (MASTER_PORT is torch's: ddlcore never serves there); the others read it."""
+    from datetime import timedelta
+
+    assert info.master_addr is not None and info.master_port is not None
+    key = _torch_store_key(environ)
+    if info.rank == 0:
+        mine = (info.master_addr, info.master_port, key)
+        if mine not in _published:
+            host = _master_host(info, environ)
+            _published[mine] = (host, _free_port(host))
+        host, port = _published[mine]
+        store.set(key, f"{host}:{port}")
+        return replace(info, master_addr=host, master_port=port, torch_store=False)
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+        raw = bytes(store.get(key))
+    except Exception as exc:  # torch's DistStoreError (a RuntimeError) or a lost connection
+        raise RendezvousError(
+            f"rank {info.rank}: rank 0 did not publish its store's address in {where} within "
+            f"{timeout:g} s (key {key!r}: {exc}); did rank 0 fail, or not call "
+            "ddlcore.init()?") from None
+    host, _, port_text = raw.decode("utf-8", "replace").rpartition(":")
+    if not host or not port_text.isdigit():
+        raise RendezvousError(f"rank {info.rank}: {where} holds {raw[:80]!r} under {key!r}, "
+                              "not a host:port")
+    return replace(info, master_addr=host, master_port=int(port_text), torch_store=False)
+
+
+def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = None,
+                   timeout: float | None = None) -> RendezvousInfo:
+    """Fill in the address of ddlcore's store: through torch's store (torchrun's agent's, or the
+    process group's the script made first), or, for an MPI-launched job, by broadcasting it
+    with mpi4py. ``timeout``: DDL_TIMEOUT's."""
+    if info.size == 1:
+        return info
+    wait_s = config.get("DDL_TIMEOUT", environ) if timeout is None else timeout
+    if info.torch_store:
+        store = _agent_store(info, wait_s)
+        try:
+            return _via_torch_store(info, environ, wait_s, store, "torchrun's store at "
+                                    f"{info.master_addr}:{info.master_port}")
+        finally:
+            del store  # closes the connection
+    if info.master_port is not None and not config.is_set("DDL_MASTER_PORT", environ) and \
+            info.master_port == config.get("MASTER_PORT", environ):
+        group_store = _process_group_store(info)
+        if group_store is not None:  # init_process_group serves torch's store on MASTER_PORT
+            return _via_torch_store(info, environ, wait_s, group_store,
+                                    "the store of torch.distributed's default process group")
+    if info.master_addr and info.master_port:
         return info
     if info.source not in ("mpich", "openmpi", "slurm"):
         raise RendezvousError(

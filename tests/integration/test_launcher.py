@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ddlcore import launcher
-from tests.harness import require
+from tests.harness import free_port, require
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 DDLRUN = [sys.executable, "-m", "ddlcore.launcher"]
@@ -53,6 +53,22 @@ def test_ranks_get_their_variables_and_prefixed_output():
         assert "DDL_TRANSPORT=tcp DDL_TIMEOUT=30" in line
     ports = {line.split("DDL_MASTER_PORT=")[1].split()[0] for line in lines}
     assert len(ports) == 1 and ports != {"-"}
+
+
+def test_ranks_get_torchruns_variables_with_a_port_of_torchs_own():
+    code = ("import os; print(' '.join(os.environ[n] for n in ['RANK', 'WORLD_SIZE', "
+            "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'DDL_MASTER_PORT']))")
+    for extra in ([], ["--master-port", str(free_port())]):
+        res = _run(["-np", "2", *extra, sys.executable, "-c", code])
+        assert res.returncode == 0, res.stderr
+        found = sorted(line.split() for line in res.stdout.splitlines())
+        assert [f[:5] for f in found] == [["[0]", "0", "2", "0", "2"], ["[1]", "1", "2", "1", "2"]]
+        assert {tuple(f[5:]) for f in found} == {tuple(found[0][5:])}, found  # one per job
+        addr, torch_port, ddl_port = found[0][5:]
+        # init_process_group serves torch's store on MASTER_PORT: never ddlcore's port.
+        assert addr == "127.0.0.1" and torch_port != ddl_port, found
+        if extra:
+            assert ddl_port == extra[1], found
 
 
 def test_no_prefix():
