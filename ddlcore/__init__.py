@@ -6,8 +6,10 @@
     h = comm.allreduce_async(x, op="avg"); ...; y = h.wait()
     comm.close()
 
-See DESIGN.md for the architecture and the public contract.
+The README documents the API; docs/ARCHITECTURE.md how the package is built.
 """
+
+from importlib import metadata as _metadata
 
 from ddlcore.bootstrap import init
 from ddlcore.communicator import Communicator
@@ -24,7 +26,10 @@ from ddlcore.errors import (
 from ddlcore.handles import Handle
 from ddlcore.ops import Op
 
-__version__ = "0.1.0"
+try:  # one version source: pyproject.toml, through the installed metadata
+    __version__ = _metadata.version("ddlcore")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CollectiveMismatchError",
