@@ -7,10 +7,11 @@ hosts where j crosses the network) play ping-pong over the transport that carrie
 round trips for latency (the median half round trip), then one-way messages each answered by 8
 bytes for bandwidth: the message doubles from 256 KiB until a round takes 2 ms (at least two
 sizes) or the message reaches 16 MiB, and the bandwidth is the slope between the last two sizes
-(their fastest rounds but the first). Tens of ms per dimension on this project's 2-core VM,
-shm or a 1 Gbit/s link alike. The leader publishes the numbers in the rendezvous store and
-every rank reads them, so all ranks feed the same links to the cost model and choose alike; a
-failure is published too, so every rank raises instead of waiting.
+(their fastest rounds but the first), or the last size's rate where that is lower. Tens of ms
+per dimension on this project's 2-core VM, shm or a 1 Gbit/s link alike. The leader publishes
+the numbers in the rendezvous store and every rank reads them, so all ranks feed the same links
+to the cost model and choose alike; a failure is published too, so every rank raises instead of
+waiting.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
     small = memoryview(bytearray(8))
     rtts = _round_trips(pair, small, small, tags, _LAT_ROUNDS, leader, timeout)
     lat = statistics.median(rtts) / 2
+    log.debug("link probe, dimension %d: 8 B round trips in %s ms", dim,
+              ", ".join(f"{x * 1e3:.2f}" for x in rtts))
     big = memoryview(bytearray(_BW_MAX))
     nbytes, control = _BW_FIRST, memoryview(bytearray(8))
     before: tuple[int, float] | None = None  # (bytes, seconds) of the size before
@@ -102,10 +105,12 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
         if not following:
             break
         before, nbytes = (nbytes, t), following
-    # The slope between the last two sizes: what a byte more costs, free of latency and burst.
+    # The slope between the last two sizes is what a byte more costs, free of latency and of a
+    # burst; the last size alone bounds it where a disturbed smaller size made the slope steep.
+    whole = nbytes / max(t - 2 * lat, 1e-9)
     if before is not None and t > before[1]:
-        return (nbytes - before[0]) / (t - before[1]), lat
-    return nbytes / max(t - 2 * lat, 1e-9), lat
+        return min((nbytes - before[0]) / (t - before[1]), whole), lat
+    return whole, lat
 
 
 def _pair_across(topo: Topology, dim: int, host_of: Sequence[str]) -> tuple[int, int]:
@@ -139,8 +144,10 @@ def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
             continue
         leader, follower = _pair_across(topo, j, host_of)
         key = f"probe/{j}"
+        over = f", over {links.choice[follower if rank == leader else leader]}" \
+            if rank in (leader, follower) else ""
         what = (f"the link probe of dimension {j} ({topo.levels[j]}: rank {leader} with rank "
-                f"{follower}, over {links.choice.get(follower if rank == leader else leader, '?')})")
+                f"{follower}{over})")
         start = time.perf_counter()
         try:
             if rank == leader:

@@ -79,3 +79,35 @@ def test_probe_off_keeps_the_safe_defaults(netns):
     # Not measured: the defaults, the network priced below shared memory.
     assert rows[0]["bw"][0] == host[0] and rows[0]["bw"][1] <= host[0] / topology.NETWORK_SLOWER
     assert rows[0]["algorithm"] == "mdring" and rows[0]["dims"] == [0, 1]
+
+
+def _peer_dies_in_the_probe(rank, size):
+    import os
+    import time
+
+    import ddlcore
+    from ddlcore import probe
+    from ddlcore.errors import DDLError
+
+    if rank == 2:  # the far end of the network dimension's pair dies as its probe begins
+        probe._ping_pong = lambda *args: os._exit(3)
+    start = time.monotonic()
+    over = ", over tcp" if rank == 0 else ""
+    with pytest.raises(DDLError, match=rf"rank {rank}: the link probe of dimension 1 \(network: "
+                                       rf"rank 0 with rank 2{over}\) failed: .*rank 2.*"
+                                       "DDL_LINK_PROBE=0 skips it"):
+        ddlcore.init()
+    took = time.monotonic() - start
+    if rank == 0:  # its process serves the store: let the others' last replies go out first
+        time.sleep(1.0)
+    return took
+
+
+def test_a_peer_lost_in_the_probe_is_an_error_on_every_rank_in_time():
+    """No netns needed: hosts a, a, b, b told apart by DDL_HOST_ID, tcp between them."""
+    from tests.harness import run_ranks
+
+    took = run_ranks(_peer_dies_in_the_probe, 4, may_die=[2], timeout=60,
+                     rank_envs={r: {"DDL_HOST_ID": "ab"[r // 2]} for r in range(4)},
+                     env={"DDL_TRANSPORT": "auto:tcp", "DDL_TIMEOUT": "10"})
+    assert [r for r, t in enumerate(took) if t is not None and t < 12] == [0, 1, 3], took
