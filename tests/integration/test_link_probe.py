@@ -65,7 +65,7 @@ def test_two_hosts_probe_and_auto_goes_host_first(netns, placement):
     assert first["levels"] == ["host", "network"]
     host_bw, net_bw = first["bw"]
     # Measured, not the defaults: the shaped link's 125 MB/s, well below shared memory.
-    assert 50e6 < net_bw < 200e6, first
+    assert 30e6 < net_bw < 250e6, first
     assert host_bw > 5 * net_bw, first
     assert first["algorithm"] == "mdring" and first["dims"] == [0, 1], first
     assert first["host_path"] == "direct", first
