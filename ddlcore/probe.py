@@ -106,8 +106,9 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
             break
         before, nbytes = (nbytes, t), following
     # The slope between the last two sizes is what a byte more costs, free of latency and of a
-    # burst; the last size alone bounds it where a disturbed smaller size made the slope steep.
-    whole = nbytes / max(t - 2 * lat, 1e-9)
+    # burst; the last size alone bounds it where a disturbed smaller size made the slope steep
+    # (less the latency, but never more than half its round: a disturbed latency round).
+    whole = nbytes / max(t - 2 * lat, t / 2)
     if before is not None and t > before[1]:
         return min((nbytes - before[0]) / (t - before[1]), whole), lat
     return whole, lat
@@ -154,8 +155,12 @@ def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
                 try:
                     got = _ping_pong(links.pair(follower), j, True, timeout)
                 except BaseException as exc:
-                    store.set(key, _FAILED + f"{type(exc).__name__}: {exc}".encode()[:2000],
-                              readers=topo.size - 1)
+                    try:  # the others wait for the numbers: tell them there are none
+                        store.set(key, _FAILED + f"{type(exc).__name__}: {exc}".encode()[:2000],
+                                  readers=topo.size - 1)
+                    except Exception:  # (the store gone too): the first error is the one to say
+                        log.debug("rank %d: could not publish the probe's failure", rank,
+                                  exc_info=True)
                     raise
                 store.set(key, _OK + struct.pack("<dd", *got), readers=topo.size - 1)
             else:
