@@ -105,13 +105,18 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
         if not following:
             break
         before, nbytes = (nbytes, t), following
-    # The slope between the last two sizes is what a byte more costs, free of latency and of a
-    # burst; the last size alone bounds it where a disturbed smaller size made the slope steep
-    # (less the latency, but never more than half its round: a disturbed latency round).
+    return rate(before, nbytes, t, lat), lat
+
+
+def rate(before: tuple[int, float] | None, nbytes: int, t: float, lat: float) -> float:
+    """Bytes/s from the last size's round (``nbytes`` in ``t`` s), the size before's (or None)
+    and the latency: the slope between the two sizes is what a byte more costs, free of latency
+    and of a burst; the last size alone bounds it where a disturbed smaller size made the slope
+    steep (less the latency, but never more than half its round: a disturbed latency round)."""
     whole = nbytes / max(t - 2 * lat, t / 2)
     if before is not None and t > before[1]:
-        return min((nbytes - before[0]) / (t - before[1]), whole), lat
-    return whole, lat
+        return min((nbytes - before[0]) / (t - before[1]), whole)
+    return whole
 
 
 def _pair_across(topo: Topology, dim: int, host_of: Sequence[str]) -> tuple[int, int]:

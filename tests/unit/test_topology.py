@@ -169,3 +169,24 @@ def test_default_links_make_auto_go_host_first():
     fast = _build(["a", "a", "b", "b"], env={"DDL_LINK_BW": "5e9,12.5e9"},
                   transports={"host": "shm", "network": "ucx"})
     assert fast.bw == (5e9, 12.5e9)
+
+
+def test_the_link_probe_sees_past_a_burst_and_a_disturbed_round():
+    """`probe.rate`: 125 MB/s links (1 Gbit/s) with 100 us of latency, as the testbed's."""
+    from ddlcore import probe
+
+    bw, lat, burst = 125e6, 100e-6, 128 << 10
+
+    def round_s(n, extra=0.0):  # one way n bytes, 8 back; a shaper passes `burst` at once
+        return 2 * lat + max(n - burst, 0) / bw + extra
+
+    kib = 1 << 10
+    # The burst makes either size alone look fast; the slope between them does not.
+    assert probe.rate(None, 512 * kib, round_s(512 * kib), lat) > 1.3 * bw
+    assert probe.rate((256 * kib, round_s(256 * kib)), 512 * kib, round_s(512 * kib), lat) == \
+        pytest.approx(bw)
+    # A smaller size slowed by load steepens the slope: the last size's own rate bounds it.
+    slow_before = (256 * kib, round_s(256 * kib, 1.5e-3))
+    assert probe.rate(slow_before, 512 * kib, round_s(512 * kib), lat) < 1.4 * bw
+    # A latency disturbed past the round itself: at most half the round is taken off.
+    assert probe.rate(None, 1 << 20, 1e-3, 2e-3) == pytest.approx((1 << 20) / 0.5e-3)
