@@ -94,8 +94,10 @@ def _links_source(joined: bool, nhosts: int) -> str:
     mode = config.get("DDL_LINK_PROBE")
     if probe.wanted(mode, nhosts):
         if joined:
-            return f"links: measured at init (DDL_LINK_PROBE={mode}, ddlcore.probe)"
-        return (f"links: defaults; a job on {nhosts} hosts measures them at init "
+            which = "" if mode == "1" else " across hosts"
+            return f"links{which}: measured at init (DDL_LINK_PROBE={mode}, ddlcore.probe)"
+        which = "every link" if mode == "1" else "the links across hosts"
+        return (f"links: defaults; a job on {nhosts} host(s) measures {which} at init "
                 f"(DDL_LINK_PROBE={mode}, ddlcore.probe) and chooses from the measurement")
     if config.get("DDL_LINK_BW") and config.get("DDL_LINK_LAT"):
         return "links: given (DDL_LINK_BW, DDL_LINK_LAT)"

@@ -170,10 +170,10 @@ _declare("DDL_LINK_BW", _float_list, (),
 _declare("DDL_LINK_LAT", _float_list, (),
          "Per-message latency in seconds along each box dimension, like DDL_LINK_BW.")
 _declare("DDL_LINK_PROBE", _link_probe, "auto",
-         "Measure each box dimension's bandwidth and latency with a short ping-pong at init "
-         "(a few ms per dimension; about 10 ms on a 1 Gbit/s link) instead of using transport "
-         "defaults: 'auto' when the job spans hosts, 1 always, 0 never. DDL_LINK_BW / "
-         "DDL_LINK_LAT, where given, win over the measurement.")
+         "Measure box dimensions' bandwidth and latency with a short ping-pong at init (tens of "
+         "ms per dimension on a 1 Gbit/s link) instead of using transport defaults: 'auto' "
+         "those that cross hosts when the job spans hosts, 1 every dimension, 0 none. "
+         "DDL_LINK_BW / DDL_LINK_LAT, where given, win over the measurement.")
 _declare("DDL_TIMEOUT", _positive_float, 600.0,
          "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
          "fails with DDLTimeoutError naming the rank and collective.")

@@ -1,17 +1,20 @@
-"""The link probe: measure each box dimension's latency and bandwidth at init.
+"""The link probe: measure the box dimensions' latency and bandwidth at init.
 
-``DDL_LINK_PROBE=auto`` (the default) runs it when the job spans hosts, ``1`` always, ``0``
-never; links given with ``DDL_LINK_BW`` / ``DDL_LINK_LAT`` are kept, and with both given there
-is nothing to measure. For every dimension j of size > 1, two ranks one link of j apart (on two
-hosts where j crosses the network) play ping-pong over the transport that carries them: 8-byte
-round trips for latency (the median half round trip), then one-way messages each answered by 8
-bytes for bandwidth: the message doubles from 256 KiB until a round takes 2 ms (at least two
-sizes) or the message reaches 16 MiB, and the bandwidth is the slope between the last two sizes
-(their fastest rounds but the first), or the last size's rate where that is lower. About 50 ms
-per dimension on this project's loaded 2-core VM, shm or a 1 Gbit/s link alike, connecting the
-pair included. The leader publishes the numbers in the rendezvous store and every rank reads
-them, so all ranks feed the same links to the cost model and choose alike; a failure is
-published too, so every rank raises instead of waiting.
+``DDL_LINK_PROBE=auto`` (the default) measures the dimensions that cross hosts when the job
+spans hosts, ``1`` every dimension, ``0`` none; links given with ``DDL_LINK_BW`` /
+``DDL_LINK_LAT`` are kept, and with both given there is nothing to measure. In-host links keep
+their defaults under ``auto``: those are what the cost model's board constants
+(``tuning.BOARD_BW``) were measured against, and one pair alone reads this VM's shm faster
+(5-11 GB/s) than a host's ranks see it together. For each dimension it measures, two ranks one
+link apart (on two hosts where it crosses the network) play ping-pong over the transport that
+carries them: 8-byte round trips for latency (the median half round trip), then one-way
+messages each answered by 8 bytes for bandwidth: the message doubles from 256 KiB until a round
+takes 2 ms (at least two sizes) or the message reaches 16 MiB, and the bandwidth is the slope
+between the last two sizes (their fastest rounds but the first), or the last size's rate where
+that is lower. Tens of ms per dimension on this project's loaded 2-core VM, connecting the pair
+included. The leader publishes the numbers in the rendezvous store and every rank reads them,
+so all ranks feed the same links to the cost model and choose alike; a failure is published
+too, so every rank raises instead of waiting.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ _LAT_ROUNDS = 5
 # The first round of a size may ride a traffic shaper's burst (tbf lets max(128 KiB, rate/1000)
 # pass at once) or TCP's slow start, and be too fast: it is dropped, and the first size is twice
 # tbf's smallest burst. The sizes double until a round takes _BW_TARGET_S, or _BW_ENOUGH_S at the
-# first size (a slow link: latency is lost in it). Shorter rounds read this VM's shm at up to
-# 11 GB/s (8 MiB, in cache, against 5-6 at 16 MiB and up), which tipped 4x2's allreduce to rhd.
+# first size (a slow link: latency is lost in it). Shorter rounds read shm in cache here.
 _BW_ROUNDS = 3
 _BW_FIRST = 256 << 10
 _BW_MAX = 16 << 20
@@ -133,9 +135,11 @@ def _pair_across(topo: Topology, dim: int, host_of: Sequence[str]) -> tuple[int,
 
 
 def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
-            host_of: Sequence[str], environ: Mapping[str, str] | None = None) -> Topology:
+            host_of: Sequence[str], environ: Mapping[str, str] | None = None,
+            in_host: bool = True) -> Topology:
     """``topo`` with the measured bandwidth and latency of every dimension of size > 1 (those
-    DDL_LINK_BW / DDL_LINK_LAT give are kept).
+    DDL_LINK_BW / DDL_LINK_LAT give are kept), or, without ``in_host``, of those that cross
+    hosts.
 
     Raises
     ------
@@ -147,7 +151,7 @@ def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
     keep_bw, keep_lat = bool(config.get("DDL_LINK_BW", environ)), \
         bool(config.get("DDL_LINK_LAT", environ))
     for j, d in enumerate(topo.dims):
-        if d < 2:
+        if d < 2 or (topo.levels[j] == "host" and not in_host):
             continue
         leader, follower = _pair_across(topo, j, host_of)
         key = f"probe/{j}"

@@ -1,6 +1,6 @@
 """The link probe out of the box: a job on two emulated hosts (network namespaces joined by a
 1 Gbit/s link, ``benchmarks/netns_testbed.py``) with no DDL_* tuning variable set measures its
-links at init, every rank reads the same numbers, and ``auto`` runs mdring with the host
+links across hosts at init, every rank reads the same numbers, and ``auto`` runs mdring with the host
 dimension first (issue 21: with the default links it put the network first). Needs root and
 iproute2, as ``test_netns.py``.
 """
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from ddlcore import topology
 from tests.harness import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -64,17 +65,16 @@ def test_two_hosts_probe_and_auto_goes_host_first(netns, placement):
             {k: v for k, v in first.items() if k not in ("rank", "ok")}, "ranks disagree"
     assert first["levels"] == ["host", "network"]
     host_bw, net_bw = first["bw"]
-    # Measured, not the defaults: the shaped link's 125 MB/s, well below shared memory.
+    # The network measured, not its default: the shaped link's 125 MB/s. The in-host link keeps
+    # its default (what the cost model's board constants were measured against).
     assert 30e6 < net_bw < 250e6, first
-    assert host_bw > 5 * net_bw, first
+    assert (host_bw, first["lat"][0]) == topology.LINK_DEFAULTS["shm"], first
     assert first["algorithm"] == "mdring" and first["dims"] == [0, 1], first
     assert first["host_path"] == "direct", first
 
 
 def test_probe_off_keeps_the_safe_defaults(netns):
     rows = _job(netns, "block", {"DDL_LINK_PROBE": "0"})
-    from ddlcore import topology
-
     host = topology.LINK_DEFAULTS["shm"]
     # Not measured: the defaults, the network priced below shared memory.
     assert rows[0]["bw"][0] == host[0] and rows[0]["bw"][1] <= host[0] / topology.NETWORK_SLOWER
