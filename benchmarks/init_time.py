@@ -1,7 +1,7 @@
 """Time of `ddlcore.init()` on this host: how long joining a job takes, rendezvous included.
 
     python benchmarks/init_time.py [--np 2,4] [--cycles 30] [--transport auto] [--connects 300]
-                                   [--store-only]
+                                   [--store-only] [--probe auto] [--netns 2x2 --rate 1gbit]
 
 Each world size runs in fresh processes (spawned, not forked). The ranks join once (not timed:
 imports and the first connection to rank 0's store), then ``cycles`` times: meet at a barrier,
@@ -13,6 +13,11 @@ minimum over cycles of the slowest rank's time.
 ``--store-only`` times only init's part at the rendezvous store, the part authentication and the
 store's server change: connect (and handshake), publish a record, barrier, read every rank's
 record, barrier, close; the ranks line up at a barrier on a second connection first.
+
+``--probe auto|1|0`` sets DDL_LINK_PROBE in the ranks (the link probe at init: by default only
+when the job spans hosts). ``--netns 2x2 [--rate 1gbit]`` runs the ranks on the testbed of
+``benchmarks/netns_testbed.py`` instead (M ranks in each of H network namespaces, block
+placement; root), the job spanning hosts.
 
 ``--connects N`` also times what one rank's store connection costs alone (connect, the job-key
 handshake, one request, close) against a store server in the same process, N times.
@@ -65,10 +70,7 @@ def _store_rank(rank: int, size: int, port: int, cycles: int, out) -> None:
     out.close()
 
 
-def _rank(rank: int, size: int, port: int, cycles: int, transport: str, out) -> None:
-    os.environ.update({"DDL_RANK": str(rank), "DDL_SIZE": str(size), "DDL_LOCAL_RANK": str(rank),
-                       "DDL_LOCAL_SIZE": str(size), "DDL_MASTER_ADDR": "127.0.0.1",
-                       "DDL_MASTER_PORT": str(port), "DDL_TRANSPORT": transport})
+def _timed_inits(cycles: int) -> list[float]:
     import ddlcore
 
     comm = ddlcore.init(timeout=120)
@@ -81,6 +83,16 @@ def _rank(rank: int, size: int, port: int, cycles: int, transport: str, out) -> 
         times.append(time.perf_counter() - t0)
     comm.barrier()
     comm.close()
+    return times
+
+
+def _rank(rank: int, size: int, port: int, cycles: int, transport: str, out) -> None:
+    os.environ.update({"DDL_RANK": str(rank), "DDL_SIZE": str(size), "DDL_LOCAL_RANK": str(rank),
+                       "DDL_LOCAL_SIZE": str(size), "DDL_MASTER_ADDR": "127.0.0.1",
+                       "DDL_MASTER_PORT": str(port), "DDL_TRANSPORT": transport})
+    import ddlcore
+
+    times = _timed_inits(cycles)
     out.send((rank, times, ddlcore.__file__))
     out.close()
 
@@ -111,6 +123,26 @@ def measure(size: int, cycles: int, transport: str,
     return slowest, where
 
 
+def measure_netns(shape: str, rate: str | None, cycles: int, transport: str) -> list[float]:
+    """`measure` on the netns testbed: the ranks print their times, read from their logs."""
+    import importlib.util
+    import json
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_testbed.py")
+    spec = importlib.util.spec_from_file_location("netns_testbed", path)
+    assert spec and spec.loader
+    netns = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("netns_testbed", netns)
+    spec.loader.exec_module(netns)
+    per_host, hosts = netns.parse_shape(shape)
+    with netns.Testbed(hosts, rate=rate) as tb:
+        ranks = tb.run_job(per_host, [os.path.abspath(__file__), "--netns-rank", str(cycles)],
+                           timeout=600, env={"DDL_TRANSPORT": transport,
+                                             "DDL_LINK_PROBE": os.environ["DDL_LINK_PROBE"]})
+        per_rank = [json.loads(r.output().strip().splitlines()[-1]) for r in ranks]
+    return [max(times[c] for times in per_rank) for c in range(cycles)]
+
+
 def store_connects(n: int) -> list[float]:
     from ddlcore.store import StoreClient, StoreServer
 
@@ -131,7 +163,24 @@ def main() -> None:
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--connects", type=int, default=0)
     parser.add_argument("--store-only", action="store_true")
+    parser.add_argument("--probe", default="auto", help="DDL_LINK_PROBE of the ranks")
+    parser.add_argument("--netns", help="run on the netns testbed, this shape (MxH)")
+    parser.add_argument("--rate", default="1gbit", help="the testbed's link rate, or none")
+    parser.add_argument("--netns-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.netns_rank is not None:  # one rank on the testbed: print its times
+        import json
+
+        print(json.dumps(_timed_inits(args.netns_rank)))
+        return
+    os.environ["DDL_LINK_PROBE"] = args.probe  # spawned ranks inherit it
+    if args.netns:
+        times = measure_netns(args.netns, None if args.rate == "none" else args.rate,
+                              args.cycles, args.transport)
+        print(f"{args.netns} at {args.rate}, DDL_TRANSPORT={args.transport}, DDL_LINK_PROBE="
+              f"{args.probe}: init median {statistics.median(times) * 1e3:.2f} ms, min "
+              f"{min(times) * 1e3:.2f} ms (slowest rank, {args.cycles} inits)")
+        return
     if args.connects:
         times = store_connects(args.connects)
         print(f"store connection (connect, handshake, one request, close): median "

@@ -17,7 +17,7 @@ import platform
 import sys
 
 import ddlcore.transports as transports
-from ddlcore import __version__, config, links, topology, tuning
+from ddlcore import __version__, config, links, probe, topology, tuning
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.errors import TransportUnavailableError
 
@@ -87,6 +87,22 @@ def job_choice(collective: str, topo: topology.Topology, in_bytes: int, algo: st
     if boards and choice.algorithm == mdring.NAME and tuning.host_first(topo, choice.dim_order):
         return dataclasses.replace(choice, host_path=hostcoll.NAME)
     return choice
+
+
+def _links_source(joined: bool, nhosts: int) -> str:
+    """Where the links above come from: the defaults, or a probe a job runs at init."""
+    mode = config.get("DDL_LINK_PROBE")
+    if probe.wanted(mode, nhosts):
+        if joined:
+            which = "" if mode == "1" else " across hosts"
+            return f"links{which}: measured at init (DDL_LINK_PROBE={mode}, ddlcore.probe)"
+        which = "every link" if mode == "1" else "the links across hosts"
+        return (f"links: defaults; a job on {nhosts} host(s) measures {which} at init "
+                f"(DDL_LINK_PROBE={mode}, ddlcore.probe) and chooses from the measurement")
+    if config.get("DDL_LINK_BW") and config.get("DDL_LINK_LAT"):
+        return "links: given (DDL_LINK_BW, DDL_LINK_LAT)"
+    why = " on one host" if mode == "auto" else ""
+    return f"links: the transports' defaults (DDL_LINK_PROBE={mode}: not measured{why})"
 
 
 def info(argv: list[str]) -> int:
@@ -162,8 +178,9 @@ def info(argv: list[str]) -> int:
         topo = topology.build(host_ids, [""] * size, level_transports)
     algo = config.get("DDL_ALGO")
     chunk = config.get("DDL_CHUNK_BYTES")
-    print(f"topology ({size} ranks on {len(set(topo.node_of(r) for r in range(size)))} "
-          f"host(s)): box {topo.shape}: {topo.describe()}")
+    nhosts = len(set(topo.node_of(r) for r in range(size)))
+    print(f"topology ({size} ranks on {nhosts} host(s)): box {topo.shape}: {topo.describe()}")
+    print(f"  {_links_source(comm is not None, nhosts)}")
     print(f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
           f"ddlcore.tuning):")
     chosen = {}

@@ -236,8 +236,11 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         topo = topology.build([p.host_id for p in peers], [rack for _, rack in records],
                               level_transports(spec, peers), environ)
         links = Links(info.rank, info.size, spec, peers, store, timeout)
-        if config.get("DDL_LINK_PROBE", environ):
-            topo = probe.measure(topo, info.rank, links, store, timeout)
+        host_ids = [p.host_id for p in peers]
+        probing = config.get("DDL_LINK_PROBE", environ)
+        if probe.wanted(probing, len(set(host_ids)), environ):
+            topo = probe.measure(topo, info.rank, links, store, timeout, host_ids, environ,
+                                 in_host=probing == "1")
         algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
         host = _host_collectives(info, peers, links, store, timeout, algo_name)
         node = None if host is not None else \

@@ -110,6 +110,16 @@ def _transport_spec(text: str) -> str:
     raise ValueError(f"expected auto, tcp, shm, mpi, ucx or auto:<order> like auto:ucx,tcp, got {text!r}")
 
 
+def _link_probe(text: str) -> str:
+    """``auto``, or a boolean as "1" / "0"."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "1" if parse_bool(text) else "0"
+    except ValueError:
+        raise ValueError(f"expected auto, 1 or 0, got {text!r}") from None
+
+
 def _gpu_direct(text: str) -> str:
     value = text.strip().lower()
     if value in ("auto", "on", "off"):
@@ -159,9 +169,11 @@ _declare("DDL_LINK_BW", _float_list, (),
          "defaults of the transport carrying each level. Feeds the cost model.")
 _declare("DDL_LINK_LAT", _float_list, (),
          "Per-message latency in seconds along each box dimension, like DDL_LINK_BW.")
-_declare("DDL_LINK_PROBE", parse_bool, False,
-         "Measure each box dimension's bandwidth and latency with a short ping-pong at init "
-         "(about 0.1 s) instead of using transport defaults.")
+_declare("DDL_LINK_PROBE", _link_probe, "auto",
+         "Measure box dimensions' bandwidth and latency with a short ping-pong at init (tens of "
+         "ms per dimension on a 1 Gbit/s link) instead of using transport defaults: 'auto' "
+         "those that cross hosts when the job spans hosts, 1 every dimension, 0 none. "
+         "DDL_LINK_BW / DDL_LINK_LAT, where given, win over the measurement.")
 _declare("DDL_TIMEOUT", _positive_float, 600.0,
          "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
          "fails with DDLTimeoutError naming the rank and collective.")

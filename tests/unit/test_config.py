@@ -77,3 +77,25 @@ def test_the_secret_is_never_shown():
     assert values["DDL_SECRET"] == "<set, 17 characters, not shown>"
     assert config.resolved({})["DDL_SECRET"] == ""
     assert config.get("DDL_SECRET", {"DDL_SECRET": "abc"}) == "abc"
+
+
+@pytest.mark.parametrize("text,mode", [("auto", "auto"), (" AUTO ", "auto"), ("1", "1"),
+                                       ("true", "1"), ("yes", "1"), ("0", "0"), ("false", "0"),
+                                       ("off", "0"), ("", "0")])
+def test_link_probe_is_auto_on_or_off(text, mode):
+    assert config.get("DDL_LINK_PROBE", {}) == "auto"
+    assert config.get("DDL_LINK_PROBE", {"DDL_LINK_PROBE": text}) == mode
+    with pytest.raises(ValueError, match=r"DDL_LINK_PROBE='sometimes'.*auto, 1 or 0"):
+        config.get("DDL_LINK_PROBE", {"DDL_LINK_PROBE": "sometimes"})
+
+
+@pytest.mark.parametrize("mode,hosts,env,probes", [
+    ("auto", 1, {}, False), ("auto", 2, {}, True), ("1", 1, {}, True), ("0", 2, {}, False),
+    # Given links win over measured ones; with both given there is nothing to measure.
+    ("auto", 2, {"DDL_LINK_BW": "5e9,1e8"}, True),
+    ("auto", 2, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6"}, False),
+    ("1", 2, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6"}, False)])
+def test_link_probe_runs_when_the_job_spans_hosts(mode, hosts, env, probes):
+    from ddlcore import probe
+
+    assert probe.wanted(mode, hosts, env) is probes

@@ -135,3 +135,58 @@ def test_cyclic_placement_with_a_given_box_and_racks():
 def test_uneven_cyclic_hosts_keep_the_hosts_together_in_the_flat_box():
     topo = _build(["a", "b", "a", "b", "a"])
     assert topo.dims == (5,) and topo.order == (0, 2, 4, 1, 3) and "[3, 2]" in topo.note
+
+
+@pytest.mark.parametrize("host", sorted(topology.LINK_DEFAULTS))
+@pytest.mark.parametrize("network", sorted(topology.LINK_DEFAULTS))
+def test_default_network_is_never_faster_than_the_host(host, network):
+    """Until a probe measures them, a level across hosts is priced below the in-host level of
+    the same job, whatever carries either (ucx's 12.5 GB/s put the network first: issue 21)."""
+    hosts = [f"h{r // 2}" for r in range(8)]
+    for racks in (None, [f"r{r // 4}" for r in range(8)]):
+        topo = _build(hosts, racks, transports={"host": host, "network": network})
+        assert topo.levels[0] == "host" and len(topo.levels) > 1
+        for j in range(1, len(topo.dims)):
+            assert topo.bw[j] <= topo.bw[0] / topology.NETWORK_SLOWER < topo.bw[0]
+            assert topo.lat[j] >= topo.lat[0]
+    # One rank per host: no in-host level to compare with, the network's own defaults.
+    flat = _build(["a", "b"], transports={"host": "shm", "network": "ucx"})
+    assert flat.bw == (topology.LINK_DEFAULTS["ucx"][0],)
+
+
+def test_default_links_make_auto_go_host_first():
+    """With the defaults, a 2-host job's allreduce runs mdring with the host dimension first,
+    the order that stays near the bound on a slow network (issue 21)."""
+    from ddlcore import tuning
+
+    for per_host in (2, 4):
+        hosts = [f"h{r // per_host}" for r in range(2 * per_host)]
+        topo = _build(hosts, transports={"host": "shm", "network": "ucx"})
+        for nbytes in (16 << 20, 64 << 20):
+            choice = tuning.choose("allreduce", topo, nbytes, "auto", 1 << 20, False)
+            assert choice.algorithm == "mdring" and choice.dim_order == (0, 1), choice
+    # Given links still win.
+    fast = _build(["a", "a", "b", "b"], env={"DDL_LINK_BW": "5e9,12.5e9"},
+                  transports={"host": "shm", "network": "ucx"})
+    assert fast.bw == (5e9, 12.5e9)
+
+
+def test_the_link_probe_sees_past_a_burst_and_a_disturbed_round():
+    """`probe.rate`: 125 MB/s links (1 Gbit/s) with 100 us of latency, as the testbed's."""
+    from ddlcore import probe
+
+    bw, lat, burst = 125e6, 100e-6, 128 << 10
+
+    def round_s(n, extra=0.0):  # one way n bytes, 8 back; a shaper passes `burst` at once
+        return 2 * lat + max(n - burst, 0) / bw + extra
+
+    kib = 1 << 10
+    # The burst makes either size alone look fast; the slope between them does not.
+    assert probe.rate(None, 512 * kib, round_s(512 * kib), lat) > 1.3 * bw
+    assert probe.rate((256 * kib, round_s(256 * kib)), 512 * kib, round_s(512 * kib), lat) == \
+        pytest.approx(bw)
+    # A smaller size slowed by load steepens the slope: the last size's own rate bounds it.
+    slow_before = (256 * kib, round_s(256 * kib, 1.5e-3))
+    assert probe.rate(slow_before, 512 * kib, round_s(512 * kib), lat) < 1.4 * bw
+    # A latency disturbed past the round itself: at most half the round is taken off.
+    assert probe.rate(None, 1 << 20, 1e-3, 2e-3) == pytest.approx((1 << 20) / 0.5e-3)
