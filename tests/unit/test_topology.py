@@ -135,3 +135,52 @@ def test_cyclic_placement_with_a_given_box_and_racks():
 def test_uneven_cyclic_hosts_keep_the_hosts_together_in_the_flat_box():
     topo = _build(["a", "b", "a", "b", "a"])
     assert topo.dims == (5,) and topo.order == (0, 2, 4, 1, 3) and "[3, 2]" in topo.note
+
+
+# --- network adapters (rails): DDL_SOCKET_IFNAME's list, as the tcp transport uses it ----------
+
+@pytest.mark.parametrize("ifname, hosts, network, adapters", [
+    ("eth0,eth1", ["a", "a", "b", "b"], "tcp", 2),
+    ("eth0, eth1, eth2", ["a", "a", "b", "b"], "tcp", 3),
+    ("eth0", ["a", "a", "b", "b"], "tcp", 1),
+    ("", ["a", "a", "b", "b"], "tcp", 1),
+    ("eth0,eth1", ["a", "a", "a", "a"], "tcp", 1),       # one host: no network to share
+    ("eth0,eth1", ["a", "a", "b", "b"], "ucx", 1),       # the list is tcp's
+])
+def test_adapters_are_the_rails_socket_ifname_lists(ifname, hosts, network, adapters):
+    topo = _build(hosts, env={"DDL_SOCKET_IFNAME": ifname},
+                  transports={"host": "shm", "network": network})
+    assert topo.adapters == adapters
+    assert ("network adapters per host" in topo.describe()) == (adapters > 1)
+
+
+@pytest.mark.parametrize("hosts", [
+    ["a"] * 4 + ["b"] * 4,                      # block
+    ["a", "b"] * 4,                             # cyclic
+    ["a", "a", "b", "b", "c", "c"],
+])
+@pytest.mark.parametrize("rails", ["eth0,eth1", "eth0,eth1,eth2"])
+def test_adapter_of_is_the_engines_local_rank_mod_rails(hosts, rails):
+    topo = _build(hosts, env={"DDL_SOCKET_IFNAME": rails})
+    a = len(rails.split(","))
+    for rank in range(len(hosts)):
+        here = topology.layout(hosts, rank)
+        assert topo.adapter_of(rank) == (topo.node_of(rank), here.local_rank % a), rank
+        assert topo.node_of(rank) == here.host_of[rank]
+
+
+def test_two_rails_halve_the_predicted_network_time():
+    from ddlcore import tuning
+
+    hosts = ["a"] * 4 + ["b"] * 4
+    one, two = (_build(hosts, env={"DDL_SOCKET_IFNAME": f, "DDL_LINK_BW": "5e9,125e6"})
+                for f in ("eth0", "eth0,eth1"))
+    cost = [tuning.predict("allreduce", "mdring", t, 64 << 20) for t in (one, two)]
+    assert cost[1] < 0.6 * cost[0], cost
+
+
+def test_bad_socket_ifname_list_is_named():
+    with pytest.raises(ValueError, match="DDL_SOCKET_IFNAME='eth0,,eth1' has an empty"):
+        _build(["a", "b"], env={"DDL_SOCKET_IFNAME": "eth0,,eth1"})
+    with pytest.raises(ValueError, match="names an interface twice"):
+        _build(["a", "b"], env={"DDL_SOCKET_IFNAME": "eth0,eth0"})
