@@ -295,9 +295,14 @@ def build(host_ids: Sequence[str], rack_ids: Sequence[str], level_transport: Map
 
 def network_adapters(transport: str, environ: Mapping[str, str] | None = None) -> int:
     """Network adapters (rails) per host that ``transport`` spreads a host's ranks over: tcp,
-    the interfaces ``DDL_SOCKET_IFNAME`` lists; others, 1."""
+    the interfaces ``DDL_SOCKET_IFNAME`` lists; ucx, the devices ``UCX_NET_DEVICES`` lists;
+    others, 1."""
     if transport == "tcp":
         from ddlcore.transports.sockets import rail_interfaces
 
         return max(1, len(rail_interfaces(config.get("DDL_SOCKET_IFNAME", environ))))
+    if transport == "ucx":
+        from ddlcore.transports.ucx import net_device_rails
+
+        return max(1, len(net_device_rails(environ)))
     return 1

@@ -76,6 +76,27 @@ def test_tcp_context_binds_sources_only_with_several_rails():
         _context("lo,nosuchif0", 1)
 
 
+def test_ucx_local_rank_takes_its_net_device():
+    from ddlcore.transports.ucx import net_device_rails, ucx_options
+
+    env = {"UCX_NET_DEVICES": "mlx5_0:1, mlx5_1:1"}
+    assert net_device_rails(env) == ("mlx5_0:1", "mlx5_1:1")
+    assert [ucx_options(env, i)["NET_DEVICES"] for i in range(4)] == ["mlx5_0:1", "mlx5_1:1"] * 2
+    for one in ({}, {"UCX_NET_DEVICES": "all"}, {"UCX_NET_DEVICES": "mlx5_0:1"}):
+        assert "NET_DEVICES" not in ucx_options(one, 1)   # UCX's own choice, or the user's one
+
+
+def test_ucx_context_is_given_its_rails_device():
+    from ddlcore.transports import ucx
+
+    require(*ucx.UcxTransport.is_available())
+    lib, _ = ucx._import_ucxx()
+    with patch.dict("os.environ", {"UCX_NET_DEVICES": "lo,nosuchdev0"}):
+        # local rank 2 takes rail 0 alone: UCX never sees the missing rail 1
+        context = lib.UCXContext(ucx.ucx_options(local_rank=2), ucx._features(lib))
+    assert context.config["NET_DEVICES"] == "lo"
+
+
 # --- real ranks in a namespace with two rails ------------------------------------------------
 
 _RANK = textwrap.dedent("""

@@ -146,10 +146,14 @@ def test_uneven_cyclic_hosts_keep_the_hosts_together_in_the_flat_box():
     ("", ["a", "a", "b", "b"], "tcp", 1),
     ("eth0,eth1", ["a", "a", "a", "a"], "tcp", 1),       # one host: no network to share
     ("eth0,eth1", ["a", "a", "b", "b"], "ucx", 1),       # the list is tcp's
+    ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "ucx", 2),
+    ("ucx:all", ["a", "a", "b", "b"], "ucx", 1),
+    ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "tcp", 1),
 ])
-def test_adapters_are_the_rails_socket_ifname_lists(ifname, hosts, network, adapters):
-    topo = _build(hosts, env={"DDL_SOCKET_IFNAME": ifname},
-                  transports={"host": "shm", "network": network})
+def test_adapters_are_the_rails_listed(ifname, hosts, network, adapters):
+    env = {"UCX_NET_DEVICES": ifname[4:]} if ifname.startswith("ucx:") else \
+        {"DDL_SOCKET_IFNAME": ifname}
+    topo = _build(hosts, env=env, transports={"host": "shm", "network": network})
     assert topo.adapters == adapters
     assert ("network adapters per host" in topo.describe()) == (adapters > 1)
 
