@@ -7,10 +7,10 @@ because the wire protocol, the per-socket threads and the failure rules only mak
 Connecting is lazy: the lower rank of a pair connects to the higher rank's listener (address from
 the store key ``tcp/addr/{rank}``), one socket per channel. With ``DDL_SOCKET_IFNAME`` listing A
 interfaces (rails, one subnet each), local rank i listens on the (i mod A)-th and binds its
-connections' source to it, so its traffic leaves through that adapter. Before anything else on a socket is
-acted on, the connector proves the job's key (``store.job_key``, `ddlcore.auth.JobKey`) with
-its claim bound into the proof: protocol version, source rank, destination rank, world size,
-channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
+connections' source to it, so its traffic leaves through that adapter. Before anything else on
+a socket is acted on, the connector proves the job's key (``store.job_key``,
+`ddlcore.auth.JobKey`) with its claim bound into the proof: protocol version, source rank,
+destination rank, world size, channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
 Only then does the higher rank answer (ACK: accepted, or why not) and file the socket under its
 pair; a second connection for a channel already connected is refused. Handshakes are served
 concurrently (`HandshakeListener`): each has _HANDSHAKE_TIMEOUT_S for the whole of it, and caps
