@@ -110,7 +110,7 @@ def rail_address(ifname: str, rank: int, local_rank: int) -> str | None:
         return None
     rail = local_rank % len(rails)
     if len(rails) == 1:
-        return interface_address(rails[0])
+        return interface_address(rails[0], f"rank {rank}: DDL_SOCKET_IFNAME={rails[0]!r}")
     return interface_address(
         rails[rail], f"rank {rank} (local rank {local_rank}): interface {rails[rail]!r}, rail "
         f"{rail} of DDL_SOCKET_IFNAME={ifname!r},",

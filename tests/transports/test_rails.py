@@ -47,9 +47,11 @@ def test_local_rank_takes_its_rail_mod_the_count():
         assert "list only the adapters all hosts have" in text
 
 
-def test_one_name_keeps_the_old_message():
-    with pytest.raises(ValueError, match=r"^DDL_SOCKET_IFNAME='nosuchif0' is not a network"):
-        rail_address("nosuchif0", 0, 3)
+def test_one_name_is_every_local_ranks():
+    assert {rail_address("lo", 4, local) for local in range(3)} == {"127.0.0.1"}
+    with pytest.raises(ValueError, match=r"^rank 4: DDL_SOCKET_IFNAME='nosuchif0' is not a "
+                                         r"network interface of this host .*interfaces here"):
+        rail_address("nosuchif0", 4, 3)
 
 
 def _context(ifname: str, local_rank: int) -> TcpContext:
