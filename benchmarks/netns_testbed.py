@@ -2,7 +2,9 @@
 
 A "switch" namespace holds a Linux bridge; each host namespace is joined to it by a veth pair
 whose two ends are both rate-shaped with ``tc ... tbf`` (so each host's link is limited in and
-out). M ranks per host run this file's `worker` (ddl-bench's timing, in O(n) memory) inside their
+out). ``--adapters A`` gives each host A such links (network adapters, rails): eth0, eth1, ...,
+each on its own bridge and subnet (10.213.<rail>.<host+1>), with DDL_SOCKET_IFNAME=eth0,eth1,...
+so local rank i sends through eth(i mod A). M ranks per host run this file's `worker` (ddl-bench's timing, in O(n) memory) inside their
 host's namespace, so ranks of one host talk over shm and ranks of different hosts over TCP
 through the shaped links. ``--placement`` says which ranks share a host: ``block`` puts rank r on
 host r // M (ranks host by host, ``mpiexec --map-by slot``), ``cyclic`` on host r % H (dealt
@@ -23,7 +25,7 @@ the limit (the measured/bound ratio shows it).
         --json benchmarks/results/netns_testbed.json
 
 A shape is ``MxH`` = M ranks per host x H hosts (DDL_TOPOLOGY's order: fastest level first).
-One file (~600 lines) because the testbed, its rank worker and the tables are used together
+One file (~700 lines) because the testbed, its rank worker and the tables are used together
 (``tests/integration/test_netns.py`` loads it by path: ``benchmarks`` is not a package).
 """
 
@@ -52,8 +54,8 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "ddltb"
-SUBNET = "10.213.0"          # private; only ever configured inside our own namespaces
-IFNAME = "eth0"              # the host end of each veth, inside its host namespace
+SUBNET = "10.213"            # private, 10.213.<rail>.x; only ever set inside our own namespaces
+IFNAME = "eth"               # the host end of rail i's veth is eth<i>, inside its host namespace
 NO_DELAY_NOTE = ("link delay is NOT emulated (netem is not available in this kernel); "
                  "links are rate-shaped with tbf only")
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3,
@@ -65,6 +67,12 @@ PLACEMENTS = ("block", "cyclic")
 # sharing 2 cores, 3 GB/s and 20 us; TCP through tbf carries ~0.956 of the shaped rate as payload
 # (1x2 at 1 Gbit/s: 562 ms for 64 MB) with ~60 us per message; reductions 3 GB/s.
 SIM_HOST_LINK = (3e9, 20e-6)
+# With --transport tcp the host level is TCP over loopback, which costs CPU (a copy into and out
+# of the kernel) on the cores every rank of the testbed shares: 2.2 GB/s over all P ranks
+# together, so each rank's host link gets 1/P of it, ~40 us one way (fitted to the 1-adapter
+# 2x2 and 4x2 --transport tcp rows on a quiet machine; one stream alone moves 1.64 GB/s,
+# BENCHMARKS.md). Busy with other work, the machine gives less: the simulator is then optimistic.
+SIM_HOST_TCP_LINK = (2.2e9, 40e-6)
 SIM_NET_EFFICIENCY, SIM_NET_LAT = 0.956, 60e-6
 SIM_REDUCE_BW = 3e9
 
@@ -141,6 +149,7 @@ class Testbed:
 
     hosts: int
     rate: str | None = None
+    adapters: int = 1             # network adapters (veth pairs, rails) per host
     tag: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}-{next(_SEQ)}")
     workdir: str | None = None    # rank logs go here; None: a temporary folder
     created: list[str] = field(default_factory=list)
@@ -156,30 +165,41 @@ class Testbed:
         return f"{self.tag}-h{host}"
 
     @staticmethod
-    def address(host: int) -> str:
-        return f"{SUBNET}.{host + 1}"
+    def address(host: int, rail: int = 0) -> str:
+        return f"{SUBNET}.{rail}.{host + 1}"
+
+    @property
+    def ifnames(self) -> list[str]:
+        """The host ends of each host's rails: eth0, eth1, ..."""
+        return [f"{IFNAME}{i}" for i in range(self.adapters)]
 
     def up(self) -> Testbed:
+        if not 1 <= self.adapters <= 16:
+            raise ValueError(f"adapters={self.adapters}: expected 1 to 16 per host")
         try:
             if self.workdir is None:
                 self.workdir, self._own_workdir = tempfile.mkdtemp(prefix=f"{self.tag}-"), True
             self._add_ns(self.switch)
-            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for rail in range(self.adapters):  # one bridge (switch) and subnet per rail
+                _run("ip", "-n", self.switch, "link", "add", f"br{rail}", "type", "bridge")
+                _run("ip", "-n", self.switch, "link", "set", f"br{rail}", "up")
             for h in range(self.hosts):
-                ns, port = self.namespace(h), f"h{h}"
+                ns = self.namespace(h)
                 self._add_ns(ns)
-                # Made inside the switch namespace with the peer put straight into the host's, so
-                # no link of ours ever appears in the root namespace, even for a moment.
-                _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name",
-                     IFNAME, "netns", ns)
-                _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
-                _run("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", IFNAME)
-                _run("ip", "-n", ns, "link", "set", IFNAME, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
-                if self.rate:
-                    self._shape(ns, IFNAME)            # host -> switch (the host's egress)
-                    self._shape(self.switch, port)     # switch -> host (the host's ingress)
+                for rail, dev in enumerate(self.ifnames):
+                    port = f"h{h}" if rail == 0 else f"h{h}r{rail}"
+                    # Made inside the switch namespace with the peer put straight into the
+                    # host's, so no link of ours ever appears in the root namespace.
+                    _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer",
+                         "name", dev, "netns", ns)
+                    _run("ip", "-n", self.switch, "link", "set", port, "master", f"br{rail}",
+                         "up")
+                    _run("ip", "-n", ns, "addr", "add", f"{self.address(h, rail)}/24", "dev", dev)
+                    _run("ip", "-n", ns, "link", "set", dev, "up")
+                    if self.rate:
+                        self._shape(ns, dev)               # host -> switch (the host's egress)
+                        self._shape(self.switch, port)     # switch -> host (the host's ingress)
         except BaseException:
             self.down()
             raise
@@ -211,7 +231,8 @@ class Testbed:
                                                        placement) == host)
             child = dict(base, DDL_RANK=str(r), DDL_SIZE=str(size), DDL_LOCAL_RANK=str(local),
                          DDL_LOCAL_SIZE=str(ranks_per_host), DDL_MASTER_ADDR=self.address(0),
-                         DDL_MASTER_PORT=str(port), DDL_SOCKET_IFNAME=IFNAME,
+                         DDL_MASTER_PORT=str(port),
+                         DDL_SOCKET_IFNAME=",".join(self.ifnames),
                          DDL_TIMEOUT=str(ddl_timeout), **(env or {}))
             out, err = (os.path.join(logdir, f"rank{r}.{s}") for s in ("out", "err"))
             with open(out, "w") as fo, open(err, "w") as fe:
@@ -370,21 +391,26 @@ def box_order(m: int, h: int, placement: str) -> list[int]:
 
 
 def simulated(m: int, h: int, placement: str, rate: str | None, algorithm: str,
-              nbytes: int, collective: str = "allreduce") -> float | None:
+              nbytes: int, collective: str = "allreduce", adapters: int = 1,
+              host_transport: str = "shm") -> float | None:
     """Seconds the simulator predicts for one ``collective`` of ``nbytes`` via ``algorithm`` with this
-    rank -> host map and the testbed's links (`SIM_HOST_LINK`, ...); None where the links are
-    not shaped or the algorithm is no schedule (``direct``, one host)."""
+    rank -> host map and the testbed's links (`SIM_HOST_LINK`, or `SIM_HOST_TCP_LINK` when
+    ``host_transport`` is tcp, ...), ``adapters`` per host; None where the links are not shaped
+    or the algorithm is no schedule (``direct``, one host)."""
     from ddlcore import simulate, topology
     from ddlcore.algorithms import ALGORITHMS
 
     if not rate or h == 1 or algorithm not in ALGORITHMS[collective]:
         return None
     hosts = [f"h{host_of(r, m, h, placement)}" for r in range(m * h)]
-    found = topology.build(hosts, [""] * len(hosts), {"host": "shm", "network": "tcp"}, {})
+    found = topology.build(hosts, [""] * len(hosts), {"host": host_transport, "network": "tcp"}, {})
     net = (parse_rate(rate) * SIM_NET_EFFICIENCY, SIM_NET_LAT)
-    links = [SIM_HOST_LINK if level == "host" else net for level in found.levels]
+    host = SIM_HOST_LINK
+    if host_transport == "tcp":  # the machine's loopback TCP, shared by every rank
+        host = (SIM_HOST_TCP_LINK[0] / (m * h), SIM_HOST_TCP_LINK[1])
+    links = [host if level == "host" else net for level in found.levels]
     topo = topology.Topology(found.dims, found.order, tuple(b for b, _ in links),
-                             tuple(t for _, t in links), found.levels, found.note)
+                             tuple(t for _, t in links), found.levels, found.note, adapters)
     return simulate.simulate(collective, algorithm, topo, nbytes,
                              reduce_bw=SIM_REDUCE_BW).time_s
 
@@ -438,6 +464,7 @@ def worker(sizes: list[int], iters: int, warmup: int, out: str,
                 json.dump({"algorithm": rows[-1]["algorithm"], "nhosts": comm.nhosts,
                            "transports": sorted(set(comm.transports.values())),
                            "box": comm.topology.shape, "order": list(comm.topology.order),
+                           "adapters": comm.topology.adapters,
                            "rows": rows}, f)
 
 
@@ -448,13 +475,13 @@ def measure(tb: Testbed, m: int, algo: str, sizes: list[int], args: argparse.Nam
     path = os.path.join(tempfile.mkdtemp(prefix="json-", dir=tb.workdir), "rows.json")
     argv = [os.path.abspath(__file__), "--rank-worker", ",".join(map(str, sizes)),
             str(args.iters), str(args.warmup), path, args.collective]
-    tb.run_job(m, argv, deadline - time.monotonic(), ddl_timeout=args.ddl_timeout,
+    tb.run_job(m, argv, max(1.0, deadline - time.monotonic()), ddl_timeout=args.ddl_timeout,
                env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport}, placement=placement)
     with open(path) as f:
         return json.load(f)
 
 
-HEAD = (f"{'shape':>5s} {'place':>6s} {'rate':>7s} {'algo':>9s} {'size(B)':>10s} "
+HEAD = (f"{'shape':>5s} {'A':>2s} {'place':>6s} {'rate':>7s} {'algo':>9s} {'size(B)':>10s} "
         f"{'time(us)':>10s} {'busbw':>6s} {'bound(us)':>10s} {'meas/bd':>7s} {'sim(us)':>10s} "
         f"{'sim/meas':>8s} {'link B bound':>12s} {'link B ring':>12s} {'#wrong':>6s}")
 
@@ -462,7 +489,8 @@ HEAD = (f"{'shape':>5s} {'place':>6s} {'rate':>7s} {'algo':>9s} {'size(B)':>10s}
 def table_row(r: dict[str, Any]) -> str:
     nan, algo = float("nan"), r["algo"] if r["algo"] != "auto" else f"a:{r['algorithm']}"
     sim = r.get("sim_us")
-    return (f"{r['shape']:>5s} {r.get('placement', 'block'):>6s} {r['rate'] or '-':>7s} "
+    return (f"{r['shape']:>5s} {r.get('adapters', 1):2d} {r.get('placement', 'block'):>6s} "
+            f"{r['rate'] or '-':>7s} "
             f"{algo:>9s} {r['size']:10d} {r['time_us']:10.0f} {r['busbw']:6.3f} "
             f"{r['bound_us'] or nan:10.0f} {r['ratio_to_bound'] or nan:7.2f} "
             f"{sim or nan:10.0f} {sim / r['time_us'] if sim else nan:8.2f} "
@@ -470,49 +498,56 @@ def table_row(r: dict[str, Any]) -> str:
 
 
 def summary(results: list[dict[str, Any]]) -> list[str]:
-    """Per (shape, placement, rate, size, algo) over the repeats: median time, its spread
-    ((max - min) / median), ratio to the bound, speed-up over the ring of the same placement,
-    and the simulator's prediction over the median."""
+    """Per (shape, placement, rate, size, algo, adapters) over the repeats: median time, its
+    spread ((max - min) / median), ratio to the bound, speed-up over the ring of the same
+    placement, over the same run with one adapter per host, and the simulator's prediction over
+    the median."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        key = (r["shape"], r.get("placement", "block"), r["rate"], r["size"], r["algo"])
+        key = (r["shape"], r.get("placement", "block"), r["rate"], r["size"], r["algo"],
+               r.get("adapters", 1))
         groups.setdefault(key, []).append(r)
     median = {k: statistics.median(r["time_us"] for r in rows) for k, rows in groups.items()}
-    lines = [f"{'shape':>5s} {'place':>6s} {'rate':>7s} {'size(B)':>10s} {'algo':>9s} {'n':>2s} "
-             f"{'median us':>10s} {'spread':>6s} {'meas/bd':>7s} {'vs ring':>7s} {'sim/meas':>8s}"]
+    lines = [f"{'shape':>5s} {'A':>2s} {'place':>6s} {'rate':>7s} {'size(B)':>10s} {'algo':>9s} "
+             f"{'n':>2s} {'median us':>10s} {'spread':>6s} {'meas/bd':>7s} {'vs ring':>7s} "
+             f"{'vs A=1':>6s} {'sim/meas':>8s}"]
     for key, rows in groups.items():
         t, times, nan = median[key], [r["time_us"] for r in rows], float("nan")
-        ring = median.get(key[:4] + ("ring",))
+        ring = median.get(key[:4] + ("ring", key[5]))
+        one = median.get(key[:5] + (1,))
         bound, sim = rows[0]["bound_us"], rows[0].get("sim_us")
         used = "/".join(sorted({r["algorithm"] for r in rows}))
         algo = key[4] if key[4] != "auto" else f"a:{used}"
-        lines.append(f"{key[0]:>5s} {key[1]:>6s} {key[2] or '-':>7s} {key[3]:10d} {algo:>9s} "
-                     f"{len(rows):2d} {t:10.0f} {(max(times) - min(times)) / t:6.1%} "
+        lines.append(f"{key[0]:>5s} {key[5]:2d} {key[1]:>6s} {key[2] or '-':>7s} {key[3]:10d} "
+                     f"{algo:>9s} {len(rows):2d} {t:10.0f} {(max(times) - min(times)) / t:6.1%} "
                      f"{t / bound if bound else nan:7.2f} {ring / t if ring else nan:7.2f} "
-                     f"{sim / t if sim else nan:8.2f}")
+                     f"{one / t if one else nan:6.2f} {sim / t if sim else nan:8.2f}")
     return lines
 
 
 def run_all(args: argparse.Namespace, algos: list[str], sizes: list[int],
             results: list[dict[str, Any]]) -> int:
-    """Every (shape, rate, placement, repeat, algorithm), one testbed per (shape, rate); rows
-    appended to results. Repeats go round all algorithms, so a change of the machine's load
+    """Every (shape, rate, adapters, placement, repeat, algorithm), one testbed per (shape,
+    rate, adapters); rows appended to results. Repeats go round all algorithms, so a change of the machine's load
     during the run shows in every algorithm's spread alike."""
     status, deadline = 0, time.monotonic() + args.timeout
     rates = [None if r.lower() == "none" else r for r in args.rates.split(",")]
-    for (m, h), rate in itertools.product(args.shapes, rates):
-        with Testbed(h, rate) as tb:
+    for (m, h), rate, adapters in itertools.product(args.shapes, rates, args.adapters):
+        with Testbed(h, rate, adapters) as tb:
             for placement, rep, algo in itertools.product(args.placement, range(args.repeat),
                                                           algos):
                 t0, load = time.monotonic(), os.getloadavg()[0]  # others' work skews timings here
                 try:
                     got = measure(tb, m, algo, sizes, args, deadline, placement)
                 except JobFailed as exc:
-                    print(f"# {m}x{h} {placement} {rate} {algo}: FAILED\n{exc}", file=sys.stderr)
+                    print(f"# {m}x{h} {placement} {rate} x{adapters} {algo}: FAILED\n{exc}",
+                          file=sys.stderr)
                     status = 1
                     continue
-                print(f"# {m}x{h} {placement} at {rate or 'unshaped'}, {algo} #{rep} (ran "
-                      f"{got['algorithm']}, {got['nhosts']} hosts, box {got['box']} order "
+                print(f"# {m}x{h} {placement} at {rate or 'unshaped'} x {adapters} adapter(s), "
+                      f"{algo} #{rep} (ran "
+                      f"{got['algorithm']}, {got['nhosts']} hosts x {got['adapters']} adapters, "
+                      f"box {got['box']} order "
                       f"{got['order']}, {'+'.join(got['transports'])}): "
                       f"{time.monotonic() - t0:.1f} s, load {load:.1f} before, "
                       f"{os.getloadavg()[0]:.1f} after", flush=True)
@@ -522,11 +557,14 @@ def run_all(args: argparse.Namespace, algos: list[str], sizes: list[int],
                     status = 1
                 for row in got["rows"]:
                     c = args.collective
+                    # A host's links (one per rail) carry its bytes together at best
                     bound_us = (link_bytes(row["size"], h, c) / parse_rate(rate) * 1e6
-                                if rate and h > 1 else None)
-                    sim_s = simulated(m, h, placement, rate, row["algorithm"], row["size"], c)
+                                / min(adapters, m) if rate and h > 1 else None)
+                    sim_s = simulated(m, h, placement, rate, row["algorithm"], row["size"], c,
+                                      adapters, "tcp" if "shm" not in got["transports"] else "shm")
                     results.append(dict(
-                        collective=c, shape=f"{m}x{h}", ranks_per_host=m, hosts=h, placement=placement,
+                        collective=c, shape=f"{m}x{h}", ranks_per_host=m, hosts=h,
+                        adapters=adapters, placement=placement,
                         repeat=rep, rate=rate, algo=algo, algorithm_used=got["algorithm"],
                         transports=got["transports"], box=got["box"], box_order=got["order"],
                         loadavg_before=load, loadavg_after=os.getloadavg()[0], bound_us=bound_us,
@@ -558,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
                    type=lambda s: [_placement(x) for x in s.split(",")],
                    help="comma list: block (rank r on host r // M, the default) or cyclic "
                         "(rank r on host r %% H)")
+    p.add_argument("--adapters", default=[1],
+                   type=lambda s: [int(x) for x in s.split(",")],
+                   help="comma list: network adapters (veth pairs, rails) per host (default 1); "
+                        "each is its own shaped link, bridge and subnet")
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each (shape, placement, algorithm) this many times")
     p.add_argument("-C", "--collective", default="allreduce",
@@ -576,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if any(not 1 <= a <= 16 for a in args.adapters):
+        p.error("--adapters: each must be 1 to 16")
     for r in args.rates.split(","):
         if r.lower() != "none":
             parse_rate(r)
@@ -610,13 +654,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.setitimer(signal.ITIMER_REAL, 0)
     factor = "2(H-1)/H" if args.collective == "allreduce" else "(H-1)/H"
     print(f"\n# {args.collective}, iters {args.iters}, warmup {args.warmup}; time = slowest "
-          f"rank's mean; bound = {factor} n / rate; sim = the simulator's time for the algorithm "
-          f"that ran, same rank -> host map; link B = bytes per host link: the bound's, and the "
+          f"rank's mean; A = adapters per host; bound = {factor} n / (rate x min(A, M)); "
+          f"sim = the simulator's time for the algorithm that ran, same rank -> host map and "
+          f"adapters; link B = bytes per host link: the bound's, and the "
           f"rank-order ring's (flows x {factor.replace('H', 'P')} n)\n{HEAD}")
     print("\n".join(table_row(r) for r in results))
-    if args.repeat > 1 or len(args.placement) > 1:
+    if args.repeat > 1 or len(args.placement) > 1 or len(args.adapters) > 1:
         print(f"\n# over {args.repeat} repeat(s): median, spread = (max - min) / median, "
-              "vs ring = the ring's median / this median (same placement)")
+              "vs ring = the ring's median / this median (same placement), vs A=1 = the "
+              "median with one adapter per host / this median")
         print("\n".join(summary(results)))
     if args.json:
         meta = {"command": " ".join(["python", "benchmarks/netns_testbed.py",

@@ -25,6 +25,7 @@ import threading
 
 import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
+from ddlcore.topology import layout
 from ddlcore.transports.base import Context, Pair, PeerInfo, Store, Transport
 
 
@@ -135,8 +136,10 @@ class Links:
         self.contexts: dict[str, Context] = {}
         self._relayed = False  # an abort a peer told one context of went to all of them
         self._relay_lock = threading.Lock()
+        local_rank = layout([p.host_id for p in peers], rank).local_rank  # picks its rail
         for name in sorted(set(self.choice.values())):
-            ctx = self.contexts[name] = instances[name].create_context(rank, size, store, timeout)
+            ctx = self.contexts[name] = instances[name].create_context_local(
+                rank, size, store, timeout, local_rank)
             try:
                 ctx.on_abort = self._heard_abort
             except AttributeError:  # a context that cannot take it: it only fails less promptly

@@ -109,11 +109,12 @@ def _master_host(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str
     """Address rank 0 serves the store on when the launcher named none."""
     if info.local_size is not None and info.local_size == info.size:
         return "127.0.0.1"  # every rank on this host
-    ifname = config.get("DDL_SOCKET_IFNAME", environ)
-    if ifname:
-        from ddlcore.transports.sockets import interface_address
+    from ddlcore.transports.sockets import rail_address
 
-        return interface_address(ifname)
+    # DDL_SOCKET_IFNAME's first interface (rail 0, that of local rank 0) when it lists any
+    address = rail_address(config.get("DDL_SOCKET_IFNAME", environ), info.rank, 0)
+    if address:
+        return address
     return socket.gethostbyname(socket.getfqdn())
 
 

@@ -163,8 +163,9 @@ class Topology:
         return math.prod(self.dims[:self.host_dims])
 
     def adapter_of(self, rank: int) -> tuple[int, int]:
-        """(host, adapter) through which ``rank`` reaches the network: local ranks are dealt
-        round-robin over the host's adapters."""
+        """(host, adapter) through which ``rank`` reaches the network: local rank i (its
+        position in its host's sub-box, which is `layout`'s local rank) uses adapter i mod
+        ``adapters``, as the tcp transport gives it the (i mod A)-th ``DDL_SOCKET_IFNAME``."""
         pos = self._pos[rank]
         return pos // self.ranks_per_node, (pos % self.ranks_per_node) % self.adapters
 
@@ -176,6 +177,9 @@ class Topology:
         parts = [f"{d} ({lvl}, {bw / 1e9:.3g} GB/s, {lat * 1e6:.3g} us)"
                  for d, lvl, bw, lat in zip(self.dims, self.levels, self.bw, self.lat, strict=True)]
         text = " x ".join(parts)
+        if self.adapters > 1:
+            text += f"; {self.adapters} network adapters per host (local rank i uses i mod " \
+                    f"{self.adapters})"
         return f"{text}; {self.note}" if self.note else text
 
 
@@ -305,4 +309,21 @@ def build(host_ids: Sequence[str], rack_ids: Sequence[str], level_transport: Map
     lat_env = config.get("DDL_LINK_LAT", environ)
     bw = per_dim(bw_env, len(dims), "DDL_LINK_BW") if bw_env else tuple(d[0] for d in defaults)
     lat = per_dim(lat_env, len(dims), "DDL_LINK_LAT") if lat_env else tuple(d[1] for d in defaults)
-    return Topology(dims, order, bw, lat, tuple(levels), note)
+    adapters = network_adapters(level_transport.get("network", ""), environ) \
+        if hosts.nhosts > 1 else 1
+    return Topology(dims, order, bw, lat, tuple(levels), note, adapters)
+
+
+def network_adapters(transport: str, environ: Mapping[str, str] | None = None) -> int:
+    """Network adapters (rails) per host that ``transport`` spreads a host's ranks over: tcp,
+    the interfaces ``DDL_SOCKET_IFNAME`` lists; ucx, the devices ``UCX_NET_DEVICES`` lists;
+    others, 1."""
+    if transport == "tcp":
+        from ddlcore.transports.sockets import rail_interfaces
+
+        return max(1, len(rail_interfaces(config.get("DDL_SOCKET_IFNAME", environ))))
+    if transport == "ucx":
+        from ddlcore.transports.ucx import net_device_rails
+
+        return max(1, len(net_device_rails(environ)))
+    return 1

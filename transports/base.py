@@ -227,3 +227,10 @@ class Transport(abc.ABC):
     def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
         """Create this rank's context. Addresses are exchanged through ``store``; ``timeout``
         bounds connection set-up."""
+
+    def create_context_local(self, rank: int, size: int, store: Store, timeout: float,
+                             local_rank: int) -> Context:
+        """`create_context` for a rank that is local rank ``local_rank`` of its host (what the
+        communicator calls): a transport with several network adapters per host gives local
+        rank i the (i mod A)-th (tcp: ``DDL_SOCKET_IFNAME``'s list); by default the same."""
+        return self.create_context(rank, size, store, timeout)

@@ -4,7 +4,9 @@ listen on, connecting with retries, exact reads, "host:port" strings, and `Hands
 
 The address a rank listens on is the IPv4 address of ``DDL_SOCKET_IFNAME`` when that is set
 (looked up with the ``SIOCGIFADDR`` ioctl), otherwise the local address the kernel would use to
-reach the master, so peers on other hosts reach it over the same network.
+reach the master, so peers on other hosts reach it over the same network. A comma list there
+names one interface per network adapter (rail): local rank i takes the (i mod A)-th
+(`rail_interface`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def interface_names() -> list[str]:
         return []
 
 
-def interface_address(ifname: str) -> str:
+def interface_address(ifname: str, label: str | None = None, fix: str = "") -> str:
     """The IPv4 address of network interface ``ifname`` (e.g. ``eth0``).
+
+    ``label`` says where the name came from in errors (default ``DDL_SOCKET_IFNAME=<ifname>``)
+    and ``fix`` what to do (default: unset it, or list the interfaces that exist).
 
     Raises
     ------
@@ -48,26 +53,69 @@ def interface_address(ifname: str) -> str:
         No such interface, or it has no IPv4 address; the message names ``DDL_SOCKET_IFNAME``
         and lists the interfaces that exist.
     """
+    label = label or f"DDL_SOCKET_IFNAME={ifname!r}"
     names = ", ".join(interface_names()) or "none found"
     try:
         import fcntl
     except ImportError:  # not POSIX
-        raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r}: interface lookup needs Linux "
-                         "(fcntl/ioctl); unset it to use the interface that reaches the "
-                         "master address") from None
+        raise ValueError(f"{label}: interface lookup needs Linux (fcntl/ioctl); unset "
+                         "DDL_SOCKET_IFNAME to use the interface that reaches the master "
+                         "address") from None
     raw = ifname.encode()
     if not raw or len(raw) >= _IFNAMSIZ or b"\0" in raw:
-        raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r} is not a valid interface name; "
-                         f"interfaces here: {names}")
+        raise ValueError(f"{label} is not a valid interface name; interfaces here: {names}{fix}")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", raw))
         except OSError as exc:
             why = ("has no IPv4 address" if ifname in interface_names()
                    else "is not a network interface of this host")
-            raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r} {why} ({exc.strerror}); "
-                             f"interfaces here: {names}") from None
+            raise ValueError(f"{label} {why} ({exc.strerror}); interfaces here: "
+                             f"{names}{fix}") from None
     return socket.inet_ntoa(res[20:24])
+
+
+def rail_interfaces(ifname: str) -> tuple[str, ...]:
+    """The interfaces ``DDL_SOCKET_IFNAME`` lists, one per rail ("eth0,eth1" -> both; "" -> none).
+
+    Raises
+    ------
+    ValueError
+        An empty name in the list or one named twice.
+    """
+    if not ifname.strip():
+        return ()
+    names = tuple(n.strip() for n in ifname.split(","))
+    if "" in names:
+        raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r} has an empty interface name; list one "
+                         "interface per network adapter, e.g. eth0,eth1")
+    if len(set(names)) != len(names):
+        raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r} names an interface twice; list each "
+                         "network adapter once")
+    return names
+
+
+def rail_address(ifname: str, rank: int, local_rank: int) -> str | None:
+    """The IPv4 address rank ``rank`` (local rank ``local_rank``) listens on and sends from:
+    that of its rail's interface (None when ``ifname`` is empty).
+
+    Raises
+    ------
+    ValueError
+        The rail's interface is missing or has no IPv4 address; the message names it, the rank
+        and what to do.
+    """
+    rails = rail_interfaces(ifname)
+    if not rails:
+        return None
+    rail = local_rank % len(rails)
+    if len(rails) == 1:
+        return interface_address(rails[0], f"rank {rank}: DDL_SOCKET_IFNAME={rails[0]!r}")
+    return interface_address(
+        rails[rail], f"rank {rank} (local rank {local_rank}): interface {rails[rail]!r}, rail "
+        f"{rail} of DDL_SOCKET_IFNAME={ifname!r},",
+        "; every host needs each listed interface with an IPv4 address (one subnet per rail): "
+        "list only the adapters all hosts have")
 
 
 def route_address(host: str) -> str:

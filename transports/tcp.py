@@ -5,10 +5,12 @@ Shape (after Gloo): `TcpTransport` -> `TcpContext` (this rank's listener and pai
 because the wire protocol, the per-socket threads and the failure rules only make sense together.
 
 Connecting is lazy: the lower rank of a pair connects to the higher rank's listener (address from
-the store key ``tcp/addr/{rank}``), one socket per channel. Before anything else on a socket is
-acted on, the connector proves the job's key (``store.job_key``, `ddlcore.auth.JobKey`) with
-its claim bound into the proof: protocol version, source rank, destination rank, world size,
-channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
+the store key ``tcp/addr/{rank}``), one socket per channel. With ``DDL_SOCKET_IFNAME`` listing A
+interfaces (rails, one subnet each), local rank i listens on the (i mod A)-th and binds its
+connections' source to it, so its traffic leaves through that adapter. Before anything else on
+a socket is acted on, the connector proves the job's key (``store.job_key``,
+`ddlcore.auth.JobKey`) with its claim bound into the proof: protocol version, source rank,
+destination rank, world size, channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
 Only then does the higher rank answer (ACK: accepted, or why not) and file the socket under its
 pair; a second connection for a channel already connected is refused. Handshakes are served
 concurrently (`HandshakeListener`): each has _HANDSHAKE_TIMEOUT_S for the whole of it, and caps
@@ -86,8 +88,9 @@ from ddlcore.transports.common import (
 from ddlcore.transports.sockets import (
     HandshakeListener,
     format_address,
-    interface_address,
     parse_address,
+    rail_address,
+    rail_interfaces,
     recv_exact,
     route_address,
 )
@@ -750,6 +753,8 @@ class TcpPair(Pair):
                                "files (ulimit -n)") from None
             connected = False
             try:
+                if ctx.source is not None:  # leave through this rank's rail
+                    sock.bind((ctx.source, 0))
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.connect(addr)
                 connected = True
@@ -889,7 +894,8 @@ class TcpPair(Pair):
 class TcpContext(PairTableContext):
     """This rank's listener, accept thread and pairs."""
 
-    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+    def __init__(self, rank: int, size: int, store: Store, timeout: float,
+                 local_rank: int = 0) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} must be in [0, size={size})")
         self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
@@ -897,8 +903,14 @@ class TcpContext(PairTableContext):
         if self.nchannels > 0xFFFF:
             raise ValueError(f"DDL_NCHANNELS={self.nchannels} is more than 65535")
         ifname = config.get("DDL_SOCKET_IFNAME")
-        if ifname:
-            self.address = interface_address(ifname)
+        # Several interfaces: local rank i's rail is the (i mod A)-th; it listens on, publishes
+        # and sends from that address, so its traffic leaves through that adapter.
+        self.source: str | None = None  # the address outgoing connections are bound to
+        address = rail_address(ifname, rank, local_rank)
+        if address is not None:
+            self.address = address
+            if len(rail_interfaces(ifname)) > 1:
+                self.source = address
         else:
             master = getattr(store, "host", None)
             self.address = (route_address(master) if master else
@@ -999,3 +1011,7 @@ class TcpTransport(Transport):
 
     def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
         return TcpContext(rank, size, store, timeout)
+
+    def create_context_local(self, rank: int, size: int, store: Store, timeout: float,
+                             local_rank: int) -> Context:
+        return TcpContext(rank, size, store, timeout, local_rank)

@@ -53,6 +53,9 @@ fast path within a host.
 
 UCX configuration: UCX reads its ``UCX_*`` variables from the environment, and those always win.
 Our defaults (_UCX_DEFAULTS) go in the context's config only for names the user has not set.
+One exception, rails: when ``UCX_NET_DEVICES`` lists several devices, local rank i's context
+gets the (i mod A)-th of them alone (as tcp's ``DDL_SOCKET_IFNAME``), so a host's ranks spread
+over its adapters instead of all picking UCX's favourite.
 ucxx's package ``__init__`` writes a few ``UCX_*`` defaults into ``os.environ`` when first
 imported; we import it lazily and put the environment back as it was (see `_import_ucxx`).
 
@@ -223,11 +226,25 @@ def _import_ucxx() -> tuple[Any, Any]:
     return libucxx, Array
 
 
-def ucx_options(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def ucx_options(environ: Mapping[str, str] | None = None, local_rank: int = 0) -> dict[str, str]:
     """The UCX config this transport passes to ``UCXContext``: our defaults, minus every name
-    the user set as ``UCX_<NAME>`` (explicit environment wins; UCX reads it itself)."""
+    the user set as ``UCX_<NAME>`` (explicit environment wins; UCX reads it itself). When
+    ``UCX_NET_DEVICES`` lists several devices (rails), local rank i's context takes the
+    (i mod A)-th alone (`net_device_rails`)."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in env}
+    options = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in env}
+    rails = net_device_rails(env)
+    if len(rails) > 1:
+        options["NET_DEVICES"] = rails[local_rank % len(rails)]
+    return options
+
+
+def net_device_rails(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The network devices ``UCX_NET_DEVICES`` lists, one per rail ("mlx5_0:1,mlx5_1:1"); none
+    for UCX's default ("all", or unset)."""
+    env = os.environ if environ is None else environ
+    names = tuple(n.strip() for n in env.get("UCX_NET_DEVICES", "").split(",") if n.strip())
+    return () if names in ((), ("all",)) or "all" in names else names
 
 
 def _features(lib: Any) -> tuple[Any, ...]:
@@ -563,7 +580,8 @@ class UcxPair(Pair):
 class UcxContext(PairTableContext):
     """This rank's UCX context and worker, its progress thread and its pairs."""
 
-    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+    def __init__(self, rank: int, size: int, store: Store, timeout: float,
+                 local_rank: int = 0) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} must be in [0, size={size})")
         if size > _MAX_RANKS:
@@ -591,7 +609,7 @@ class UcxContext(PairTableContext):
         self._bound = False  # the progress thread was given a GPU to make current
         self._binds: deque[DeviceView] = deque()  # views whose GPU it is to make current
         try:
-            self._ucx = lib.UCXContext(ucx_options(), _features(lib))
+            self._ucx = lib.UCXContext(ucx_options(local_rank=local_rank), _features(lib))
             direct = config.get("DDL_GPU_DIRECT")
             self.device_memory = direct == "on" or (direct == "auto" and
                                                     cuda_memory(self._ucx))
@@ -1045,3 +1063,7 @@ class UcxTransport(Transport):
 
     def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
         return UcxContext(rank, size, store, timeout)
+
+    def create_context_local(self, rank: int, size: int, store: Store, timeout: float,
+                             local_rank: int) -> Context:
+        return UcxContext(rank, size, store, timeout, local_rank)

@@ -111,3 +111,45 @@ def test_cyclic_placement_across_namespaces(netns, algo, tmp_path):
     assert [row["wrong"] for row in got["rows"]] == [0, 0]
     assert got["algorithm"] == algo if algo != "auto" else \
         got["algorithm"] in ALGORITHMS["allreduce"]
+
+
+def _tx_bytes(ns: str, dev: str) -> int:
+    import subprocess
+
+    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev],
+                         capture_output=True, text=True, check=True, timeout=10).stdout
+    return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+
+def test_two_adapters_per_host_both_carry_traffic(netns, tmp_path):
+    """--adapters 2: each host has eth0 and eth1 (own bridge, own subnet), DDL_SOCKET_IFNAME
+    lists both, so local rank i's cross-host ring sends through eth(i mod 2): both rails of
+    every host carry about half of the job's bytes, and the topology knows 2 adapters."""
+    nbytes, iters = 4 << 20, 2
+    out = tmp_path / "rows.json"
+    argv = [str(ROOT / "benchmarks" / "netns_testbed.py"), "--rank-worker", str(nbytes),
+            str(iters), "1", str(out)]
+    with netns.Testbed(HOSTS, adapters=2) as tb:
+        assert tb.ifnames == ["eth0", "eth1"]
+        before = {(h, d): _tx_bytes(tb.namespace(h), d) for h in range(HOSTS) for d in tb.ifnames}
+        tb.run_job(RANKS_PER_HOST, argv, timeout=60, ddl_timeout=30,
+                   env={"DDL_ALGO": "mdring", "DDL_TRANSPORT": "auto:tcp"})
+        sent = {k: _tx_bytes(tb.namespace(k[0]), k[1]) - v for k, v in before.items()}
+    assert tb.leftovers() == []
+    got = json.loads(out.read_text())
+    assert got["adapters"] == 2 and got["box"] == "2x2" and got["transports"] == ["shm", "tcp"]
+    assert [row["wrong"] for row in got["rows"]] == [0]
+    # Each local rank's ring moves its half of the buffer: (iters + warm-up) x 2(H-1)/H x n/2.
+    share = (iters + 1) * nbytes / 2
+    for (h, dev), n in sent.items():
+        assert 0.8 * share < n < 2 * share, (h, dev, n, sent)
+
+
+def test_simulator_column_counts_the_adapters():
+    tb = _testbed()
+    one, two = (tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=a)
+                for a in (1, 2))
+    assert two == pytest.approx(one / 2, rel=0.1)
+    # --transport tcp: the host level is TCP loopback, slower than the boards' shm
+    assert tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=2,
+                        host_transport="tcp") > two

@@ -190,3 +190,55 @@ def test_the_link_probe_sees_past_a_burst_and_a_disturbed_round():
     assert probe.rate(slow_before, 512 * kib, round_s(512 * kib), lat) < 1.4 * bw
     # A latency disturbed past the round itself: at most half the round is taken off.
     assert probe.rate(None, 1 << 20, 1e-3, 2e-3) == pytest.approx((1 << 20) / 0.5e-3)
+
+# --- network adapters (rails): DDL_SOCKET_IFNAME's list, as the tcp transport uses it ----------
+
+@pytest.mark.parametrize("ifname, hosts, network, adapters", [
+    ("eth0,eth1", ["a", "a", "b", "b"], "tcp", 2),
+    ("eth0, eth1, eth2", ["a", "a", "b", "b"], "tcp", 3),
+    ("eth0", ["a", "a", "b", "b"], "tcp", 1),
+    ("", ["a", "a", "b", "b"], "tcp", 1),
+    ("eth0,eth1", ["a", "a", "a", "a"], "tcp", 1),       # one host: no network to share
+    ("eth0,eth1", ["a", "a", "b", "b"], "ucx", 1),       # the list is tcp's
+    ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "ucx", 2),
+    ("ucx:all", ["a", "a", "b", "b"], "ucx", 1),
+    ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "tcp", 1),
+])
+def test_adapters_are_the_rails_listed(ifname, hosts, network, adapters):
+    env = {"UCX_NET_DEVICES": ifname[4:]} if ifname.startswith("ucx:") else \
+        {"DDL_SOCKET_IFNAME": ifname}
+    topo = _build(hosts, env=env, transports={"host": "shm", "network": network})
+    assert topo.adapters == adapters
+    assert ("network adapters per host" in topo.describe()) == (adapters > 1)
+
+
+@pytest.mark.parametrize("hosts", [
+    ["a"] * 4 + ["b"] * 4,                      # block
+    ["a", "b"] * 4,                             # cyclic
+    ["a", "a", "b", "b", "c", "c"],
+])
+@pytest.mark.parametrize("rails", ["eth0,eth1", "eth0,eth1,eth2"])
+def test_adapter_of_is_the_engines_local_rank_mod_rails(hosts, rails):
+    topo = _build(hosts, env={"DDL_SOCKET_IFNAME": rails})
+    a = len(rails.split(","))
+    for rank in range(len(hosts)):
+        here = topology.layout(hosts, rank)
+        assert topo.adapter_of(rank) == (topo.node_of(rank), here.local_rank % a), rank
+        assert topo.node_of(rank) == here.host_of[rank]
+
+
+def test_two_rails_halve_the_predicted_network_time():
+    from ddlcore import tuning
+
+    hosts = ["a"] * 4 + ["b"] * 4
+    one, two = (_build(hosts, env={"DDL_SOCKET_IFNAME": f, "DDL_LINK_BW": "5e9,125e6"})
+                for f in ("eth0", "eth0,eth1"))
+    cost = [tuning.predict("allreduce", "mdring", t, 64 << 20) for t in (one, two)]
+    assert cost[1] < 0.6 * cost[0], cost
+
+
+def test_bad_socket_ifname_list_is_named():
+    with pytest.raises(ValueError, match="DDL_SOCKET_IFNAME='eth0,,eth1' has an empty"):
+        _build(["a", "b"], env={"DDL_SOCKET_IFNAME": "eth0,,eth1"})
+    with pytest.raises(ValueError, match="names an interface twice"):
+        _build(["a", "b"], env={"DDL_SOCKET_IFNAME": "eth0,eth0"})
