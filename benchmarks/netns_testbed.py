@@ -108,6 +108,13 @@ def _placement(text: str) -> str:
     return text
 
 
+def _assignment(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return name, value
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """``MxH`` -> (ranks per host, hosts)."""
     try:
@@ -392,10 +399,11 @@ def box_order(m: int, h: int, placement: str) -> list[int]:
 
 def simulated(m: int, h: int, placement: str, rate: str | None, algorithm: str,
               nbytes: int, collective: str = "allreduce", adapters: int = 1,
-              host_transport: str = "shm") -> float | None:
+              host_transport: str = "shm", segments: int = 0) -> float | None:
     """Seconds the simulator predicts for one ``collective`` of ``nbytes`` via ``algorithm`` with this
     rank -> host map and the testbed's links (`SIM_HOST_LINK`, or `SIM_HOST_TCP_LINK` when
-    ``host_transport`` is tcp, ...), ``adapters`` per host; None where the links are not shaped
+    ``host_transport`` is tcp, ...), ``adapters`` per host, mdring in the job's ``segments`` (0:
+    the cost model's count for these links); None where the links are not shaped
     or the algorithm is no schedule (``direct``, one host)."""
     from ddlcore import simulate, topology
     from ddlcore.algorithms import ALGORITHMS
@@ -411,8 +419,8 @@ def simulated(m: int, h: int, placement: str, rate: str | None, algorithm: str,
     links = [host if level == "host" else net for level in found.levels]
     topo = topology.Topology(found.dims, found.order, tuple(b for b, _ in links),
                              tuple(t for _, t in links), found.levels, found.note, adapters)
-    return simulate.simulate(collective, algorithm, topo, nbytes,
-                             reduce_bw=SIM_REDUCE_BW).time_s
+    return simulate.simulate(collective, algorithm, topo, nbytes, reduce_bw=SIM_REDUCE_BW,
+                             segments=segments).time_s
 
 
 def worker(sizes: list[int], iters: int, warmup: int, out: str,
@@ -456,9 +464,12 @@ def worker(sizes: list[int], iters: int, warmup: int, out: str,
             wrong = int(comm.allreduce(np.array([np.count_nonzero(y != expect)]))[0])
             size = max(x.nbytes, y.nbytes)
             algbw = size / t / 1e9
+            choice = comm.describe(collective, x.nbytes)
             rows.append(dict(size=size, count=max(x.size, y.size), time_us=t * 1e6,
                              algbw=algbw, busbw=algbw * bus_factor(collective, p), wrong=wrong,
-                             algorithm=comm.describe(collective, x.nbytes).algorithm))
+                             algorithm=choice.algorithm,
+                             # the schedule's pipelined segments (0: the host-staged path's own)
+                             segments=0 if choice.host_path else choice.segments))
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"algorithm": rows[-1]["algorithm"], "nhosts": comm.nhosts,
@@ -476,7 +487,8 @@ def measure(tb: Testbed, m: int, algo: str, sizes: list[int], args: argparse.Nam
     argv = [os.path.abspath(__file__), "--rank-worker", ",".join(map(str, sizes)),
             str(args.iters), str(args.warmup), path, args.collective]
     tb.run_job(m, argv, max(1.0, deadline - time.monotonic()), ddl_timeout=args.ddl_timeout,
-               env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport}, placement=placement)
+               env={"DDL_ALGO": algo, "DDL_TRANSPORT": args.transport, **dict(args.env)},
+               placement=placement)
     with open(path) as f:
         return json.load(f)
 
@@ -561,7 +573,8 @@ def run_all(args: argparse.Namespace, algos: list[str], sizes: list[int],
                     bound_us = (link_bytes(row["size"], h, c) / parse_rate(rate) * 1e6
                                 / min(adapters, m) if rate and h > 1 else None)
                     sim_s = simulated(m, h, placement, rate, row["algorithm"], row["size"], c,
-                                      adapters, "tcp" if "shm" not in got["transports"] else "shm")
+                                      adapters, "tcp" if "shm" not in got["transports"] else "shm",
+                                      row.get("segments", 0))
                     results.append(dict(
                         collective=c, shape=f"{m}x{h}", ranks_per_host=m, hosts=h,
                         adapters=adapters, placement=placement,
@@ -611,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="auto:tcp",
                    help="DDL_TRANSPORT of the ranks (default auto:tcp: shm in a host, tcp across; "
                         "plain auto would take ucx across hosts when it is installed)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", type=_assignment,
+                   help="another variable for the ranks, e.g. DDL_SEGMENTS=1 (repeatable)")
     p.add_argument("--ddl-timeout", type=float, default=60.0, help="DDL_TIMEOUT of the ranks")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds for the whole run; on expiry kill everything and tear down")
