@@ -123,9 +123,10 @@ def _phase(topo: Topology, dim: int, steps: int, nbytes: float, share: int, redu
         return 0.0
     transfer = nbytes / topo.bw[dim]
     work = nbytes * gamma if reduce else 0.0
-    # A shared adapter is busy with the other ranks' bytes while this rank reduces its own.
     own = max(transfer, work) if chunk_bytes and nbytes > chunk_bytes else transfer + work
-    return steps * (topo.lat[dim] + max(transfer * share, own))
+    # A shared adapter carries the other ranks' bytes while this rank waits out its latency
+    # and reduces its own.
+    return steps * max(topo.lat[dim] + own, transfer * share)
 
 
 def _share(topo: Topology, dim: int, concurrent: int) -> int:
@@ -210,7 +211,8 @@ def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
     if not (rs and ag):
         segments = 1
     m = float(nbytes) / segments
-    net_streams = max([mdring.channels(topo.dims[j]) for j in active_dims(topo, order)
+    shared = topo.ranks_per_node > topo.adapters
+    net_streams = max([mdring.channels(topo.dims[j], shared) for j in active_dims(topo, order)
                        if j >= topo.host_dims] or [1])  # the network dimensions share them
     chains: dict[int, float] = {}  # per link: its phases' times over their streams (a segment)
     wires: dict[int, float] = {}   # per link: the seconds its bytes take (one segment)
@@ -229,7 +231,7 @@ def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
             t = (_phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes) +
                  _phase(topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes))
             wire = (d - 1) * (int(rs) + int(ag)) * seg * share / topo.bw[j]
-            streams = mdring.channels(d) if link >= 0 else net_streams
+            streams = net_streams if link < 0 else mdring.channels(d)
         total += t
         chains[link] = chains.get(link, 0.0) + t / streams
         wires[link] = wires.get(link, 0.0) + wire

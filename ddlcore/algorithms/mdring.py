@@ -67,16 +67,18 @@ from ddlcore.topology import Topology, flat
 NAME = "mdring"
 
 
-# Streams per dimension of a pipelined allreduce: one leaves the links idle during each ring
-# step's latency; two brought the paper's cluster (4x16x4, 100 MB) from 1.33x to 1.05x the
-# network bound in the simulator, four did no better (BENCHMARKS.md, "The paper's cluster").
+# Streams per link of a pipelined allreduce (whose rings have more than two ranks): with one,
+# each ring step's latency leaves the link idle. A network adapter that several of the host's
+# ranks share needs no second stream: their rings fill each other's gaps. Chosen in the
+# simulator (BENCHMARKS.md, "The paper's cluster in the simulator").
 CHANNELS = 2
 
 
-def channels(d: int) -> int:
-    """Streams of a pipelined allreduce along a dimension of ``d`` ranks: a ring of two takes
-    one step each way, no chain of steps whose latencies a second stream could cover."""
-    return CHANNELS if d > 2 else 1
+def channels(d: int, shared: bool = False) -> int:
+    """Streams of a pipelined allreduce along a dimension of ``d`` ranks (``shared``: over an
+    adapter several ranks use): a ring of two takes one step each way, no chain of steps
+    whose latencies a second stream could cover."""
+    return 1 if shared or d <= 2 else CHANNELS
 
 
 def active_dims(topo: Topology, dim_order: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -256,9 +258,9 @@ def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence
                segments: int) -> tuple[list[Step], tuple[Part, ...]]:
     """The allreduce in ``segments`` contiguous segments, each run through every phase, with
     the phases of different segments overlapping: phase i of segment s is a part on a stream
-    of its dimension, after phase i-1 of segment s. Each dimension has `CHANNELS` streams,
-    segment s on channel s % CHANNELS, so that two segments' rings share a link at once and
-    one's per-step latency is covered by the other's bytes. Each stream takes its parts in
+    of its link, after phase i-1 of segment s: a host dimension's (`channels` streams, segment
+    s on channel s % channels, so that one segment's per-step latency is covered by the other's
+    bytes), or the network adapters', whose streams every network dimension shares. Each stream takes its parts in
     wavefront order (phase i of segment s in wavefront s + i; the older segment first within
     one), and so does the program order: while the network carries segment s, the host links
     reduce segment s+1 and spread segment s-1::
@@ -278,12 +280,13 @@ def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence
         slot_base += top
     order = sorted(units, key=lambda u: (u[0] + u[1], u[0]))
     index = {u: p for p, u in enumerate(order)}
-    net_channels = max([channels(topo.dims[j]) for j in dims if j >= topo.host_dims] or [1])
+    shared = topo.ranks_per_node > topo.adapters
+    net = max([channels(topo.dims[j], shared) for j in dims if j >= topo.host_dims] or [1])
 
     def stream(s: int, i: int) -> int:
         j = dims[i] if i < k else dims[2 * k - 2 - i]
-        if j >= topo.host_dims:  # the network dimensions share the adapters: one stream
-            return topo.host_dims * CHANNELS + s % net_channels
+        if j >= topo.host_dims:  # the network dimensions share the adapters' streams
+            return topo.host_dims * CHANNELS + s % net
         return j * CHANNELS + s % channels(topo.dims[j])
 
     parts = tuple(Part(stream(s, i), (index[(s, i - 1)],) if i else ()) for s, i in order)

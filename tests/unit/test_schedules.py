@@ -650,17 +650,25 @@ def test_pipelined_mdring_allreduce(topo, segments, count, chunk_elems):
 
 
 def test_pipelined_mdring_structure():
-    """Every part waits only for earlier parts; the host dimension has its streams, the
-    network dimensions share theirs (one adapter), `CHANNELS` where a ring has more than two
-    ranks; float results are bit-identical
-    on every rank (and close to the unpipelined schedule's, which sums in another order)."""
+    """Every part waits only for earlier parts; a host dimension has its streams, the network
+    dimensions share the adapters' (one where the host's ranks share an adapter), `CHANNELS`
+    where a ring has more than two ranks; float results are bit-identical on every rank (and
+    close to the unpipelined schedule's, which sums in another order)."""
+    railed = topology.box((4, 3), [1e9, 1e8], [1e-6, 1e-5], adapters=4)
+    scheds = [mdring.allreduce(r, 12, 101, 8, 64, railed, segments=5) for r in range(12)]
+    assert all(len(s.streams()) == 2 * mdring.CHANNELS for s in scheds)
+    inputs = [np.arange(101, dtype=np.int64) * (r + 1) for r in range(12)]
+    outputs = [np.zeros(101, np.int64) for _ in range(12)]
+    interpret_streams(scheds, inputs, outputs, 7)
+    for out in outputs:
+        np.testing.assert_array_equal(out, np.arange(101) * 78)
     topo = _box((2, 3, 2))
     size, count, segments = topo.size, 1009, 4
     scheds = [mdring.allreduce(r, size, count, 4, 64, topo, segments=segments)
               for r in range(size)]
     for s in scheds:
         assert s.parts and all(q < p for p, part in enumerate(s.parts) for q in part.after)
-        assert len(s.streams()) == 1 + mdring.CHANNELS  # host: 2 ranks; network: 3 x 2
+        assert len(s.streams()) == 2  # rings of 2 on the host; the adapter shared: one each
         assert {st.part for st in s.steps} <= set(range(len(s.parts)))
         assert "stream" in str(s)
     rng = np.random.default_rng(5)
