@@ -1,6 +1,6 @@
 """Does ``auto`` pick well? Every candidate the tuner weighs, simulated, against auto's choice.
 
-For each box (the paper's links: hosts of 4 GPUs at 20 GB/s, 10 GB/s in a rack, 9.5 GB/s across
+For each box up to 256 GPUs (the paper's links: hosts of 4 GPUs at 20 GB/s, 10 GB/s in a rack, 9.5 GB/s across
 racks, one network adapter per host) and allreduce size, every candidate of
 `ddlcore.tuning.candidates` (ring, rhd, rd, and mdring in every dimension order with its
 pipelined segment count) runs in the simulator; the table gives auto's simulated time over the
@@ -19,7 +19,7 @@ from ddlcore import simulate, topology, tuning
 
 BW = (20e9, 10e9, 9.5e9)
 LAT = (5e-6, 10e-6, 20e-6)
-BOXES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (4, 16, 1), (4, 16, 4), (4, 64, 16)]
+BOXES = [(4, 1, 1), (4, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1), (4, 16, 2), (4, 16, 4)]
 SIZES = [4 << 10, 256 << 10, 4 << 20, 64 << 20, 1 << 30]
 MAX_STEPS = 4_000_000
 

@@ -302,7 +302,7 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
                 try:
                     cond.wait(min(remaining(), 1.0))
                 except DDLError as exc:  # our deadline: fail where this stream stands
-                    first = groups[p][0][0] if groups[p] else 0
+                    first = groups[p][0][0] if groups[p][0] else 0
                     raise failure(schedule, coll, first, exc, links) from None
             return not failed
 
@@ -312,10 +312,10 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
             for p in mine:
                 if not wait_for(p):
                     return
-                group = groups[p]
-                if group:
-                    _run_steps(schedule, tuple(st for _, st in group), [i for i, _ in group],
-                               coll, buffers, links, pool, depth, remaining)
+                index, steps = groups[p]
+                if steps:
+                    _run_steps(schedule, steps, index, coll, buffers, links, pool, depth,
+                               remaining)
                 with cond:
                     done[p] = True
                     cond.notify_all()

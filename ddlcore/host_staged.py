@@ -43,6 +43,7 @@ from ddlcore.algorithms import mdring
 from ddlcore.algorithms.schedule import split
 from ddlcore.calls import Call
 from ddlcore.topology import Topology
+from ddlcore.tuning import host_segments
 
 if TYPE_CHECKING:
     from ddlcore.communicator import Communicator
@@ -65,10 +66,10 @@ def allreduce(comm: Communicator, call: Call, seq: int, host_in: np.ndarray | No
     """Allreduce as mdring whose host dimensions run through this host's boards: each local
     rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
     that part (schedules over the network links), then the local ranks copy each other's
-    parts (boards); segment by segment, pipelined, for large calls (`tuning.host_segments`)."""
+    parts (boards); segment by segment, pipelined, for large calls (`host_segments`)."""
     node = comm._node
     assert node is not None
-    segments = split(call.count, tuning.host_segments(call.count * itemsize))
+    segments = split(call.count, host_segments(call.count * itemsize))
     flat_out = host_out.reshape(-1)
 
     def on_boards(kind: str, s: int) -> None:  # RS_PART or AG_PART of segment s

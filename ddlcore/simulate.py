@@ -140,7 +140,7 @@ class Program:
                     for p in parts:
                         prog += [(_AFTER, -1, part_base + q, 0) for q in sched.parts[p].after]
                         prog += [(int(s.kind), s.peer, key(s), s.count * itemsize)
-                                 for _, s in groups[p]]
+                                 for s in groups[p][1]]
                         prog.append((_DONE, -1, part_base + p, 0))
                     programs.append(prog)
                 part_base += len(sched.parts)

@@ -106,12 +106,12 @@ class Schedule:
         return sum(1 for s in self.steps if s.kind == Kind.SEND)
 
     @functools.cached_property
-    def part_steps(self) -> tuple[tuple[tuple[int, Step], ...], ...]:
-        """Each part's (index, step) pairs in program order."""
-        out: list[list[tuple[int, Step]]] = [[] for _ in self.parts or (None,)]
+    def part_steps(self) -> tuple[tuple[tuple[int, ...], tuple[Step, ...]], ...]:
+        """Each part's steps in program order, with their indices in ``steps``."""
+        index: list[list[int]] = [[] for _ in self.parts or (None,)]
         for i, s in enumerate(self.steps):
-            out[s.part].append((i, s))
-        return tuple(tuple(p) for p in out)
+            index[s.part].append(i)
+        return tuple((tuple(ix), tuple(self.steps[i] for i in ix)) for ix in index)
 
     def streams(self) -> dict[int, list[int]]:
         """Each stream's parts in the order it runs them (the first part's stream first); a

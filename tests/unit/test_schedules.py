@@ -576,7 +576,7 @@ def interpret_streams(schedules: list[Schedule], inputs: list[np.ndarray],
     actors = []  # (rank, [(part, steps) ...])
     for r, sched in enumerate(schedules):
         for parts in sched.streams().values():
-            actors.append((r, [(p, [s for _, s in sched.part_steps[p]]) for p in parts]))
+            actors.append((r, [(p, list(sched.part_steps[p][1])) for p in parts]))
     at = [[0, 0] for _ in actors]  # (part index in the actor's list, step in the part)
     done = [set() for _ in schedules]
 
