@@ -218,7 +218,7 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
             log.info("rank 0 of 1: no launcher variables are set, so this process is a world of "
                      "one; start N ranks with: ddlrun -np N python prog.py")
         return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
-    info = resolve_master(info, environ)
+    info = resolve_master(info, environ, timeout)
     names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
     client, store = _store_for(info, timeout, environ)
     links: Links | None = None

@@ -333,12 +333,22 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
                for k, mine in streams.items() if k != first]
     for t in threads:
         t.start()
-    run_stream(first, streams[first])
-    for t in threads:
-        t.join()  # their waits end by the deadline, or at once once the links are aborted
+    try:
+        run_stream(first, streams[first])
+        for t in threads:
+            t.join()  # their waits end by the deadline, or at once once the links are aborted
+    except BaseException as exc:  # Ctrl-C while joining: stop the other streams first
+        links.abort(abort_code(exc), failure_reason(exc))
+        for t in threads:
+            t.join(_JOIN_AFTER_ABORT_S)
+        raise
     if failed:
         raise failed[0]
 
+
+# How long an interrupted call waits for its other streams once the links are aborted (their
+# waits end at once then; a stream inside a kernel call finishes it first).
+_JOIN_AFTER_ABORT_S = 5.0
 
 _PINNED: list = []  # buffers of failed agreement checks (see `agree`)
 

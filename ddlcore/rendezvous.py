@@ -90,7 +90,10 @@ def detect(environ: Mapping[str, str] | None = None) -> RendezvousInfo:
         # ddlcore's own names first: MASTER_PORT is torch's (its store, init_process_group's).
         addr = _first(("DDL_MASTER_ADDR", "MASTER_ADDR"), environ)
         port = _first(("DDL_MASTER_PORT", "MASTER_PORT"), environ)
+        # torchrun's agent serves torch's store at MASTER_ADDR:MASTER_PORT (both torch's own:
+        # a DDL_MASTER_ADDR or DDL_MASTER_PORT set by hand names ddlcore's store instead)
         torch_store = (label == "torchrun" and not config.is_set("DDL_MASTER_PORT", environ)
+                       and not config.is_set("DDL_MASTER_ADDR", environ)
                        and config.get("TORCHELASTIC_USE_AGENT_STORE", environ) == "True")
         local_rank = config.get(lrank_var, environ) if lrank_var else None
         local_size = config.get(lsize_var, environ) if lsize_var else None
@@ -116,6 +119,21 @@ def _master_host(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str
     if address:
         return address
     return socket.gethostbyname(socket.getfqdn())
+
+
+def _host_beside(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str:
+    """Where rank 0 serves its store when torch's is at MASTER_ADDR: DDL_SOCKET_IFNAME's
+    interface when set, else its own address on the route to MASTER_ADDR, which every rank
+    reaches (the hostname may resolve to 127.0.1.1, as Debian's /etc/hosts has it)."""
+    if config.get("DDL_SOCKET_IFNAME", environ) or info.master_addr is None or \
+            (info.local_size is not None and info.local_size == info.size):
+        return _master_host(info, environ)
+    from ddlcore.transports.sockets import route_address
+
+    try:
+        return route_address(info.master_addr)
+    except OSError:  # MASTER_ADDR does not resolve here: the hostname's address, as before
+        return _master_host(info, environ)
 
 
 # Rank 0's own store per torchrun store and run: another init in this process serves no other.
@@ -176,10 +194,15 @@ def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, ti
     if info.rank == 0:
         mine = (info.master_addr, info.master_port, key)
         if mine not in _published:
-            host = _master_host(info, environ)
+            host = _host_beside(info, environ)
             _published[mine] = (host, _free_port(host))
         host, port = _published[mine]
-        store.set(key, f"{host}:{port}")
+        try:
+            store.set(key, f"{host}:{port}")
+        except Exception as exc:  # torch's DistError family or a lost connection
+            raise RendezvousError(
+                f"rank 0: cannot publish its store's address in {where} ({exc}); did the "
+                "launcher (torchrun's agent, or the process group) stop?") from None
         return replace(info, master_addr=host, master_port=port, torch_store=False)
     try:
         store.wait([key], timedelta(seconds=timeout))

@@ -36,7 +36,7 @@ The flat ring and rhd at 4096 ranks have ~67M steps (12 and 19 min of CPU, 1.7 a
 runs estimated above ``max_steps`` are refused with `TooLargeToSimulate` (the CLI prints NOT
 SIMULATED and why, exit status 3; ``--max-steps 1e8`` runs them), never replaced by a formula.
 
-One file (~420 lines) because the model, its event loop and its CLI are read together.
+One file (~550 lines) because the model, its event loop and its CLI are read together.
 
     python -m ddlcore.simulate --topology 4x16x4 --link-bw 20e9,10e9,9.5e9 \\
         --link-lat 5e-6,10e-6,20e-6 --bytes 100e6 --algo mdring [--adapters 4] [--json]

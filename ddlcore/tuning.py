@@ -28,6 +28,10 @@ other algorithms' steps inside a host are: priced as the boards, mdring lost a n
 that it wins by 1.27x on the testbed (BENCHMARKS.md, "Reduce-scatter and allgather across
 hosts"): the ring model's per-rank shm links flatter every in-host schedule alike.
 
+mdring's allreduce may run pipelined across the dimensions (segments whose phases overlap,
+`ddlcore.algorithms.mdring`); `_mdring` prices it and auto picks the segment count with the
+order (``DDL_SEGMENTS`` overrides the count).
+
 ``DDL_ALGO`` names the algorithm of the reduction collectives (those without it, e.g.
 reduce_scatter under ``rd``, fall back to ``auto``); ``auto`` takes the lowest predicted time (for mdring also over the order of the box dimensions). Broadcast and barrier have
 one algorithm each (pipelined chain, dissemination). The chunk size is ``DDL_CHUNK_BYTES``.
@@ -62,8 +66,9 @@ BOARD_BW = 8e9
 TIE = 0.01
 # mdring dimension orders tried by auto: all of them up to this many dimensions.
 MAX_PERMUTED_DIMS = 4
-# mdring's pipelined segment counts tried by auto, and the smallest segment: below ~256 KiB a
-# segment's rings are all latency and per-step work, which the model does not see.
+# mdring's pipelined segment counts tried by auto, and the smallest segment: in the simulator,
+# smaller segments (more streams' messages queueing at FIFO ports) fell behind the model by up
+# to 30% on 4x2 boxes, and each segment costs the engine a few Python-level waits per phase.
 SEGMENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_BYTES = 8 << 20
 # mdring with host phases on the boards (``ddlcore.host_staged``) splits an allreduce into

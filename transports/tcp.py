@@ -6,8 +6,10 @@ because the wire protocol, the per-socket threads and the failure rules only mak
 
 Connecting is lazy: the lower rank of a pair connects to the higher rank's listener (address from
 the store key ``tcp/addr/{rank}``), one socket per channel. With ``DDL_SOCKET_IFNAME`` listing A
-interfaces (rails, one subnet each), local rank i listens on the (i mod A)-th and binds its
-connections' source to it, so its traffic leaves through that adapter. Before anything else on
+interfaces (rails, one subnet each), local rank i listens on (and publishes) the (i mod A)-th's
+address; a connection goes where the kernel routes the peer's address, so ranks of one rail
+(mdring's rings across hosts) talk through their adapter, and no reply comes back on another
+(no source is bound: that would break under strict reverse-path filtering). Before anything else on
 a socket is acted on, the connector proves the job's key (``store.job_key``,
 `ddlcore.auth.JobKey`) with its claim bound into the proof: protocol version, source rank,
 destination rank, world size, channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
@@ -90,7 +92,6 @@ from ddlcore.transports.sockets import (
     format_address,
     parse_address,
     rail_address,
-    rail_interfaces,
     recv_exact,
     route_address,
 )
@@ -753,8 +754,6 @@ class TcpPair(Pair):
                                "files (ulimit -n)") from None
             connected = False
             try:
-                if ctx.source is not None:  # leave through this rank's rail
-                    sock.bind((ctx.source, 0))
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.connect(addr)
                 connected = True
@@ -903,14 +902,11 @@ class TcpContext(PairTableContext):
         if self.nchannels > 0xFFFF:
             raise ValueError(f"DDL_NCHANNELS={self.nchannels} is more than 65535")
         ifname = config.get("DDL_SOCKET_IFNAME")
-        # Several interfaces: local rank i's rail is the (i mod A)-th; it listens on, publishes
-        # and sends from that address, so its traffic leaves through that adapter.
-        self.source: str | None = None  # the address outgoing connections are bound to
+        # Several interfaces: local rank i's rail is the (i mod A)-th; it listens on and
+        # publishes that address, so peers reach it through that adapter.
         address = rail_address(ifname, rank, local_rank)
         if address is not None:
             self.address = address
-            if len(rail_interfaces(ifname)) > 1:
-                self.source = address
         else:
             master = getattr(store, "host", None)
             self.address = (route_address(master) if master else
