@@ -203,7 +203,7 @@ _declare("DDL_NCHANNELS", _positive_int, 1,
 _declare("DDL_SOCKET_IFNAME", str, "",
          "Network interface the TCP transport binds to (e.g. eth0). Empty: the interface "
          "that reaches the master address. A comma list (eth0,eth1) names one interface per "
-         "network adapter (rail, one subnet each): local rank i listens and sends on the "
+         "network adapter (rail, one subnet each): local rank i listens on the "
          "(i mod A)-th, and the topology counts A adapters per host.")
 _declare("DDL_HOST_ID", str, "",
          "Overrides host identity (default: hostname plus network namespace); ranks with "
