@@ -293,6 +293,7 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
     done = [False] * len(parts)
     failed: list[BaseException] = []
     cond = threading.Condition()
+    links = _FirstAbort(links)  # the stream that fails first is the one to report
 
     def wait_for(p: int) -> bool:
         """Wait until the parts ``p`` comes after have finished; False if a stream failed."""
@@ -323,7 +324,8 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
             if not isinstance(exc, DDLError):  # e.g. Ctrl-C: tell the peers (DDLErrors did)
                 links.abort(abort_code(exc), failure_reason(exc))
             with cond:
-                failed.append(exc)
+                # The streams the abort woke fail too: the cause goes first.
+                failed.insert(0 if links.first == threading.get_ident() else len(failed), exc)
                 cond.notify_all()
 
     streams = schedule.streams()
@@ -344,6 +346,22 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
         raise
     if failed:
         raise failed[0]
+
+
+class _FirstAbort:
+    """A communicator's links that remember which thread aborted them first."""
+
+    def __init__(self, links) -> None:
+        self._links = links
+        self.pair = links.pair
+        self.first: int | None = None
+        self._lock = threading.Lock()
+
+    def abort(self, code: int, reason: str) -> None:
+        with self._lock:
+            if self.first is None:
+                self.first = threading.get_ident()
+        self._links.abort(code, reason)
 
 
 # How long an interrupted call waits for its other streams once the links are aborted (their
