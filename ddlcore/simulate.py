@@ -409,7 +409,7 @@ def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: f
     if choice.algorithm != "mdring":
         order, nseg = None, 1
     elif dim_order is not None and segments <= 0:  # the best count for the order asked
-        nseg = _segments_for(collective, topo, nbytes, order, reduce_bw)
+        nseg = tuning.best_mdring(collective, topo, nbytes, order, reduce_bw, False)[1]
     if program is None:
         program = compile_program(collective, choice.algorithm, topo, nbytes, itemsize,
                                   chunk_bytes, order, max_steps, nseg)
@@ -423,15 +423,6 @@ def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: f
                                segments=nseg)
     return Result(collective, choice.algorithm, order, topo.shape, topo.adapters, topo.size,
                   float(nbytes), time_s, predicted, program.steps, dims, nseg)
-
-
-def _segments_for(collective: str, topo: topology.Topology, nbytes: float,
-                  order: tuple[int, ...] | None, reduce_bw: float) -> int:
-    """The cost model's segment count for mdring in ``order``."""
-    if collective != "allreduce" or order is None:
-        return 1
-    return min((tuning.predict(collective, "mdring", topo, nbytes, order, reduce_bw,
-                               segments=s), s) for s in tuning.segment_counts(nbytes))[1]
 
 
 def cyclic(topo: topology.Topology) -> topology.Topology:

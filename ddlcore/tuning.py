@@ -257,7 +257,7 @@ def segment_counts(nbytes: float) -> list[int]:
     return [s for s in SEGMENT_COUNTS if s == 1 or nbytes / s >= MIN_SEGMENT_BYTES]
 
 
-def _best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int, ...],
+def best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int, ...],
                  reduce_bw: float, host_path: bool, segments: int = 0) -> tuple[float, int]:
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
     else the best count (the host-staged path's own where it runs)."""
@@ -357,7 +357,7 @@ def candidates(collective: str, topo: Topology, nbytes: float, host_path: bool =
                     out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
                 continue  # in rank order, a box with one dimension makes mdring the ring
             for order in dim_orders(topo):
-                t, nseg = _best_mdring(collective, topo, nbytes, order, REDUCE_BW, host_path,
+                t, nseg = best_mdring(collective, topo, nbytes, order, REDUCE_BW, host_path,
                                        segments)
                 out.append(Choice(name, 0, order, t, segments=nseg))
         else:

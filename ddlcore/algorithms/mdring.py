@@ -260,10 +260,10 @@ def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence
     the phases of different segments overlapping: phase i of segment s is a part on a stream
     of its link, after phase i-1 of segment s: a host dimension's (`channels` streams, segment
     s on channel s % channels, so that one segment's per-step latency is covered by the other's
-    bytes), or the network adapters', whose streams every network dimension shares. Each stream takes its parts in
-    wavefront order (phase i of segment s in wavefront s + i; the older segment first within
-    one), and so does the program order: while the network carries segment s, the host links
-    reduce segment s+1 and spread segment s-1::
+    bytes), or the network adapters', whose streams every network dimension shares. Each
+    stream takes its parts in wavefront order (phase i of segment s in wavefront s + i; the
+    older segment first within one), and so does the program order: while the network carries
+    segment s, the host links reduce segment s+1 and spread segment s-1::
 
         host   stream:  RS0  RS1  RS2 AG0  RS3 AG1  ...
         network stream:      N0   N1       N2       ...     (N = reduce-scatter + allgather)
