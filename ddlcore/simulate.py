@@ -409,7 +409,7 @@ def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: f
     if choice.algorithm != "mdring":
         order, nseg = None, 1
     elif dim_order is not None and segments <= 0:  # the best count for the order asked
-        nseg = tuning.best_mdring(collective, topo, nbytes, order, reduce_bw, False)[1]
+        nseg = tuning.best_mdring(collective, topo, nbytes, dim_order, reduce_bw, False)[1]
     if program is None:
         program = compile_program(collective, choice.algorithm, topo, nbytes, itemsize,
                                   chunk_bytes, order, max_steps, nseg)
