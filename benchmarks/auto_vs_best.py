@@ -7,6 +7,7 @@ pipelined segment count) runs in the simulator; the table gives auto's simulated
 best candidate's. Candidates over the simulator's step budget are left out and counted.
 
     python benchmarks/auto_vs_best.py [--json benchmarks/results/auto_vs_best.json]
+    python benchmarks/auto_vs_best.py --boxes 4x64x4,4x64x16 --json benchmarks/results/auto_vs_best_large.json
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SIZES = [4 << 10, 256 << 10, 4 << 20, 64 << 20, 1 << 30]
 MAX_STEPS = 4_000_000
 
 
-def point(dims: tuple[int, ...], nbytes: int) -> dict:
+def point(dims: tuple[int, ...], nbytes: int, max_steps: int = MAX_STEPS) -> dict:
     topo = topology.box(dims, BW, LAT)
     auto = tuning.choose("allreduce", topo, nbytes, "auto", simulate.DEFAULT_CHUNK_BYTES)
     times: dict[str, float] = {}
@@ -34,7 +35,7 @@ def point(dims: tuple[int, ...], nbytes: int) -> dict:
                               if c.dim_order is not None else "")
         try:
             prog = simulate.compile_program("allreduce", c.algorithm, topo, nbytes,
-                                            dim_order=c.dim_order, max_steps=MAX_STEPS,
+                                            dim_order=c.dim_order, max_steps=max_steps,
                                             segments=c.segments)
         except simulate.TooLargeToSimulate:
             skipped += 1
@@ -42,9 +43,9 @@ def point(dims: tuple[int, ...], nbytes: int) -> dict:
         times[name] = simulate.execute(prog, topo)[0]
     mine = auto.algorithm + (f"[{','.join(map(str, auto.dim_order))}]x{auto.segments}"
                              if auto.dim_order is not None else "")
-    best = min(times, key=times.__getitem__)
+    best = min(times, key=times.__getitem__) if times else None
     return {"box": topo.shape, "ranks": topo.size, "bytes": nbytes, "auto": mine,
-            "auto_s": times.get(mine), "best": best, "best_s": times[best],
+            "auto_s": times.get(mine), "best": best, "best_s": times[best] if best else None,
             "ratio": times[mine] / times[best] if mine in times else None,
             "candidates": times, "skipped": skipped}
 
@@ -52,23 +53,34 @@ def point(dims: tuple[int, ...], nbytes: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--boxes", help="these boxes instead, e.g. 4x64x4,4x64x16")
+    p.add_argument("--max-steps", type=float, default=MAX_STEPS,
+                   help="a candidate with more steps is left out (and counted)")
     a = p.parse_args(argv)
+    boxes = ([tuple(int(d) for d in b.split("x")) for b in a.boxes.split(",")] if a.boxes
+             else BOXES)
+    command = " ".join(["python benchmarks/auto_vs_best.py",
+                        *(["--boxes", a.boxes] if a.boxes else []),
+                        *([f"--max-steps {a.max_steps:g}"] if a.max_steps != MAX_STEPS else []),
+                        *(["--json", a.json] if a.json else [])])
     rows = []
     print("| GPUs | box | bytes | auto | best | auto / best | left out |")
     print("|---:|---|---:|---|---|---:|---:|")
-    for dims in BOXES:
+    for dims in boxes:
         for nbytes in SIZES:
-            r = point(dims, nbytes)
+            r = point(dims, nbytes, int(a.max_steps))
             rows.append(r)
+            if a.json:  # long sweeps keep what they finished
+                with open(a.json, "w") as f:
+                    json.dump({"command": command, "rows": rows}, f, indent=1)
             ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "auto not simulated"
             print(f"| {r['ranks']} | {r['box']} | {nbytes} | {r['auto']} | {r['best']} | "
                   f"{ratio} | {r['skipped']} |", flush=True)
-    worst = max((r for r in rows if r["ratio"] is not None), key=lambda r: r["ratio"])
-    print(f"\nworst: auto at {worst['ratio']:.3f}x the best candidate ({worst['box']}, "
-          f"{worst['bytes']} bytes)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": "python benchmarks/auto_vs_best.py", "rows": rows}, f, indent=1)
+    judged = [r for r in rows if r["ratio"] is not None]
+    if judged:
+        worst = max(judged, key=lambda r: r["ratio"])
+        print(f"\nworst: auto at {worst['ratio']:.3f}x the best candidate ({worst['box']}, "
+              f"{worst['bytes']} bytes)")
     return 0
 
 

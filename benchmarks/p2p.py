@@ -1,6 +1,6 @@
 """Point-to-point latency and bandwidth of a transport, next to the same ping-pong over raw sockets.
 
-    python benchmarks/p2p.py [--transport shm,tcp] [--min 1] [--max 256M] [--nchannels 1]
+    python benchmarks/p2p.py [--transport shm,tcp] [--min 1] [--max 256M] [--nchannels 1] [--json F]
     mpiexec -n 2 python benchmarks/p2p.py --transport shm,tcp,ucx,mpi    # adds an mpi4py column
 
 Two ranks on this host play ping-pong: rank 0 sends ``n`` bytes, rank 1 sends them back.
@@ -17,6 +17,7 @@ memory are not counted.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max", type=_size, default=256 << 20,
                     help="largest message in bytes (K/M/G); sizes step by 4x")
     ap.add_argument("--nchannels", type=int, default=1, help="TCP connections (DDL_NCHANNELS)")
+    ap.add_argument("--json", help="write the rows (and the command) to this file")
     args = ap.parse_args(argv)
     names = [n for n in args.transport.split(",") if n]
     points = sizes(args.min, args.max)
@@ -215,6 +217,16 @@ def main(argv: list[str] | None = None) -> None:
     for n, row in results:
         print(f"{n:>12} " + " ".join(f"{row[name] * 1e6:>14.1f} {n / row[name] / 1e9:>7.3f}"
                                      for name in systems))
+    if args.json:
+        under_mpi = os.environ.get("PMI_RANK") is not None
+        launch = ["mpiexec", "-n", "2"] if under_mpi else []
+        doc = {"command": " ".join([*launch, "python", "benchmarks/p2p.py",
+                                    *(argv or sys.argv[1:])]),
+               "under_mpi": under_mpi,
+               "nchannels": args.nchannels, "systems": systems,
+               "rows": [{"bytes": n, "one_way_s": dict(row)} for n, row in results]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

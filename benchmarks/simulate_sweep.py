@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ddlcore import simulate, topology, tuning
@@ -47,12 +48,15 @@ def shape(dims: tuple[int, ...]) -> str:
     return "x".join(map(str, dims))
 
 
-def sweep(boxes: list[tuple[int, ...]], max_steps: int) -> list[dict]:
+def sweep(boxes: list[tuple[int, ...]], max_steps: int, reduces: dict[str, float] = REDUCE,
+          saved: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every box x size x adapter count x reduction speed x algorithm; ``saved`` is called with
+    the rows so far after each box and size (long sweeps keep what they finished)."""
     rows: list[dict] = []
     for dims, (label, nbytes) in itertools.product(boxes, SIZES.items()):
         # Schedules do not depend on the reduction speed: compile once per adapter count here.
         programs: dict[tuple, simulate.Program | str] = {}
-        for adapters, (reduce, reduce_bw), algo in itertools.product(ADAPTERS, REDUCE.items(),
+        for adapters, (reduce, reduce_bw), algo in itertools.product(ADAPTERS, reduces.items(),
                                                                       ALGOS):
             topo = topology.box(dims, BW, LAT, adapters=adapters)
             # The choice is the library's (its tuner assumes tuning.REDUCE_BW).
@@ -90,6 +94,7 @@ def sweep(boxes: list[tuple[int, ...]], max_steps: int) -> list[dict]:
             print(f"{topo.shape:>8} {label:<24} adapters={adapters} {reduce} {algo:<6} -> "
                   f"{choice.algorithm:<6} {done}  (model {row['predicted_s'] * 1e3:.3f} ms, "
                   f"{row['cpu_s']:.1f} s cpu)", file=sys.stderr, flush=True)
+        saved(rows)
     return rows
 
 
@@ -167,12 +172,13 @@ def bytes_table(rows: list[dict], ranks: int = 256, nbytes: float = 100e6) -> st
     for r in rows:
         if (r["ranks"] == ranks and r["bytes"] == nbytes and r["algo"] != "auto" and r["simulated"]
                 and r["reduce"] == "cpu"):
-            gpu = next(g for g in rows if g["reduce"] == "gpu" and all(
-                g[f] == r[f] for f in ("ranks", "bytes", "algo", "adapters")))
+            gpu = next((g for g in rows if g["reduce"] == "gpu" and all(
+                g[f] == r[f] for f in ("ranks", "bytes", "algo", "adapters"))), None)
             dims = " | ".join(f"{d['bytes_per_rank'] / 1e6:.1f} / {d['busy_s'] * 1e3:.2f}"
                               for d in r["dims"])
+            on_gpu = f"{gpu['time_s'] * 1e3:.1f}" if gpu else "-"
             out.append(f"| {r['adapters']} | {r['algorithm']} | {dims} | "
-                       f"{r['time_s'] * 1e3:.1f} / {gpu['time_s'] * 1e3:.1f} |")
+                       f"{r['time_s'] * 1e3:.1f} / {on_gpu} |")
     return "\n".join(out)
 
 
@@ -222,21 +228,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="only up to 256 ranks")
     p.add_argument("--max-steps", type=float, default=simulate.MAX_STEPS)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--boxes", help="only these boxes, e.g. 4x64x4,4x64x16 (written to "
+                   "simulate_sweep_boxes.json)")
+    p.add_argument("--reduce", choices=sorted(REDUCE), help="only this reduction speed")
     p.add_argument("--replot", action="store_true",
                    help="redraw the plots and tables from the JSON of an earlier run")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = "simulate_sweep_quick" if a.quick else "simulate_sweep"
+    stem = ("simulate_sweep_boxes" if a.boxes else
+            "simulate_sweep_quick" if a.quick else "simulate_sweep")
+    reduces = {a.reduce: REDUCE[a.reduce]} if a.reduce else REDUCE
     if a.replot:
         rows = json.loads((a.out / f"{stem}.json").read_text())["rows"]
+        reduces = {r["reduce"]: r["reduce_bw"] for r in rows}
     else:
-        boxes = [b for b in BOXES if math.prod(b) <= 256] if a.quick else BOXES
-        rows = sweep(boxes, int(a.max_steps))
-        meta = {"command": "python benchmarks/simulate_sweep.py" + (" --quick" if a.quick else ""),
-                "link_bw": BW, "link_lat": LAT, "reduce_bw": REDUCE, "itemsize": 4,
+        boxes = ([tuple(int(d) for d in b.split("x")) for b in a.boxes.split(",")] if a.boxes
+                 else [b for b in BOXES if math.prod(b) <= 256] if a.quick else BOXES)
+        meta = {"command": " ".join(["python benchmarks/simulate_sweep.py", *(argv or sys.argv[1:])]),
+                "link_bw": BW, "link_lat": LAT, "reduce_bw": reduces, "itemsize": 4,
                 "chunk_bytes": simulate.DEFAULT_CHUNK_BYTES, "max_steps": int(a.max_steps)}
-        (a.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    for reduce in REDUCE:
+
+        def save(rows: list[dict]) -> None:
+            (a.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+        rows = sweep(boxes, int(a.max_steps), reduces, save)
+    for reduce in reduces:
         plot(rows, reduce, a.out / f"{stem}_{reduce}.png")
         print(tables(rows, reduce))
     print(bytes_table(rows))
