@@ -16,11 +16,16 @@ Three ways in, all over a `ddlcore.Communicator` (``comm = ddlcore.init()``):
   Gradients are fused into buckets of up to ``DDL_FUSION_BYTES``, each allreduced
   asynchronously the moment backward has produced it; `step()` waits for the last ones.
 
+* Or torch.distributed itself on ddlcore: ``dist.init_process_group("ddl")`` (`backend`;
+  importing this package registers it, and torch registers it through an entry point even when
+  the script never imports ddlcore).
+
 Tensors are handed to ddlcore without copies (DLPack on the host, ``__cuda_array_interface__``
 on a GPU, whose data takes ddlcore's GPU path). ``pip install 'ddlcore[torch]'``.
 """
 
 from ddlcore.errors import ParametersDifferError
+from ddlcore.integrations.torch.backend import ProcessGroupDDL, register
 from ddlcore.integrations.torch.broadcast import broadcast_optimizer_state, broadcast_parameters
 from ddlcore.integrations.torch.hooks import (
     allreduce_hook,
@@ -29,9 +34,12 @@ from ddlcore.integrations.torch.hooks import (
 )
 from ddlcore.integrations.torch.optimizer import DistributedOptimizer
 
+register()
+
 __all__ = [
     "DistributedOptimizer",
     "ParametersDifferError",
+    "ProcessGroupDDL",
     "allreduce_hook",
     "bf16_allreduce_hook",
     "broadcast_optimizer_state",
