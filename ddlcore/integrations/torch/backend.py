@@ -317,7 +317,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
             handle = self._gather_into("allgather", flat, t)
 
             def finish() -> None:
-                for out, piece in zip(outputs, flat.split(t.numel()), strict=True):
+                for out, piece in zip(outputs, flat.view(self.size(), t.numel()), strict=True):
                     out.copy_(piece.view_as(out))
             return [handle], finish
         return self._run("allgather", list(outputs), start)
