@@ -2,7 +2,7 @@
 backend through its ``torch.backends`` entry point). Every supported collective over float32,
 float64, int32 and int64 tensors of sizes 0, 1, primes and sizes not divisible by the world
 size, every op, synchronous and asynchronous, is checked against a reference computed here from
-every rank's inputs (seeded); then DDP trains the same model on "ddl" and on a gloo group, and
+every rank's inputs (seeded); so are functional collectives and DTensor; then DDP trains the same model on "ddl" and on a gloo group, and
 their parameters must match. Prints "torch backend ok: rank R of N" at the end.
 """
 
@@ -11,7 +11,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("ddl", timeout=timedelta(seconds=25))
@@ -187,6 +190,17 @@ on_gloo = train(gloo)
 for params in (train(world), train(world, default_hooks.allreduce_hook)):
     for p, q in zip(params, on_gloo, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+# Functional collectives and DTensor reach the group from C++ (by its name, through DeviceMesh).
+mesh = init_device_mesh("cpu", (size,))
+xs = inputs(3 * size, torch.float32)
+check(funcol.all_reduce(xs[rank], "sum", mesh).wait(), reduced(xs, "sum"), "funcol.all_reduce")
+check(funcol.all_gather_tensor(xs[rank], 0, mesh).wait(), torch.cat(xs), "funcol.all_gather")
+check(funcol.reduce_scatter_tensor(xs[rank], "max", 0, mesh).wait(),
+      reduced(xs, "max")[rank * 3:(rank + 1) * 3], "funcol.reduce_scatter_tensor")
+shard = DTensor.from_local(xs[rank], mesh, [Shard(0)])
+check(shard.redistribute(mesh, [Replicate()]).to_local(), torch.cat(xs), "DTensor replicate")
+check((shard * 2).sum().full_tensor(), 2 * torch.cat(xs).sum(), "DTensor partial sum")
 
 dist.destroy_process_group()
 sys.stdout.write(f"torch backend ok: rank {rank} of {size}\n")
