@@ -35,10 +35,12 @@ import torch.distributed as dist
 how = sys.argv[1]
 dist.init_process_group("ddl", timeout=timedelta(seconds=3))
 rank = dist.get_rank()
+store = dist.distributed_c10d._get_default_store()  # torch's, served by rank 0
 dist.barrier()
 if rank == 1:
-    if how == "silent":
-        time.sleep(8)
+    if how == "silent":  # alive, in no collective, until rank 0 failed
+        store.wait(["failed"], timedelta(seconds=60))
+        store.set("bye", "1")
     os._exit(0)
 time.sleep(0.5)
 t0 = time.monotonic()
@@ -48,6 +50,9 @@ except dist.DistBackendError as exc:
     cause = type(exc.__cause__)
     sys.stdout.write(f"failed after {time.monotonic() - t0:.1f} s "
                      f"({cause.__module__}.{cause.__name__}): {exc}\\n")
+    if how == "silent":
+        store.set("failed", "1")
+        store.wait(["bye"], timedelta(seconds=60))
     sys.exit(0)
 sys.exit("the allreduce did not fail")
 """
@@ -69,9 +74,30 @@ def test_entry_point_registers_the_backend_at_import_torch(tmp_path):
     points = importlib.metadata.entry_points(group="torch.backends")
     assert any(p.name == "ddl" and p.value.startswith("ddlcore.") for p in points), \
         "ddlcore's torch.backends entry point is not installed: pip install -e . again"
-    out = _run([sys.executable, "-c", "import torch.distributed as dist; "
-                "print(dist.Backend.DDL, dist.Backend.backend_capability['ddl'])"], tmp_path)
-    assert out.split() == ["ddl", "['cpu',", "'cuda']"], out
+    # Cheap: what torch imports for it is the backend module, not the engine, not the kernels.
+    out = _run([sys.executable, "-c", "import sys, torch.distributed as dist; "
+                "print(dist.Backend.DDL, dist.Backend.backend_capability['ddl']); "
+                "print(sorted(m for m in sys.modules if m.startswith('ddlcore.')))"], tmp_path)
+    registered, imported = out.splitlines()
+    assert registered == "ddl ['cpu', 'cuda']", out
+    assert "ddlcore.integrations.torch.backend" in imported, out
+    for heavy in ("communicator", "engine", "bootstrap", "kernels", "transports"):
+        assert f"'ddlcore.{heavy}" not in imported, out
+
+
+def test_autoload_never_raises(monkeypatch):
+    """torch turns an exception of the entry point into a failed ``import torch``."""
+    import torch.distributed as dist
+
+    from ddlcore.integrations.torch import backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a torch that changed its registration API")
+
+    monkeypatch.delitem(dist.Backend._plugins, "DDL", raising=False)
+    monkeypatch.setattr(dist.Backend, "register_backend", broken)
+    backend._autoload()  # no exception
+    assert "DDL" not in dist.Backend._plugins
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ddlrun"])
@@ -90,7 +116,7 @@ def test_collectives_and_ddp_on_ddl(tmp_path, launcher):
 @pytest.mark.parametrize(("how", "cause", "words"), [
     ("exit", "PeerFailureError", r"rank 1 \(pid \d+\) exited"),
     ("silent", "DDLTimeoutError", r"rank 1 did not reach .* within .*=3 s"),
-])
+], ids=["peer-exits", "peer-silent"])
 def test_a_failed_peer_is_a_dist_backend_error(tmp_path, how, cause, words):
     """Started by hand (torch's variables, no agent): the surviving rank's allreduce raises
     DistBackendError with ddlcore's error as its cause and its message, within the process

@@ -202,5 +202,20 @@ shard = DTensor.from_local(xs[rank], mesh, [Shard(0)])
 check(shard.redistribute(mesh, [Replicate()]).to_local(), torch.cat(xs), "DTensor replicate")
 check((shard * 2).sum().full_tensor(), 2 * torch.cat(xs).sum(), "DTensor partial sum")
 
+# A group over every rank is a communicator of its own, met through the same store.
+everyone = dist.new_group(backend="ddl")
+assert everyone.communicator is not world.communicator
+xs = inputs(5, torch.int64)
+t = xs[rank].clone()
+dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=everyone)
+check(t, reduced(xs, "prod"), "allreduce on new_group()")
+dist.destroy_process_group()
+
+# Made again (torch reuses the store's prefix): the new communicator must not meet at the
+# address of the last one's store.
+dist.init_process_group("ddl")
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+check(t, torch.tensor([size * (size + 1) / 2]), "allreduce after init_process_group again")
 dist.destroy_process_group()
 sys.stdout.write(f"torch backend ok: rank {rank} of {size}\n")
