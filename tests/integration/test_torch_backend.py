@@ -1,5 +1,6 @@
 """The torch.distributed backend "ddl" for real: programs that never import ddlcore call
-``dist.init_process_group("ddl")`` under torchrun, ddlrun and by hand (a Slurm script's way),
+``dist.init_process_group("ddl")`` under torchrun, ddlrun, mpiexec and by hand (a Slurm
+script's way),
 run every supported collective against a reference, train with DDP against gloo, and see a
 dead or silent peer as torch's DistBackendError with ddlcore's message.
 
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.harness import free_port, require
+from tests.harness import free_port, mpiexec_path, require
 from tests.integration.test_launchers_real import DDLRUN, TORCHRUN, _env
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
@@ -111,6 +112,34 @@ def test_collectives_and_ddp_on_ddl(tmp_path, launcher):
     out = _run(argv, tmp_path)
     assert sorted(re.findall(r"torch backend ok: rank \d of \d", out)) == \
         [f"torch backend ok: rank {r} of 2" for r in range(2)], out
+
+
+# Under an MPI launcher torch reads no PMI_* variable: the script hands rank and size over.
+MPI_SCRIPT = """\
+import os, sys
+
+import torch
+import torch.distributed as dist
+
+rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+dist.init_process_group("ddl", rank=rank, world_size=size)
+t = torch.full((5,), rank + 1.0)
+dist.all_reduce(t)
+assert torch.equal(t, torch.full((5,), size * (size + 1) / 2)), t
+comm = dist.group.WORLD.communicator
+sys.stdout.write(f"mpiexec ok: rank {comm.rank} of {comm.size}, local size {comm.local_size}\\n")
+dist.destroy_process_group()
+"""
+
+
+def test_under_mpiexec(tmp_path):
+    mpiexec = mpiexec_path()
+    require(mpiexec is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
+    (tmp_path / "job.py").write_text(MPI_SCRIPT)
+    out = _run([mpiexec, "-n", "2", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT",
+                str(free_port()), sys.executable, "job.py"], tmp_path)
+    assert sorted(re.findall(r"mpiexec ok: .*", out)) == \
+        [f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)], out
 
 
 @pytest.mark.parametrize(("how", "cause", "words"), [
