@@ -99,6 +99,7 @@ class WorkDDL(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
+        self._cuda = bool(devices)
         # A future of CUDA tensors names their devices: completing it records an event on each
         # device's current stream, and whoever waits on it makes its stream wait for that.
         self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
@@ -143,6 +144,8 @@ class WorkDDL(dist.Work):
                 f"{self._timeout if limit is None else limit:g} s")
         if self._error is not None:
             raise self._error
+        if self._cuda:  # the caller's current streams wait for the copies the worker queued
+            self._future.wait()
         return True
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
