@@ -173,3 +173,16 @@ def test_a_failed_peer_is_a_dist_backend_error(tmp_path, how, cause, words):
     assert message.startswith("ddl backend, allreduce: rank 0: allreduce #"), message
     assert re.search(words, message), message
     assert seconds < 10, out  # the process group's 3 s, not DDL_TIMEOUT's 30
+
+
+def test_init_with_a_store_needs_rank_and_size():
+    import torch.distributed as dist
+
+    import ddlcore
+
+    store = dist.HashStore()
+    for kwargs in ({}, {"rank": 0}, {"size": 2}, {"rank": 0, "size": 2, "master_port": 1}):
+        with pytest.raises(ValueError, match="store= needs rank= and size="):
+            ddlcore.init(store=store, **kwargs)
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, size=2\)"):
+        ddlcore.init(store=store, rank=2, size=2)
