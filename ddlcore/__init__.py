@@ -9,10 +9,10 @@
 The README documents the API; docs/ARCHITECTURE.md how the package is built.
 """
 
+from importlib import import_module as _import_module
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
-from ddlcore.bootstrap import init
-from ddlcore.communicator import Communicator
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -25,6 +25,26 @@ from ddlcore.errors import (
 )
 from ddlcore.handles import Handle
 from ddlcore.ops import Op
+
+if TYPE_CHECKING:
+    from ddlcore.bootstrap import init
+    from ddlcore.communicator import Communicator
+
+# Imported on first use: torch imports this package at every ``import torch`` (the backend's
+# entry point), which must not pay for the engine, the transports and the kernels.
+_LAZY = {"init": "ddlcore.bootstrap", "Communicator": "ddlcore.communicator"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ddlcore' has no attribute {name!r}")
+    value = getattr(_import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 try:  # one version source: pyproject.toml, through the installed metadata
     __version__ = _metadata.version("ddlcore")

@@ -18,7 +18,13 @@ from ddlcore.auth import JobKey, job_secret
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
 from ddlcore.links import Links, level_transports, local_transports
-from ddlcore.rendezvous import SECRET_ORIGIN_MPI, RendezvousInfo, detect, resolve_master
+from ddlcore.rendezvous import (
+    SECRET_ORIGIN_MPI,
+    RendezvousInfo,
+    detect,
+    resolve_master,
+    via_torch_store,
+)
 from ddlcore.transports.base import PeerInfo
 
 log = logging.getLogger("ddlcore")
@@ -168,7 +174,7 @@ def _connected(host: hostcoll.HostCollectives, store: Any) -> hostcoll.HostColle
 def init(*, rank: int | None = None, size: int | None = None, master_addr: str | None = None,
          master_port: int | None = None, transport: str | None = None,
          timeout: float | None = None, algo: str | None = None,
-         environ: Mapping[str, str] | None = None) -> Communicator:
+         environ: Mapping[str, str] | None = None, store: Any = None) -> Communicator:
     """Join the job and return its `Communicator`.
 
     Parameters
@@ -184,6 +190,10 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         Like ``DDL_ALGO``: "auto", "ring", ...
     environ : mapping, optional
         Read configuration from this mapping instead of ``os.environ``.
+    store : torch.distributed.Store, optional
+        A store every rank shares (the one ``init_process_group`` hands a backend); needs
+        ``rank`` and ``size``. Rank 0 publishes its own store's address there and the others
+        read it: no launcher variable is consulted for the rendezvous.
 
     Raises
     ------
@@ -192,6 +202,8 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     TransportUnavailableError
         The requested transport cannot run here, and why.
     """
+    if store is not None and (rank is None or size is None or master_addr or master_port):
+        raise ValueError("store= needs rank= and size=, and takes no master_addr/master_port")
     info = detect(environ)
     if rank is not None or size is not None:
         info = RendezvousInfo(info.rank if rank is None else rank,
@@ -218,7 +230,10 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
             log.info("rank 0 of 1: no launcher variables are set, so this process is a world of "
                      "one; start N ranks with: ddlrun -np N python prog.py")
         return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
-    info = resolve_master(info, environ, timeout)
+    if store is not None:
+        info = via_torch_store(store, info.rank, info.size, timeout, environ)
+    else:
+        info = resolve_master(info, environ, timeout)
     names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
     client, store = _store_for(info, timeout, environ)
     links: Links | None = None

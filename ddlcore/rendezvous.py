@@ -184,15 +184,19 @@ def _agent_store(info: RendezvousInfo, timeout: float) -> Any:
 
 
 def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, timeout: float,
-                     store: Any, where: str) -> RendezvousInfo:
+                     store: Any, where: str, key: str | None = None,
+                     mine: tuple[str, int, str] | None = None) -> RendezvousInfo:
     """Rank 0 picks a free port for its own store and publishes "host:port" in torch's
-    ``store`` (MASTER_PORT is torch's: ddlcore never serves there); the others read it."""
+    ``store`` (MASTER_PORT is torch's: ddlcore never serves there); the others read it.
+    ``key``: where in ``store`` (default: this run's); ``mine``: what rank 0's port is kept
+    under, for another init of this process (default: torch's store and ``key``)."""
     from datetime import timedelta
 
-    assert info.master_addr is not None and info.master_port is not None
-    key = _torch_store_key(environ)
+    key = _torch_store_key(environ) if key is None else key
     if info.rank == 0:
-        mine = (info.master_addr, info.master_port, key)
+        if mine is None:
+            assert info.master_addr is not None and info.master_port is not None
+            mine = (info.master_addr, info.master_port, key)
         if mine not in _published:
             host = _host_beside(info, environ)
             _published[mine] = (host, _free_port(host))
@@ -217,6 +221,41 @@ def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, ti
         raise RendezvousError(f"rank {info.rank}: {where} holds {raw[:80]!r} under {key!r}, "
                               "not a host:port")
     return replace(info, master_addr=host, master_port=int(port_text), torch_store=False)
+
+
+# Communicators made from a torch store in this process (`via_torch_store`): the n-th one of
+# every rank reads the n-th key, so a process group made again after destroy_process_group (whose
+# store prefix torch reuses) never reads the address of the last one's store.
+_store_inits = [0]
+
+
+def via_torch_store(store: Any, rank: int, size: int, timeout: float,
+                    environ: Mapping[str, str] | None = None) -> RendezvousInfo:
+    """Where ddlcore's store is, for ranks that share a torch.distributed ``store`` (the one
+    ``init_process_group`` hands a backend: torch's own rank and size, no launcher variable
+    needed). Rank 0 serves ddlcore's store on a free port of its own (the same one for every
+    communicator this process makes this way) and publishes "host:port" in ``store``; the
+    others read it, waiting up to ``timeout`` seconds.
+
+    Raises
+    ------
+    RendezvousError
+        Rank 0 did not publish within ``timeout``, or ``store`` cannot be written.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank={rank} must be in [0, size={size})")
+    found = detect(environ)
+    same_job = (found.rank, found.size) == (rank, size)
+    # The launcher's host facts only describe these ranks when its rank and size are torch's.
+    info = RendezvousInfo(rank, size, found.master_addr if same_job else None, None,
+                          "torch process group", found.local_rank if same_job else None,
+                          found.local_size if same_job else None)
+    if size == 1:
+        return info
+    _store_inits[0] += 1
+    key = f"{_torch_store_key(environ)}/pg{_store_inits[0]}"
+    return _via_torch_store(info, environ, timeout, store, "the process group's store", key,
+                            mine=(info.master_addr or "", 0, "torch process group"))
 
 
 def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = None,

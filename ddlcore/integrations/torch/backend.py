@@ -1,0 +1,459 @@
+"""The torch.distributed backend "ddl": ``dist.init_process_group("ddl")`` runs on ddlcore.
+
+Importing ``ddlcore.integrations.torch`` registers it, and so does torch itself, through the
+``torch.backends`` entry point it loads at the end of ``import torch`` (`_autoload`): a script
+need not import ddlcore. torch calls `_create` with its store, rank, size and timeout; ddlcore
+meets the other ranks through that store (``ddlcore.init(store=...)``), under any launcher.
+
+`ProcessGroupDDL` maps torch's collectives onto the `Communicator`: allreduce (SUM, AVG,
+PRODUCT, MIN, MAX), allreduce_coalesced, allgather (lists and into one tensor, coalesced too),
+reduce_scatter (likewise), broadcast from any root, barrier. Each returns an asynchronous
+`WorkDDL` whose ``wait()`` blocks without the GIL and whose ``get_future()`` completes with the
+output tensors. What ddlcore cannot do yet (reduce, gather, scatter, all-to-all, send/recv,
+subgroups) raises ``torch.distributed.DistBackendError`` saying so, before anything is sent.
+"""
+
+# torch's stubs overload some ProcessGroup methods and name arguments differently; the C++
+# trampoline calls these by position, as the overrides below take them.
+# mypy: disable-error-code="override,assignment"
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger("ddlcore")
+
+BACKEND_NAME = "ddl"
+_DEVICES = ["cpu", "cuda"]
+_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
+_SUPPORTED = ("allreduce, allreduce_coalesced, allgather, all_gather_into_tensor, "
+              "reduce_scatter, reduce_scatter_tensor, broadcast and barrier")
+
+
+def register() -> None:
+    """Register the backend "ddl" with torch.distributed (again: no effect)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                      devices=list(_DEVICES))
+
+
+def _autoload() -> None:
+    """The ``torch.backends`` entry point, called at the end of ``import torch``: registers
+    the backend. Never raises: torch would turn any exception into a failed ``import torch``."""
+    try:
+        if dist.is_available():
+            register()
+    except Exception:  # a broken registration must not break every torch program
+        _log.debug("ddlcore: registering the torch backend %r failed", BACKEND_NAME,
+                   exc_info=True)
+
+
+def _dist_error(exc: BaseException, what: str) -> BaseException:
+    """``exc`` as torch reports a backend's failure: a DistBackendError with ddlcore's message
+    (argument errors stay ValueError/TypeError; torch's own errors pass unchanged)."""
+    if isinstance(exc, (dist.DistError, ValueError, TypeError)):
+        return exc
+    error = dist.DistBackendError(f"ddl backend, {what}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _unsupported(what: str) -> dist.DistBackendError:
+    return dist.DistBackendError(
+        f"ddl backend: {what} is not supported by ddlcore yet (it runs {_SUPPORTED}); run it "
+        "on a gloo group beside it: g = dist.new_group(backend='gloo'), then pass group=g")
+
+
+def _op(opts: Any, what: str) -> str:
+    """ddlcore's name of the reduction in torch's ``opts``."""
+    red = opts.reduceOp.op.name
+    if red not in _OPS:
+        raise ValueError(f"ddl backend, {what}: op=ReduceOp.{red} is not supported; ddlcore "
+                         f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}")
+    return _OPS[red]
+
+
+def _seconds(timeout: timedelta | None) -> float | None:
+    """Seconds of a torch timeout; None for none (torch's kNoTimeout is 0)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds()
+    return seconds if seconds > 0 else None
+
+
+class WorkDDL(dist.Work):
+    """One collective in flight: its ddlcore handles, then a finishing step (copies into the
+    caller's tensors) run on the communicator's worker as the last handle completes."""
+
+    def __init__(self, what: str, outputs: list[torch.Tensor], timeout: float) -> None:
+        super().__init__()
+        self._what = what
+        self._outputs = outputs
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
+        self._cuda = bool(devices)
+        # A future of CUDA tensors names their devices: completing it records an event on each
+        # device's current stream, and whoever waits on it makes its stream wait for that.
+        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
+            devices=list(devices) or None)
+
+    def _start(self, handles: Sequence[Any], finish: Callable[[], None] | None) -> WorkDDL:
+        """Complete once every handle (they finish in order) did and ``finish`` ran."""
+        def settle(_: Any) -> None:
+            try:
+                for handle in handles:
+                    handle.wait(0)
+                if finish is not None:
+                    finish()
+            except BaseException as exc:
+                self._complete(_dist_error(exc, self._what))
+            else:
+                self._complete(None)
+
+        if handles:
+            handles[-1].add_done_callback(settle)
+        else:
+            settle(None)
+        return self
+
+    def _complete(self, error: BaseException | None) -> None:
+        self._error = error
+        if error is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(error)  # type: ignore[arg-type]  # the stub says list
+        self._done.set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block (without the GIL) until the collective finished; raise its error if it failed.
+
+        ``timeout`` (none: the process group's, for each collective queued before this one and
+        this one) passing first raises ``DistBackendError``; the collective keeps running."""
+        limit = _seconds(timeout)
+        if not self._done.wait(self._timeout if limit is None else limit):
+            raise dist.DistBackendError(
+                f"ddl backend, {self._what}: not complete after waiting "
+                f"{self._timeout if limit is None else limit:g} s")
+        if self._error is not None:
+            raise self._error
+        if self._cuda:  # the caller's current streams wait for the copies the worker queued
+            self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """A future completed with the output tensors (or the collective's error)."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _copier(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
+    """The finishing step that copies each (destination, buffer) pair back; None for none."""
+    if not pairs:
+        return None
+
+    def copy() -> None:
+        for destination, buf in pairs:
+            destination.copy_(buf)
+    return copy
+
+
+class ProcessGroupDDL(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives a ddlcore `Communicator` runs."""
+
+    def __init__(self, comm: Any, rank: int, size: int, timeout: float) -> None:
+        # The one constructor a Python subclass may call (the stub knows only the other).
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._comm = comm
+        self._timeout = timeout
+        self._group_name = ""
+        self._group_desc = ""
+
+    # --- what torch asks of every process group -------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802  (torch's C++ names)
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        devices = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devices.append(torch.device("cuda"))
+        return devices
+
+    @property
+    def communicator(self) -> Any:
+        """The ddlcore `Communicator` under this group."""
+        return self._comm
+
+    def shutdown(self) -> None:
+        self._comm.close()
+
+    def abort(self) -> None:
+        self._comm.close()
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupDDL(rank={self.rank()}, size={self.size()}, {self._comm!r})"
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _work(self, what: str, outputs: list[torch.Tensor]) -> WorkDDL:
+        # Every collective queued before this one may take the whole timeout too.
+        return WorkDDL(what, outputs, self._comm._wait_budget())
+
+    def _run(self, what: str, outputs: list[torch.Tensor],
+             start: Callable[[], tuple[list[Any], Callable[[], None] | None]]) -> WorkDDL:
+        """Start a collective (``start`` returns its handles and finishing step)."""
+        work = self._work(what, outputs)
+        try:
+            handles, finish = start()
+        except BaseException as exc:
+            raise _dist_error(exc, what) from None
+        return work._start(handles, finish)
+
+    def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"ddl backend, {what}: one tensor per call (one device per "
+                             f"process), got {len(tensors)}")
+        return tensors[0]
+
+    def _in_place(self, what: str, t: torch.Tensor,
+                  run: Callable[[torch.Tensor], Any]) -> WorkDDL:
+        """Run ``run(buffer)`` on ``t``'s data (a contiguous copy when ``t`` is not)."""
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            buf = _contiguous(t)
+            return [run(buf)], _copier([] if buf is t else [(t, buf)])
+        return self._run(what, [t], start)
+
+    # --- collectives ------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+        t = self._one(tensors, "allreduce")
+        op = _op(opts or dist.AllreduceOptions(), "allreduce")
+        return self._in_place("allreduce", t,
+                              lambda buf: self._comm.allreduce_async(buf, op=op, out=buf))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+        """One allreduce per dtype and device: the tensors packed into one flat buffer."""
+        from ddlcore.integrations.torch._common import pack_into, unpack_from
+
+        op = _op(opts or dist.AllreduceCoalescedOptions(), "allreduce_coalesced")
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            handles, flats = [], []
+            for (dtype, device), members in groups.items():
+                flat = torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)
+                pack_into(flat, members)
+                flats.append((flat, members))
+                handles.append(self._comm.allreduce_async(flat, op=op, out=flat))
+
+            def finish() -> None:
+                for flat, members in flats:
+                    unpack_from(flat, members)
+            return handles, finish
+        return self._run("allreduce_coalesced", list(tensors), start)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+        t = self._one(tensors, "broadcast")
+        root = (opts or dist.BroadcastOptions()).rootRank
+        return self._in_place("broadcast", t,
+                              lambda buf: self._comm.broadcast_async(buf, root=root))
+
+    def barrier(self, opts: Any = None) -> WorkDDL:
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            self._comm.barrier()  # in order behind the queued collectives; no handle to wait on
+            return [], None
+        return self._run("barrier", [], start)
+
+    def _gather_into(self, what: str, output: torch.Tensor, input: torch.Tensor) -> Any:
+        """Start an allgather of ``input`` into the flat, contiguous ``output``."""
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"ddl backend, {what}: the output has {output.numel()} elements, "
+                             f"not {self.size()} x the input's {input.numel()}")
+        return self._comm.allgather_async(_contiguous(input).reshape(-1), out=output.view(-1))
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+        t = self._one(input_tensors, "allgather")
+        outputs = self._one(output_tensors, "allgather")  # type: ignore[arg-type]
+        if len(outputs) != self.size() or any(o.numel() != t.numel() for o in outputs):
+            raise ValueError(f"ddl backend, allgather: the output list needs {self.size()} "
+                             f"tensors of {t.numel()} elements each")
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            flat = torch.empty(t.numel() * self.size(), dtype=t.dtype, device=t.device)
+            handle = self._gather_into("allgather", flat, t)
+
+            def finish() -> None:
+                for out, piece in zip(outputs, flat.view(self.size(), t.numel()), strict=True):
+                    out.copy_(piece.view_as(out))
+            return [handle], finish
+        return self._run("allgather", list(outputs), start)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> WorkDDL:
+        """``dist.all_gather_into_tensor``: every rank's ``input`` into ``output``, in order."""
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+        what = "all_gather_into_tensor"
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            handles, copies = [], []
+            for out, t in zip(outputs, inputs, strict=True):
+                buf = _contiguous(out)
+                handles.append(self._gather_into(what, buf, t))
+                if buf is not out:
+                    copies.append((out, buf))
+            return handles, _copier(copies)
+        return self._run(what, list(outputs), start)
+
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _scatter_from(self, what: str, output: torch.Tensor, input: torch.Tensor,
+                      op: str) -> Any:
+        """Start a reduce_scatter of the flat ``input`` into the contiguous ``output``."""
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"ddl backend, {what}: the input has {input.numel()} elements, "
+                             f"not {self.size()} x the output's {output.numel()}")
+        return self._comm.reduce_scatter_async(_contiguous(input).reshape(-1), op=op,
+                                               out=output.view(-1))
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> WorkDDL:
+        from ddlcore.integrations.torch._common import pack_into
+
+        out = self._one(output_tensors, "reduce_scatter")
+        inputs = self._one(input_tensors, "reduce_scatter")  # type: ignore[arg-type]
+        op = _op(opts or dist.ReduceScatterOptions(), "reduce_scatter")
+        if len(inputs) != self.size() or any(t.numel() != out.numel() for t in inputs):
+            raise ValueError(f"ddl backend, reduce_scatter: the input list needs {self.size()} "
+                             f"tensors of {out.numel()} elements each")
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            flat = torch.empty(out.numel() * self.size(), dtype=out.dtype, device=out.device)
+            pack_into(flat, [t.to(out.dtype) for t in inputs])
+            buf = _contiguous(out)
+            handle = self._scatter_from("reduce_scatter", buf, flat, op)
+            return [handle], _copier([] if buf is out else [(out, buf)])
+        return self._run("reduce_scatter", [out], start)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> WorkDDL:
+        """``dist.reduce_scatter_tensor``: ``input`` reduced, block ``rank`` into ``output``."""
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+        what = "reduce_scatter_tensor"
+        op = _op(opts or dist.ReduceScatterOptions(), what)
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            handles, copies = [], []
+            for out, t in zip(outputs, inputs, strict=True):
+                buf = _contiguous(out)
+                handles.append(self._scatter_from(what, buf, t, op))
+                if buf is not out:
+                    copies.append((out, buf))
+            return handles, _copier(copies)
+        return self._run(what, list(outputs), start)
+
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # --- what the Communicator cannot do yet ------------------------------------------------
+    def reduce(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("reduce")
+
+    def gather(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("gather")
+
+    def scatter(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("scatter")
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("all_to_all")
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("all_to_all_single")
+
+    alltoall_base = all_to_all_single
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("all_gather_coalesced")
+
+    def send(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("send")
+
+    def recv(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("recv")
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> WorkDDL:
+        raise _unsupported("recv from any source")
+
+
+def _timeout_seconds(timeout: timedelta) -> float | None:
+    """torch's timeout in seconds; None (DDL_TIMEOUT's) for torch's default, when DDL_TIMEOUT
+    is set: an explicit ``init_process_group(timeout=)`` wins, then DDL_TIMEOUT."""
+    from ddlcore import config
+
+    default = getattr(dist.constants, "default_pg_timeout", None)
+    if timeout == default and config.is_set("DDL_TIMEOUT"):
+        return None
+    return _seconds(timeout)
+
+
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupDDL:
+    """torch's creator: a `ProcessGroupDDL` over a Communicator met through torch's store."""
+    import ddlcore
+
+    rank, size = opts.group_rank, opts.group_size
+    ranks = list(opts.global_ranks_in_group)
+    if ranks and dist.is_initialized() and len(ranks) != dist.get_world_size():
+        raise dist.DistBackendError(
+            f"ddl backend, rank {rank}: process groups over some of the ranks ({len(ranks)} of "
+            f"{dist.get_world_size()}: new_group(ranks=...), DeviceMesh dimensions) are not "
+            "supported by ddlcore yet; make them with backend='gloo'")
+    try:
+        comm = ddlcore.init(store=opts.store, rank=rank, size=size,
+                            timeout=_timeout_seconds(opts.timeout))
+    except ddlcore.DDLError as exc:
+        raise _dist_error(exc, f"rank {rank}: init_process_group") from None
+    return ProcessGroupDDL(comm, rank, size, comm.timeout)

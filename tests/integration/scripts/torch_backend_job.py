@@ -1,0 +1,221 @@
+"""A torch.distributed program on the backend "ddl" that never imports ddlcore (torch finds the
+backend through its ``torch.backends`` entry point). Every supported collective over float32,
+float64, int32 and int64 tensors of sizes 0, 1, primes and sizes not divisible by the world
+size, every op, synchronous and asynchronous, is checked against a reference computed here from
+every rank's inputs (seeded); so are functional collectives and DTensor; then DDP trains the same model on "ddl" and on a gloo group, and
+their parameters must match. Prints "torch backend ok: rank R of N" at the end.
+"""
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("ddl", timeout=timedelta(seconds=25))
+rank, size = dist.get_rank(), dist.get_world_size()
+world = dist.group.WORLD
+assert dist.get_backend() == "ddl" and type(world).__name__ == "ProcessGroupDDL", world
+assert world.communicator.timeout == 25, world.communicator.timeout  # init's timeout= honored
+
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
+SIZES = [0, 1, 7, 33, 4099]          # 0, 1, primes: none divisible by the world size of 2
+OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod",
+       dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
+case = 0
+
+
+def inputs(n, dtype, shape=None):
+    """Every rank's input of this case (the same on every rank: seeded by case and rank)."""
+    global case
+    case += 1
+    out = []
+    for r in range(size):
+        g = torch.Generator().manual_seed(1000 * case + r)
+        if dtype.is_floating_point:
+            x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+        else:  # small values: a product of every rank's stays far inside int32
+            x = torch.randint(-9, 10, (n,), generator=g, dtype=dtype)
+        out.append(x.reshape(shape) if shape else x)
+    return out
+
+
+def reduced(xs, op):
+    stacked = torch.stack(xs)
+    if op == "sum":
+        return stacked.sum(0, dtype=stacked.dtype)
+    if op == "prod":
+        return stacked.prod(0, dtype=stacked.dtype)
+    if op == "min":
+        return stacked.min(0).values
+    if op == "max":
+        return stacked.max(0).values
+    if stacked.dtype.is_floating_point:
+        return stacked.sum(0) / size
+    return torch.div(stacked.sum(0), size, rounding_mode="floor")  # ddlcore's integer avg
+
+
+def check(got, want, what):
+    if want.dtype.is_floating_point:
+        rtol = 1e-5 if want.dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=what)
+    else:
+        assert torch.equal(got, want), (what, got, want)
+
+
+def run(work_or_none, async_op, outputs, what):
+    """Wait for an async collective, and check that its future holds the output tensors."""
+    if not async_op:
+        assert work_or_none is None
+        return
+    work = work_or_none
+    assert work.wait() is True, what
+    value = work.get_future().wait()
+    assert [t.data_ptr() for t in value] == [t.data_ptr() for t in outputs], what
+    assert work.is_completed() and work.is_success(), what
+
+
+for dtype in DTYPES:
+    for n in SIZES:
+        for torch_op, op in OPS.items():
+            xs = inputs(n, dtype)
+            async_op = (n + case) % 2 == 0
+            t = xs[rank].clone()
+            run(dist.all_reduce(t, op=torch_op, async_op=async_op), async_op, [t],
+                f"allreduce {dtype} {n} {op}")
+            check(t, reduced(xs, op), f"allreduce {dtype} n={n} {op}")
+
+            # reduce_scatter_tensor: every rank's n * size elements, block `rank` to this rank
+            xs = inputs(n * size, dtype)
+            out = torch.empty(n, dtype=dtype)
+            run(dist.reduce_scatter_tensor(out, xs[rank].clone(), op=torch_op,
+                                           async_op=async_op), async_op, [out], "rs tensor")
+            check(out, reduced(xs, op)[rank * n:(rank + 1) * n], f"reduce_scatter_tensor {op}")
+            # reduce_scatter of a list
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter(out, list(xs[rank].clone().split(n)) if n else
+                                [torch.empty(0, dtype=dtype)] * size, op=torch_op)
+            check(out, reduced(xs, op)[rank * n:(rank + 1) * n], f"reduce_scatter {op}")
+
+        xs = inputs(n, dtype)
+        outs = [torch.full((n,), -1, dtype=dtype) for _ in range(size)]
+        run(dist.all_gather(outs, xs[rank], async_op=True), True, outs, "allgather")
+        for r in range(size):
+            check(outs[r], xs[r], f"allgather {dtype} n={n} from {r}")
+        flat = torch.empty(n * size, dtype=dtype)
+        dist.all_gather_into_tensor(flat, xs[rank])
+        check(flat, torch.cat(xs), f"all_gather_into_tensor {dtype} n={n}")
+        for root in range(size):
+            t = xs[rank].clone()
+            run(dist.broadcast(t, src=root, async_op=True), True, [t], "broadcast")
+            check(t, xs[root], f"broadcast {dtype} n={n} root {root}")
+
+# Non-contiguous tensors: the collective works on a contiguous copy, written back.
+xs = inputs(12, torch.float64, (3, 4))
+t = xs[rank].clone().t()
+dist.all_reduce(t)
+check(t, reduced(xs, "sum").t(), "allreduce of a transposed tensor")
+t = xs[rank].clone()
+dist.broadcast(t[:, 1], src=1)
+check(t[:, 1], xs[1][:, 1], "broadcast of a strided column")
+
+# Coalesced: several tensors of two dtypes in one allreduce_coalesced; several all-gathers and
+# reduce-scatters into tensors in one coalesced call each.
+a, b, c = inputs(5, torch.float32), inputs(0, torch.float64), inputs(11, torch.int64)
+mine = [a[rank].clone(), b[rank].clone(), c[rank].clone()]
+with dist._coalescing_manager(async_ops=True) as cm:
+    for x in mine:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+cm.wait()
+for x, xs in zip(mine, (a, b, c), strict=True):
+    check(x, reduced(xs, "max"), "coalesced allreduce")
+a, b = inputs(3, torch.float32), inputs(4, torch.int32)
+flats = [torch.empty(3 * size), torch.empty(4 * size, dtype=torch.int32)]
+with dist._coalescing_manager():
+    dist.all_gather_into_tensor(flats[0], a[rank])
+    dist.all_gather_into_tensor(flats[1], b[rank])
+check(flats[0], torch.cat(a), "coalesced all_gather_into_tensor")
+check(flats[1], torch.cat(b), "coalesced all_gather_into_tensor")
+a = inputs(3 * size, torch.float64)
+out = torch.empty(3, dtype=torch.float64)
+with dist._coalescing_manager():
+    dist.reduce_scatter_tensor(out, a[rank].clone())
+check(out, reduced(a, "sum")[rank * 3:(rank + 1) * 3], "coalesced reduce_scatter_tensor")
+dist.barrier()
+
+# What ddlcore cannot do yet says so, before anything is sent.
+for what, call in [("ReduceOp.BAND", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                                            op=dist.ReduceOp.BAND)),
+                   ("reduce is not supported", lambda: dist.reduce(torch.ones(2), dst=0)),
+                   ("all_to_all_single is not supported",
+                    lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2))),
+                   ("send is not supported", lambda: dist.send(torch.ones(2), dst=1 - rank)),
+                   ("some of the ranks", lambda: dist.new_group([0]))]:
+    if what == "some of the ranks" and rank != 0:
+        dist.new_group([0])  # not a member: torch never calls the backend
+        continue
+    try:
+        call()
+    except (ValueError, dist.DistError) as exc:
+        assert what in str(exc), (what, exc)
+    else:
+        raise AssertionError(f"{what}: no error")
+
+# DDP on "ddl" (C++ reducer, then torch's own allreduce hook) against DDP on a gloo group.
+gloo = dist.new_group(backend="gloo")
+
+
+def train(process_group, hook=None):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 3)), process_group=process_group)
+    if hook is not None:
+        model.register_comm_hook(process_group, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 3, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+on_gloo = train(gloo)
+for params in (train(world), train(world, default_hooks.allreduce_hook)):
+    for p, q in zip(params, on_gloo, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+# Functional collectives and DTensor reach the group from C++ (by its name, through DeviceMesh).
+mesh = init_device_mesh("cpu", (size,))
+xs = inputs(3 * size, torch.float32)
+check(funcol.all_reduce(xs[rank], "sum", mesh).wait(), reduced(xs, "sum"), "funcol.all_reduce")
+check(funcol.all_gather_tensor(xs[rank], 0, mesh).wait(), torch.cat(xs), "funcol.all_gather")
+check(funcol.reduce_scatter_tensor(xs[rank], "max", 0, mesh).wait(),
+      reduced(xs, "max")[rank * 3:(rank + 1) * 3], "funcol.reduce_scatter_tensor")
+shard = DTensor.from_local(xs[rank], mesh, [Shard(0)])
+check(shard.redistribute(mesh, [Replicate()]).to_local(), torch.cat(xs), "DTensor replicate")
+check((shard * 2).sum().full_tensor(), 2 * torch.cat(xs).sum(), "DTensor partial sum")
+
+# A group over every rank is a communicator of its own, met through the same store.
+everyone = dist.new_group(backend="ddl")
+assert everyone.communicator is not world.communicator
+xs = inputs(5, torch.int64)
+t = xs[rank].clone()
+dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=everyone)
+check(t, reduced(xs, "prod"), "allreduce on new_group()")
+dist.destroy_process_group()
+
+# Made again (torch reuses the store's prefix): the new communicator must not meet at the
+# address of the last one's store.
+dist.init_process_group("ddl")
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+check(t, torch.tensor([size * (size + 1) / 2]), "allreduce after init_process_group again")
+dist.destroy_process_group()
+sys.stdout.write(f"torch backend ok: rank {rank} of {size}\n")

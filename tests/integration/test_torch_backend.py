@@ -1,0 +1,188 @@
+"""The torch.distributed backend "ddl" for real: programs that never import ddlcore call
+``dist.init_process_group("ddl")`` under torchrun, ddlrun, mpiexec and by hand (a Slurm
+script's way),
+run every supported collective against a reference, train with DDP against gloo, and see a
+dead or silent peer as torch's DistBackendError with ddlcore's message.
+
+The programs reach ddlcore through the ``torch.backends`` entry point of the installed package
+(``pip install -e .`` registers it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import free_port, mpiexec_path, require
+from tests.integration.test_launchers_real import DDLRUN, TORCHRUN, _env
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+
+# One rank leaves (exits, or stays silent past the process group's 3 s timeout) after a barrier;
+# the other's allreduce must fail with torch's error type carrying ddlcore's words.
+FAILURE_SCRIPT = """\
+import os, sys, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+how = sys.argv[1]
+dist.init_process_group("ddl", timeout=timedelta(seconds=3))
+rank = dist.get_rank()
+store = dist.distributed_c10d._get_default_store()  # torch's, served by rank 0
+dist.barrier()
+if rank == 1:
+    if how == "silent":  # alive, in no collective, until rank 0 failed
+        store.wait(["failed"], timedelta(seconds=60))
+        store.set("bye", "1")
+    os._exit(0)
+time.sleep(0.5)
+t0 = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1000))
+except dist.DistBackendError as exc:
+    cause = type(exc.__cause__)
+    sys.stdout.write(f"failed after {time.monotonic() - t0:.1f} s "
+                     f"({cause.__module__}.{cause.__name__}): {exc}\\n")
+    if how == "silent":
+        store.set("failed", "1")
+        store.wait(["bye"], timedelta(seconds=60))
+    sys.exit(0)
+sys.exit("the allreduce did not fail")
+"""
+
+
+@pytest.fixture(autouse=True)
+def _needs_torch():
+    require(importlib.util.find_spec("torch") is not None,
+            "torch is not installed (pip install 'ddlcore[torch]')")
+
+
+def _run(argv: list[str], cwd: pathlib.Path) -> str:
+    res = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, f"{argv} exited {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+def test_entry_point_registers_the_backend_at_import_torch(tmp_path):
+    points = importlib.metadata.entry_points(group="torch.backends")
+    assert any(p.name == "ddl" and p.value.startswith("ddlcore.") for p in points), \
+        "ddlcore's torch.backends entry point is not installed: pip install -e . again"
+    # Cheap: what torch imports for it is the backend module, not the engine, not the kernels.
+    out = _run([sys.executable, "-c", "import sys, torch.distributed as dist; "
+                "print(dist.Backend.DDL, dist.Backend.backend_capability['ddl']); "
+                "print(sorted(m for m in sys.modules if m.startswith('ddlcore.')))"], tmp_path)
+    registered, imported = out.splitlines()
+    assert registered == "ddl ['cpu', 'cuda']", out
+    assert "ddlcore.integrations.torch.backend" in imported, out
+    for heavy in ("communicator", "engine", "bootstrap", "kernels", "transports"):
+        assert f"'ddlcore.{heavy}" not in imported, out
+
+
+def test_autoload_never_raises(monkeypatch):
+    """torch turns an exception of the entry point into a failed ``import torch``."""
+    import torch.distributed as dist
+
+    from ddlcore.integrations.torch import backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a torch that changed its registration API")
+
+    monkeypatch.delitem(dist.Backend._plugins, "DDL", raising=False)
+    monkeypatch.setattr(dist.Backend, "register_backend", broken)
+    backend._autoload()  # no exception
+    assert "DDL" not in dist.Backend._plugins
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "ddlrun"])
+def test_collectives_and_ddp_on_ddl(tmp_path, launcher):
+    script = SCRIPTS / "torch_backend_job.py"
+    assert "import ddlcore" not in script.read_text()
+    if launcher == "torchrun":
+        argv = TORCHRUN + ["--nproc-per-node", "2", str(script)]
+    else:
+        argv = DDLRUN + ["-np", "2", str(script)]
+    out = _run(argv, tmp_path)
+    assert sorted(re.findall(r"torch backend ok: rank \d of \d", out)) == \
+        [f"torch backend ok: rank {r} of 2" for r in range(2)], out
+
+
+# Under an MPI launcher torch reads no PMI_* variable: the script hands rank and size over.
+MPI_SCRIPT = """\
+import os, sys
+
+import torch
+import torch.distributed as dist
+
+rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+dist.init_process_group("ddl", rank=rank, world_size=size)
+t = torch.full((5,), rank + 1.0)
+dist.all_reduce(t)
+assert torch.equal(t, torch.full((5,), size * (size + 1) / 2)), t
+comm = dist.group.WORLD.communicator
+sys.stdout.write(f"mpiexec ok: rank {comm.rank} of {comm.size}, local size {comm.local_size}\\n")
+dist.destroy_process_group()
+"""
+
+
+def test_under_mpiexec(tmp_path):
+    mpiexec = mpiexec_path()
+    require(mpiexec is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
+    (tmp_path / "job.py").write_text(MPI_SCRIPT)
+    out = _run([mpiexec, "-n", "2", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT",
+                str(free_port()), sys.executable, "job.py"], tmp_path)
+    assert sorted(re.findall(r"mpiexec ok: .*", out)) == \
+        [f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)], out
+
+
+@pytest.mark.parametrize(("how", "cause", "words"), [
+    ("exit", "PeerFailureError", r"rank 1 \(pid \d+\) exited"),
+    ("silent", "DDLTimeoutError", r"rank 1 did not reach .* within .*=3 s"),
+], ids=["peer-exits", "peer-silent"])
+def test_a_failed_peer_is_a_dist_backend_error(tmp_path, how, cause, words):
+    """Started by hand (torch's variables, no agent): the surviving rank's allreduce raises
+    DistBackendError with ddlcore's error as its cause and its message, within the process
+    group's timeout."""
+    (tmp_path / "job.py").write_text(FAILURE_SCRIPT)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "job.py", how], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}\n{out}\n{err}"
+    out = outs[0][0]
+    match = re.fullmatch(r"failed after ([\d.]+) s \(ddlcore\.errors\.(\w+)\): (.*)\n", out)
+    assert match, outs[0]
+    seconds, raised, message = float(match[1]), match[2], match[3]
+    assert raised == cause, out
+    assert message.startswith("ddl backend, allreduce: rank 0: allreduce #"), message
+    assert re.search(words, message), message
+    assert seconds < 10, out  # the process group's 3 s, not DDL_TIMEOUT's 30
+
+
+def test_init_with_a_store_needs_rank_and_size():
+    import torch.distributed as dist
+
+    import ddlcore
+
+    store = dist.HashStore()
+    for kwargs in ({}, {"rank": 0}, {"size": 2}, {"rank": 0, "size": 2, "master_port": 1}):
+        with pytest.raises(ValueError, match="store= needs rank= and size="):
+            ddlcore.init(store=store, **kwargs)
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, size=2\)"):
+        ddlcore.init(store=store, rank=2, size=2)
