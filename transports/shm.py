@@ -74,20 +74,16 @@ from ddlcore.transports.base import (
     Transport,
 )
 from ddlcore.transports.common import (
-    PairTableContext,
+    Matcher,
+    Message,
     ThreadRequest,
     abort_error,
     as_view,
-    check_peer,
     check_tag,
-    checks_match,
-    copy_error,
-    mismatch_error,
-    queue_under,
     recv_view,
-    take_oldest,
     timeout_error,
 )
+from ddlcore.transports.pairs import MatchedPair, PairTableContext
 
 from ddlcore.errors import (
     CommunicatorClosedError,
@@ -367,7 +363,7 @@ class _Incoming:
         self.data: bytearray | None = None     # unexpected: a buffer of our own
 
 
-class ShmPair(Pair):
+class ShmPair(MatchedPair, Pair):
     """Both rings between this rank and ``peer``: ours in their inbox (we produce), theirs in
     our inbox (we consume)."""
 
@@ -384,15 +380,13 @@ class ShmPair(Pair):
         self._peer_bell = 0
         self._peer_pid = 0
         self._pidfd = -1
-        self.attached = False
+        self._connected = False
         self._plock = threading.Lock()  # send queue and our ring's head
         self._clock = threading.Lock()  # posted, unexpected, incoming record, our ring's tail
         self._sendq: deque[_Send] = deque()
-        self._posted: dict[int, deque[ThreadRequest]] = {}
-        self._unexpected: dict[int, deque[tuple[int, bytearray]]] = {}
+        # Receives and messages by tag; failure (abort, close) and lost (the peer closed, died)
+        self._matcher: Matcher[ShmRequest] = Matcher(self.rank, peer, "shm")
         self._incoming: _Incoming | None = None
-        self._failure: DDLError | None = None      # final: abort, close, or peer gone
-        self._gone: str | None = None             # why the peer is gone (closed, died)
         self._closed = False
         self._announced = _ATTACHED  # what we last told the peer (or will, once attached)
         self._abort_note: tuple[int, bytes] = (0, b"")
@@ -447,7 +441,7 @@ class ShmPair(Pair):
         self._out, self._out_data = out, out + _SLOT_HEADER
         _shm.store_u32(out + _S_STATE, _ATTACHED)
         _shm.fetch_add_u32(base + _OFF_ATTACH_GEN, 1)
-        self.attached = True
+        self._connected = True
         _shm.bell_ring(self._peer_bell)
         if self._announced != _ATTACHED:  # we aborted or closed before attaching: say so now
             self._announce(self._announced, *self._abort_note)
@@ -466,7 +460,7 @@ class ShmPair(Pair):
         check_tag(tag, check)
         req = ShmRequest(self, view, tag, check, True)
         with self._plock:
-            if self._failure is not None or self._gone is not None:
+            if self._failure is not None or self._lost is not None:
                 req._fail(self._error_for(req))
                 return req
             if self._cma and req.nbytes >= _CMA_MIN:
@@ -478,7 +472,7 @@ class ShmPair(Pair):
             else:
                 self._sendq.append(_Send(req, _RECORD.pack(_DATA, check, tag, req.nbytes, 0),
                                          _DATA, view))
-            if len(self._sendq) == 1 and self.attached:
+            if len(self._sendq) == 1 and self._connected:
                 self._push()  # idle pair: straight into the ring from this thread
             pending = bool(self._sendq)
         if pending:
@@ -488,36 +482,16 @@ class ShmPair(Pair):
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
         view = recv_view(view, tag, check)
         req = ShmRequest(self, view, tag, check, False)
-        with self._clock:
-            message = take_oldest(self._unexpected, tag)
-            if message is None and self._failure is None and self._gone is None:
-                queue_under(self._posted, tag, req)
-                return req
-        if message is None:
-            req._fail(self._error_for(req))
-        else:
-            self._deliver(req, *message)
+        self._matcher.post(req)
         return req
 
-    def _deliver(self, req: ThreadRequest, check: int, data: bytearray) -> None:
-        if len(data) != req.nbytes or not checks_match(check, req.check):
-            req._fail(mismatch_error(self.peer, self.rank, req.tag, len(data), check,
-                                     req.nbytes, req.check))
-            return
-        if data:
-            assert isinstance(req.view, memoryview)  # host memory only: as_view refused the rest
-            req.view[:] = data
-        req._complete()
-
     def _error_for(self, req: ThreadRequest) -> DDLError:
-        if self._failure is not None:
-            return copy_error(self._failure)
-        return PeerFailureError(f"{self._gone} rank {self.rank} {req.describe()}", self.peer)
+        return self._matcher.error_for(req)
 
     def _timeout_error(self, req: ThreadRequest, timeout: float) -> DDLTimeoutError:
-        note = "" if self.attached else \
+        note = "" if self._connected else \
             f" (rank {self.peer} has not connected to rank {self.rank} yet)"
-        if not self.attached and _shm.load_u32(self._in + _S_STATE) != _NONE:
+        if not self._connected and _shm.load_u32(self._in + _S_STATE) != _NONE:
             note = ""
         return timeout_error(self.rank, self.peer, req, timeout, note)
 
@@ -636,7 +610,7 @@ class ShmPair(Pair):
     def _send_acks(self) -> None:
         """Queue the ACKs of CMA messages read (``_clock`` not held: this takes ``_plock``)."""
         with self._plock:
-            if self._failure is not None or self._gone is not None:
+            if self._failure is not None or self._lost is not None:
                 self._acks.clear()
                 return
             while self._acks:
@@ -645,17 +619,18 @@ class ShmPair(Pair):
                     self._sendq.insert(1, item)
                 else:
                     self._sendq.appendleft(item)
-            if self.attached:
+            if self._connected:
                 self._push()
 
     def _begin(self, tag: int, check: int, nbytes: int) -> _Incoming:
         cur = _Incoming(tag, check, nbytes)
-        req = take_oldest(self._posted, tag)
+        req = self._matcher.take(tag)
         if req is not None:
-            if nbytes != req.nbytes or not checks_match(check, req.check):
-                req._fail(mismatch_error(self.peer, self.rank, tag, nbytes, check, req.nbytes,
-                                         req.check))
+            error = self._matcher.mismatch(req, check, nbytes)
+            if error is not None:
+                req._fail(error)
             else:
+                assert isinstance(req.view, memoryview)  # host memory only (as_view)
                 cur.req, cur.target = req, req.view
         elif self._failure is None:
             cur.data = bytearray(nbytes)
@@ -668,11 +643,7 @@ class ShmPair(Pair):
             return
         if cur.data is None:
             return  # drained
-        req = take_oldest(self._posted, cur.tag)
-        if req is not None:
-            self._deliver(req, cur.check, cur.data)
-        else:
-            queue_under(self._unexpected, cur.tag, (cur.check, cur.data))
+        self._matcher.arrived(cur.tag, Message(cur.check, cur.nbytes, cur.data))
 
     def _progress(self) -> bool:
         """One round for this pair: peer state, sends, receives. True if anything moved."""
@@ -681,20 +652,20 @@ class ShmPair(Pair):
         if state == _ABORTED and self._failure is None:
             self._peer_aborted()
             return True
-        if state == _ATTACHED and not self.attached and not self._closed:
+        if state == _ATTACHED and not self._connected and not self._closed:
             with self._plock:
-                if not self.attached and self._failure is None and self._gone is None:
+                if not self._connected and self._failure is None and self._lost is None:
                     self._attach_back()
-        if self._sendq and self.attached:
+        if self._sendq and self._connected:
             with self._plock:
-                if self._sendq and self._failure is None and self._gone is None:
+                if self._sendq and self._failure is None and self._lost is None:
                     moved = self._push()
         with self._clock:
             if self._failure is None:
                 moved = self._pull() or moved
         if self._acks:
             self._send_acks()
-        if state == _CLOSED and self._gone is None:
+        if state == _CLOSED and self._lost is None:
             self._peer_gone(f"rank {self.peer} closed its connection while")
             moved = True
         return moved
@@ -747,7 +718,7 @@ class ShmPair(Pair):
         try:
             self._attach(name, pid)
         except DDLError as exc:  # we can still receive what it sent; sending to it fails
-            self._gone = f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
+            self._matcher.lost = f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
 
     # --- failure and shutdown ---------------------------------------------------------------
     def _peer_aborted(self) -> None:
@@ -763,46 +734,35 @@ class ShmPair(Pair):
         with self._clock:
             if self._failure is None:
                 self._pull()
-        pending: list[ThreadRequest] = []
         with self._plock, self._clock:
-            if self._gone is not None:
-                return
-            self._gone = why
-            pending += [item.req for item in self._sendq if item.req is not None]
-            pending += self._await_ack.values()
-            self._sendq.clear()
-            self._await_ack.clear()
-            pending += [r for waiting in self._posted.values() for r in waiting]
-            self._posted.clear()
-            if self._incoming is not None and self._incoming.req is not None:
-                pending.append(self._incoming.req)
-            self._incoming = None
-        for req in pending:
-            req._fail(self._error_for(req))
+            self._matcher.lose(why, lambda: self._take_requests(keep_incoming=False))
 
     def _fail_pair(self, error: DDLError) -> None:
         """Fail every pending and later request (first error wins)."""
         with self._plock, self._clock:
-            if self._failure is not None:
-                return
-            self._failure = error
-            pending = [item.req for item in self._sendq if item.req is not None]
-            pending += self._await_ack.values()
-            self._sendq.clear()
-            self._await_ack.clear()
-            pending += [r for waiting in self._posted.values() for r in waiting]
-            self._posted.clear()
-            self._unexpected.clear()
-            if self._incoming is not None and self._incoming.req is not None:
-                pending.append(self._incoming.req)
-                self._incoming.req = self._incoming.target = None  # drain the rest
-        for req in pending:
-            req._fail(copy_error(error))
+            self._matcher.fail(error, lambda: self._take_requests(keep_incoming=True))
+
+    def _take_requests(self, keep_incoming: bool) -> list[ThreadRequest]:
+        """Take out the sends and the receive being filled, to fail them (``_plock`` and
+        ``_clock`` held). ``keep_incoming``: the record being read is drained to its end (an
+        abort or close); else it is dropped (the peer is gone: nothing more comes)."""
+        pending = [item.req for item in self._sendq if item.req is not None]
+        pending += self._await_ack.values()
+        self._sendq.clear()
+        self._await_ack.clear()
+        incoming = self._incoming
+        if incoming is not None and incoming.req is not None:
+            pending.append(incoming.req)
+            if keep_incoming:
+                incoming.req = incoming.target = None  # drain the rest
+        if not keep_incoming:
+            self._incoming = None
+        return pending
 
     def _announce(self, state: int, code: int = 0, reason: bytes = b"") -> None:
         """Publish our state in our slot of the peer's inbox and wake it."""
         self._announced = state
-        if not self.attached or not self._out:
+        if not self._connected or not self._out:
             return  # _attach announces it once the pair is attached
         if state == _ABORTED:
             _shm.store_u32(self._out + _S_ABORT_CODE, code)
@@ -835,6 +795,8 @@ class ShmPair(Pair):
 
 class ShmContext(PairTableContext):
     """This rank's inbox, progress thread and pairs."""
+
+    _label = "shm"
 
     def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
         if not 0 <= rank < size:
@@ -874,25 +836,20 @@ class ShmContext(PairTableContext):
     def _new_pair(self, peer: int) -> ShmPair:
         return ShmPair(self, peer)
 
-    def pair(self, peer: int) -> Pair:
-        found = self._pairs.get(peer)
-        if found is not None and found.attached:
-            return found
-        check_peer(self.rank, self.size, peer, self._closed, "shm")
-        found = self._pair_for(peer)
-        if not found.attached and found._failure is None and found._gone is None:
-            name, pid = self._lookup(peer)
+    def _connect_pair(self, found: ShmPair) -> None:
+        """Attach to the peer's inbox (`PairTableContext.pair`), then wake the progress thread."""
+        if not found._connected and found._failure is None and found._lost is None:
+            name, pid = self._lookup(found.peer)
             with found._plock:
-                if not found.attached and found._failure is None and found._gone is None:
+                if not found._connected and found._failure is None and found._lost is None:
                     try:
                         found._attach(name, pid)
                     except PeerFailureError as exc:
                         if _shm.load_u32(found._in + _S_STATE) == _NONE:
                             raise
                         # It wrote to us and left: what it sent is still ours to receive.
-                        found._gone = f"{exc}; so"
+                        found._matcher.lost = f"{exc}; so"
         self._wake()
-        return found
 
     def _lookup(self, peer: int) -> tuple[str, int]:
         try:

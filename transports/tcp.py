@@ -71,22 +71,19 @@ from ddlcore.transports.base import (
 )
 from ddlcore.transports.common import (
     MAX_CHECK,
-    PairTableContext,
+    Matcher,
+    Message,
     ThreadRequest,
     abort_error,
     as_view,
-    check_peer,
     check_tag,
-    checks_match,
     copy_error,
     job_key_of,
-    mismatch_error,
-    queue_under,
     recv_view,
     seconds,
-    take_oldest,
     timeout_error,
 )
+from ddlcore.transports.pairs import LazyPair, PairTableContext
 from ddlcore.transports.sockets import (
     HandshakeListener,
     format_address,
@@ -188,10 +185,8 @@ class _Channel:
     def __init__(self, pair: TcpPair, index: int) -> None:
         self.pair, self.index = pair, index
         self.sock: socket.socket | None = None
-        self.mlock = threading.Lock()  # guards posted, unexpected, failure
-        self.posted: dict[int, deque[TcpRequest]] = {}
-        self.unexpected: dict[int, deque[tuple[int, bytearray]]] = {}
-        self.failure: str | None = None  # why the socket is gone (a PeerFailureError prefix)
+        # The tags that travel on this socket: their receives, messages and failure
+        self.matcher: Matcher[TcpRequest] = Matcher(pair.rank, pair.peer, "TCP")
         self.scond = threading.Condition(threading.Lock())  # guards queue, busy, stopping
         self.queue: deque[list] = deque()  # [header, payload view | None, request | None, sent]
         self.busy = False  # a thread is writing to the socket
@@ -206,6 +201,11 @@ class _Channel:
         self.wake_fd = -1  # eventfd: asks the reader in poll() to look at its flags again
         self.waiter_poll = select.poll()  # the driving waiter's (one at a time): set before sock
         self.inbound = _Inbound(self)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the socket is gone (a PeerFailureError prefix), or None."""
+        return self.matcher.lost
 
     # --- sending --------------------------------------------------------------------------------
     def send(self, item: list, front: bool = False) -> None:
@@ -429,19 +429,27 @@ class _Channel:
     # --- failure and shutdown -------------------------------------------------------------------
     def fail(self, base: str) -> None:
         """This socket is gone (peer closed, reset, died): fail its pending requests."""
-        with self.mlock:
-            if self.failure is not None:
-                return
-            self.failure = base
-            pending = [r for waiting in self.posted.values() for r in waiting]
-            self.posted.clear()
-        with self.scond:
-            pending += [item[2] for item in self.queue if item[2] is not None]
-            self.queue.clear()
+        def sends() -> list[ThreadRequest]:
+            with self.scond:
+                pending: list[ThreadRequest] = [item[2] for item in self.queue
+                                                if item[2] is not None]
+                self.queue.clear()
+            return pending
+
         pair = self.pair
-        for req in pending:
-            req._fail(pair._error_for(self, req))
-        self.inbound.abandon(lambda req: pair._error_for(self, req))
+        if self.matcher.lose(base, sends):
+            self.inbound.abandon(lambda req: pair._error_for(self, req))
+
+    def take_sends(self) -> list[ThreadRequest]:
+        """Take the pair's sends out of the queue to fail them (an abort or close): control
+        frames stay, and a frame partly written is finished."""
+        with self.scond:
+            kept = [item for item in self.queue if item[2] is None or item[3]]
+            pending: list[ThreadRequest] = [item[2] for item in self.queue
+                                            if item[2] is not None]
+            self.queue.clear()
+            self.queue.extend(kept)
+        return pending
 
     def broken(self, exc: BaseException, req: TcpRequest | None) -> None:
         """The socket failed under ``req`` (if any): fail it and everything pending here."""
@@ -474,7 +482,7 @@ class _Inbound:
         self.sink: memoryview | None = None  # where the payload goes; None: thrown away
         self.got = 0  # payload bytes in
         self.req: TcpRequest | None = None  # the posted receive the payload is for
-        self.mismatch = False  # req's size or check differs: drain, then fail it
+        self.mismatch: CollectiveMismatchError | None = None  # req's: drain, then fail it
         self.data: bytearray | None = None  # an unexpected message's or an abort's bytes
         self.scratch: memoryview | None = None  # for thrown-away payloads
 
@@ -542,14 +550,13 @@ class _Inbound:
         if magic != _MAGIC:
             raise _ProtocolError(f"bad frame magic {magic:#x}: not a ddlcore tcp peer")
         self.kind, self.check, self.tag, self.nbytes, self.got = kind, check, tag, nbytes, 0
-        self.sink, self.req, self.mismatch, self.data = None, None, False, None
+        self.sink, self.req, self.mismatch, self.data = None, None, None, None
         ch = self.ch
         if kind == _DATA:
-            with ch.mlock:
-                self.req = req = take_oldest(ch.posted, tag)
+            self.req = req = ch.matcher.take(tag)
             if req is not None:
-                self.mismatch = nbytes != req.nbytes or not checks_match(check, req.check)
-                if not self.mismatch and nbytes:
+                self.mismatch = ch.matcher.mismatch(req, check, nbytes)
+                if self.mismatch is None and nbytes:
                     assert isinstance(req.view, memoryview)  # host memory only (as_view)
                     self.sink = req.view
             elif ch.pair._failure is None and ch.failure is None:  # else nobody asks: drop it
@@ -573,17 +580,12 @@ class _Inbound:
         pair = ch.pair
         if kind == _DATA:
             if req is not None:
-                if self.mismatch:
-                    req._fail(pair._mismatch(req, check, nbytes))
+                if self.mismatch is not None:
+                    req._fail(self.mismatch)
                 else:
                     req._complete()
             elif data is not None:
-                with ch.mlock:
-                    taker = take_oldest(ch.posted, tag)
-                    if taker is None:
-                        queue_under(ch.unexpected, tag, (check, data))
-                if taker is not None:
-                    pair._deliver(taker, check, data)
+                ch.matcher.arrived(tag, Message(check, nbytes, data))
         elif kind == _ABORT:
             assert data is not None
             error = abort_error(check, pair.peer, data.decode("utf-8", "replace"))
@@ -613,8 +615,10 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-class TcpPair(Pair):
+class TcpPair(LazyPair, Pair):
     """The ``nchannels`` sockets to one peer and their threads."""
+
+    _ctx: TcpContext
 
     def __init__(self, ctx: TcpContext, peer: int) -> None:
         self.rank, self.peer = ctx.rank, peer
@@ -622,12 +626,11 @@ class TcpPair(Pair):
         self._nch = ctx.nchannels
         self._channels = [_Channel(self, i) for i in range(self._nch)]
         self._lock = threading.Lock()  # attaching sockets, pair-wide failure, closing
-        self._connect_lock = threading.Lock()
+        self._init_connect()
         self._failure: DDLError | None = None  # abort (either side) or local close: final
         self._abort_frame: bytes | None = None
         self._closed = False
         self._connected = peer < ctx.rank  # the higher rank is connected to; it needs nothing
-        self._connect_error: DDLError | None = None
 
     # --- requests -------------------------------------------------------------------------------
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
@@ -644,39 +647,16 @@ class TcpPair(Pair):
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
         view = recv_view(view, tag, check)
         req = TcpRequest(self, view, tag, check, False)
-        ch = self._channel_for(tag)
-        message = None
-        with ch.mlock:
-            if self._failure is None:
-                message = take_oldest(ch.unexpected, tag)
-                if message is None and ch.failure is None:
-                    queue_under(ch.posted, tag, req)
-                    return req
-        if message is None:
-            req._fail(self._error_for(ch, req))
-        else:
-            self._deliver(req, *message)
+        self._channel_for(tag).matcher.post(req)
         return req
 
     def _channel_for(self, tag: int) -> _Channel:
         return self._channels[tag % self._nch]
 
-    def _deliver(self, req: TcpRequest, check: int, data: bytearray) -> None:
-        if len(data) != req.nbytes or not checks_match(check, req.check):
-            req._fail(self._mismatch(req, check, len(data)))
-            return
-        if data:
-            assert isinstance(req.view, memoryview)  # host memory only: as_view refused the rest
-            req.view[:] = data
-        req._complete()
-
-    def _mismatch(self, req: TcpRequest, check: int, nbytes: int) -> CollectiveMismatchError:
-        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes, req.check)
-
     def _error_for(self, ch: _Channel, req: TcpRequest) -> DDLError:
         if self._failure is not None:
             return copy_error(self._failure)
-        return PeerFailureError(f"{ch.failure} rank {self.rank} {req.describe()}", self.peer)
+        return ch.matcher.error_for(req)
 
     def _timeout_error(self, req: TcpRequest, timeout: float) -> DDLTimeoutError:
         note = ""
@@ -687,25 +667,8 @@ class TcpPair(Pair):
         return timeout_error(self.rank, self.peer, req, timeout, note)
 
     # --- connection -----------------------------------------------------------------------------
-    def _connect(self, deadline: float) -> None:
-        """Lower rank: open every channel to the peer's listener (once; errors are kept)."""
-        with self._connect_lock:
-            if self._connected:
-                return
-            if self._connect_error is not None:
-                raise copy_error(self._connect_error)
-            try:
-                self._connect_channels(deadline)
-            except DDLError as exc:
-                cause = self._ctx._first_abort
-                if cause is not None:  # the job was already failing: report the root cause
-                    exc = type(cause)(f"{cause} (afterwards rank {self.rank} could not connect "
-                                      f"to rank {self.peer}: {exc})")
-                self._connect_error = exc
-                raise copy_error(exc) from None
-            self._connected = True
-
-    def _connect_channels(self, deadline: float) -> None:
+    def _open(self, deadline: float) -> None:
+        """Lower rank: open every channel to the peer's listener (`LazyPair._connect`)."""
         ctx, peer = self._ctx, self.peer
         try:
             raw = ctx.store.get(f"tcp/addr/{peer}", max(0.0, deadline - time.monotonic()))
@@ -830,17 +793,7 @@ class TcpPair(Pair):
                 return
             self._failure = error
         for ch in self._channels:
-            with ch.mlock:
-                pending = [r for waiting in ch.posted.values() for r in waiting]
-                ch.posted.clear()
-                ch.unexpected.clear()
-            with ch.scond:  # control frames stay, and a frame partly written is finished
-                kept = [item for item in ch.queue if item[2] is None or item[3]]
-                pending += [item[2] for item in ch.queue if item[2] is not None]
-                ch.queue.clear()
-                ch.queue.extend(kept)
-            for req in pending:
-                req._fail(copy_error(error))
+            ch.matcher.fail(error, ch.take_sends)
             ch.inbound.abandon(lambda req: copy_error(error))
 
     def abort(self, code: int, reason: str) -> None:
@@ -892,6 +845,8 @@ class TcpPair(Pair):
 
 class TcpContext(PairTableContext):
     """This rank's listener, accept thread and pairs."""
+
+    _label = "TCP"
 
     def __init__(self, rank: int, size: int, store: Store, timeout: float,
                  local_rank: int = 0) -> None:
@@ -966,16 +921,6 @@ class TcpContext(PairTableContext):
 
     def _new_pair(self, peer: int) -> TcpPair:
         return TcpPair(self, peer)
-
-    def pair(self, peer: int) -> Pair:
-        found = self._pairs.get(peer)
-        if found is not None and found._connected:
-            return found
-        check_peer(self.rank, self.size, peer, self._closed, "TCP")
-        found = self._pair_for(peer)
-        if found._failure is None:  # an aborted pair fails its requests: nothing to connect
-            found._connect(time.monotonic() + self.timeout)
-        return found
 
     def close(self) -> None:
         with self._lock:

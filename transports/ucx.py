@@ -105,27 +105,23 @@ from ddlcore.transports.base import (
 )
 from ddlcore.transports.common import (
     MAX_CHECK,
-    PairTableContext,
+    Matcher,
+    Message,
     ThreadRequest,
     abort_error,
     as_view,
-    check_peer,
     check_tag,
-    checks_match,
     copy_error,
     job_key_of,
     loaded_libraries,
-    mismatch_error,
-    queue_under,
     recv_view,
     seconds,
-    take_oldest,
     timeout_error,
 )
+from ddlcore.transports.pairs import LazyPair, MatchedPair, PairTableContext
 
 from ddlcore import config
 from ddlcore.errors import (
-    CollectiveMismatchError,
     CommunicatorClosedError,
     DDLError,
     DDLTimeoutError,
@@ -156,7 +152,7 @@ _PROBES_PER_ROUND = 256  # control messages taken per round, so completions are 
 _GOODBYE_TIMEOUT_S = 0.5  # how long close() lets CLOSE notices leave before closing endpoints
 _JOIN_TIMEOUT_S = 5.0
 # What an in-flight UCX operation is: part of a send; a payload into the posted buffer; a payload
-# into a _Message; a payload or stray control message taken only to be dropped; a notice sent.
+# into a Message; a payload or stray control message taken only to be dropped; a notice sent.
 _OP_SEND, _OP_RECV, _OP_TEMP, _OP_DRAIN, _OP_NOTICE = 0, 1, 2, 3, 4
 
 # Our defaults for the UCX context, each used only when the user has not set UCX_<NAME>.
@@ -270,20 +266,6 @@ class UcxRequest(ThreadRequest):
     _parts: int  # set by UcxContext._track_send before the progress thread sees the request
 
 
-class _Message:
-    """A message that arrived before its receive was posted. ``data`` is its payload (a view
-    into the header message, or a buffer UCX may still be filling: ``done`` says)."""
-
-    __slots__ = ("check", "nbytes", "data", "done", "failed", "waiter")
-
-    def __init__(self, check: int, nbytes: int) -> None:
-        self.check, self.nbytes = check, nbytes
-        self.data: Any = None
-        self.done = False
-        self.failed = False
-        self.waiter: UcxRequest | None = None  # a receive posted while the payload was arriving
-
-
 class _Op:
     """A UCX operation in flight, watched by the progress thread. The buffer UCX reads or writes
     is referenced here until UCX says it is finished with it."""
@@ -291,25 +273,24 @@ class _Op:
     __slots__ = ("ucx", "pair", "kind", "req", "msg", "buf")
 
     def __init__(self, ucx: Any, pair: UcxPair | None, kind: int, req: UcxRequest | None = None,
-                 msg: _Message | None = None, buf: Any = None) -> None:
+                 msg: Message | None = None, buf: Any = None) -> None:
         self.ucx, self.pair, self.kind, self.req, self.msg, self.buf = ucx, pair, kind, req, msg, buf
 
 
-class UcxPair(Pair):
+class UcxPair(MatchedPair, LazyPair, Pair):
     """The endpoint to one peer and the matching state of the messages from it."""
+
+    _ctx: UcxContext
 
     def __init__(self, ctx: UcxContext, peer: int) -> None:
         self.rank, self.peer = ctx.rank, peer
         self._ctx = ctx
         self._ep: Any = None  # set once by _connect
-        self._mlock = threading.Lock()  # guards posted, unexpected, failure, lost, waiters
-        self._connect_lock = threading.Lock()
-        self._posted: dict[int, deque[UcxRequest]] = {}
-        self._unexpected: dict[int, deque[_Message]] = {}
-        self._failure: DDLError | None = None  # abort (either side) or local close: final
-        self._lost: str | None = None  # the peer closed or died (a PeerFailureError prefix)
+        # Receives and messages by tag; failure (abort, close) and lost (the peer closed, died)
+        self._matcher: Matcher[UcxRequest] = Matcher(ctx.rank, peer, "UCX")
+        self._abort_lock = threading.Lock()  # guards the abort frame and whether it went out
+        self._init_connect()
         self._connected = False  # _connect ran: the endpoint exists, or the pair is lost
-        self._connect_error: DDLError | None = None
         self._abort_frame: bytes | None = None  # header and reason; the token goes on at sending
         self._abort_sent = False
         self._in_token = ctx._token(peer, ctx.rank, ctx._nonce)  # what the peer's messages carry
@@ -375,62 +356,11 @@ class UcxPair(Pair):
         else:
             view = recv_view(view, tag, check)
         req = UcxRequest(self, view, tag, check, False)
-        msg = None
-        with self._mlock:
-            if self._failure is None:
-                msg = take_oldest(self._unexpected, tag)
-                if msg is not None:
-                    if not msg.done and not self._mismatched(req, msg.check, msg.nbytes):
-                        msg.waiter = req  # the progress thread delivers when the payload is in
-                        return req
-                elif self._lost is None:
-                    queue_under(self._posted, tag, req)
-                    return req
-        if msg is None:
-            req._fail(self._error_for(req))
-        else:
-            self._deliver(req, msg)
+        self._matcher.post(req)
         return req
 
-    def _deliver(self, req: UcxRequest, msg: _Message) -> None:
-        if self._mismatched(req, msg.check, msg.nbytes):
-            req._fail(self._mismatch(req, msg.check, msg.nbytes))
-        elif msg.failed:
-            req._fail(self._error_for(req))
-        else:
-            if msg.nbytes and not self._fill(req, msg.data):
-                return
-            req._complete()
-
-    def _fill(self, req: UcxRequest, data: Any) -> bool:
-        """Copy a payload held in host memory into ``req``'s view; a failed device copy fails
-        this receive only (False)."""
-        view = req.view
-        if not isinstance(view, DeviceView):
-            view[:] = data
-            return True
-        try:
-            view.upload(memoryview(data))
-        except Exception as exc:
-            req._fail(DDLError(f"rank {self.rank}: copying {req.nbytes} bytes from rank "
-                               f"{self.peer} into device memory failed: {exc}"))
-            return False
-        return True
-
-    @staticmethod
-    def _mismatched(req: UcxRequest, check: int, nbytes: int) -> bool:
-        return nbytes != req.nbytes or not checks_match(check, req.check)
-
-    def _mismatch(self, req: UcxRequest, check: int, nbytes: int) -> CollectiveMismatchError:
-        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes, req.check)
-
     def _error_for(self, req: UcxRequest) -> DDLError:
-        if self._failure is not None:
-            return copy_error(self._failure)
-        if self._lost is not None:
-            return PeerFailureError(f"{self._lost} rank {self.rank} {req.describe()}", self.peer)
-        return CommunicatorClosedError(f"rank {self.rank}: the UCX pair to rank {self.peer} is "
-                                       "not connected (use Context.pair to get a pair)")
+        return self._matcher.error_for(req)
 
     def _timeout_error(self, req: UcxRequest, timeout: float) -> DDLTimeoutError:
         note = " (UCX)"
@@ -439,48 +369,31 @@ class UcxPair(Pair):
         return timeout_error(self.rank, self.peer, req, timeout, note)
 
     # --- connection -----------------------------------------------------------------------------
-    def _connect(self, deadline: float) -> None:
-        """Create the endpoint to the peer (once). A peer whose address cannot be had is an
-        error, kept and raised again; a peer UCX cannot reach makes the pair lost instead: the
-        peer may have finished and exited, and what it sent before must stay receivable."""
-        with self._connect_lock:
-            if self._connected:
-                return
-            if self._connect_error is not None:
-                raise copy_error(self._connect_error)
-            try:
-                raw = self._peer_address(deadline)
-            except DDLError as exc:
-                cause = self._ctx._first_abort
-                if cause is not None:  # the job was already failing: report the root cause
-                    exc = type(cause)(f"{cause} (afterwards rank {self.rank} could not connect "
-                                      f"to rank {self.peer}: {exc})")
-                self._connect_error = exc
-                raise copy_error(exc) from None
-            ctx = self._ctx
-            if self._lost is not None:  # it said goodbye already: nothing to connect to
-                self._connected = True
-                return
-            if len(raw) <= _NONCE_BYTES:
-                error = RendezvousError(f"rank {self.rank}: the UCX address rank {self.peer} "
-                                        f"published is {len(raw)} bytes: it runs another "
-                                        "ddlcore; run the same one on every rank")
-                self._connect_error = error
-                raise copy_error(error)
-            self._out_token = ctx._token(self.rank, self.peer, raw[:_NONCE_BYTES])
-            try:
-                address = ctx._lib.UCXAddress.create_from_buffer(raw[_NONCE_BYTES:])
-                ep = ctx._worker.create_endpoint_from_worker_address(address, True)
-            except Exception as exc:
-                self._connected = True
-                self._lose(
-                    f"rank {self.rank} cannot reach rank {self.peer} over UCX ({exc}): rank "
-                    f"{self.peer} has exited, or no UCX transport with a peer-failure handler "
-                    "links the two (posix/sysv shared memory alone has none: check UCX_TLS and "
-                    "UCX_NET_DEVICES; ucx_info -d lists what UCX sees);")
-                return
-            self._attach(ep)
-            self._connected = True
+    def _open(self, deadline: float) -> None:
+        """Create the endpoint to the peer (`LazyPair._connect`: once). A peer whose address
+        cannot be had is an error, kept and raised again; a peer UCX cannot reach makes the pair
+        lost instead: the peer may have finished and exited, and what it sent before must stay
+        receivable."""
+        raw = self._peer_address(deadline)
+        ctx = self._ctx
+        if self._lost is not None:  # it said goodbye already: nothing to connect to
+            return
+        if len(raw) <= _NONCE_BYTES:
+            raise RendezvousError(f"rank {self.rank}: the UCX address rank {self.peer} "
+                                  f"published is {len(raw)} bytes: it runs another "
+                                  "ddlcore; run the same one on every rank")
+        self._out_token = ctx._token(self.rank, self.peer, raw[:_NONCE_BYTES])
+        try:
+            address = ctx._lib.UCXAddress.create_from_buffer(raw[_NONCE_BYTES:])
+            ep = ctx._worker.create_endpoint_from_worker_address(address, True)
+        except Exception as exc:
+            self._lose(
+                f"rank {self.rank} cannot reach rank {self.peer} over UCX ({exc}): rank "
+                f"{self.peer} has exited, or no UCX transport with a peer-failure handler "
+                "links the two (posix/sysv shared memory alone has none: check UCX_TLS and "
+                "UCX_NET_DEVICES; ucx_info -d lists what UCX sees);")
+            return
+        self._attach(ep)
 
     def _peer_address(self, deadline: float) -> bytes:
         ctx, peer = self._ctx, self.peer
@@ -511,7 +424,7 @@ class UcxPair(Pair):
                                           f"connecting to rank {self.peer}")
         if not ep.alive:  # failed before the callback was in place
             ctx._on_endpoint_closed(self.peer)
-        with self._mlock:
+        with self._abort_lock:
             frame = self._abort_frame if not self._abort_sent else None
             self._abort_sent = self._abort_frame is not None
         if frame is not None:  # we aborted before connecting: tell the peer now
@@ -520,29 +433,14 @@ class UcxPair(Pair):
     # --- failure and shutdown -------------------------------------------------------------------
     def _fail_pair(self, error: DDLError) -> None:
         """Fail every pending and later request (first error wins)."""
-        with self._mlock:
-            if self._failure is not None:
-                return
-            self._failure = error
-            pending = [r for waiting in self._posted.values() for r in waiting]
-            self._posted.clear()
-            self._unexpected.clear()
-        for req in pending:
-            req._fail(copy_error(error))
-        self._ctx._wake()  # in-flight operations of this pair are failed by the progress thread
+        if self._matcher.fail(error):
+            self._ctx._wake()  # in-flight operations of this pair: failed by the progress thread
 
     def _lose(self, text: str) -> None:
         """The peer closed or died: fail pending receives and every later request that no fully
         arrived message satisfies."""
-        with self._mlock:
-            if self._lost is not None or self._failure is not None:
-                return
-            self._lost = text
-            pending = [r for waiting in self._posted.values() for r in waiting]
-            self._posted.clear()
-        for req in pending:
-            req._fail(self._error_for(req))
-        self._ctx._wake()
+        if self._matcher.lose(text):
+            self._ctx._wake()
 
     def _broken(self, why: object) -> None:
         self._lose(f"connection to rank {self.peer} lost (UCX: {why});")
@@ -550,7 +448,7 @@ class UcxPair(Pair):
     def abort(self, code: int, reason: str) -> None:
         raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
         frame = _HEADER.pack(_ABORT, PROTOCOL_VERSION, code & MAX_CHECK, 0, len(raw), 0) + raw
-        with self._mlock:
+        with self._abort_lock:
             if self._abort_frame is not None:
                 return
             self._abort_frame = frame
@@ -579,6 +477,8 @@ class UcxPair(Pair):
 
 class UcxContext(PairTableContext):
     """This rank's UCX context and worker, its progress thread and its pairs."""
+
+    _label = "UCX"
 
     def __init__(self, rank: int, size: int, store: Store, timeout: float,
                  local_rank: int = 0) -> None:
@@ -630,16 +530,6 @@ class UcxContext(PairTableContext):
     # --- pairs ----------------------------------------------------------------------------------
     def _new_pair(self, peer: int) -> UcxPair:
         return UcxPair(self, peer)
-
-    def pair(self, peer: int) -> Pair:
-        found = self._pairs.get(peer)
-        if found is not None and found._connected:
-            return found
-        check_peer(self.rank, self.size, peer, self._closed, "UCX")
-        found = self._pair_for(peer)
-        if found._failure is None:  # an aborted pair fails its requests: nothing to connect
-            found._connect(time.monotonic() + self.timeout)
-        return found
 
     def _token(self, src: int, dst: int, nonce: bytes) -> bytes:
         """The token of the messages ``src`` sends ``dst`` (whose context's nonce is ``nonce``)."""
@@ -847,27 +737,24 @@ class UcxContext(PairTableContext):
 
     def _on_data(self, pair: UcxPair, check: int, tag: int, nbytes: int, msgno: int,
                  eager: memoryview | None) -> None:
-        req = msg = None
-        with pair._mlock:
-            if pair._failure is None:
-                req = take_oldest(pair._posted, tag)
-                if req is None:
-                    msg = _Message(check, nbytes)
-                    if eager is not None:
-                        msg.data, msg.done = eager, True
-                    queue_under(pair._unexpected, tag, msg)
-        if req is not None and pair._mismatched(req, check, nbytes):
-            req._fail(pair._mismatch(req, check, nbytes))
-            req = None  # the payload (if separate) is drained below
+        matcher = pair._matcher
+        msg = Message(check, nbytes, eager, done=eager is not None)
+        req = matcher.offer(tag, msg)
+        queued = req is None and matcher.failure is None  # else nobody will ask: drop it
+        if req is not None:
+            error = matcher.mismatch(req, check, nbytes)
+            if error is not None:
+                req._fail(error)
+                req = None  # the payload (if separate) is drained below
         if eager is not None:
             if req is not None:
-                if nbytes and not pair._fill(req, eager):
+                if nbytes and not matcher.fill(req, eager):
                     return
                 req._complete()
             return
         if req is not None:  # zero copy: UCX writes straight into the posted buffer
             self._post_payload(pair, msgno, req.view, _Op(None, pair, _OP_RECV, req=req))
-        elif msg is not None:  # nobody asked yet: receive it now, so the sender is not held up
+        elif queued:  # nobody asked yet: receive it now, so the sender is not held up
             msg.data = bytearray(nbytes)
             self._post_payload(pair, msgno, msg.data, _Op(None, pair, _OP_TEMP, msg=msg))
         else:  # a mismatch, or a pair that failed: take the payload and drop it
@@ -937,7 +824,7 @@ class UcxContext(PairTableContext):
                 req._complete()
         elif op.kind == _OP_TEMP:
             assert op.msg is not None
-            self._settle(pair, op.msg, failed)
+            pair._matcher.settle(op.msg, failed)
 
     def _abandon(self, op: _Op) -> None:
         """The pair failed under a receive UCX has not finished: fail its owner and cancel it
@@ -951,17 +838,10 @@ class UcxContext(PairTableContext):
         elif op.kind == _OP_TEMP:
             assert op.msg is not None
             self._graveyard.append(op.msg.data)
-            self._settle(pair, op.msg, True)
+            pair._matcher.settle(op.msg, True)
         else:
             self._graveyard.append(op.buf)
         op.ucx = None
-
-    def _settle(self, pair: UcxPair, msg: _Message, failed: bool) -> None:
-        with pair._mlock:
-            msg.done, msg.failed = True, failed
-            waiter, msg.waiter = msg.waiter, None
-        if waiter is not None:
-            pair._deliver(waiter, msg)
 
     # --- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
