@@ -59,6 +59,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ddlcore.transports.base import (
     MAX_ABORT_REASON_BYTES,
@@ -136,6 +137,7 @@ _SPIN_S = 50e-6
 _LINGER_S = 0.002
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int of milliseconds; longer waits loop
 _CLOSE_FRAME = _HEADER.pack(_MAGIC, _CLOSE, 0, 0, 0, 0)
+_NO_PAYLOAD = memoryview(b"")
 
 
 class _ProtocolError(Exception):
@@ -178,6 +180,17 @@ class TcpRequest(ThreadRequest):
         super().wait(timeout)
 
 
+@dataclass(slots=True)
+class _Frame:
+    """An item of a channel's send queue: a frame's header, its payload (DATA), the request it
+    completes (None for control frames) and how many of its bytes are written already."""
+
+    header: bytes
+    view: memoryview | None = None
+    req: TcpRequest | None = None
+    sent: int = 0
+
+
 class _Channel:
     """One socket of a pair: its send queue and threads, and the matching state of the tags that
     travel on it (``tag % nchannels == index``)."""
@@ -188,10 +201,11 @@ class _Channel:
         # The tags that travel on this socket: their receives, messages and failure
         self.matcher: Matcher[TcpRequest] = Matcher(pair.rank, pair.peer, "TCP")
         self.scond = threading.Condition(threading.Lock())  # guards queue, busy, stopping
-        self.queue: deque[list] = deque()  # [header, payload view | None, request | None, sent]
+        self.queue: deque[_Frame] = deque()
         self.busy = False  # a thread is writing to the socket
         self.stopping = False
-        self.threads: list[threading.Thread] = []
+        self.sender: threading.Thread | None = None  # started once the socket is attached
+        self.receiver: threading.Thread | None = None
         # Who reads the socket: the receiver thread (``reading``) or one waiter (``driving``),
         # never both; guarded by rcond. The thread stays parked until ``resume_at``.
         self.rcond = threading.Condition(threading.Lock())
@@ -208,10 +222,10 @@ class _Channel:
         return self.matcher.lost
 
     # --- sending --------------------------------------------------------------------------------
-    def send(self, item: list, front: bool = False) -> None:
+    def send(self, item: _Frame, front: bool = False) -> None:
         with self.scond:
             if self.sock is None or self.busy or self.queue:
-                if front and self.queue and self.queue[0][3]:  # never inside a frame begun
+                if front and self.queue and self.queue[0].sent:  # never inside a frame begun
                     self.queue.insert(1, item)
                 elif front:
                     self.queue.appendleft(item)
@@ -222,9 +236,9 @@ class _Channel:
             self.busy = True
         self._send_now(item)
 
-    def _send_now(self, item: list) -> None:
+    def _send_now(self, item: _Frame) -> None:
         """Write what the socket takes without blocking; the sender thread does the rest."""
-        header, view, req = item[0], item[1], item[2]
+        header, view, req = item.header, item.view, item.req
         sock = self.sock
         assert sock is not None
         try:
@@ -248,7 +262,7 @@ class _Channel:
             if req is not None:
                 req._complete()
             return
-        item[3] = sent
+        item.sent = sent
         with self.scond:
             self.queue.appendleft(item)
             self.busy = False
@@ -265,7 +279,8 @@ class _Channel:
                     cond.wait()
                 item = queue.popleft()
                 self.busy = True
-            header, view, req, sent = item
+            header, req, sent = item.header, item.req, item.sent
+            view = _NO_PAYLOAD if item.view is None else item.view
             if req is not None and not sent and (pair._failure is not None
                                                  or self.failure is not None):
                 with cond:
@@ -274,7 +289,7 @@ class _Channel:
                 continue
             try:
                 hlen = len(header)
-                nbytes = view.nbytes if view is not None else 0
+                nbytes = view.nbytes
                 while sent < hlen:
                     if nbytes:
                         sent += sock.sendmsg((header[sent:], view))
@@ -413,7 +428,7 @@ class _Channel:
     def release_wake_locked(self) -> None:
         """Close the eventfd once nothing can poll it (rcond held, so that a late ring() never
         writes to a reused descriptor number)."""
-        receiver = self.threads[1] if self.threads else None
+        receiver = self.receiver
         alive = receiver is not None and receiver.is_alive() and receiver is not \
             threading.current_thread()
         if self.wake_fd >= 0 and self.driving is None and not alive:
@@ -429,10 +444,9 @@ class _Channel:
     # --- failure and shutdown -------------------------------------------------------------------
     def fail(self, base: str) -> None:
         """This socket is gone (peer closed, reset, died): fail its pending requests."""
-        def sends() -> list[ThreadRequest]:
+        def sends() -> list[TcpRequest]:
             with self.scond:
-                pending: list[ThreadRequest] = [item[2] for item in self.queue
-                                                if item[2] is not None]
+                pending = [item.req for item in self.queue if item.req is not None]
                 self.queue.clear()
             return pending
 
@@ -440,13 +454,12 @@ class _Channel:
         if self.matcher.lose(base, sends):
             self.inbound.abandon(lambda req: pair._error_for(self, req))
 
-    def take_sends(self) -> list[ThreadRequest]:
+    def take_sends(self) -> list[TcpRequest]:
         """Take the pair's sends out of the queue to fail them (an abort or close): control
         frames stay, and a frame partly written is finished."""
         with self.scond:
-            kept = [item for item in self.queue if item[2] is None or item[3]]
-            pending: list[ThreadRequest] = [item[2] for item in self.queue
-                                            if item[2] is not None]
+            kept = [item for item in self.queue if item.req is None or item.sent]
+            pending = [item.req for item in self.queue if item.req is not None]
             self.queue.clear()
             self.queue.extend(kept)
         return pending
@@ -461,7 +474,7 @@ class _Channel:
         """Queue CLOSE (if the socket still works) and let the sender thread finish."""
         with self.scond:
             if self.sock is not None and self.failure is None:
-                self.queue.append([_CLOSE_FRAME, None, None, 0])
+                self.queue.append(_Frame(_CLOSE_FRAME))
             self.stopping = True
             self.scond.notify()
 
@@ -641,7 +654,7 @@ class TcpPair(LazyPair, Pair):
         if self._failure is not None or ch.failure is not None:
             req._fail(self._error_for(ch, req))
         else:
-            ch.send([_HEADER.pack(_MAGIC, _DATA, 0, check, tag, req.nbytes), view, req, 0])
+            ch.send(_Frame(_HEADER.pack(_MAGIC, _DATA, 0, check, tag, req.nbytes), view, req))
         return req
 
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
@@ -757,14 +770,14 @@ class TcpPair(LazyPair, Pair):
         with ch.scond:
             ch.sock = sock
             if self._abort_frame is not None:  # we aborted before the peer connected: tell it
-                ch.queue.appendleft([self._abort_frame, None, None, 0])
+                ch.queue.appendleft(_Frame(self._abort_frame))
         name = f"{self.rank}-{self.peer}.{ch.index}"
-        ch.threads = [threading.Thread(target=ch.send_loop, name=f"ddl-tcp-send-{name}",
-                                       daemon=True),
-                      threading.Thread(target=ch.recv_loop, name=f"ddl-tcp-recv-{name}",
-                                       daemon=True)]
-        for thread in ch.threads:
-            thread.start()
+        ch.sender = threading.Thread(target=ch.send_loop, name=f"ddl-tcp-send-{name}",
+                                     daemon=True)
+        ch.receiver = threading.Thread(target=ch.recv_loop, name=f"ddl-tcp-recv-{name}",
+                                       daemon=True)
+        ch.sender.start()
+        ch.receiver.start()
 
     def _accept(self, index: int, sock: socket.socket) -> int:
         """Higher rank: the peer connected channel ``index``; answer and start using it."""
@@ -805,7 +818,7 @@ class TcpPair(LazyPair, Pair):
             self._abort_frame = frame
         for ch in self._channels:
             if ch.sock is not None and ch.failure is None:
-                ch.send([frame, None, None, 0], front=True)
+                ch.send(_Frame(frame), front=True)
         self._fail_pair(abort_error(code, self.rank, reason, peer=self.peer))
 
     def _begin_close(self) -> None:
@@ -821,19 +834,20 @@ class TcpPair(LazyPair, Pair):
 
     def _finish_close(self, deadline: float) -> None:
         for ch in self._channels:  # senders: CLOSE goes out, then shutdown(SHUT_WR)
-            if ch.threads:
-                ch.threads[0].join(max(0.0, deadline - time.monotonic()))
+            if ch.sender is not None:
+                ch.sender.join(max(0.0, deadline - time.monotonic()))
         for ch in self._channels:  # receivers: the peer answers CLOSE with EOF
-            if ch.threads:
-                ch.threads[1].join(max(0.0, deadline - time.monotonic()))
+            if ch.receiver is not None:
+                ch.receiver.join(max(0.0, deadline - time.monotonic()))
         for ch in self._channels:
             if ch.sock is None:  # never connected (a failed connect may have made its eventfd)
                 with ch.rcond:
                     ch.release_wake_locked()
                 continue
             _shutdown(ch.sock)  # wakes whatever is still blocked
-            for thread in ch.threads:
-                thread.join(1.0)
+            for thread in (ch.sender, ch.receiver):
+                if thread is not None:
+                    thread.join(1.0)
             ch.sock.close()
             with ch.rcond:  # else the waiter still reading, or the receiver thread, releases it
                 ch.release_wake_locked()

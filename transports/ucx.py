@@ -91,7 +91,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from itertools import count
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddlcore.transports.base import (
     MAX_ABORT_REASON_BYTES,
@@ -266,6 +266,22 @@ class UcxRequest(ThreadRequest):
     _parts: int  # set by UcxContext._track_send before the progress thread sees the request
 
 
+class _Part(NamedTuple):
+    """A UCX send a request waits for, and the buffer it reads (kept alive until it is done)."""
+
+    ucx: Any
+    buf: Any
+
+
+class _Control(NamedTuple):
+    """A control message UCX is receiving for a pair (handled in order once complete): the UCX
+    request, its buffer, and the length the sender sent (the buffer may be cut at the cap)."""
+
+    ucx: Any
+    buf: bytearray
+    length: int
+
+
 class _Op:
     """A UCX operation in flight, watched by the progress thread. The buffer UCX reads or writes
     is referenced here until UCX says it is finished with it."""
@@ -297,7 +313,7 @@ class UcxPair(MatchedPair, LazyPair, Pair):
         self._out_token = b""  # what ours carry: known once the peer's nonce is (_connect)
         self._heard = False  # any control message arrived from the peer
         self._msgno = count()
-        self._ctrl: deque[tuple[Any, bytearray, int]] = deque()  # progress thread only
+        self._ctrl: deque[_Control] = deque()  # progress thread only
         self._ctrl_tag = ctx._lib.UCXXTag(_ucx_tag(_CTRL_KIND, ctx.rank, 0))
         self.device_memory = ctx.device_memory
 
@@ -318,7 +334,7 @@ class UcxPair(MatchedPair, LazyPair, Pair):
         msgno = next(self._msgno)
         token = self._out_token
         lib, Array = self._ctx._lib, self._ctx._Array
-        parts: list[tuple[Any, Any]] = []  # (UCX request, the buffer it reads)
+        parts: list[_Part] = []
         try:
             if nbytes <= _EAGER_BYTES and not (on_device and nbytes):
                 frame = bytearray(_FRAME + nbytes)
@@ -328,13 +344,13 @@ class UcxPair(MatchedPair, LazyPair, Pair):
                 if nbytes:
                     assert isinstance(view, memoryview)  # a device payload travels apart
                     frame[_FRAME:] = view
-                parts.append((ep.tag_send(Array(frame), self._ctrl_tag), frame))
+                parts.append(_Part(ep.tag_send(Array(frame), self._ctrl_tag), frame))
             else:
                 kind = _DATA_APART if on_device else _DATA
                 header = token + _HEADER.pack(kind, PROTOCOL_VERSION, check, tag, nbytes, msgno)
-                parts.append((ep.tag_send(Array(header), self._ctrl_tag), header))
+                parts.append(_Part(ep.tag_send(Array(header), self._ctrl_tag), header))
                 payload_tag = lib.UCXXTag(_payload_tag(token, msgno))
-                parts.append((ep.tag_send(Array(view), payload_tag), view))
+                parts.append(_Part(ep.tag_send(Array(view), payload_tag), view))
         except Exception as exc:  # UCX refused a send outright: the endpoint is unusable
             self._broken(exc)
             req._fail(self._error_for(req))  # a part already issued is still watched below
@@ -545,7 +561,7 @@ class UcxContext(PairTableContext):
             except OSError:  # closed: the thread is gone
                 pass
 
-    def _track_send(self, pair: UcxPair, req: UcxRequest, parts: list[tuple[Any, Any]]) -> None:
+    def _track_send(self, pair: UcxPair, req: UcxRequest, parts: list[_Part]) -> None:
         """Complete ``req`` now if UCX already finished every part, else watch what is left."""
         waiting = []
         for ucx_req, buf in parts:
@@ -677,11 +693,11 @@ class UcxContext(PairTableContext):
                 self._ops.append(_Op(ucx_req, None, _OP_DRAIN, buf=buf))
                 continue
             pair = self._pairs.get(src) or self._pair_for(src)
-            pair._ctrl.append((ucx_req, buf, length))
+            pair._ctrl.append(_Control(ucx_req, buf, length))
             self._ctrl_busy.add(pair)
         for pair in list(self._ctrl_busy):
             fifo = pair._ctrl
-            while fifo and fifo[0][0].completed:  # in order: UCX keeps one source's order
+            while fifo and fifo[0].ucx.completed:  # in order: UCX keeps one source's order
                 ucx_req, buf, length = fifo.popleft()
                 taken += 1
                 try:
@@ -880,7 +896,7 @@ class UcxContext(PairTableContext):
                     ep.close_blocking()  # force close: UCX fails what is still in flight on it
                 except Exception:  # already failed: nothing left to close
                     pass
-            self._graveyard.extend(buf for _, buf, _ in p._ctrl)
+            self._graveyard.extend(control.buf for control in p._ctrl)
             for _ in range(len(p._ctrl)):
                 p._ctrl.popleft()  # drops (cancels) the UCX request; its buffer stays above
         ops = self._ops + list(self._incoming)
