@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ddlcore.transports.base import Context, Pair
-from ddlcore.transports.common import Matcher, check_peer, copy_error, relay_of
+from ddlcore.transports.common import Matcher, ThreadRequest, check_peer, copy_error, relay_of
 
 from ddlcore.errors import DDLError
 
@@ -154,3 +154,7 @@ class MatchedPair:
     def _lost(self) -> str | None:
         """Why the peer is gone (closed, died): the start of the PeerFailureErrors."""
         return self._matcher.lost
+
+    def _error_for(self, req: ThreadRequest) -> DDLError:
+        """The error a request of this pair fails with now."""
+        return self._matcher.error_for(req)

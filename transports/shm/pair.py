@@ -189,9 +189,6 @@ class ShmPair(RingEnds, Pair):
         self._matcher.post(req)
         return req
 
-    def _error_for(self, req: ThreadRequest) -> DDLError:
-        return self._matcher.error_for(req)
-
     def _timeout_error(self, req: ThreadRequest, timeout: float) -> DDLTimeoutError:
         note = "" if self._connected else \
             f" (rank {self.peer} has not connected to rank {self.rank} yet)"

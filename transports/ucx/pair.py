@@ -137,9 +137,6 @@ class UcxPair(MatchedPair, LazyPair, Pair):
         self._matcher.post(req)
         return req
 
-    def _error_for(self, req: UcxRequest) -> DDLError:
-        return self._matcher.error_for(req)
-
     def _timeout_error(self, req: UcxRequest, timeout: float) -> DDLTimeoutError:
         note = " (UCX)"
         if not req.is_send and not self._heard:
