@@ -405,12 +405,9 @@ class Matcher(Generic[_R]):
             if self.failure is not None:
                 return False
             self.failure = error
-            pending: list[ThreadRequest] = self._take_posted()
             self.unexpected.clear()
-        if others is not None:
-            pending += others()
-        for req in pending:
-            req._fail(copy_error(error))
+            pending = self._take_posted()
+        self._fail_taken(pending, others)
         return True
 
     def lose(self, why: str, others: Callable[[], Iterable[ThreadRequest]] | None = None) -> bool:
@@ -422,14 +419,20 @@ class Matcher(Generic[_R]):
             if self.lost is not None:
                 return False
             self.lost = why
-            pending: list[ThreadRequest] = self._take_posted()
-        if others is not None:
-            pending += others()
-        for req in pending:
-            req._fail(self.error_for(req))
+            pending = self._take_posted()
+        self._fail_taken(pending, others)
         return True
 
     def _take_posted(self) -> list[ThreadRequest]:
         pending: list[ThreadRequest] = [r for waiting in self.posted.values() for r in waiting]
         self.posted.clear()
         return pending
+
+    def _fail_taken(self, pending: list[ThreadRequest],
+                    others: Callable[[], Iterable[ThreadRequest]] | None) -> None:
+        """Fail the receives taken out of ``posted`` and the requests ``others`` gives, each
+        with `error_for` (outside the lock: failing a request may wake its waiter)."""
+        if others is not None:
+            pending += others()
+        for req in pending:
+            req._fail(self.error_for(req))
