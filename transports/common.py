@@ -1,9 +1,11 @@
-"""Pieces every thread-driven transport shares: the request a waiter blocks on, argument checks,
-and the wording of mismatch, abort and timeout errors (tests match on it, so it lives once).
+"""Pieces every thread-driven transport shares: the request a waiter blocks on (`ThreadRequest`),
+the tag matching of received messages and the failure rules of receives (`Matcher`), argument
+checks, and the wording of mismatch, abort and timeout errors (tests match on it, so it lives once).
 
 A transport whose requests are completed by its own threads (tcp's socket threads, shm's
-progress thread) uses `ThreadRequest`: the waiter blocks on a lock that completion releases.
-Its pair object provides ``_timeout_error(request, timeout)`` for the message of a timed-out wait.
+progress thread, ucx's progress thread) uses `ThreadRequest`: the waiter blocks on a lock that
+completion releases. Its pair object provides ``_timeout_error(request, timeout)`` for the
+message of a timed-out wait.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import threading
 from _thread import allocate_lock
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from ddlcore.transports.base import (
     ABORT_MISMATCH,
     ABORT_PEER_FAILURE,
     ABORT_TIMEOUT,
-    Context,
     DeviceView,
     Request,
     Store,
@@ -34,6 +37,8 @@ from ddlcore.errors import (
     parse_reason,
     root_cause,
 )
+
+_T = TypeVar("_T")
 
 MAX_TAG = (1 << 64) - 1
 MAX_CHECK = (1 << 32) - 1
@@ -54,28 +59,6 @@ def loaded_libraries(fragment: str) -> list[str]:
     except OSError:
         pass
     return found
-
-
-def take_oldest(table: dict[int, deque], tag: int) -> Any:
-    """Remove and return the oldest entry queued under ``tag`` in a table of per-tag queues
-    (posted receives, unexpected messages), or None; an emptied queue leaves the table, so the
-    table only ever holds what is pending."""
-    queue = table.get(tag)
-    if not queue:
-        return None
-    item = queue.popleft()
-    if not queue:
-        del table[tag]
-    return item
-
-
-def queue_under(table: dict[int, deque], tag: int, item: Any) -> None:
-    """Append ``item`` to the queue of ``tag`` (matching takes the oldest first)."""
-    queue = table.get(tag)
-    if queue is None:
-        table[tag] = deque((item,))
-    else:
-        queue.append(item)
 
 
 def copy_error(error: DDLError) -> DDLError:
@@ -254,68 +237,202 @@ class ThreadRequest(Request):
 
 
 
-class PairTableContext(Context):
-    """A context whose pairs are made on first use, by ``pair()`` or by a peer reaching us first.
-    An abort reaches every pair, also those made after it. An abort a peer tells us of
-    (`_note_abort`, called by the pair that heard it, before it fails itself) aborts the whole
-    context in turn, once: every pair fails with the same class, origin and cause, the peers
-    still waiting on us hear of it, and ``on_abort`` passes it to the communicator's other
-    contexts. Subclasses call ``_init_pairs()`` and implement ``_new_pair(peer)``."""
+def _take_oldest(table: dict[int, deque[_T]], tag: int) -> _T | None:
+    """Remove and return the oldest entry queued under ``tag``, or None; an emptied queue leaves
+    the table, so the table only ever holds what is pending."""
+    queue = table.get(tag)
+    if not queue:
+        return None
+    item = queue.popleft()
+    if not queue:
+        del table[tag]
+    return item
 
-    rank: int
-    _closed: bool
 
-    def _init_pairs(self) -> None:
-        self._lock = threading.Lock()
-        self._pairs: dict[int, Any] = {}
-        self._failure: tuple[int, str] | None = None  # (code, reason) of our abort
-        self._first_abort: DDLError | None = None  # the first abort a peer told us of
+def _queue_under(table: dict[int, deque[_T]], tag: int, item: _T) -> None:
+    """Append ``item`` to the queue of ``tag`` (matching takes the oldest first)."""
+    queue = table.get(tag)
+    if queue is None:
+        table[tag] = deque((item,))
+    else:
+        queue.append(item)
 
-    def _new_pair(self, peer: int) -> Any:
-        raise NotImplementedError
 
-    def _pair_for(self, peer: int) -> Any:
-        with self._lock:
-            found = self._pairs.get(peer)
-            if found is None:
-                found = self._pairs[peer] = self._new_pair(peer)
-                failure = self._failure
-            else:
-                failure = None
-        if failure is not None:  # outside the lock: aborting a pair may need it
-            found.abort(*failure)
-        return found
+@dataclass(slots=True)
+class Message:
+    """A message that arrived before a receive asked for it. ``data`` holds its payload once
+    ``done`` (a transport may queue it while its payload is still coming in: ucx); ``failed``:
+    the payload never came; ``waiter``: a receive posted meanwhile, handed the message by
+    `Matcher.settle`."""
 
-    def _pair_list(self) -> list[Any]:
-        return list(self._pairs.values())  # one C-level copy: safe against a concurrent insert
+    check: int
+    nbytes: int
+    data: Any = None
+    done: bool = True
+    failed: bool = False
+    waiter: ThreadRequest | None = None
 
-    def _note_abort(self, error: DDLError) -> None:
-        """A peer told us it aborted (``error``, from `abort_error`): unless we aborted already,
-        abort every pair with it (the peers waiting on us then hear of it without waiting out
-        their deadline) and tell ``on_abort``. Called from a transport thread; a plain
-        `DDLError` of our own (no origin) is only noted."""
-        with self._lock:
-            if self._first_abort is None:
-                self._first_abort = error
-            if error.origin is None or self._failure is not None or self._closed:
-                return
-            self._failure = relay = relay_of(error)
-            pairs = self._pair_list()
-        for p in pairs:
-            p.abort(*relay)
-        hook = self.on_abort
-        if hook is not None:
-            try:
-                hook(*relay)
-            except Exception:  # best effort: this pair's own failure must still go on
-                pass
 
-    def abort(self, code: int, reason: str) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            if self._failure is None:
-                self._failure = (code, reason)
-            pairs = self._pair_list()
-        for p in pairs:
-            p.abort(code, reason)
+_R = TypeVar("_R", bound="ThreadRequest")
+
+
+class Matcher(Generic[_R]):
+    """The tag matching of the messages one peer sends on one stream (a pair, or a tcp channel),
+    and the failure rules of their receives, shared by tcp, shm and ucx.
+
+    A receive matches the oldest unmatched message with its tag, whether the message arrived
+    before the receive was posted (`post` finds it among the unexpected ones) or after
+    (`take` / `offer` find the receive among the posted ones). A message must have the
+    receive's size and a compatible check word, else the receive fails with
+    `CollectiveMismatchError`. Two ways to stop: `fail` (an abort or a local close) fails every
+    posted and later receive with one error and drops the unexpected messages; `lose` (the peer
+    closed or died) fails the posted receives, while messages that had fully arrived stay
+    receivable. Thread-safe: every method takes ``lock``; requests are finished outside it.
+    """
+
+    __slots__ = ("lock", "rank", "peer", "transport", "posted", "unexpected", "failure", "lost")
+
+    def __init__(self, rank: int, peer: int, transport: str,
+                 lock: threading.Lock | None = None) -> None:
+        self.lock = threading.Lock() if lock is None else lock
+        self.rank, self.peer, self.transport = rank, peer, transport
+        self.posted: dict[int, deque[_R]] = {}
+        self.unexpected: dict[int, deque[Message]] = {}
+        self.failure: DDLError | None = None  # final: abort (either side) or local close
+        self.lost: str | None = None  # why the peer is gone (a PeerFailureError prefix)
+
+    # --- matching -------------------------------------------------------------------------------
+    def post(self, req: _R) -> None:
+        """Match the receive ``req`` against the messages already in, or queue it: it completes
+        now, later, or fails (mismatch, failure, peer lost)."""
+        msg = None
+        with self.lock:
+            if self.failure is None:
+                msg = _take_oldest(self.unexpected, req.tag)
+                if msg is not None:
+                    if not msg.done and self.mismatch(req, msg.check, msg.nbytes) is None:
+                        msg.waiter = req  # `settle` delivers once the payload is in
+                        return
+                elif self.lost is None:
+                    _queue_under(self.posted, req.tag, req)
+                    return
+        if msg is None:
+            req._fail(self.error_for(req))
+        else:
+            self.deliver(req, msg)
+
+    def take(self, tag: int) -> _R | None:
+        """The oldest receive posted for ``tag``, taken out (a message with it is coming in)."""
+        with self.lock:
+            return _take_oldest(self.posted, tag)
+
+    def offer(self, tag: int, msg: Message) -> _R | None:
+        """A message with ``tag`` came in: the oldest receive posted for it (taken out; the
+        caller delivers), else None, ``msg`` then queued for a later receive unless the matcher
+        failed (nobody will ask for it then)."""
+        with self.lock:
+            req = _take_oldest(self.posted, tag)
+            if req is None and self.failure is None:
+                _queue_under(self.unexpected, tag, msg)
+            return req
+
+    def arrived(self, tag: int, msg: Message) -> None:
+        """A whole message with ``tag`` came in: deliver it to its receive or keep it."""
+        req = self.offer(tag, msg)
+        if req is not None:
+            self.deliver(req, msg)
+
+    def settle(self, msg: Message, failed: bool) -> None:
+        """The payload of a queued ``msg`` is in (or ``failed``): hand it to its waiter, if any."""
+        with self.lock:
+            msg.done, msg.failed = True, failed
+            waiter, msg.waiter = msg.waiter, None
+        if waiter is not None:
+            self.deliver(waiter, msg)
+
+    def deliver(self, req: ThreadRequest, msg: Message) -> None:
+        """Finish ``req`` with the message ``msg`` held for it."""
+        error = self.mismatch(req, msg.check, msg.nbytes)
+        if error is not None:
+            req._fail(error)
+        elif msg.failed:
+            req._fail(self.error_for(req))
+        elif not msg.nbytes or self.fill(req, msg.data):
+            req._complete()
+
+    def fill(self, req: ThreadRequest, data: Any) -> bool:
+        """Copy a payload held in host memory into ``req``'s view; a failed copy into device
+        memory fails this receive only (False)."""
+        view = req.view
+        if not isinstance(view, DeviceView):
+            view[:] = data
+            return True
+        try:
+            view.upload(memoryview(data))
+        except Exception as exc:
+            req._fail(DDLError(f"rank {self.rank}: copying {req.nbytes} bytes from rank "
+                               f"{self.peer} into device memory failed: {exc}"))
+            return False
+        return True
+
+    def mismatch(self, req: ThreadRequest, check: int,
+                 nbytes: int) -> CollectiveMismatchError | None:
+        """The error of a message of ``nbytes`` with ``check`` meeting ``req``, or None when
+        they match (exact size; a zero check word on either side matches any)."""
+        if nbytes == req.nbytes and checks_match(check, req.check):
+            return None
+        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes,
+                              req.check)
+
+    # --- failing --------------------------------------------------------------------------------
+    def error_for(self, req: ThreadRequest) -> DDLError:
+        """The error a request of this stream fails with now."""
+        if self.failure is not None:
+            return copy_error(self.failure)
+        if self.lost is not None:
+            return PeerFailureError(f"{self.lost} rank {self.rank} {req.describe()}", self.peer)
+        return CommunicatorClosedError(
+            f"rank {self.rank}: the {self.transport} pair to rank {self.peer} is not connected "
+            "(use Context.pair to get a pair)")
+
+    def fail(self, error: DDLError,
+             others: Callable[[], Iterable[ThreadRequest]] | None = None) -> bool:
+        """Fail every posted and later receive with ``error`` (first error wins) and drop the
+        unexpected messages; ``others`` (called once, only by the call that failed the matcher)
+        gives the transport's own pending requests (sends) to fail with it. False if failed
+        already."""
+        with self.lock:
+            if self.failure is not None:
+                return False
+            self.failure = error
+            self.unexpected.clear()
+            pending = self._take_posted()
+        self._fail_taken(pending, others)
+        return True
+
+    def lose(self, why: str, others: Callable[[], Iterable[ThreadRequest]] | None = None) -> bool:
+        """The peer is gone (``why``: the start of the `PeerFailureError`s, e.g. "rank 3 closed
+        its connection while"): fail the posted receives, and ``others`` (see `fail`); messages
+        fully arrived stay receivable, later receives that none satisfies fail. False if lost
+        already."""
+        with self.lock:
+            if self.lost is not None:
+                return False
+            self.lost = why
+            pending = self._take_posted()
+        self._fail_taken(pending, others)
+        return True
+
+    def _take_posted(self) -> list[ThreadRequest]:
+        pending: list[ThreadRequest] = [r for waiting in self.posted.values() for r in waiting]
+        self.posted.clear()
+        return pending
+
+    def _fail_taken(self, pending: list[ThreadRequest],
+                    others: Callable[[], Iterable[ThreadRequest]] | None) -> None:
+        """Fail the receives taken out of ``posted`` and the requests ``others`` gives, each
+        with `error_for` (outside the lock: failing a request may wake its waiter)."""
+        if others is not None:
+            pending += others()
+        for req in pending:
+            req._fail(self.error_for(req))
