@@ -9,6 +9,7 @@ When a rank raises, its traceback is forwarded; the others get a short grace per
 their own errors, then the whole group is killed and `RankFailure` is raised with every rank's
 story. Every join has a deadline, so a hung rank fails the test instead of hanging the suite.
 Ranks listed in ``may_die`` are allowed to exit without reporting (tests that kill a rank).
+`event` and `barrier` make objects ranks share, to wait on each other instead of sleeping.
 """
 
 from __future__ import annotations
@@ -178,6 +179,19 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {nprocs} ranks failed:\n{story}")
     return [results.get(r) for r in range(nprocs)]
+
+
+def event() -> Any:
+    """An event that ranks of `run_ranks` (spawn launcher) share when passed as an argument: a
+    rank waits for what another rank did (``ev.wait(deadline)``) instead of sleeping long enough
+    to be (probably) after it."""
+    return mp.get_context("spawn").Event()
+
+
+def barrier(parties: int) -> Any:
+    """A barrier shared like `event`: e.g. the rank serving the store leaves only after every
+    rank has had its answer."""
+    return mp.get_context("spawn").Barrier(parties)
 
 
 def mpiexec_path() -> str | None:
