@@ -1,5 +1,7 @@
 """Every algorithm on several box shapes (np up to 8, real processes over shared memory): the
-collective matrix (dtype x op x count, against NumPy), and identical results on every rank.
+collective matrix's thin slice (every dtype, so every element size at every count; every op;
+against NumPy), and identical results on every rank. The full dtype x op cross product runs in
+test_collectives.py; the reductions themselves are the kernels' tests.
 
 ``DDL_TOPOLOGY`` makes one host's ranks a box, so mdring runs its phases along each dimension;
 ``DDL_ALGO`` forces the algorithm. The symbolic tests (tests/unit/test_schedules.py) cover many
@@ -27,8 +29,7 @@ def _run_all(rank, size, collectives):
     import ddlcore
 
     out = {}
-    for collective in collectives:
-        out.update(matrix.run_matrix(rank, size, collective))
+    out.update(matrix.run_matrix(rank, size, collectives, thin=True))
     with ddlcore.init() as comm:
         chosen = {c: comm.describe(c, 4096).algorithm for c in collectives}
         comm.barrier()  # rank 0 serves the store: it must not exit while others still set up
@@ -38,7 +39,7 @@ def _run_all(rank, size, collectives):
 def _run_pipelined(rank, size):
     import ddlcore
 
-    digests = matrix.run_matrix(rank, size, "allreduce")
+    digests = matrix.run_matrix(rank, size, "allreduce", thin=True)
     with ddlcore.init() as comm:
         choice = comm.describe("allreduce", 4096)
         sched = comm._schedule("allreduce", 1024, 4, 0)[1]
