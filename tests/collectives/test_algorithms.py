@@ -50,7 +50,15 @@ def _run_pipelined(rank, size):
 
 # Only mdring's phases depend on the box's shape (ring and rhd see np ranks on one host), so
 # 4x2 runs for mdring alone.
-CASES = [(a, b) for a in ALGOS for b in BOXES if b != "4x2" or a == "mdring"]
+# Eight ranks on two cores: slow (`-m "not slow"` leaves them out; CI runs them).
+SLOW = pytest.mark.slow
+
+
+def _case(*values, nprocs: int):
+    return pytest.param(*values, marks=[SLOW] if nprocs >= 8 else [])
+
+
+CASES = [_case(a, b, nprocs=BOXES[b]) for a in ALGOS for b in BOXES if b != "4x2" or a == "mdring"]
 
 
 @pytest.mark.parametrize("algo,box", CASES)
@@ -69,8 +77,9 @@ def test_algorithm_on_box(algo, box):
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"
 
 
-@pytest.mark.parametrize("box,transport", [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"),
-                                           ("2x2", "tcp")])
+@pytest.mark.parametrize("box,transport", [_case(b, t, nprocs=BOXES[b]) for b, t in
+                                           [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"),
+                                            ("2x2", "tcp")]])
 def test_mdring_pipelined_across_dimensions(box, transport):
     """mdring's allreduce in segments whose phases overlap (one engine thread per stream):
     the matrix against NumPy, identical on every rank, on boxes of two and three dimensions."""
