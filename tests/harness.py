@@ -202,6 +202,19 @@ def _collect(procs: list, conns: list, timeout: float, allowed_dead: set[int]) -
     return [results.get(r) for r in range(nprocs)]
 
 
+def event() -> Any:
+    """An event that ranks of `run_ranks` (spawn launcher) share when passed as an argument: a
+    rank waits for what another rank did (``ev.wait(deadline)``) instead of sleeping long enough
+    to be (probably) after it."""
+    return mp.get_context("spawn").Event()
+
+
+def barrier(parties: int) -> Any:
+    """A barrier shared like `event`: e.g. the rank serving the store leaves only after every
+    rank has had its answer."""
+    return mp.get_context("spawn").Barrier(parties)
+
+
 class RankPool:
     """``nprocs`` rank processes kept for many `run` calls: `run_ranks` without a spawn (and the
     imports) per call. Each call gets a fresh rendezvous port and environment, as `run_ranks`
