@@ -324,7 +324,8 @@ class LocalJob:
         while True:
             self._poll()
             now = time.monotonic()
-            if len(self.exits) == len(self.procs) and (self.signals or first_failure is None):
+            failed = any(code != 0 for _, code in self.exits.values())
+            if len(self.exits) == len(self.procs) and (self.signals or not failed):
                 break  # every rank is done, without a failure to name (or after our signal)
             if self.kill_at is not None and now >= self.kill_at:
                 self.signal_all(signal.SIGKILL)

@@ -123,6 +123,11 @@ class StoreClient:
                 try:
                     sock.settimeout(max(0.05, min(5.0, deadline - time.monotonic())))
                     sock.connect(sockaddr)
+                    if sock.getsockname() == sock.getpeername():
+                        # Nobody listens there yet and the kernel picked the server's port as
+                        # this socket's own (TCP self-connect): drop it, or rank 0 could not
+                        # bind the port, and try again.
+                        raise ConnectionRefusedError("connected to itself: nobody listens yet")
                 except OSError as exc:
                     sock.close()
                     last = exc

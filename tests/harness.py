@@ -9,6 +9,8 @@ When a rank raises, its traceback is forwarded; the others get a short grace per
 their own errors, then the whole group is killed and `RankFailure` is raised with every rank's
 story. Every join has a deadline, so a hung rank fails the test instead of hanging the suite.
 Ranks listed in ``may_die`` are allowed to exit without reporting (tests that kill a rank).
+`event` and `barrier` make objects ranks share, to wait on each other instead of sleeping.
+`RankPool` keeps rank processes for many calls, where the processes are not the subject.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def rank_env(rank: int, size: int, port: int,
     return out
 
 
-def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str | None],
-           conn: Any) -> None:
+def _run_job(fn: Callable[..., Any], rank: int, size: int, args: tuple,
+             env: Mapping[str, str | None], conn: Any) -> None:
     for key in [k for k in os.environ if k.startswith("DDL_")]:
         if key not in env:
             del os.environ[key]
@@ -86,6 +88,19 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[
             conn.send(("ok", result))
         except Exception:  # result not picklable
             conn.send(("error", traceback.format_exc()))
+
+
+def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str | None],
+           conn: Any) -> None:
+    _run_job(fn, rank, size, args, env, conn)
+    conn.close()
+
+
+def _serve(rank: int, size: int, conn: Any) -> None:
+    """A `RankPool` rank: run the jobs the parent sends, one at a time, until it sends None."""
+    while (job := conn.recv()) is not None:
+        fn, args, env = job
+        _run_job(fn, rank, size, args, env, conn)
     conn.close()
 
 
@@ -111,7 +126,6 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         return _run_mpiexec(fn, nprocs, args, timeout, env, rank_envs)
     ctx = mp.get_context("spawn")
     port = free_port()
-    allowed_dead = set(may_die)
     procs, conns = [], []
     for rank in range(nprocs):
         child_env = rank_env(rank, nprocs, port, env)
@@ -124,48 +138,9 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         procs.append(proc)
         conns.append(parent_end)
 
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    failed_at: float | None = None
-    pending = set(range(nprocs))
     try:
-        while pending:
-            now = time.monotonic()
-            limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
-            if now >= limit:
-                break
-            ready = mp.connection.wait([conns[r] for r in pending] +
-                                       [procs[r].sentinel for r in pending],
-                                       timeout=min(0.2, limit - now))
-            for rank in list(pending):
-                conn = conns[rank]
-                got = None
-                if conn in ready or conn.poll():
-                    try:
-                        got = conn.recv()
-                    except EOFError:
-                        got = None
-                if got is not None:
-                    status, payload = got
-                    if status == "ok":
-                        results[rank] = payload
-                    else:
-                        errors[rank] = payload
-                        failed_at = failed_at or time.monotonic()
-                    pending.discard(rank)
-                elif procs[rank].sentinel in ready and not procs[rank].is_alive():
-                    procs[rank].join(1)
-                    if rank not in allowed_dead:
-                        errors[rank] = f"exited with code {procs[rank].exitcode} without reporting"
-                        failed_at = failed_at or time.monotonic()
-                    pending.discard(rank)
+        results = _collect(procs, conns, timeout, set(may_die))
     finally:
-        for rank in pending:
-            if rank not in errors:
-                errors[rank] = ("killed by the harness: still running "
-                                + ("after another rank failed" if failed_at else
-                                   f"after the {timeout:.0f} s test timeout"))
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -174,10 +149,125 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         for conn in conns:
             conn.close()
         _remove_shared_memory(procs)
+    return results
+
+
+def _collect(procs: list, conns: list, timeout: float, allowed_dead: set[int]) -> list[Any]:
+    """Each rank's answer, in rank order; `RankFailure` (after the others' grace period) when
+    one fails or dies, or when the deadline passes. The caller kills what is left."""
+    nprocs = len(procs)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    pending = set(range(nprocs))
+    while pending:
+        now = time.monotonic()
+        limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
+        if now >= limit:
+            break
+        ready = mp.connection.wait([conns[r] for r in pending] +
+                                   [procs[r].sentinel for r in pending],
+                                   timeout=min(0.2, limit - now))
+        for rank in list(pending):
+            conn = conns[rank]
+            got = None
+            if conn in ready or conn.poll():
+                try:
+                    got = conn.recv()
+                except EOFError:
+                    got = None
+            if got is not None:
+                status, payload = got
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+                    failed_at = failed_at or time.monotonic()
+                pending.discard(rank)
+            elif procs[rank].sentinel in ready and not procs[rank].is_alive():
+                procs[rank].join(1)
+                if rank not in allowed_dead:
+                    errors[rank] = f"exited with code {procs[rank].exitcode} without reporting"
+                    failed_at = failed_at or time.monotonic()
+                pending.discard(rank)
+    for rank in pending:
+        if rank not in errors:
+            errors[rank] = ("killed by the harness: still running "
+                            + ("after another rank failed" if failed_at else
+                               f"after the {timeout:.0f} s test timeout"))
     if errors:
         story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {nprocs} ranks failed:\n{story}")
     return [results.get(r) for r in range(nprocs)]
+
+
+def event() -> Any:
+    """An event that ranks of `run_ranks` (spawn launcher) share when passed as an argument: a
+    rank waits for what another rank did (``ev.wait(deadline)``) instead of sleeping long enough
+    to be (probably) after it."""
+    return mp.get_context("spawn").Event()
+
+
+def barrier(parties: int) -> Any:
+    """A barrier shared like `event`: e.g. the rank serving the store leaves only after every
+    rank has had its answer."""
+    return mp.get_context("spawn").Barrier(parties)
+
+
+class RankPool:
+    """``nprocs`` rank processes kept for many `run` calls: `run_ranks` without a spawn (and the
+    imports) per call. Each call gets a fresh rendezvous port and environment, as `run_ranks`
+    gives; a call that fails kills the ranks, and the next call spawns new ones. Only for tests
+    whose subject is not the processes themselves (a test that kills a rank, or is about what a
+    process leaves behind, uses `run_ranks`); ``close`` when done."""
+
+    def __init__(self, nprocs: int) -> None:
+        self.nprocs = nprocs
+        self._procs: list = []
+        self._conns: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(self.nprocs):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_serve, args=(rank, self.nprocs, child_end),
+                               name=f"pooled-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+            env: Mapping[str, str | None] | None = None) -> list[Any]:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        port = free_port()
+        try:
+            for rank, conn in enumerate(self._conns):
+                conn.send((fn, args, rank_env(rank, self.nprocs, port, env)))
+            return _collect(self._procs, self._conns, timeout, set())
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def close(self, kill: bool = False) -> None:
+        for conn in self._conns:
+            if not kill:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for proc in self._procs:
+            proc.join(0 if kill else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        _remove_shared_memory(self._procs)
+        self._procs, self._conns = [], []
 
 
 def mpiexec_path() -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -76,42 +77,59 @@ def allreduce_both_ways(comm, dtype, count: int, op: str) -> str:
     return digest(got)
 
 
-def run_matrix(rank: int, size: int, collective: str, seed: int = 0) -> dict[str, str]:
-    """Run ``collective`` over dtype x op x count; return {case: digest of this rank's result}."""
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+# The thin slice, for transports whose schedules the full matrix already proves over another
+# transport: every dtype (sum), every op (float32), counts 0, 1, a prime, and many small chunks.
+THIN_COUNTS = [0, 1, 13, 1009, 4099]
+
+
+def _cases(collective: str, counts: list[int], thin: bool):
+    for dtype in DTYPES:
+        for count in counts:
+            ops = OPS if collective in ("allreduce", "reduce_scatter") else [None]
+            for op in ops:
+                if thin and op not in (None, "sum") and dtype is not np.float32:
+                    continue
+                yield dtype, count, op
+
+
+def run_matrix(rank: int, size: int, collective: str | Sequence[str], seed: int = 0,
+               thin: bool = False) -> dict[str, str]:
+    """Run each collective named over dtype x op x count (the thin slice if ``thin``) in one
+    communicator; return {case: digest of this rank's result}."""
     from ddlcore.kernels import reference
 
     import ddlcore
 
     digests: dict[str, str] = {}
-    counts = [int(c) for c in os.environ.get("MATRIX_COUNTS", "").split(",") if c] or COUNTS
+    collectives = [collective] if isinstance(collective, str) else list(collective)
+    counts = [int(c) for c in os.environ.get("MATRIX_COUNTS", "").split(",") if c] or \
+        (THIN_COUNTS if thin else COUNTS)
     with ddlcore.init() as comm:
         assert (comm.rank, comm.size) == (rank, size)
-        for dtype in DTYPES:
-            name = np.dtype(dtype).name
-            for count in counts:
-                ops = OPS if collective in ("allreduce", "reduce_scatter") else [None]
-                for op in ops:
-                    case = f"{collective} {name} {op} count={count}"
-                    n = count * size if collective == "reduce_scatter" else count
-                    xs = [random_input(dtype, n, r, seed, op or "sum") for r in range(size)]
-                    x = xs[rank].copy()
-                    if collective == "allreduce":
-                        got = comm.allreduce(x, op=op)
-                        want = reference.reduce_ref(xs, op)
-                    elif collective == "reduce_scatter":
-                        got = comm.reduce_scatter(x, op=op)
-                        want = reference.reduce_ref(xs, op)[rank * count:(rank + 1) * count]
-                    elif collective == "allgather":
-                        got = comm.allgather(x)
-                        want = np.concatenate(xs)
-                    else:
-                        root = (count + 1) % size
-                        got = comm.broadcast(x, root=root)
-                        assert got is x
-                        want = xs[root]
-                        case += f" root={root}"
-                    if collective != "broadcast":  # out-of-place: the input is untouched
-                        np.testing.assert_array_equal(x, xs[rank])
-                    check_close(got, want, dtype, op or "sum", size, f"rank {rank}: {case}")
-                    digests[case] = digest(got)
+        for collective in collectives:
+            for dtype, count, op in _cases(collective, counts, thin):
+                case = f"{collective} {np.dtype(dtype).name} {op} count={count}"
+                n = count * size if collective == "reduce_scatter" else count
+                xs = [random_input(dtype, n, r, seed, op or "sum") for r in range(size)]
+                x = xs[rank].copy()
+                if collective == "allreduce":
+                    got = comm.allreduce(x, op=op)
+                    want = reference.reduce_ref(xs, op)
+                elif collective == "reduce_scatter":
+                    got = comm.reduce_scatter(x, op=op)
+                    want = reference.reduce_ref(xs, op)[rank * count:(rank + 1) * count]
+                elif collective == "allgather":
+                    got = comm.allgather(x)
+                    want = np.concatenate(xs)
+                else:
+                    root = (count + 1) % size
+                    got = comm.broadcast(x, root=root)
+                    assert got is x
+                    want = xs[root]
+                    case += f" root={root}"
+                if collective != "broadcast":  # out-of-place: the input is untouched
+                    np.testing.assert_array_equal(x, xs[rank])
+                check_close(got, want, dtype, op or "sum", size, f"rank {rank}: {case}")
+                digests[case] = digest(got)
     return digests

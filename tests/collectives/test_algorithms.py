@@ -1,5 +1,7 @@
 """Every algorithm on several box shapes (np up to 8, real processes over shared memory): the
-collective matrix (dtype x op x count, against NumPy), and identical results on every rank.
+collective matrix's thin slice (every dtype, so every element size at every count; every op;
+against NumPy), and identical results on every rank. The full dtype x op cross product runs in
+test_collectives.py; the reductions themselves are the kernels' tests.
 
 ``DDL_TOPOLOGY`` makes one host's ranks a box, so mdring runs its phases along each dimension;
 ``DDL_ALGO`` forces the algorithm. The symbolic tests (tests/unit/test_schedules.py) cover many
@@ -27,8 +29,7 @@ def _run_all(rank, size, collectives):
     import ddlcore
 
     out = {}
-    for collective in collectives:
-        out.update(matrix.run_matrix(rank, size, collective))
+    out.update(matrix.run_matrix(rank, size, collectives, thin=True))
     with ddlcore.init() as comm:
         chosen = {c: comm.describe(c, 4096).algorithm for c in collectives}
         comm.barrier()  # rank 0 serves the store: it must not exit while others still set up
@@ -38,7 +39,7 @@ def _run_all(rank, size, collectives):
 def _run_pipelined(rank, size):
     import ddlcore
 
-    digests = matrix.run_matrix(rank, size, "allreduce")
+    digests = matrix.run_matrix(rank, size, "allreduce", thin=True)
     with ddlcore.init() as comm:
         choice = comm.describe("allreduce", 4096)
         sched = comm._schedule("allreduce", 1024, 4, 0)[1]
@@ -49,7 +50,15 @@ def _run_pipelined(rank, size):
 
 # Only mdring's phases depend on the box's shape (ring and rhd see np ranks on one host), so
 # 4x2 runs for mdring alone.
-CASES = [(a, b) for a in ALGOS for b in BOXES if b != "4x2" or a == "mdring"]
+# Eight ranks on two cores: slow (`-m "not slow"` leaves them out; CI runs them).
+SLOW = pytest.mark.slow
+
+
+def _case(*values, nprocs: int):
+    return pytest.param(*values, marks=[SLOW] if nprocs >= 8 else [])
+
+
+CASES = [_case(a, b, nprocs=BOXES[b]) for a in ALGOS for b in BOXES if b != "4x2" or a == "mdring"]
 
 
 @pytest.mark.parametrize("algo,box", CASES)
@@ -68,8 +77,9 @@ def test_algorithm_on_box(algo, box):
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"
 
 
-@pytest.mark.parametrize("box,transport", [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"),
-                                           ("2x2", "tcp")])
+@pytest.mark.parametrize("box,transport", [_case(b, t, nprocs=BOXES[b]) for b, t in
+                                           [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"),
+                                            ("2x2", "tcp")]])
 def test_mdring_pipelined_across_dimensions(box, transport):
     """mdring's allreduce in segments whose phases overlap (one engine thread per stream):
     the matrix against NumPy, identical on every rank, on boxes of two and three dimensions."""

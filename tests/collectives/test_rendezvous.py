@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-from tests.harness import free_port, run_ranks
+from tests.harness import barrier, free_port, run_ranks
 
 
 def _torchrun_style(rank, size):
@@ -29,20 +28,19 @@ def test_torchrun_variables():
     assert run_ranks(_torchrun_style, 3, env=env, rank_envs=per_rank, timeout=60) == [[6]] * 3
 
 
-def _missing_rank(rank, size):
+def _missing_rank(rank, size, answered):
     import ddlcore
 
     try:
         ddlcore.init(size=3, timeout=3.0)  # only two of three ranks exist
     except ddlcore.RendezvousError as exc:
-        if rank == 0:
-            time.sleep(2)  # rank 0 serves the store: stay while rank 1 asks who is missing
+        answered.wait(50)  # rank 0 serves the store: it stays until rank 1 knows who is missing
         return str(exc)
     raise AssertionError("init succeeded with a rank missing")
 
 
 def test_missing_rank_is_reported_with_counts():
-    for message in run_ranks(_missing_rank, 2, timeout=60):
+    for message in run_ranks(_missing_rank, 2, barrier(2), timeout=60):
         assert "2 of 3 ranks" in message and "missing ranks: [2]" in message, message
 
 

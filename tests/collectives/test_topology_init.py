@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import barrier, run_ranks
 
 
 def _topology(rank, size):
@@ -44,20 +44,17 @@ def test_uneven_hosts_run_a_flat_ring_and_say_why():
     assert dims == (5,) and "[3, 2]" in note
 
 
-def _expect_split_error(rank, size):
-    import time
-
+def _expect_split_error(rank, size, answered):
     import ddlcore
 
     with pytest.raises(ValueError, match="splits a host"):
         ddlcore.init()
-    if rank == 0:  # its process serves the store: let the others' last replies go out first
-        time.sleep(1.0)
+    answered.wait(50)  # rank 0's process serves the store: it stays until every rank has its error
     return True
 
 
 def test_given_box_that_splits_a_host_is_an_error_on_every_rank():
-    assert all(run_ranks(_expect_split_error, 4, rank_envs=_hosts("a", "a", "b", "b"),
+    assert all(run_ranks(_expect_split_error, 4, barrier(4), rank_envs=_hosts("a", "a", "b", "b"),
                          env={"DDL_TOPOLOGY": "4x1", "DDL_TIMEOUT": "20"}, timeout=60))
 
 

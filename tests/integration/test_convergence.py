@@ -10,12 +10,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "convergence.py"
 
 
+@pytest.mark.slow
 def test_convergence_benchmark_small_sweep(tmp_path):
     for module in ("torch", "sklearn"):
         require(importlib.util.find_spec(module) is not None, f"{module} is not installed")

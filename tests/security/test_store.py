@@ -384,6 +384,11 @@ def test_slow_and_idle_connections_do_not_delay_init(tmp_path):
             except OSError:
                 time.sleep(0.05)  # rank 0 not listening yet, or gone
                 continue
+            if sock.getsockname() == sock.getpeername():
+                # Nobody listens yet and the kernel gave this socket the port itself as its own
+                # (TCP's self-connect): holding it would keep rank 0 from serving there.
+                sock.close()
+                continue
             socks.append([sock, 0])
             opened[0] += 1
             if opened[0] == 3 * MAX_PENDING_PER_SOURCE:
