@@ -48,10 +48,13 @@ from dataclasses import dataclass
 from ddlcore.algorithms import ALGORITHMS, mdring
 from ddlcore.algorithms.halving_doubling import virtual_shape
 from ddlcore.algorithms.mdring import active_dims
+from ddlcore.collectives import Collective
 from ddlcore.topology import Topology
 
 # Collectives for which DDL_ALGO selects among several algorithms.
-SELECTABLE = ("allreduce", "reduce_scatter", "allgather")
+# As plain strings: argparse lists them in its messages (`ddlcore.simulate`).
+SELECTABLE = tuple(c.value for c in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
+                                      Collective.ALLGATHER))
 # Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
 # project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.
 REDUCE_BW = 8e9
@@ -261,7 +264,7 @@ def best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int
                  reduce_bw: float, host_path: bool, segments: int = 0) -> tuple[float, int]:
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
     else the best count (the host-staged path's own where it runs)."""
-    if collective != "allreduce":
+    if collective != Collective.ALLREDUCE:
         counts = [1]
     elif host_path and host_first(topo, order):
         counts = [host_segments(int(nbytes))]
@@ -277,8 +280,8 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     (`ddlcore.algorithms.halving_doubling`): allreduce halves nearest partners first and
     doubles back; reduce-scatter halves the largest distance first; allgather doubles from 1."""
     p2, extra = virtual_shape(topo.size)
-    rs = collective in ("allreduce", "reduce_scatter")
-    ag = collective in ("allreduce", "allgather")
+    rs = collective in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER)
+    ag = collective in (Collective.ALLREDUCE, Collective.ALLGATHER)
     t = 0.0
     if extra:  # fold and unfold: the even rank of each of the first pairs hands over everything
         t += _phase(topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma,
@@ -298,10 +301,10 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     if doubling_only:
         return t + sum(cost(d, nbytes, True) for d in near)
     halves = [nbytes / 2 ** (i + 1) for i in range(len(near))]   # n/2, n/4, ... per round
-    if collective == "allreduce":
+    if collective == Collective.ALLREDUCE:
         t += sum(cost(d, m, True) for d, m in zip(near, halves, strict=True))
         t += sum(cost(d, m, False) for d, m in zip(near, halves, strict=True))
-    elif collective == "reduce_scatter":
+    elif collective == Collective.REDUCE_SCATTER:
         t += sum(cost(d, m, True) for d, m in zip(near[::-1], halves, strict=True))
     else:
         t += sum(cost(d, m, False) for d, m in zip(near, halves[::-1], strict=True))
@@ -311,7 +314,7 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
 def model_bytes(collective: str, in_bytes: int, size: int) -> int:
     """The size the cost model reads for a call with ``in_bytes`` of input on each of ``size``
     ranks: the allreduce / reduce_scatter input, the allgather output (nccl-tests' size)."""
-    return in_bytes * size if collective == "allgather" else in_bytes
+    return in_bytes * size if collective == Collective.ALLGATHER else in_bytes
 
 
 def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
@@ -323,8 +326,8 @@ def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
     host dimensions may run through the boards (mdring); ``segments``: mdring's allreduce
     pipelined in that many."""
     gamma = 1.0 / reduce_bw
-    rs = collective in ("allreduce", "reduce_scatter")
-    ag = collective in ("allreduce", "allgather")
+    rs = collective in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER)
+    ag = collective in (Collective.ALLREDUCE, Collective.ALLGATHER)
     if algorithm == "ring":
         return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes)
     if algorithm == "mdring":
