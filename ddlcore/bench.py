@@ -32,8 +32,7 @@ import numpy as np
 from ddlcore import config
 from ddlcore.collectives import Collective
 
-# As plain strings: argparse lists them in its messages.
-COLLECTIVES = tuple(c.value for c in Collective if c != Collective.BARRIER)
+COLLECTIVES = tuple(c.value for c in Collective)[:-1]  # no barrier; plain strings for argparse
 DTYPES: dict[str, Any] = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
           "half": np.float16, "float16": np.float16, "bfloat16": "bfloat16", "int8": np.int8,
           "uint8": np.uint8, "int32": np.int32, "int": np.int32, "int64": np.int64}
@@ -42,10 +41,8 @@ PEERS = ("mpi", "gloo")
 
 def bus_factor(collective: str, n: int) -> float:
     """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
-    factors: dict[str, float] = {
-        Collective.ALLREDUCE: 2 * (n - 1) / n, Collective.REDUCE_SCATTER: (n - 1) / n,
-        Collective.ALLGATHER: (n - 1) / n, Collective.BROADCAST: 1.0}
-    return factors[collective]
+    return {Collective.ALLREDUCE: 2 * (n - 1) / n, Collective.REDUCE_SCATTER: (n - 1) / n,
+            Collective.ALLGATHER: (n - 1) / n, Collective.BROADCAST: 1.0}[Collective(collective)]
 
 
 @dataclass

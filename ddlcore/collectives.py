@@ -23,6 +23,3 @@ class Collective(str, enum.Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
-
-# Those with a reduction, and those the host-staged path runs (`ddlcore.paths.host_staged`).
-REDUCING = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER)

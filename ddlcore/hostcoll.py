@@ -30,7 +30,7 @@ path off and runs the schedules over the shm transport instead.
 
 When the ranks span several hosts, each host's ranks get boards of their own, and a collective
 that the tuner runs as mdring with the host dimensions first takes its host phases here
-(``ddlcore.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
+(``ddlcore.paths.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
 every local input into its output, as above but without writing it out), then the rings across
 hosts on that part (schedules), then the "host allgather" (each rank reads the others' final
 parts out of their outputs); four sync points, and nobody touches the memory a network phase

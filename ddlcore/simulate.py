@@ -236,8 +236,7 @@ class Result:
     @property
     def busbw(self) -> float:
         n = self.ranks
-        factor: dict[str, float] = {Collective.ALLREDUCE: 2 * (n - 1) / n,
-                                    Collective.BROADCAST: 1.0}
+        factor: dict[str, float] = {Collective.ALLREDUCE: 2 * (n - 1) / n, Collective.BROADCAST: 1}
         return self.algbw * factor.get(self.collective, (n - 1) / n)
 
     def to_json(self) -> dict:

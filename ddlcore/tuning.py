@@ -19,8 +19,8 @@ mdring on a one-dimensional box is the ring in box order (host by host). The sim
 (``ddlcore.simulate``) runs the schedules themselves against the same link model and is how this
 formula is checked.
 
-Where an allreduce's host dimensions can run through the shared boards (``ddlcore.host_staged``,
-``host_path=True``), mdring's host phases with those dimensions first are priced as the boards
+Where an allreduce's host dimensions can run through the shared boards
+(``ddlcore.paths.host_staged``, ``host_path=True``), mdring's host phases with those dimensions first are priced as the boards
 run them: two native calls of two sync points each, every rank reading (d - 1)/d of its share
 with ``process_vm_readv`` (and reducing it, in the first). A reduce-scatter's or allgather's
 host phase runs on the boards too, but is priced as the rings over shm it replaces, as the
@@ -74,7 +74,7 @@ MAX_PERMUTED_DIMS = 4
 # to 30% on 4x2 boxes, and each segment costs the engine a few Python-level waits per phase.
 SEGMENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_BYTES = 8 << 20
-# mdring with host phases on the boards (``ddlcore.host_staged``) splits an allreduce into
+# mdring with host phases on the boards (``ddlcore.paths.host_staged``) splits an allreduce into
 # segments of at least this many bytes, at most _HOST_SEGMENTS of them, pipelined on two
 # threads (``ddlcore.pipeline``): on the netns testbed at 4x2, 1 Gbit/s, 64 MB went from
 # 1.22-1.28x the link bound to 1.09x (BENCHMARKS.md).
@@ -194,7 +194,7 @@ def in_rank_order(topo: Topology) -> bool:
 
 def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
     """Does mdring in this order run every host dimension before any network one (and has
-    both)? Then its host phases can run through the boards (``ddlcore.host_staged``)."""
+    both)? Then its host phases can run through the boards (``ddlcore.paths.host_staged``)."""
     inside = [j < topo.host_dims for j in active_dims(topo, order)]
     return bool(inside) and inside[0] and not inside[-1] and \
         inside == sorted(inside, reverse=True)
