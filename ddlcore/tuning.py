@@ -19,10 +19,10 @@ mdring on a one-dimensional box is the ring in box order (host by host). The sim
 (``ddlcore.simulate``) runs the schedules themselves against the same link model and is how this
 formula is checked.
 
-Where an allreduce's host dimensions can run through the shared boards
-(``ddlcore.paths.host_staged``, ``host_path=True``), mdring's host phases with those dimensions
-first are priced as the boards run them: two native calls of two sync points each, every rank
-reading (d - 1)/d of its share with ``process_vm_readv`` (and reducing it, in the first). A reduce-scatter's or allgather's
+Where an allreduce's host dimensions can run through the shared boards (``paths.host_staged``,
+``host_path=True``), mdring's host phases with those dimensions first are priced as the boards
+run them: two native calls of two sync points each, every rank reading (d - 1)/d of its share
+with ``process_vm_readv`` (and reducing it, in the first). A reduce-scatter's or allgather's
 host phase runs on the boards too, but is priced as the rings over shm it replaces, as the
 other algorithms' steps inside a host are: priced as the boards, mdring lost a near-tie to rhd
 that it wins by 1.27x on the testbed (BENCHMARKS.md, "Reduce-scatter and allgather across
