@@ -59,8 +59,9 @@ def job_choice(collective: str, topo: topology.Topology, in_bytes: int, algo: st
     the cost model's choice (`tuning.choose`). ``host_transport``: what two ranks of one host
     talk; ``direct_reads``: whether process_vm_readv works between them (default: what this
     kernel's Yama setting allows)."""
-    from ddlcore import host_staged, hostcoll
+    from ddlcore import hostcoll
     from ddlcore.algorithms import mdring
+    from ddlcore.paths import host_staged
 
     if direct_reads is None:
         direct_reads = hostcoll._cma_allowed()

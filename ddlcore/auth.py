@@ -276,6 +276,13 @@ class Acceptor:
         return reply
 
 
+def default_key(port: int) -> JobKey:
+    """The key of a store on ``port`` when none is given: this process's job secret
+    (`job_secret`) bound to the port."""
+    secret, origin = job_secret()
+    return JobKey(secret, str(port), origin)
+
+
 def _settimeout(sock: socket.socket, deadline: float) -> None:
     left = deadline - time.monotonic()
     if left <= 0:

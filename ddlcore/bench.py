@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from ddlcore import config
+from ddlcore.collectives import Collective
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+COLLECTIVES = tuple(c.value for c in Collective)[:-1]  # no barrier; plain strings for argparse
 DTYPES: dict[str, Any] = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
           "half": np.float16, "float16": np.float16, "bfloat16": "bfloat16", "int8": np.int8,
           "uint8": np.uint8, "int32": np.int32, "int": np.int32, "int64": np.int64}
@@ -40,8 +41,8 @@ PEERS = ("mpi", "gloo")
 
 def bus_factor(collective: str, n: int) -> float:
     """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
-    return {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "allgather": (n - 1) / n, "broadcast": 1.0}[collective]
+    return {Collective.ALLREDUCE: 2 * (n - 1) / n, Collective.REDUCE_SCATTER: (n - 1) / n,
+            Collective.ALLGATHER: (n - 1) / n, Collective.BROADCAST: 1.0}[Collective(collective)]
 
 
 @dataclass
@@ -87,13 +88,13 @@ class Case:
         self.collective, self.rank, self.size, self.op, self.root = collective, rank, size, op, root
         itemsize = dtype.itemsize
         count = nbytes // itemsize
-        if collective in ("reduce_scatter",):
+        if collective in (Collective.REDUCE_SCATTER,):
             count -= count % size
         self.count = count
         # Small integers, exact in every dtype and under every op for up to 8 ranks.
         pattern = (np.arange(count) % 3 + 1).astype(dtype)
         self.x = (pattern * (rank + 1) if op != "prod" else pattern).astype(dtype)
-        if collective == "allreduce" or collective == "reduce_scatter":
+        if collective == Collective.ALLREDUCE or collective == Collective.REDUCE_SCATTER:
             # Rank r holds pattern * (r + 1) (pattern alone for prod): the reduction in closed
             # form, so the check costs O(n) memory, not a copy per rank (64 MB x 8 ranks).
             base = pattern.astype(np.float64)
@@ -103,9 +104,10 @@ class Case:
             if op == "avg" and dtype.kind in "iu":  # integer avg: the exact mean rounded down
                 full = np.floor(full)
             k = count // size
-            self.expect = full if collective == "allreduce" else full[rank * k:(rank + 1) * k]
-            self.out = np.empty(count if collective == "allreduce" else k, dtype)
-        elif collective == "allgather":
+            self.expect = full if collective == Collective.ALLREDUCE else \
+                full[rank * k:(rank + 1) * k]
+            self.out = np.empty(count if collective == Collective.ALLREDUCE else k, dtype)
+        elif collective == Collective.ALLGATHER:
             self.expect = np.concatenate([pattern.astype(np.float64) * (r + 1) for r in range(size)])
             self.out = np.empty(count * size, dtype)
         else:
@@ -136,18 +138,19 @@ def _device_ops(comm, case: Case, in_place: bool) -> Ops:
 
     c = case.collective
     x = cuda.to_device(case.x)
-    out = x if in_place and c in ("allreduce", "broadcast") else cuda.to_device(case.out)
+    out = x if in_place and c in (Collective.ALLREDUCE, Collective.BROADCAST) else \
+        cuda.to_device(case.out)
 
     def reset() -> None:
-        if in_place or c == "broadcast":
+        if in_place or c == Collective.BROADCAST:
             out.copy_to_device(case.x)
 
     def run() -> None:
-        if c == "allreduce":
+        if c == Collective.ALLREDUCE:
             comm.allreduce(out if in_place else x, op=case.op, out=out)
-        elif c == "reduce_scatter":
+        elif c == Collective.REDUCE_SCATTER:
             comm.reduce_scatter(x, op=case.op, out=out)
-        elif c == "allgather":
+        elif c == Collective.ALLGATHER:
             comm.allgather(x, out=out)
         else:
             comm.broadcast(out, root=case.root)
@@ -156,7 +159,7 @@ def _device_ops(comm, case: Case, in_place: bool) -> Ops:
 
 def _ddl_ops(comm, case: Case, in_place: bool) -> Ops:
     c = case.collective
-    if c == "allreduce":
+    if c == Collective.ALLREDUCE:
         buf = case.x.copy() if in_place else case.x
         out = buf if in_place else case.out
 
@@ -164,10 +167,10 @@ def _ddl_ops(comm, case: Case, in_place: bool) -> Ops:
             if in_place:
                 buf[...] = case.x
         return reset, lambda: comm.allreduce(buf, op=case.op, out=out), lambda: out
-    if c == "reduce_scatter":
+    if c == Collective.REDUCE_SCATTER:
         return (_nothing, lambda: comm.reduce_scatter(case.x, op=case.op, out=case.out),
                 lambda: case.out)
-    if c == "allgather":
+    if c == Collective.ALLGATHER:
         if in_place:  # the input is this rank's block of the output
             k, out = case.count, case.out
             mine = out[case.rank * k:(case.rank + 1) * k]
@@ -224,7 +227,7 @@ def single_copy_bound(collective: str, n: int, add_gbps: float) -> float:
     copies the n - 1 other slices of the result, (3n - 1)/n bytes of memory traffic per input
     byte, at the a += b bandwidth; busbw = 2(n - 1)/(3n - 1) x that bandwidth (n = 2: 40%).
     NaN for the other collectives and for one rank."""
-    if collective != "allreduce" or n < 2:
+    if collective != Collective.ALLREDUCE or n < 2:
         return float("nan")
     return 2 * (n - 1) / (3 * n - 1) * add_gbps
 
@@ -249,11 +252,11 @@ class _MpiPeer:
 
     def op(self, case: Case) -> Callable[[], None]:
         w, c = self.world, case.collective
-        if c == "allreduce":
+        if c == Collective.ALLREDUCE:
             return lambda: w.Allreduce(case.x, case.out, op=self._ops[case.op])
-        if c == "reduce_scatter":
+        if c == Collective.REDUCE_SCATTER:
             return lambda: w.Reduce_scatter_block(case.x, case.out, op=self._ops[case.op])
-        if c == "allgather":
+        if c == Collective.ALLGATHER:
             return lambda: w.Allgather(case.x, case.out)
         return lambda: w.Bcast(case.out, root=case.root)
 
@@ -288,14 +291,14 @@ class _GlooPeer:
     def op(self, case: Case) -> Callable[[], None]:
         t, dist, c = self.torch, self.dist, case.collective
         x, out = t.from_numpy(case.x), t.from_numpy(case.out)
-        if c == "allreduce":
+        if c == Collective.ALLREDUCE:
             def run() -> None:
                 out.copy_(x)
                 dist.all_reduce(out, op=self._ops[case.op])
             return run
-        if c == "reduce_scatter":
+        if c == Collective.REDUCE_SCATTER:
             return lambda: dist.reduce_scatter_tensor(out, x, op=self._ops[case.op])
-        if c == "allgather":
+        if c == Collective.ALLGATHER:
             return lambda: dist.all_gather_into_tensor(out, x)
         return lambda: dist.broadcast(out, src=case.root)
 
@@ -377,7 +380,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             algbw = case.nbytes() / t / 1e9 if t > 0 else 0.0
             results.append((t * 1e6, algbw, algbw * factor, wrong))
         row = Row(case.nbytes(), case.count, str(dtype), args.op, args.root if
-                  args.collective == "broadcast" else -1, *results[0], *results[1])
+                  args.collective == Collective.BROADCAST else -1, *results[0], *results[1])
         for peer in peers:
             if peer.supports(case):
                 t = _time(comm, peer.op(case), args.warmup, iters)

@@ -14,10 +14,11 @@ import numpy as np
 
 from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
+from ddlcore.collectives import Collective
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op, as_op
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+COLLECTIVES = tuple(Collective)  # in fingerprint order
 _FINGERPRINT = struct.Struct("<4sBBBxiq")  # magic, collective, dtype, op, root, count
 _FINGERPRINT_MAGIC = b"DDLa"
 _NONE = 255  # no dtype (barrier), no op
@@ -27,7 +28,7 @@ _NONE = 255  # no dtype (barrier), no op
 class Call:
     """One validated collective call."""
 
-    collective: str
+    collective: Collective
     inp: BufferDesc | None
     out: BufferDesc | None
     op: Op | None = None
@@ -58,17 +59,18 @@ def output(x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc,
     return desc, out
 
 
-def prepare(collective: str, x: Any, op: Any, out: Any, root: int, size: int) -> Call:
+def prepare(collective: Collective, x: Any, op: Any, out: Any, root: int, size: int) -> Call:
     """Check the arguments of ``collective`` on a communicator of ``size`` ranks and describe
     its buffers (the output allocated when ``out`` is None). Raises ValueError/TypeError naming
     the argument."""
-    if collective == "barrier":
-        return Call("barrier", None, None)
+    collective = Collective(collective)
+    if collective == Collective.BARRIER:
+        return Call(collective, None, None)
     rop = as_op(op) if op is not None else None
     xd = as_buffer(x, "x")
-    if collective == "allreduce":
+    if collective == Collective.ALLREDUCE:
         od, result = output(xd, out, xd.shape)
-    elif collective == "reduce_scatter":
+    elif collective == Collective.REDUCE_SCATTER:
         if xd.count % size:
             raise ValueError(f"x has {xd.count} elements, not divisible by the communicator "
                              f"size {size}; reduce_scatter needs size * k elements")
@@ -78,10 +80,10 @@ def prepare(collective: str, x: Any, op: Any, out: Any, root: int, size: int) ->
         else:
             out_shape = (xd.count // size,)
         od, result = output(xd, out, out_shape)
-    elif collective == "allgather":
+    elif collective == Collective.ALLGATHER:
         out_shape = (size * xd.shape[0], *xd.shape[1:]) if xd.shape else (size,)
         od, result = output(xd, out, out_shape)
-    elif collective == "broadcast":
+    elif collective == Collective.BROADCAST:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
             raise TypeError(f"root must be an int, not {type(root).__name__}")
         if not 0 <= root < size:
@@ -112,7 +114,7 @@ def describe_fingerprint(raw: bytes) -> str:
     if magic != _FINGERPRINT_MAGIC or kind >= len(COLLECTIVES):
         return "something else (not a call's description)"
     name = COLLECTIVES[kind]
-    if name == "barrier":
+    if name == Collective.BARRIER:
         return "barrier()"
     try:
         desc = f"{count} x {numpy_dtype(DType(code)).name}"
@@ -123,6 +125,6 @@ def describe_fingerprint(raw: bytes) -> str:
             desc += f", {Op(op).name.lower()}"
         except ValueError:
             desc += f", op {op}"
-    if name == "broadcast":
+    if name == Collective.BROADCAST:
         desc += f", root {root}"
     return f"{name}({desc})"

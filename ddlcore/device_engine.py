@@ -35,15 +35,13 @@ A schedule with parts on several streams (mdring pipelined across dimensions) ru
 program order, which is a valid serial order of its parts: correct, its chunks pipelined as
 above, but its segments' phases on different links do not yet overlap as on the host engine.
 
-What touches CUDA is behind `DeviceOps` (`NumbaStreams` in production, Numba's simulator in
-CI); the tests also drive the engine with ops that run queued work in random valid orders, which
-is how the ordering above is checked without a GPU.
+What touches CUDA is behind `DeviceOps` (`ddlcore.device.NumbaStreams` in production, Numba's
+simulator in CI); the tests also drive the engine with ops that run queued work in random valid
+orders, which is how the ordering above is checked without a GPU.
 """
 
 from __future__ import annotations
 
-import functools
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,8 +50,8 @@ import numpy as np
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
 from ddlcore.engine import Collective, deadline_clock, failure, pair_cache, post_ahead
-from ddlcore.errors import DDLError, DDLTimeoutError
-from ddlcore.kernels.dtypes import DType, numpy_dtype
+from ddlcore.errors import DDLError
+from ddlcore.kernels.dtypes import DType
 from ddlcore.ops import Op
 from ddlcore.transports.base import DeviceView
 
@@ -382,119 +380,3 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
             except Exception:
                 break
         raise err from None
-
-
-class NumbaStreams:
-    """`DeviceOps` through ``numba.cuda``: a GPU, or Numba's simulator (where streams and events
-    exist but every operation completes at once)."""
-
-    def __init__(self) -> None:
-        from ddlcore import device
-        from ddlcore.kernels import cuda as kcuda
-
-        self._cuda = cuda = device.cuda_module()
-        self._kernels = kcuda
-        self._device = 0 if device.is_simulator() else int(cuda.get_current_device().id)
-        self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
-        self._uploads = cuda.stream()  # transports' copies of early-arrived host payloads
-        try:
-            cuda.event(timing=False)
-            self._event: Any = lambda: cuda.event(timing=False)
-        except TypeError:  # the simulator's events take no arguments
-            self._event = cuda.event
-
-    def record(self, stream: Any) -> Any:
-        ev = self._event()
-        ev.record(stream)
-        return ev
-
-    def wait(self, stream: Any, event: Any) -> None:
-        event.wait(stream)
-
-    def done(self, event: Any) -> bool:
-        query = getattr(event, "query", None)  # the simulator's events have finished already
-        return True if query is None else bool(query())
-
-    def sync(self, event: Any, timeout: float) -> None:
-        """Wait for ``event``, at most ``timeout`` seconds (a stuck caller's stream, say,
-        must not hang the job past DDL_TIMEOUT)."""
-        query = getattr(event, "query", None)
-        if query is None or query():
-            return
-        deadline = time.monotonic() + timeout
-        pause = 2e-6
-        while not query():
-            if time.monotonic() > deadline:
-                raise DDLTimeoutError(f"GPU work queued by this collective did not finish "
-                                      f"within {timeout:g} s (is the caller's stream stuck?)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None:
-        if host.size:
-            src.array[off:off + host.size].copy_to_host(host, stream=stream)
-
-    def upload(self, host: np.ndarray, dst: DeviceRegion, off: int, stream: Any) -> None:
-        if host.size:
-            dst.array[off:off + host.size].copy_to_device(host, stream=stream)
-
-    def copy(self, dst: DeviceRegion, dst_off: int, src: DeviceRegion, src_off: int,
-             nbytes: int, stream: Any) -> None:
-        if nbytes:
-            dst.array[dst_off:dst_off + nbytes].copy_to_device(
-                src.array[src_off:src_off + nbytes], stream=stream)
-
-    @staticmethod
-    def _typed(region: DeviceRegion, off: int, count: int, code: DType) -> Any:
-        # Numba has no bfloat16 arrays: the kernels take its bits as uint16 (dtype="bfloat16")
-        dtype = np.dtype(np.uint16) if code == DType.BFLOAT16 else numpy_dtype(code)
-        return region.array[off:off + count * dtype.itemsize].view(dtype)
-
-    @staticmethod
-    def _marker(code: DType) -> dict[str, str]:
-        return {"dtype": "bfloat16"} if code == DType.BFLOAT16 else {}
-
-    def reduce(self, dst: DeviceRegion, dst_off: int, a: DeviceRegion, a_off: int,
-               b: DeviceRegion, b_off: int, count: int, code: DType, op: Op,
-               stream: Any) -> None:
-        if count:
-            self._kernels.reduce_copy(self._typed(dst, dst_off, count, code),
-                                      self._typed(a, a_off, count, code),
-                                      self._typed(b, b_off, count, code), op, stream,
-                                      **self._marker(code))
-
-    def scale(self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int,
-              stream: Any) -> None:
-        if count:
-            self._kernels.avg_scale(self._typed(dst, off, count, code), divisor, stream,
-                                    **self._marker(code))
-
-    def pinned(self, nbytes: int) -> np.ndarray:
-        return self._cuda.pinned_array(nbytes, dtype=np.uint8)
-
-    def view(self, region: DeviceRegion, off: int, nbytes: int) -> DeviceView:
-        from ddlcore import device
-
-        if not nbytes:
-            return DeviceView(0, 0, self._device, _no_upload)
-        target, gpu, stream = region.array[off:off + nbytes], self._device, self._uploads
-
-        def upload(_: DeviceView, data: memoryview) -> None:
-            # Called by a transport's thread (no current CUDA context of its own). On a stream
-            # of its own: the legacy default stream would wait for all our queued work.
-            with device.on_device(gpu):
-                target.copy_to_device(np.frombuffer(data, np.uint8), stream=stream)
-                stream.synchronize()
-
-        return DeviceView(region.ptr + off, nbytes, gpu, upload,
-                          functools.partial(device.bind_thread, gpu))
-
-    def device(self, nbytes: int) -> DeviceRegion:
-        from ddlcore import device
-
-        arr = self._cuda.device_array(nbytes, dtype=np.uint8)
-        return DeviceRegion(device.pointer_of(arr), arr)
-
-
-def _no_upload(view: DeviceView, data: memoryview) -> None:
-    raise AssertionError("nothing to upload into an empty device view")

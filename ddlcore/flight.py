@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddlcore import config, tuning
+from ddlcore.collectives import Collective
 from ddlcore.errors import DDLError
 
 log = logging.getLogger("ddlcore")
@@ -216,7 +217,7 @@ class FlightRecorder:
                 "seq": e[_SEQ], "collective": e[_COLL], "count": e[_COUNT], "bytes": nbytes,
                 "dtype": dtype.name if dtype is not None else None,
                 "op": op.name.lower() if op is not None else None,
-                "root": e[_ROOT] if e[_COLL] == "broadcast" else None,
+                "root": e[_ROOT] if e[_COLL] == Collective.BROADCAST else None,
                 "memory": e[_MEMORY].value if e[_MEMORY] is not None else None,
                 "algorithm": algorithm, "path": path,
                 "start": e[_START], "end": abs(end) if end else None,

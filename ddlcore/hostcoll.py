@@ -30,7 +30,7 @@ path off and runs the schedules over the shm transport instead.
 
 When the ranks span several hosts, each host's ranks get boards of their own, and a collective
 that the tuner runs as mdring with the host dimensions first takes its host phases here
-(``ddlcore.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
+(``ddlcore.paths.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
 every local input into its output, as above but without writing it out), then the rings across
 hosts on that part (schedules), then the "host allgather" (each rank reads the others' final
 parts out of their outputs); four sync points, and nobody touches the memory a network phase
@@ -43,6 +43,7 @@ reads are on is agreed by every host (``bootstrap``), so all ranks take the same
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import secrets
@@ -50,11 +51,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ddlcore import tuning
+from ddlcore.collectives import Collective
 from ddlcore.engine import abort_code
 from ddlcore.errors import (
     CollectiveMismatchError,
@@ -94,13 +97,66 @@ _VERSION = 1
 _OFF_MAGIC, _OFF_VERSION, _OFF_SIZE, _OFF_SLOT, _OFF_PID, _OFF_CMA_OK, _OFF_SELF, _OFF_PROBE = \
     0, 8, 12, 16, 24, 28, 32, 40
 _CLOSED = 0xFFFF  # abort code of a rank that closed its communicator
-# Collective kinds (ddl_arena.h's DDL_K_*).
-# An allreduce's halves around its network phases (mdring across hosts): each rank reduces its
-# part of everyone's input into its output; later each copies the others' parts from theirs.
-RS_PART, AG_PART = "allreduce, host reduce-scatter", "allreduce, host allgather"
-KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5,
-        RS_PART: 6, AG_PART: 7}
-_KIND_NAME = {v: k for k, v in KIND.items()}
+
+
+class BoardKind(enum.IntEnum):
+    """What one board call does (ddl_arena.h's DDL_K_*): a collective, or one of an allreduce's
+    halves around its network phases (mdring across hosts): each rank reduces its part of
+    everyone's input into its output (`HOST_REDUCE_SCATTER`); later each copies the others'
+    parts from theirs (`HOST_ALLGATHER`)."""
+
+    ALLREDUCE = 1
+    REDUCE_SCATTER = 2
+    ALLGATHER = 3
+    BROADCAST = 4
+    BARRIER = 5
+    HOST_REDUCE_SCATTER = 6
+    HOST_ALLGATHER = 7
+
+    @classmethod
+    def of(cls, collective: Collective | str) -> BoardKind:
+        return cls[Collective(collective).name]
+
+    @property
+    def phase(self) -> str | None:
+        """The allreduce's half this kind is ("host reduce-scatter"), None for a collective."""
+        return _PHASES.get(self)
+
+    @property
+    def label(self) -> str:
+        """As messages name it: "allgather", "allreduce, host reduce-scatter"."""
+        phase = self.phase
+        return self.name.lower() if phase is None else f"{Collective.ALLREDUCE}, {phase}"
+
+
+_PHASES = {BoardKind.HOST_REDUCE_SCATTER: "host reduce-scatter",
+           BoardKind.HOST_ALLGATHER: "host allgather"}
+
+
+@dataclass
+class BoardCall:
+    """One call of `HostCollectives.run`, on host addresses: ``count`` input elements of
+    ``itemsize`` bytes and kernel dtype code ``dtype``; ``op`` a kernel op code (SUM for avg,
+    with ``divisor`` the number of ranks; 0 for no division); ``check`` the call's check word,
+    compared at every sync point; ``label()`` names the call in errors; ``mode`` `SLOTS`,
+    `DIRECT` or `SYNC_ONLY`; ``keep``: the buffers behind ``inp`` and ``out``, held for good
+    if a failed call leaves a peer that might still write into them."""
+
+    kind: BoardKind
+    inp: int
+    out: int
+    count: int
+    itemsize: int
+    dtype: int
+    op: int
+    check: int
+    label: Callable[[], str]
+    mode: int = 0  # SLOTS
+    divisor: int = 0
+    root: int = 0
+    keep: Any = None
+
+
 _STATUS_TIMEOUT, _STATUS_DEAD, _STATUS_ABORTED, _STATUS_MISMATCH, _STATUS_CMA = 1, 2, 3, 4, 5
 # How a call runs (_arena.Arena.run's mode).
 SLOTS, DIRECT, SYNC_ONLY = 0, 1, 2
@@ -183,7 +239,8 @@ class HostCollectives:
                                    SMALL_MAX, CHUNK_BYTES)
         ok = self._probe_direct(boards)
         _shm.store_u32(self._base + _OFF_CMA_OK, 1 if ok else 0)
-        self.run(KIND["barrier"], 0, 0, 0, 1, 0, 0, 0, 0, 1, lambda: "host collectives set-up")
+        self.run(BoardCall(BoardKind.BARRIER, 0, 0, 0, 1, 0, 0, 1,
+                           lambda: "host collectives set-up"))
         self.direct = all(_shm.load_u32(b + _OFF_CMA_OK) == 1 for b in boards)
         log.debug("rank %d: host collectives over %d boards; direct reads %s", self.rank,
                   self.size, "on" if self.direct else "off")
@@ -250,30 +307,27 @@ class HostCollectives:
             return SLOTS
         return DIRECT if self.direct else SYNC_ONLY
 
-    def run(self, kind: int, inp: int, out: int, count: int, itemsize: int, dtype: int, op: int,
-            divisor: int, root: int, check: int, label: Callable[[], str],
-            mode: int = SLOTS, keep: Any = None) -> None:
-        """Run one collective on host addresses: ``kind`` as `KIND`, ``count`` input elements,
-        ``op`` a kernel op code (SUM for avg, with ``divisor`` the number of ranks; 0 for no
-        division); ``mode`` `SLOTS`, `DIRECT`, or `SYNC_ONLY` (compare the call at a sync point
-        before it runs on the schedules). On failure, leaves an abort note the peers see at once
-        and raises a `DDLError` naming this rank, ``label()`` and the peer concerned; ``keep``
-        (the buffers behind ``inp`` and ``out``) is then held for good if a peer might still be
-        writing into them."""
+    def run(self, call: BoardCall) -> None:
+        """Run one collective (`BoardCall`) on host addresses; with ``mode`` `SYNC_ONLY`, only
+        compare the call at a sync point before it runs on the schedules. On failure, leaves
+        an abort note the peers see at once and raises a `DDLError` naming this rank,
+        ``call.label()`` and the peer concerned."""
+        label, mode = call.label, call.mode
         with self._lock:
             if self._closed:
                 raise CommunicatorClosedError(f"rank {self.ranks[self.rank]}: {label()}: the "
                                               "communicator is closed")
             self._busy += 1
         try:
-            st = self._arena.run(mode, kind, inp, out, count, itemsize, dtype, op, divisor, root,
-                                 check, time.monotonic() + self.timeout)
+            st = self._arena.run(mode, int(call.kind), call.inp, call.out, call.count,
+                                 call.itemsize, call.dtype, call.op, call.divisor, call.root,
+                                 call.check, time.monotonic() + self.timeout)
             if st:
                 err = self._error(st, label())
                 self.abort(abort_code(err), abort_reason(err, str(err).split(": ", 1)[1]))
                 if mode == DIRECT and not self._arena.settle(time.monotonic() + _SETTLE_FAILED_S):
                     # A stopped peer may still write into them: never give them back.
-                    self._pinned.append(keep)
+                    self._pinned.append(call.keep)
                 raise err
         finally:
             with self._lock:
@@ -360,5 +414,8 @@ def _peer_error(where: str, cause: str, peer: int) -> PeerFailureError:
 
 def _describe(entry: tuple[int, int, int, int, int]) -> str:
     kind, dtype, op, root, count = entry
-    return (f"{_KIND_NAME.get(kind, f'kind {kind}')} of {count} elements (dtype code {dtype}, "
-            f"op code {op}, root {root})")
+    try:
+        name = BoardKind(kind).label
+    except ValueError:
+        name = f"kind {kind}"
+    return f"{name} of {count} elements (dtype code {dtype}, op code {op}, root {root})"

@@ -27,6 +27,7 @@ import numpy as np
 
 from ddlcore.buffers import as_buffer
 from ddlcore.calls import Call
+from ddlcore.collectives import Collective
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
 
@@ -91,7 +92,7 @@ def run(call: Call, size: int, host: tuple[np.ndarray, np.ndarray] | None,
     assert call.inp is not None and call.out is not None
     inp, out = host if host is not None else (call.inp.array, call.out.array)
     x, y = inp.reshape(-1), out.reshape(-1)
-    blocks = size if call.collective == "reduce_scatter" else 1
+    blocks = size if call.collective == Collective.REDUCE_SCATTER else 1
     wide = widen(x, size, blocks)
     total = np.empty(wide.size // blocks, wide.dtype)
     execute(Call(call.collective, as_buffer(wide), as_buffer(total, "out"), Op.SUM,

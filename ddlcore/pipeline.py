@@ -1,9 +1,9 @@
 """Three stages over a run of segments, the middle one on a thread of its own, so that segment s's
 middle stage overlaps segment s+1's first stage and segment s-1's last stage.
 
-mdring with its host dimensions on the boards runs this way (`Communicator`): the host
-reduce-scatter of a segment (first), the rings across hosts on this rank's part of it (middle),
-and the host allgather (last). While the network carries segment s, the boards reduce segment
+mdring with its host dimensions on the boards runs this way (`ddlcore.paths.host_staged`): the
+host reduce-scatter of a segment (first), the rings across hosts on this rank's part of it
+(middle), and the host allgather (last). While the network carries segment s, the boards reduce segment
 s+1 and spread segment s-1, so only the first segment's reduce-scatter and the last one's
 allgather are not hidden behind the links::
 

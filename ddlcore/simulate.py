@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass
 
 from ddlcore import topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Kind, Schedule, Step
+from ddlcore.collectives import Collective
 from ddlcore.errors import DDLError
 
 _SEND, _RECV_REDUCE = int(Kind.SEND), int(Kind.RECV_REDUCE)
@@ -160,9 +161,9 @@ def element_count(collective: str, nbytes: float, size: int, itemsize: int) -> i
     """The schedule's ``count`` for ``nbytes`` as `tuning.predict` reads it: the allreduce and
     reduce_scatter input (reduce_scatter: a multiple of ``size``), the allgather output."""
     count = int(nbytes) // itemsize
-    if collective == "reduce_scatter":
+    if collective == Collective.REDUCE_SCATTER:
         return count // size * size
-    if collective == "allgather":
+    if collective == Collective.ALLGATHER:
         return count // size
     return count
 
@@ -182,7 +183,7 @@ def compile_program(collective: str, algorithm: str, topo: topology.Topology, nb
     extra: dict = {}
     if algorithm == "mdring" and dim_order is not None:
         extra["dim_order"] = dim_order
-    if algorithm == "mdring" and collective == "allreduce" and segments > 1:
+    if algorithm == "mdring" and collective == Collective.ALLREDUCE and segments > 1:
         extra["segments"] = segments
 
     def schedule(rank: int) -> Schedule:
@@ -235,8 +236,8 @@ class Result:
     @property
     def busbw(self) -> float:
         n = self.ranks
-        factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(self.collective, (n - 1) / n)
-        return self.algbw * factor
+        factor: dict[str, float] = {Collective.ALLREDUCE: 2 * (n - 1) / n, Collective.BROADCAST: 1}
+        return self.algbw * factor.get(self.collective, (n - 1) / n)
 
     def to_json(self) -> dict:
         out = asdict(self)

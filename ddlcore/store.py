@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import Any, Protocol
 
 from ddlcore import store_wire as wire
-from ddlcore.auth import AuthenticationError, JobKey, job_secret
+from ddlcore.auth import AuthenticationError, JobKey, default_key
 from ddlcore.errors import RendezvousError
 from ddlcore.store_server import StoreServer
 from ddlcore.store_wire import MAX_KEY_BYTES, MAX_VALUE_BYTES
@@ -54,13 +54,6 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytearray | None:
     """Exactly ``nbytes`` from ``sock``; None on a clean EOF before the first byte."""
     buf = bytearray(nbytes)
     return buf if recv_exact(sock, memoryview(buf)) else None
-
-
-def default_key(port: int) -> JobKey:
-    """The key of a store on ``port`` when none is given: this process's job secret
-    (`ddlcore.auth.job_secret`) bound to the port."""
-    secret, origin = job_secret()
-    return JobKey(secret, str(port), origin)
 
 
 class StoreClient:

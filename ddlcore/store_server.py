@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddlcore import store_wire as wire
-from ddlcore.auth import Acceptor, JobKey
+from ddlcore.auth import Acceptor, JobKey, default_key
 from ddlcore.errors import RendezvousError
 from ddlcore.store_table import StoreTable, Wait
 
@@ -84,7 +84,7 @@ class StoreServer:
     backlog : int
         The listen backlog.
     job_key : JobKey, optional
-        What clients must prove (default: `ddlcore.store.default_key` of the bound port).
+        What clients must prove (default: `ddlcore.auth.default_key` of the bound port).
     max_connections : int
         Most connections open at once (authenticated or in their handshake).
     max_bytes : int
@@ -119,8 +119,6 @@ class StoreServer:
         self.host = host
         self.port: int = sock.getsockname()[1]
         if job_key is None:
-            from ddlcore.store import default_key
-
             job_key = default_key(self.port)
         self.job_key = job_key
         self.max_connections = max(1, int(max_connections))

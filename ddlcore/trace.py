@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddlcore import flight
+from ddlcore.collectives import Collective
 
 Record = dict[str, Any]
 Entry = dict[str, Any]
@@ -94,12 +95,12 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 def _shape(e: Entry) -> str:
     """What a call was, apart from its sequence number: "allreduce (1000 x float32, sum)"."""
-    if e["collective"] == "barrier":
+    if e["collective"] == Collective.BARRIER:
         return "barrier"
     desc = f"{e.get('count')} x {e.get('dtype')}"
     if e.get("op"):
         desc += f", {e['op']}"
-    if e["collective"] == "broadcast":
+    if e["collective"] == Collective.BROADCAST:
         desc += f", root {e.get('root')}"
     return f"{e['collective']} ({desc})"
 
@@ -112,7 +113,7 @@ def describe(e: Entry) -> str:
 
 def _signature(e: Entry) -> tuple[Any, ...]:
     return (e["collective"], e.get("count"), e.get("dtype"), e.get("op"),
-            e.get("root") if e["collective"] == "broadcast" else None)
+            e.get("root") if e["collective"] == Collective.BROADCAST else None)
 
 
 def _clock(t: float | None) -> str:
@@ -308,7 +309,8 @@ def table(rec: Record, last: int = 0) -> str:
     for e in entries:
         end = e.get("end")
         took = _seconds(end - e["start"]) if end is not None else "-"
-        extra = e.get("op") or (f"root {e.get('root')}" if e["collective"] == "broadcast" else "")
+        extra = e.get("op") or (f"root {e.get('root')}"
+                                if e["collective"] == Collective.BROADCAST else "")
         rows.append((str(e["seq"]), e["collective"], str(e.get("count", "")),
                      e.get("dtype") or "-", extra or "-", str(e.get("bytes", "")),
                      str(e.get("algorithm", "?")), str(e.get("path", "?")),

@@ -19,7 +19,7 @@ mdring on a one-dimensional box is the ring in box order (host by host). The sim
 (``ddlcore.simulate``) runs the schedules themselves against the same link model and is how this
 formula is checked.
 
-Where an allreduce's host dimensions can run through the shared boards (``ddlcore.host_staged``,
+Where an allreduce's host dimensions can run through the shared boards (``paths.host_staged``,
 ``host_path=True``), mdring's host phases with those dimensions first are priced as the boards
 run them: two native calls of two sync points each, every rank reading (d - 1)/d of its share
 with ``process_vm_readv`` (and reducing it, in the first). A reduce-scatter's or allgather's
@@ -48,10 +48,13 @@ from dataclasses import dataclass
 from ddlcore.algorithms import ALGORITHMS, mdring
 from ddlcore.algorithms.halving_doubling import virtual_shape
 from ddlcore.algorithms.mdring import active_dims
+from ddlcore.collectives import Collective
 from ddlcore.topology import Topology
 
 # Collectives for which DDL_ALGO selects among several algorithms.
-SELECTABLE = ("allreduce", "reduce_scatter", "allgather")
+# As plain strings: argparse lists them in its messages (`ddlcore.simulate`).
+SELECTABLE = tuple(c.value for c in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
+                                      Collective.ALLGATHER))
 # Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
 # project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.
 REDUCE_BW = 8e9
@@ -71,7 +74,7 @@ MAX_PERMUTED_DIMS = 4
 # to 30% on 4x2 boxes, and each segment costs the engine a few Python-level waits per phase.
 SEGMENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_BYTES = 8 << 20
-# mdring with host phases on the boards (``ddlcore.host_staged``) splits an allreduce into
+# mdring with host phases on the boards (``ddlcore.paths.host_staged``) splits an allreduce into
 # segments of at least this many bytes, at most _HOST_SEGMENTS of them, pipelined on two
 # threads (``ddlcore.pipeline``): on the netns testbed at 4x2, 1 Gbit/s, 64 MB went from
 # 1.22-1.28x the link bound to 1.09x (BENCHMARKS.md).
@@ -191,7 +194,7 @@ def in_rank_order(topo: Topology) -> bool:
 
 def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
     """Does mdring in this order run every host dimension before any network one (and has
-    both)? Then its host phases can run through the boards (``ddlcore.host_staged``)."""
+    both)? Then its host phases can run through the boards (``ddlcore.paths.host_staged``)."""
     inside = [j < topo.host_dims for j in active_dims(topo, order)]
     return bool(inside) and inside[0] and not inside[-1] and \
         inside == sorted(inside, reverse=True)
@@ -261,7 +264,7 @@ def best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int
                  reduce_bw: float, host_path: bool, segments: int = 0) -> tuple[float, int]:
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
     else the best count (the host-staged path's own where it runs)."""
-    if collective != "allreduce":
+    if collective != Collective.ALLREDUCE:
         counts = [1]
     elif host_path and host_first(topo, order):
         counts = [host_segments(int(nbytes))]
@@ -277,8 +280,8 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     (`ddlcore.algorithms.halving_doubling`): allreduce halves nearest partners first and
     doubles back; reduce-scatter halves the largest distance first; allgather doubles from 1."""
     p2, extra = virtual_shape(topo.size)
-    rs = collective in ("allreduce", "reduce_scatter")
-    ag = collective in ("allreduce", "allgather")
+    rs = collective in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER)
+    ag = collective in (Collective.ALLREDUCE, Collective.ALLGATHER)
     t = 0.0
     if extra:  # fold and unfold: the even rank of each of the first pairs hands over everything
         t += _phase(topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma,
@@ -298,10 +301,10 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     if doubling_only:
         return t + sum(cost(d, nbytes, True) for d in near)
     halves = [nbytes / 2 ** (i + 1) for i in range(len(near))]   # n/2, n/4, ... per round
-    if collective == "allreduce":
+    if collective == Collective.ALLREDUCE:
         t += sum(cost(d, m, True) for d, m in zip(near, halves, strict=True))
         t += sum(cost(d, m, False) for d, m in zip(near, halves, strict=True))
-    elif collective == "reduce_scatter":
+    elif collective == Collective.REDUCE_SCATTER:
         t += sum(cost(d, m, True) for d, m in zip(near[::-1], halves, strict=True))
     else:
         t += sum(cost(d, m, False) for d, m in zip(near, halves[::-1], strict=True))
@@ -311,7 +314,7 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
 def model_bytes(collective: str, in_bytes: int, size: int) -> int:
     """The size the cost model reads for a call with ``in_bytes`` of input on each of ``size``
     ranks: the allreduce / reduce_scatter input, the allgather output (nccl-tests' size)."""
-    return in_bytes * size if collective == "allgather" else in_bytes
+    return in_bytes * size if collective == Collective.ALLGATHER else in_bytes
 
 
 def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
@@ -323,8 +326,8 @@ def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
     host dimensions may run through the boards (mdring); ``segments``: mdring's allreduce
     pipelined in that many."""
     gamma = 1.0 / reduce_bw
-    rs = collective in ("allreduce", "reduce_scatter")
-    ag = collective in ("allreduce", "allgather")
+    rs = collective in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER)
+    ag = collective in (Collective.ALLREDUCE, Collective.ALLGATHER)
     if algorithm == "ring":
         return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes)
     if algorithm == "mdring":

@@ -10,19 +10,20 @@ from collections.abc import Callable
 
 from ddlcore.algorithms import chain, dissemination, halving_doubling, mdring, ring
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule, Step
+from ddlcore.collectives import Collective
 
 hd = halving_doubling
 # Reduction collectives take (rank, size, count, itemsize, chunk_bytes, topo); mdring also
 # dim_order. Broadcast takes root instead of topo; barrier only (rank, size).
 ALGORITHMS: dict[str, dict[str, Callable[..., Schedule]]] = {
-    "allreduce": {ring.NAME: ring.allreduce, mdring.NAME: mdring.allreduce,
+    Collective.ALLREDUCE: {ring.NAME: ring.allreduce, mdring.NAME: mdring.allreduce,
                   hd.NAME: hd.allreduce, hd.RD_NAME: hd.allreduce_doubling},
-    "reduce_scatter": {ring.NAME: ring.reduce_scatter, mdring.NAME: mdring.reduce_scatter,
+    Collective.REDUCE_SCATTER: {ring.NAME: ring.reduce_scatter, mdring.NAME: mdring.reduce_scatter,
                        hd.NAME: hd.reduce_scatter},
-    "allgather": {ring.NAME: ring.allgather, mdring.NAME: mdring.allgather,
+    Collective.ALLGATHER: {ring.NAME: ring.allgather, mdring.NAME: mdring.allgather,
                   hd.NAME: hd.allgather},
-    "broadcast": {chain.NAME: chain.broadcast},
-    "barrier": {dissemination.NAME: dissemination.barrier},
+    Collective.BROADCAST: {chain.NAME: chain.broadcast},
+    Collective.BARRIER: {dissemination.NAME: dissemination.barrier},
 }
 
 __all__ = ["ALGORITHMS", "Buf", "Kind", "Schedule", "Step"]

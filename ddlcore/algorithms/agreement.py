@@ -44,6 +44,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule, Step
+from ddlcore.collectives import Collective
 
 
 def sends_first(sched: Schedule) -> bool:
@@ -137,4 +138,4 @@ def agreed(make: Callable[[int], Schedule], rank: int, size: int, complete: bool
 def natural_completeness(collective: str, count: int) -> bool:
     """Whether a ``collective`` of ``count`` input elements (per rank) has completeness by
     nature: the barrier, and the reductions and allgather of at least one element."""
-    return collective == "barrier" or (collective != "broadcast" and count > 0)
+    return collective == Collective.BARRIER or (collective != Collective.BROADCAST and count > 0)

@@ -21,6 +21,7 @@ from ddlcore.algorithms.schedule import (
     drop_empty,
     nchunks_for,
 )
+from ddlcore.collectives import Collective
 
 NAME = "chain"
 
@@ -37,4 +38,4 @@ def broadcast(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
                 steps.append(Step(Kind.RECV, prv, slot, cnt, dst=Buf.OUTPUT, dst_off=off))
             if pos < size - 1:
                 steps.append(Step(Kind.SEND, nxt, slot, cnt, Buf.OUTPUT, off))
-    return Schedule("broadcast", NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(Collective.BROADCAST, NAME, rank, size, count, chunk, drop_empty(steps))

@@ -9,6 +9,7 @@ heard, directly or through others, from every rank, so none leaves before all ar
 from __future__ import annotations
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule, Step
+from ddlcore.collectives import Collective
 
 NAME = "dissemination"
 
@@ -20,4 +21,4 @@ def barrier(rank: int, size: int) -> Schedule:
         steps.append(Step(Kind.SEND, (rank + dist) % size, rnd, 0, Buf.OUTPUT, 0))
         steps.append(Step(Kind.RECV, (rank - dist) % size, rnd, 0, dst=Buf.OUTPUT, dst_off=0))
         dist, rnd = dist * 2, rnd + 1
-    return Schedule("barrier", NAME, rank, size, 0, 1, tuple(steps))
+    return Schedule(Collective.BARRIER, NAME, rank, size, 0, 1, tuple(steps))

@@ -41,6 +41,7 @@ from ddlcore.algorithms.schedule import (
     nchunks_for,
     split,
 )
+from ddlcore.collectives import Collective
 from ddlcore.topology import Topology
 
 NAME = "rhd"
@@ -176,13 +177,13 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
               topo: Topology | None = None) -> Schedule:
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy("allreduce", rank, count, chunk, algorithm=NAME)
+        return local_copy(Collective.ALLREDUCE, rank, count, chunk, algorithm=NAME)
     fold = _Fold(rank, size, _units_even(count, virtual_shape(size)[0]), chunk)
     everything = fold.pieces(0, fold.p2)
     unfold_phase = 2 * fold.rounds + 1
     if fold.v < 0:
         steps = _folded_away(fold, everything, unfold_phase)
-        return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+        return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps))
     steps = []
     src = Buf.INPUT
     if fold.folds:
@@ -193,7 +194,7 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     steps += halving + _undo_halving(fold, rounds, Buf.OUTPUT, phase)
     if fold.folds:
         steps += fold.sends(everything, rank - 1, unfold_phase, Buf.OUTPUT)
-    return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
 def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
@@ -201,7 +202,7 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     """``count`` = size * k; rank r ends with the reduced block r."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy("reduce_scatter", rank, count, chunk, algorithm=NAME)
+        return local_copy(Collective.REDUCE_SCATTER, rank, count, chunk, algorithm=NAME)
     k = count // size
     fold = _Fold(rank, size, _units_blocks(size, k), chunk)
     everything = fold.pieces(0, fold.p2)
@@ -209,7 +210,8 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     if fold.v < 0:
         steps = fold.sends(everything, rank + 1, 0, Buf.INPUT)
         steps += fold.recvs(_own(fold, rank), rank + 1, unfold_phase, Buf.OUTPUT, rank * k)
-        return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps))
+        return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk,
+                        drop_empty(steps))
     steps = []
     src = Buf.INPUT
     if fold.folds:
@@ -225,7 +227,7 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     steps += halving
     if fold.folds:
         steps += fold.sends(_own(fold, rank - 1), rank - 1, unfold_phase, Buf.SCRATCH)
-    return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
+    return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=count)
 
 
@@ -234,7 +236,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     """``count`` = k; the output holds size * k elements, rank r's block at r * k."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy("allgather", rank, count, chunk, rank * count, NAME)
+        return local_copy(Collective.ALLGATHER, rank, count, chunk, rank * count, NAME)
     fold = _Fold(rank, size, _units_blocks(size, count), chunk)
     everything = fold.pieces(0, fold.p2)
     unfold_phase = fold.rounds + 1
@@ -242,7 +244,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     if fold.v < 0:
         steps = fold.sends(mine, rank + 1, 0, Buf.INPUT, rank * count)
         steps += fold.recvs(everything, rank + 1, unfold_phase, Buf.OUTPUT)
-        return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps))
+        return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps))
     steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, rank * count)]
     if fold.folds:
         steps += fold.recvs(_own(fold, rank - 1), rank - 1, 0, Buf.OUTPUT)
@@ -250,7 +252,7 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     steps += doubling
     if fold.folds:
         steps += fold.sends(everything, rank - 1, unfold_phase, Buf.OUTPUT)
-    return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
 def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
@@ -258,13 +260,13 @@ def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_by
     """``rd``: the whole vector at every distance, reduced on both sides (small messages)."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy("allreduce", rank, count, chunk, algorithm=RD_NAME)
+        return local_copy(Collective.ALLREDUCE, rank, count, chunk, algorithm=RD_NAME)
     fold = _Fold(rank, size, [[(0, count, -1)]], chunk)
     everything = fold.pieces(0, 1)
     unfold_phase = fold.rounds + 1
     if fold.v < 0:
         steps = _folded_away(fold, everything, unfold_phase)
-        return Schedule("allreduce", RD_NAME, rank, size, count, chunk, drop_empty(steps))
+        return Schedule(Collective.ALLREDUCE, RD_NAME, rank, size, count, chunk, drop_empty(steps))
     steps = []
     src = Buf.INPUT
     if fold.folds:  # the even rank before this one is the lower: its data first
@@ -280,7 +282,7 @@ def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_by
         src, d, phase = Buf.OUTPUT, d * 2, phase + 1
     if fold.folds:
         steps += fold.sends(everything, rank - 1, unfold_phase, Buf.OUTPUT)
-    return Schedule("allreduce", RD_NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(Collective.ALLREDUCE, RD_NAME, rank, size, count, chunk, drop_empty(steps))
 
 
 def _folded_away(fold: _Fold, everything: list[Piece], unfold_phase: int) -> list[Step]:

@@ -62,6 +62,7 @@ from ddlcore.algorithms.schedule import (
     nchunks_for,
     split,
 )
+from ddlcore.collectives import Collective
 from ddlcore.topology import Topology, flat
 
 NAME = "mdring"
@@ -120,7 +121,8 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return ring.ring_over("allreduce", topo.order, rank, count, itemsize, chunk_bytes, NAME)
+        return ring.ring_over(Collective.ALLREDUCE, topo.order, rank, count, itemsize,
+                              chunk_bytes, NAME)
     return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims, segments)
 
 
@@ -163,7 +165,7 @@ def reduce_scatter_across_hosts(rank: int, size: int, count: int, itemsize: int,
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     steps = _reduce_scatter_phases(topo, rank, _net_dims(topo, dim_order), count, chunk,
                                    Buf.INPUT)
-    return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
+    return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=count)
 
 
@@ -179,7 +181,7 @@ def allgather_across_hosts(rank: int, size: int, count: int, itemsize: int, chun
     steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT,
                   _block_index(topo, rank, dims) * count)]
     steps += _allgather_phases(topo, rank, dims, total, chunk, Buf.OUTPUT)
-    return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
 def _reduce_scatter_phases(topo: Topology, rank: int, dims: Sequence[int], count: int,
@@ -248,10 +250,10 @@ def _allreduce_along(rank: int, size: int, count: int, itemsize: int, chunk_byte
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     if segments > 1 and count >= segments:
         steps, parts = _pipelined(rank, count, chunk, topo, dims, segments)
-        return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps),
+        return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps),
                         parts=parts)
     steps = [s for phase in _allreduce_phases(rank, count, chunk, topo, dims) for s in phase]
-    return Schedule("allreduce", NAME, rank, size, count, chunk, drop_empty(steps))
+    return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
 def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence[int],
@@ -307,15 +309,15 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return ring.ring_over("reduce_scatter", topo.order, rank, count, itemsize, chunk_bytes,
-                              NAME)
+        return ring.ring_over(Collective.REDUCE_SCATTER, topo.order, rank, count, itemsize,
+                              chunk_bytes, NAME)
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     k = count // size
     # Blocks into scratch in phase order: phase j's segments are then contiguous.
     steps = [Step(Kind.COPY, -1, 0, k, Buf.INPUT, r * k, Buf.SCRATCH,
                   _block_index(topo, r, dims) * k) for r in range(size)]
     steps += _reduce_scatter_phases(topo, rank, dims, count, chunk, Buf.SCRATCH)
-    return Schedule("reduce_scatter", NAME, rank, size, count, chunk, drop_empty(steps),
+    return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=count)
 
 
@@ -325,7 +327,8 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return ring.ring_over("allgather", topo.order, rank, count, itemsize, chunk_bytes, NAME)
+        return ring.ring_over(Collective.ALLGATHER, topo.order, rank, count, itemsize,
+                              chunk_bytes, NAME)
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     total = size * count
     mine = _block_index(topo, rank, dims) * count
@@ -333,5 +336,5 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     steps += _allgather_phases(topo, rank, dims, total, chunk, Buf.SCRATCH)
     steps += [Step(Kind.COPY, -1, 0, count, Buf.SCRATCH, _block_index(topo, r, dims) * count,
                    Buf.OUTPUT, r * count) for r in range(size)]
-    return Schedule("allgather", NAME, rank, size, count, chunk, drop_empty(steps),
+    return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps),
                     scratch_count=total)

@@ -46,6 +46,7 @@ from ddlcore.algorithms.schedule import (
     nchunks_for,
     split,
 )
+from ddlcore.collectives import Collective
 from ddlcore.topology import Topology
 
 NAME = "ring"
@@ -144,19 +145,20 @@ def local_copy(collective: str, rank: int, count: int, chunk: int, dst_off: int 
 def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
               topo: Topology | None = None) -> Schedule:
     """The ring in rank order; ``topo`` (the registry's signature) does not change it."""
-    return ring_over("allreduce", tuple(range(size)), rank, count, itemsize, chunk_bytes)
+    return ring_over(Collective.ALLREDUCE, tuple(range(size)), rank, count, itemsize, chunk_bytes)
 
 
 def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
                    topo: Topology | None = None) -> Schedule:
     """``count`` is the input length (size * k); rank r's output is the reduced segment r."""
-    return ring_over("reduce_scatter", tuple(range(size)), rank, count, itemsize, chunk_bytes)
+    return ring_over(Collective.REDUCE_SCATTER, tuple(range(size)), rank, count, itemsize,
+                     chunk_bytes)
 
 
 def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
               topo: Topology | None = None) -> Schedule:
     """``count`` is the input length k; the output holds size * k elements, rank i's at i*k."""
-    return ring_over("allgather", tuple(range(size)), rank, count, itemsize, chunk_bytes)
+    return ring_over(Collective.ALLGATHER, tuple(range(size)), rank, count, itemsize, chunk_bytes)
 
 
 def ring_over(collective: str, order: Sequence[int], rank: int, count: int, itemsize: int,
@@ -168,15 +170,15 @@ def ring_over(collective: str, order: Sequence[int], rank: int, count: int, item
     size = len(order)
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy(collective, rank, count, chunk, rank * count if collective == "allgather"
-                          else 0, algorithm)
+        return local_copy(collective, rank, count, chunk,
+                          rank * count if collective == Collective.ALLGATHER else 0, algorithm)
     pos = rank if order[rank] == rank else list(order).index(rank)
-    if collective == "allreduce":
+    if collective == Collective.ALLREDUCE:
         segs = split(count, size)
         nchunks = nchunks_for(segs[0][1], chunk)
         steps = ring_phase(order, pos, segs, nchunks, size - 1, size - 1)
         return Schedule(collective, algorithm, rank, size, count, chunk, drop_empty(steps))
-    if collective == "reduce_scatter":
+    if collective == Collective.REDUCE_SCATTER:
         seg_len = count // size
         segs = [(r * seg_len, seg_len) for r in order]  # position p ends with rank order[p]'s block
         nchunks = nchunks_for(seg_len, chunk)
@@ -184,7 +186,7 @@ def ring_over(collective: str, order: Sequence[int], rank: int, count: int, item
                            final=(Buf.OUTPUT, 0))
         return Schedule(collective, algorithm, rank, size, count, chunk, drop_empty(steps),
                         scratch_count=count if size > 2 else 0)
-    if collective != "allgather":
+    if collective != Collective.ALLGATHER:
         raise ValueError(f"no ring for {collective!r}")
     own = Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, rank * count)
     segs = [(r * count, count) for r in order]

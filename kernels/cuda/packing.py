@@ -33,11 +33,10 @@ from typing import Any
 
 import numpy as np
 from ddlcore.kernels.cuda import elements
-from ddlcore.kernels.cuda.primitives import pointer_access
+from ddlcore.kernels.cuda.primitives import build_kernel, pointer_access
 from ddlcore.kernels.cuda.runtime import (
     BFLOAT16,
     as_kernel_dtype,
-    build_kernel,
     element_dtype,
     fill,
     launch_config,

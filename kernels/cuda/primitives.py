@@ -7,7 +7,7 @@ On a GPU they are Numba intrinsics, inlined into the kernel as a few LLVM instru
 device functions, so compiling to PTX never asks the driver for a device. Under Numba's simulator
 kernels run as Python and "device" arrays are host NumPy memory, so the same names are bound to
 NumPy/ctypes functions doing the same to host addresses. Kernel bodies are shared; which set
-they get is decided when a kernel is built (``runtime.build_kernel``).
+they get is decided when a kernel is built (`build_kernel`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,17 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from ddlcore.kernels.cuda.runtime import simulated, storage_dtype
+from ddlcore.kernels.cuda.runtime import numba_cuda, simulated, storage_dtype
+
+
+def build_kernel(source: str, name: str, label: str, **names: Any) -> Any:
+    """Compile-on-first-launch kernel ``name`` defined in ``source``. Its globals are ``cuda``,
+    ``np``, the device primitives and ``names``: a namespace of its own, in which Numba's
+    simulator can swap ``cuda`` for its thread-index module."""
+    cuda = numba_cuda()
+    namespace: dict[str, Any] = {"cuda": cuda, "np": np, **bit_casts(), **names}
+    exec(compile(source, f"<{label}>", "exec"), namespace)
+    return cuda.jit(namespace[name])
 
 
 def bit_casts() -> dict[str, Callable[..., Any]]:

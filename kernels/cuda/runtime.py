@@ -147,14 +147,3 @@ def fill(template: str, **parts: str) -> str:
             lines.append(line.format(**parts))
     return "\n".join(lines) + "\n"
 
-
-def build_kernel(source: str, name: str, label: str, **names: Any) -> Any:
-    """Compile-on-first-launch kernel ``name`` defined in ``source``. Its globals are ``cuda``,
-    ``np``, the device primitives and ``names``: a namespace of its own, in which Numba's
-    simulator can swap ``cuda`` for its thread-index module."""
-    from ddlcore.kernels.cuda.primitives import bit_casts
-
-    cuda = numba_cuda()
-    namespace: dict[str, Any] = {"cuda": cuda, "np": np, **bit_casts(), **names}
-    exec(compile(source, f"<{label}>", "exec"), namespace)
-    return cuda.jit(namespace[name])

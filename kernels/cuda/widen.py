@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 from ddlcore.kernels.cuda import elements
+from ddlcore.kernels.cuda.primitives import build_kernel
 from ddlcore.kernels.cuda.runtime import (
     HALF_DTYPES,
     as_kernel_dtype,
     as_storage,
-    build_kernel,
     element_dtype,
     fill,
     launch_config,

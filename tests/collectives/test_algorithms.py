@@ -42,7 +42,7 @@ def _run_pipelined(rank, size):
     digests = matrix.run_matrix(rank, size, "allreduce", thin=True)
     with ddlcore.init() as comm:
         choice = comm.describe("allreduce", 4096)
-        sched = comm._schedule("allreduce", 1024, 4, 0)[1]
+        sched = comm._schedule_path.schedule("allreduce", 1024, 4, 0)[1]
         assert len(sched.streams()) > 1, sched  # the engine ran it on several threads
         comm.barrier()
     return digests, choice

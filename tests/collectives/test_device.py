@@ -57,7 +57,7 @@ def _device_collectives(rank, size, engine_expected=None, direct=False):
         h = comm.allreduce_async(cuda.to_device(np.full(5, rank + 1, np.float32)), op="sum")
         np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
         if engine_expected is not None:  # which data path the calls took
-            assert bool(comm._slots_device) == engine_expected
+            assert bool(comm._device_path.slots) == engine_expected
         if direct:  # the transport moved the device arrays' bytes itself (no pinned slots)
             assert all(comm._links.pair(p).device_memory for p in range(size) if p != rank)
         try:

@@ -193,8 +193,8 @@ def _orderings(rank, size, algos, depth, seed):
     import ddlcore
     from ddlcore import device_engine, engine, tuning
     from ddlcore.algorithms import Buf
-    from ddlcore.communicator import _make_schedule
     from ddlcore.ops import as_op
+    from ddlcore.paths.schedule import make_schedule
 
     checked = 0
     seq = 1 << 20
@@ -219,7 +219,7 @@ def _orderings(rank, size, algos, depth, seed):
                             choice = tuning.choose(collective, comm.topology,
                                                    max(n_in, n_out) * dt.itemsize, algo, 64,
                                                    False)
-                            sched = _make_schedule(collective, choice, rank, size, n_in,
+                            sched = make_schedule(collective, choice, rank, size, n_in,
                                                    dt.itemsize, size - 1, comm.topology)
                             rop = as_op(op) if op else None
                             places = {"allreduce": [False, True],
@@ -251,9 +251,9 @@ def _orderings(rank, size, algos, depth, seed):
                                         bufs = {Buf.INPUT: engine.Region.of(inp),
                                                 Buf.OUTPUT: engine.Region.of(out)}
                                         if sched.scratch_count:
-                                            bufs[Buf.SCRATCH] = comm._scratch_region(
+                                            bufs[Buf.SCRATCH] = comm._ctx.scratch_region(
                                                 sched.scratch_count * dt.itemsize)
-                                        engine.run(sched, coll, bufs, comm._links, comm._staging,
+                                        engine.run(sched, coll, bufs, comm._links, comm._ctx.staging,
                                                    depth, 30.0)
                                     outs.append(out.view(np.uint8).copy())
                                     if not in_place and not on_device:
@@ -356,7 +356,7 @@ def _legacy_stream(rank, size, seed):
     import ddlcore
     from ddlcore import device_engine, engine, tuning
     from ddlcore.algorithms import Buf
-    from ddlcore.communicator import _make_schedule
+    from ddlcore.paths.schedule import make_schedule
 
     n = 4096
     with ddlcore.init() as comm:
@@ -364,7 +364,7 @@ def _legacy_stream(rank, size, seed):
         slots = device_engine.DeviceSlots(ops)
         for algo in ("ring", "rhd"):
             choice = tuning.choose("allreduce", comm.topology, n * 4, algo, 1024, False)
-            sched = _make_schedule("allreduce", choice, rank, size, n, 4, 0, comm.topology)
+            sched = make_schedule("allreduce", choice, rank, size, n, 4, 0, comm.topology)
             for trial in range(10):
                 x = random_input(np.float32, n, rank, trial, "sum")
                 inp = np.full(n, -1e30, np.float32)  # stale until the caller's kernel runs
@@ -381,7 +381,7 @@ def _legacy_stream(rank, size, seed):
                                          int(DType.FLOAT32), None, algo)
                 engine.run(sched, coll, {Buf.INPUT: engine.Region.of(x),
                                          Buf.OUTPUT: engine.Region.of(want)},
-                           comm._links, comm._staging, 2, 30.0)
+                           comm._links, comm._ctx.staging, 2, 30.0)
                 assert np.array_equal(out, want), (algo, trial)
         comm.barrier()
     return ops.views
@@ -402,7 +402,7 @@ def _bursts(rank, size, algo):
     import ddlcore
     from ddlcore import device_engine, engine, tuning
     from ddlcore.algorithms import Buf
-    from ddlcore.communicator import _make_schedule
+    from ddlcore.paths.schedule import make_schedule
 
     count, chunk = 1 << 20, 512 << 10  # 4 MB of float32: halves of 4 chunks of 512 KiB
     with ddlcore.init() as comm:
@@ -410,7 +410,7 @@ def _bursts(rank, size, algo):
         slots = device_engine.DeviceSlots(ops)
         x = random_input(np.float32, count, rank, 3, "sum")
         choice = tuning.choose("allreduce", comm.topology, count * 4, algo, chunk, False)
-        sched = _make_schedule("allreduce", choice, rank, size, count, 4, 0, comm.topology)
+        sched = make_schedule("allreduce", choice, rank, size, count, 4, 0, comm.topology)
         outs = []
         for seq, on_device in ((1, False), (2, True)):
             out = np.empty_like(x)
@@ -421,7 +421,7 @@ def _bursts(rank, size, algo):
             else:
                 engine.run(sched, coll, {Buf.INPUT: engine.Region.of(x),
                                          Buf.OUTPUT: engine.Region.of(out)},
-                           comm._links, comm._staging, 2, 20.0)
+                           comm._links, comm._ctx.staging, 2, 20.0)
             outs.append(out)
         assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
         comm.barrier()

@@ -63,7 +63,7 @@ def _rs_ag_matrix(rank, size):
     from ddlcore.kernels import reference
 
     import ddlcore
-    from ddlcore import host_staged
+    from ddlcore.paths import host_staged
 
     taken = []
     for name, real in list(host_staged.RUN.items()):
@@ -141,7 +141,7 @@ def _segmented(rank, size):
     several, of unequal lengths, down to segments shorter than a host's rank count (zero-length
     parts) and segments on both sides of the boards' slots/direct switch."""
     import ddlcore
-    from ddlcore import host_staged
+    from ddlcore.paths import host_staged
 
     # Tiny segments for the path itself; the cost model still prices the real ones.
     cap = [64]

@@ -94,7 +94,7 @@ def _cyclic_collectives(rank, size, hosts):
         assert comm.nhosts == hosts and comm.local_rank == rank // hosts
         assert {q for q, t in comm.transports.items() if t == "shm"} == \
             {q for q in range(size) if q % hosts == rank % hosts and q != rank}
-        choice, sched = comm._schedule("allreduce", 100_000, 4, 0)
+        choice, sched = comm._schedule_path.schedule("allreduce", 100_000, 4, 0)
         peers = {s.peer for s in sched.steps if s.kind != Kind.COPY}
         if algo == "ring":
             assert choice.algorithm == "ring" and peers == {(rank - 1) % size, (rank + 1) % size}

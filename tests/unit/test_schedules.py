@@ -530,7 +530,7 @@ def test_host_staged_arrangement_copies_only_irregular_placements():
     """Cyclic: the blocks lie in host-staged order; host by host: one board call per network
     position on the caller's buffer (starting at that host's first rank) or a copy; otherwise
     a copy."""
-    from ddlcore import host_staged
+    from ddlcore.paths import host_staged
 
     assert host_staged._arrangement(_cyclic(2, 3), None) == host_staged._Arrangement()
     block = host_staged._arrangement(_placed(list("aaabbb")), None)

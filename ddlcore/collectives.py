@@ -1,0 +1,25 @@
+"""The collectives by name: `Collective`, a str enum whose members equal, hash and print as the
+strings the public API takes and returns ("allreduce", ...), so comparisons with plain strings,
+dict keys, JSON (flight records, traces) and log lines read the same as before it existed."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Collective(str, enum.Enum):
+    """One of the five collectives a `Communicator` runs."""
+
+    ALLREDUCE = "allreduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    BARRIER = "barrier"
+
+    # The value, as `enum.StrEnum` (3.11) does: f"{c}" and "%s" % c must read "allreduce".
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+

@@ -1,0 +1,75 @@
+"""The schedule path: the tuner's algorithm as a schedule (``ddlcore.algorithms``) that the
+``engine`` runs over the links, on host buffers. It takes every call the paths before it leave;
+where this host has boards, the call is compared with the host's other ranks there first."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ddlcore import topology, tuning
+from ddlcore.algorithms import ALGORITHMS, Schedule, agreement
+from ddlcore.calls import Call
+from ddlcore.collectives import Collective
+from ddlcore.paths.base import Context, PathBase, Plan
+
+NAME = "schedule"
+
+
+def make_schedule(collective: Collective, choice: tuning.Choice, rank: int, size: int,
+                  count: int, itemsize: int, root: int, topo: topology.Topology) -> Schedule:
+    """``choice``'s schedule of ``collective`` for ``rank`` of ``size``."""
+    make = ALGORITHMS[collective][choice.algorithm]
+    if collective == Collective.BARRIER:
+        return make(rank, size)
+    if collective == Collective.BROADCAST:
+        return make(rank, size, count, itemsize, choice.chunk_bytes, root)
+    if choice.segments > 1:
+        return make(rank, size, count, itemsize, choice.chunk_bytes, topo,
+                    dim_order=choice.dim_order, segments=choice.segments)
+    if choice.dim_order is not None:
+        return make(rank, size, count, itemsize, choice.chunk_bytes, topo,
+                    dim_order=choice.dim_order)
+    return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
+
+
+def schedules(ctx: Context) -> functools._lru_cache_wrapper[tuple[tuning.Choice, Schedule]]:
+    """``(collective, count, itemsize, root) -> (choice, schedule)``, the recent kept: schedules
+    are pure functions of the call's shape on a fixed topology."""
+    def build(collective: Collective, count: int, itemsize: int,
+              root: int) -> tuple[tuning.Choice, Schedule]:
+        choice = ctx.choose(collective, count * itemsize)
+        return choice, agreement.agreed(
+            lambda r: make_schedule(collective, choice, r, ctx.size, count, itemsize, root,
+                                    ctx.topology),
+            ctx.rank, ctx.size, agreement.natural_completeness(collective, count))
+
+    return functools.lru_cache(maxsize=256)(build)
+
+
+class SchedulePath(PathBase):
+    """Every call, as a schedule over the links (host buffers)."""
+
+    name = NAME
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.schedule = schedules(ctx)
+
+    def plan(self, call: Call) -> Plan | None:
+        itemsize = call.inp.dtype.itemsize if call.inp is not None else 1
+        host = self.ctx.host
+        return Plan(itemsize, host.mode(call.count * itemsize) if host is not None else None)
+
+    def _run(self, plan: Plan, call: Call, seq: int) -> None:
+        def run(host_in: np.ndarray | None, host_out: np.ndarray | None) -> None:
+            self.agree_first(plan, call, seq, host_in, host_out)
+            self.on_links(call, seq,
+                          self.schedule(call.collective, call.count, plan.itemsize, call.root),
+                          host_in, host_out, plan.itemsize)
+
+        self.in_host_memory(call, run)
+
+    def close(self) -> None:
+        self.schedule.cache_clear()

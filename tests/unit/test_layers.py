@@ -1,0 +1,118 @@
+"""The modules of ddlcore import each other without cycles: every ``import`` statement in the
+source (also those inside functions and under ``TYPE_CHECKING``) is an edge, and the graph of
+modules has no strongly connected component larger than one module."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Source folders and the packages they install as (pyproject.toml's package-dir).
+SOURCES = {"ddlcore": "ddlcore", "transports": "ddlcore.transports", "kernels": "ddlcore.kernels"}
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for folder, package in SOURCES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> set[str]:
+    """The ddlcore modules ``name`` imports (the closest module each statement names; the
+    package ``ddlcore`` itself, which imports the public API, is left out)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        named: list[str] = []
+        if isinstance(node, ast.Import):
+            named = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            named = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                     for alias in node.names]
+        for target in named:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target not in (name, "ddlcore"):
+                targets.add(target)
+    return targets
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for succ in edges:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(component)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_graph_sees_the_known_edges():
+    edges = graph()
+    assert "ddlcore.paths.base" in edges["ddlcore.communicator"]
+    assert "ddlcore.hostcoll" in edges["ddlcore.paths.base"]
+    assert "ddlcore.transports.base" in edges["ddlcore.device"]  # a package-dir module
+
+
+def test_no_import_cycles():
+    found = [sorted(c) for c in cycles(graph())]
+    assert not found, f"modules that import each other (directly or around a loop): {found}"
+
+
+def test_the_paths_sit_below_the_communicator():
+    edges = graph()
+    below = {t for m, ts in edges.items() if m.startswith("ddlcore.paths") for t in ts}
+    assert "ddlcore.communicator" not in below
+    assert not any(t.startswith("ddlcore.paths") for t in edges["ddlcore.hostcoll"])
