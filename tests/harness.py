@@ -270,6 +270,29 @@ class RankPool:
         self._procs, self._conns = [], []
 
 
+def run_like_torchrun(argv: list[str], cwd: Any, env: Mapping[str, str], size: int = 2,
+                      timeout: float = 120.0) -> list[str]:
+    """Start ``argv`` as ``size`` processes with torch's variables set by hand (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT: a Slurm script's way, no agent), wait for
+    them all, assert that each exited 0 and return their standard outputs."""
+    port = free_port()
+    procs = []
+    for rank in range(size):
+        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(argv, cwd=cwd, env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}\n{out}\n{err}"
+    return [out for out, _ in outs]
+
+
 def mpiexec_path() -> str | None:
     local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return local if os.access(local, os.X_OK) else shutil.which("mpiexec")

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.harness import free_port, require
+from tests.harness import require, run_like_torchrun
 
 README = pathlib.Path(__file__).parents[2] / "README.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -161,18 +161,6 @@ def test_ddp_hook_recipe_started_by_hand(tmp_path):
     """torch's variables set by hand (a Slurm script's way): no agent holds MASTER_PORT, the
     script's init_process_group serves torch's store there, and ddlcore meets through it."""
     (tmp_path / "train.py").write_text(DDP_SCRIPT)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}\n{out}\n{err}"
-        assert out == f"ddp ok: rank {rank} of 2, gloo sum 3\n", (out, err)
+    outs = run_like_torchrun([sys.executable, "train.py"], tmp_path, _env())
+    for rank, out in enumerate(outs):
+        assert out == f"ddp ok: rank {rank} of 2, gloo sum 3\n", out

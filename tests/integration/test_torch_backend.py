@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.harness import free_port, mpiexec_path, require
+from tests.harness import free_port, mpiexec_path, require, run_like_torchrun
 from tests.integration.test_launchers_real import DDLRUN, TORCHRUN, _env
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
@@ -151,23 +151,10 @@ def test_a_failed_peer_is_a_dist_backend_error(tmp_path, how, cause, words):
     DistBackendError with ddlcore's error as its cause and its message, within the process
     group's timeout."""
     (tmp_path / "job.py").write_text(FAILURE_SCRIPT)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "job.py", how], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}\n{out}\n{err}"
-    out = outs[0][0]
+    outs = run_like_torchrun([sys.executable, "job.py", how], tmp_path, _env())
+    out = outs[0]
     match = re.fullmatch(r"failed after ([\d.]+) s \(ddlcore\.errors\.(\w+)\): (.*)\n", out)
-    assert match, outs[0]
+    assert match, out
     seconds, raised, message = float(match[1]), match[2], match[3]
     assert raised == cause, out
     assert message.startswith("ddl backend, allreduce: rank 0: allreduce #"), message
