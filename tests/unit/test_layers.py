@@ -1,6 +1,8 @@
 """The modules of ddlcore import each other without cycles: every ``import`` statement in the
 source (also those inside functions and under ``TYPE_CHECKING``) is an edge, and the graph of
-modules has no strongly connected component larger than one module."""
+modules has no strongly connected component larger than one module. One exception: modules of
+one package may name each other's types for annotations (under ``TYPE_CHECKING``), as a pair
+names its context: that is not a dependency at run time, nor across layers."""
 
 from __future__ import annotations
 
@@ -27,22 +29,37 @@ def imports(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> se
     """The ddlcore modules ``name`` imports (the closest module each statement names; the
     package ``ddlcore`` itself, which imports the public API, is left out)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
     targets: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         named: list[str] = []
         if isinstance(node, ast.Import):
             named = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([node.module] if node.module else []))
-            named = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
-                     for alias in node.names]
+            named = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
         for target in named:
             while target and target not in known:
                 target = target.rpartition(".")[0]
-            if target and target not in (name, "ddlcore"):
+            sibling = target.rpartition(".")[0] == package
+            if (
+                target
+                and target not in (name, "ddlcore")
+                and not (sibling and id(node) in typing_only)
+            ):
                 targets.add(target)
     return targets
 
@@ -104,6 +121,12 @@ def test_the_import_graph_sees_the_known_edges():
     assert "ddlcore.paths.base" in edges["ddlcore.communicator"]
     assert "ddlcore.hostcoll" in edges["ddlcore.paths.base"]
     assert "ddlcore.transports.base" in edges["ddlcore.device"]  # a package-dir module
+
+
+def test_annotations_among_siblings_are_not_edges():
+    edges = graph()
+    assert "ddlcore.transports.tcp.pair" in edges["ddlcore.transports.tcp.context"]
+    assert "ddlcore.transports.tcp.context" not in edges["ddlcore.transports.tcp.pair"]
 
 
 def test_no_import_cycles():
