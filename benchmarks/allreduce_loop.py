@@ -34,9 +34,11 @@ def main() -> None:
         if comm.rank == 0:
             busbw = x.nbytes / per_call * 2 * (comm.size - 1) / comm.size
             p50, p90, p99 = np.percentile(took, [50, 90, 99]) * 1e3
-            print(f"{x.nbytes} B x {iters}: {per_call * 1e3:.3f} ms per call (median "
-                  f"{p50:.3f}, p90 {p90:.3f}, p99 {p99:.3f}, max {took.max() * 1e3:.3f}), "
-                  f"busbw {busbw / 1e9:.2f} GB/s")
+            print(
+                f"{x.nbytes} B x {iters}: {per_call * 1e3:.3f} ms per call (median "
+                f"{p50:.3f}, p90 {p90:.3f}, p99 {p99:.3f}, max {took.max() * 1e3:.3f}), "
+                f"busbw {busbw / 1e9:.2f} GB/s"
+            )
 
 
 if __name__ == "__main__":

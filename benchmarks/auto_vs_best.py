@@ -31,38 +31,63 @@ def point(dims: tuple[int, ...], nbytes: int, max_steps: int = MAX_STEPS) -> dic
     times: dict[str, float] = {}
     skipped = 0
     for c in tuning.candidates("allreduce", topo, nbytes):
-        name = c.algorithm + (f"[{','.join(map(str, c.dim_order))}]x{c.segments}"
-                              if c.dim_order is not None else "")
+        name = c.algorithm + (
+            f"[{','.join(map(str, c.dim_order))}]x{c.segments}" if c.dim_order is not None else ""
+        )
         try:
-            prog = simulate.compile_program("allreduce", c.algorithm, topo, nbytes,
-                                            dim_order=c.dim_order, max_steps=max_steps,
-                                            segments=c.segments)
+            prog = simulate.compile_program(
+                "allreduce",
+                c.algorithm,
+                topo,
+                nbytes,
+                dim_order=c.dim_order,
+                max_steps=max_steps,
+                segments=c.segments,
+            )
         except simulate.TooLargeToSimulate:
             skipped += 1
             continue
         times[name] = simulate.execute(prog, topo)[0]
-    mine = auto.algorithm + (f"[{','.join(map(str, auto.dim_order))}]x{auto.segments}"
-                             if auto.dim_order is not None else "")
+    mine = auto.algorithm + (
+        f"[{','.join(map(str, auto.dim_order))}]x{auto.segments}"
+        if auto.dim_order is not None
+        else ""
+    )
     best = min(times, key=times.__getitem__) if times else None
-    return {"box": topo.shape, "ranks": topo.size, "bytes": nbytes, "auto": mine,
-            "auto_s": times.get(mine), "best": best, "best_s": times[best] if best else None,
-            "ratio": times[mine] / times[best] if mine in times else None,
-            "candidates": times, "skipped": skipped}
+    return {
+        "box": topo.shape,
+        "ranks": topo.size,
+        "bytes": nbytes,
+        "auto": mine,
+        "auto_s": times.get(mine),
+        "best": best,
+        "best_s": times[best] if best else None,
+        "ratio": times[mine] / times[best] if mine in times else None,
+        "candidates": times,
+        "skipped": skipped,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--boxes", help="these boxes instead, e.g. 4x64x4,4x64x16")
-    p.add_argument("--max-steps", type=float, default=MAX_STEPS,
-                   help="a candidate with more steps is left out (and counted)")
+    p.add_argument(
+        "--max-steps",
+        type=float,
+        default=MAX_STEPS,
+        help="a candidate with more steps is left out (and counted)",
+    )
     a = p.parse_args(argv)
-    boxes = ([tuple(int(d) for d in b.split("x")) for b in a.boxes.split(",")] if a.boxes
-             else BOXES)
-    command = " ".join(["python benchmarks/auto_vs_best.py",
-                        *(["--boxes", a.boxes] if a.boxes else []),
-                        *([f"--max-steps {a.max_steps:g}"] if a.max_steps != MAX_STEPS else []),
-                        *(["--json", a.json] if a.json else [])])
+    boxes = [tuple(int(d) for d in b.split("x")) for b in a.boxes.split(",")] if a.boxes else BOXES
+    command = " ".join(
+        [
+            "python benchmarks/auto_vs_best.py",
+            *(["--boxes", a.boxes] if a.boxes else []),
+            *([f"--max-steps {a.max_steps:g}"] if a.max_steps != MAX_STEPS else []),
+            *(["--json", a.json] if a.json else []),
+        ]
+    )
     rows = []
     print("| GPUs | box | bytes | auto | best | auto / best | left out |")
     print("|---:|---|---:|---|---|---:|---:|")
@@ -74,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
                 with open(a.json, "w") as f:
                     json.dump({"command": command, "rows": rows}, f, indent=1)
             ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "auto not simulated"
-            print(f"| {r['ranks']} | {r['box']} | {nbytes} | {r['auto']} | {r['best']} | "
-                  f"{ratio} | {r['skipped']} |", flush=True)
+            print(
+                f"| {r['ranks']} | {r['box']} | {nbytes} | {r['auto']} | {r['best']} | "
+                f"{ratio} | {r['skipped']} |",
+                flush=True,
+            )
     judged = [r for r in rows if r["ratio"] is not None]
     if judged:
         worst = max(judged, key=lambda r: r["ratio"])
-        print(f"\nworst: auto at {worst['ratio']:.3f}x the best candidate ({worst['box']}, "
-              f"{worst['bytes']} bytes)")
+        print(
+            f"\nworst: auto at {worst['ratio']:.3f}x the best candidate ({worst['box']}, "
+            f"{worst['bytes']} bytes)"
+        )
     return 0
 
 

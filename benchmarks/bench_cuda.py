@@ -42,8 +42,11 @@ def _gpu() -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mib", default="1,4,16,64,256",
-                        help="reduce buffer sizes, MiB (fractions allowed: 0.002 is 2 KiB)")
+    parser.add_argument(
+        "--mib",
+        default="1,4,16,64,256",
+        help="reduce buffer sizes, MiB (fractions allowed: 0.002 is 2 KiB)",
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--tensor-kib", type=int, default=4)
@@ -83,8 +86,11 @@ def main() -> None:
     rows: dict = {"reduce": {}, "pack": {}}
     rng = np.random.default_rng(0)
     names = kcuda.KERNEL_DTYPES
-    print(f"{'MiB':>5s} {'copy GB/s':>10s} " + " ".join(f"{n:>9s}" for n in names)
-          + "   (reduce GB/s, % of copy)")
+    print(
+        f"{'MiB':>5s} {'copy GB/s':>10s} "
+        + " ".join(f"{n:>9s}" for n in names)
+        + "   (reduce GB/s, % of copy)"
+    )
     for mib in (float(m) for m in args.mib.split(",")):
         nbytes = max(8, int(mib * (1 << 20)) // 8 * 8)  # whole elements of every dtype
         src, dst = cuda.device_array(nbytes, np.uint8), cuda.device_array(nbytes, np.uint8)
@@ -92,13 +98,22 @@ def main() -> None:
         cells, row = [], {"copy_GBps": copy_gbps}
         for dt in kcuda.DTYPES:
             n = nbytes // dt.itemsize
-            host = (np.arange(n, dtype=dt) if dt.kind in "iu" else np.asarray(
-                rng.random(n, np.float64 if dt.itemsize == 8 else np.float32)).astype(dt))
+            host = (
+                np.arange(n, dtype=dt)
+                if dt.kind in "iu"
+                else np.asarray(
+                    rng.random(n, np.float64 if dt.itemsize == 8 else np.float32)
+                ).astype(dt)
+            )
             marker = "bfloat16" if dt == np.dtype(ml_dtypes.bfloat16) else None
             stored = host.view(np.uint16) if marker else host
             a, b = cuda.to_device(stored), cuda.to_device(stored)
-            gbps = 3 * nbytes / best_ms(lambda a=a, b=b, m=marker: kcuda.reduce_copy(
-                a, a, b, "sum", dtype=m)) / 1e6
+            gbps = (
+                3
+                * nbytes
+                / best_ms(lambda a=a, b=b, m=marker: kcuda.reduce_copy(a, a, b, "sum", dtype=m))
+                / 1e6
+            )
             row[dt.name] = gbps
             cells.append(f"{gbps:5.0f} {gbps / copy_gbps:3.0%}")
             del a, b
@@ -111,7 +126,7 @@ def main() -> None:
     flat = cuda.device_array(k * count, np.float32)
     addresses = [pointer_of(t) for t in tensors]
     flat_address = pointer_of(flat)
-    pieces = [flat[i * count:(i + 1) * count] for i in range(k)]
+    pieces = [flat[i * count : (i + 1) * count] for i in range(k)]
 
     def separate() -> None:
         for piece, tensor in zip(pieces, tensors, strict=True):
@@ -119,8 +134,9 @@ def main() -> None:
 
     timings = {
         "fused pack (device arrays)": best_wall_us(lambda: kcuda.pack(flat, tensors)),
-        "fused pack (addresses)": best_wall_us(lambda: kcuda.pack_addresses(
-            flat_address, addresses, [count] * k, "float32")),
+        "fused pack (addresses)": best_wall_us(
+            lambda: kcuda.pack_addresses(flat_address, addresses, [count] * k, "float32")
+        ),
         f"{k} separate copies": best_wall_us(separate),
     }
     assert np.array_equal(flat.copy_to_host(), host.reshape(-1)), "pack gave wrong bytes"

@@ -30,10 +30,16 @@ def main() -> None:
         a = np.random.default_rng(0).random(count).astype(dt)
         b = np.random.default_rng(1).random(count).astype(dt)
         code = dtype_code(a.dtype)
-        t = best_seconds(lambda a=a, b=b, code=code: kernels.reduce_copy(
-            a.ctypes.data, a.ctypes.data, b.ctypes.data, a.size, code, 0), 10)
+        t = best_seconds(
+            lambda a=a, b=b, code=code: kernels.reduce_copy(
+                a.ctypes.data, a.ctypes.data, b.ctypes.data, a.size, code, 0
+            ),
+            10,
+        )
         tn = best_seconds(lambda a=a, b=b: np.add(a, b, out=a), 10)
-        print(f"{np.dtype(dt).name:9s} {3 * a.nbytes / t / 1e9:13.1f} {3 * a.nbytes / tn / 1e9:11.1f}")
+        print(
+            f"{np.dtype(dt).name:9s} {3 * a.nbytes / t / 1e9:13.1f} {3 * a.nbytes / tn / 1e9:11.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ REFERENCE_BATCH = 256  # the linear scaling rule's reference batch (Goyal et al.
 
 # --- data, model, schedule (identical in every process) ------------------------------------------
 
+
 def load_data(seed: int = 0) -> tuple[Any, Any, Any, Any]:
     """The digits, split 1497 train / 300 validation (stratified, seeded), standardised.
 
@@ -78,8 +79,12 @@ def load_data(seed: int = 0) -> tuple[Any, Any, Any, Any]:
     x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=300, stratify=y, random_state=seed)
     mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
     std[std == 0] = 1.0  # border pixels that are always 0
-    return (torch.tensor((x_tr - mean) / std, dtype=torch.float32), torch.tensor(y_tr),
-            torch.tensor((x_va - mean) / std, dtype=torch.float32), torch.tensor(y_va))
+    return (
+        torch.tensor((x_tr - mean) / std, dtype=torch.float32),
+        torch.tensor(y_tr),
+        torch.tensor((x_va - mean) / std, dtype=torch.float32),
+        torch.tensor(y_va),
+    )
 
 
 def build_model(hidden: int, seed: int) -> Any:
@@ -91,13 +96,16 @@ def build_model(hidden: int, seed: int) -> Any:
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
 
 
-def lr_factor(iteration: int, warmup_iters: int, total_iters: int,
-              warmup_start: float) -> float:
+def lr_factor(iteration: int, warmup_iters: int, total_iters: int, warmup_start: float) -> float:
     """Multiplier of the peak learning rate at ``iteration``: linear warm-up from
     ``warmup_start`` to 1 over ``warmup_iters``, then cosine decay to 0 at ``total_iters``."""
     if iteration < warmup_iters:
@@ -108,6 +116,7 @@ def lr_factor(iteration: int, warmup_iters: int, total_iters: int,
 
 # --- worker: one rank of one run -----------------------------------------------------------------
 
+
 class _Sync:
     """Barrier and gather-max over the ranks of a run, through whichever library it uses."""
 
@@ -116,8 +125,9 @@ class _Sync:
         self.gather = gather  # (k,) float64 -> (size, k)
 
 
-def _setup(args: argparse.Namespace, model: Any, rank: int, size: int
-           ) -> tuple[Any, Any, _Sync, Callable[[], None]]:
+def _setup(
+    args: argparse.Namespace, model: Any, rank: int, size: int
+) -> tuple[Any, Any, _Sync, Callable[[], None]]:
     """Wrap ``model`` for ``args.backend``: (model to train, optimizer, sync, close)."""
     import torch
 
@@ -127,16 +137,17 @@ def _setup(args: argparse.Namespace, model: Any, rank: int, size: int
         return torch.optim.SGD(params, lr=peak_lr, momentum=0.9, weight_decay=args.weight_decay)
 
     if args.backend == BASELINE:
-        return model, sgd(model.parameters()), _Sync(lambda: None, lambda a: a[None]), \
-            lambda: None
+        return model, sgd(model.parameters()), _Sync(lambda: None, lambda a: a[None]), lambda: None
 
     if args.backend in ("ddlcore", "ddlcore-ddp"):
         import ddlcore
 
         comm = ddlcore.init()
         assert (comm.rank, comm.size) == (rank, size)
-        sync = _Sync(comm.barrier,
-                     lambda a: comm.allgather(np.ascontiguousarray(a, np.float64)).reshape(size, -1))
+        sync = _Sync(
+            comm.barrier,
+            lambda a: comm.allgather(np.ascontiguousarray(a, np.float64)).reshape(size, -1),
+        )
     if args.backend == "ddlcore":
         from ddlcore.integrations.torch import (
             DistributedOptimizer,
@@ -145,19 +156,22 @@ def _setup(args: argparse.Namespace, model: Any, rank: int, size: int
         )
 
         broadcast_parameters(model, comm, root=0)
-        opt = DistributedOptimizer(sgd(model.parameters()), comm, model.named_parameters(),
-                                   fusion_bytes=args.fusion_bytes)
+        opt = DistributedOptimizer(
+            sgd(model.parameters()), comm, model.named_parameters(), fusion_bytes=args.fusion_bytes
+        )
         broadcast_optimizer_state(opt, comm, root=0)
         return model, opt, sync, comm.close
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=size
+    )
     on_gpu = next(model.parameters()).device
     ddp = DistributedDataParallel(  # broadcasts rank 0's weights
-        model, device_ids=[on_gpu.index] if on_gpu.type == "cuda" else None)
+        model, device_ids=[on_gpu.index] if on_gpu.type == "cuda" else None
+    )
     if args.backend == "ddlcore-ddp":
         from ddlcore.integrations.torch import allreduce_hook
 
@@ -167,6 +181,7 @@ def _setup(args: argparse.Namespace, model: Any, rank: int, size: int
             comm.close()
             dist.destroy_process_group()
     else:
+
         def gather(a: np.ndarray) -> np.ndarray:
             parts = [torch.empty(len(a), dtype=torch.float64) for _ in range(size)]
             dist.all_gather(parts, torch.as_tensor(a, dtype=torch.float64))
@@ -191,8 +206,9 @@ def worker(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         local_rank = int(os.environ.get("DDL_LOCAL_RANK", str(rank)))
         if not torch.cuda.device_count():
-            raise SystemExit(f"rank {rank}: --device cuda, but this process sees no GPU "
-                             "(CUDA_VISIBLE_DEVICES?)")
+            raise SystemExit(
+                f"rank {rank}: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES?)"
+            )
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -202,12 +218,14 @@ def worker(args: argparse.Namespace) -> None:
 
     iters_per_epoch = len(x_tr) // args.global_batch  # drop_last: every global batch is full
     if iters_per_epoch == 0:
-        raise SystemExit(f"--global-batch {args.global_batch} exceeds the {len(x_tr)} training "
-                         "samples")
+        raise SystemExit(
+            f"--global-batch {args.global_batch} exceeds the {len(x_tr)} training samples"
+        )
     total = iters_per_epoch * args.epochs
     warmup = iters_per_epoch * args.warmup_epochs
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda it: lr_factor(it, warmup, total, args.warmup_start))
+        opt, lambda it: lr_factor(it, warmup, total, args.warmup_start)
+    )
     loss_fn = torch.nn.CrossEntropyLoss()
 
     step_s: list[float] = []
@@ -224,15 +242,18 @@ def worker(args: argparse.Namespace) -> None:
     sync.barrier()
     for epoch in range(args.epochs):
         # the same shuffle on every rank and for every np: the global batches are identical
-        perm = torch.randperm(len(x_tr), generator=torch.Generator().manual_seed(
-            args.seed * 100_003 + epoch)).to(device)
+        perm = torch.randperm(
+            len(x_tr), generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch)
+        ).to(device)
         train_model.train()
         t_epoch = time.perf_counter()
         loss_sum = 0.0
         settle()
         for i in range(iters_per_epoch):
             t0 = time.perf_counter()
-            idx = perm[i * args.global_batch + rank * local:i * args.global_batch + (rank + 1) * local]
+            idx = perm[
+                i * args.global_batch + rank * local : i * args.global_batch + (rank + 1) * local
+            ]
             opt.zero_grad()
             loss = loss_fn(train_model(x_tr[idx]), y_tr[idx])
             loss.backward()
@@ -246,9 +267,15 @@ def worker(args: argparse.Namespace) -> None:
             model.eval()
             with torch.no_grad():
                 acc = (model(x_va).argmax(dim=1) == y_va).double().mean().item()
-            history.append({"epoch": epoch + 1, "train_time_s": train_s, "val_acc": acc,
-                            "train_loss_rank0": loss_sum / iters_per_epoch,
-                            "lr": opt.param_groups[0]["lr"]})
+            history.append(
+                {
+                    "epoch": epoch + 1,
+                    "train_time_s": train_s,
+                    "val_acc": acc,
+                    "train_loss_rank0": loss_sum / iters_per_epoch,
+                    "lr": opt.param_groups[0]["lr"],
+                }
+            )
         sync.barrier()
 
     per_iter = sync.gather(np.array(step_s)).max(axis=0)  # a step takes as long as its slowest rank
@@ -261,19 +288,26 @@ def worker(args: argparse.Namespace) -> None:
         return
     steady = per_iter[iters_per_epoch:] if args.epochs > 1 else per_iter
     result = {
-        "backend": args.backend, "np": size, "epochs": args.epochs, "device": args.device,
-        "iters_per_epoch": iters_per_epoch, "global_batch": args.global_batch,
-        "samples": total * args.global_batch, "train_time_s": train_s,
+        "backend": args.backend,
+        "np": size,
+        "epochs": args.epochs,
+        "device": args.device,
+        "iters_per_epoch": iters_per_epoch,
+        "global_batch": args.global_batch,
+        "samples": total * args.global_batch,
+        "train_time_s": train_s,
         "throughput": total * args.global_batch / train_s,
         "t_iter_ms": 1e3 * statistics.median(steady.tolist()),
         "params": sum(p.numel() for p in model.parameters()),
-        "final_val_acc": history[-1]["val_acc"], "history": history,
+        "final_val_acc": history[-1]["val_acc"],
+        "history": history,
     }
     with open(args.result, "w") as f:
         json.dump(result, f)
 
 
 # --- driver --------------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -283,10 +317,26 @@ def _free_port() -> int:
 
 def _training_args(args: argparse.Namespace) -> list[str]:
     """The options every worker gets, so that every run trains the same recipe."""
-    out = ["--epochs", str(args.epochs), "--global-batch", str(args.global_batch),
-           "--base-lr", str(args.base_lr), "--warmup-epochs", str(args.warmup_epochs),
-           "--warmup-start", str(args.warmup_start), "--weight-decay", str(args.weight_decay),
-           "--hidden", str(args.hidden), "--seed", str(args.seed), "--device", args.device]
+    out = [
+        "--epochs",
+        str(args.epochs),
+        "--global-batch",
+        str(args.global_batch),
+        "--base-lr",
+        str(args.base_lr),
+        "--warmup-epochs",
+        str(args.warmup_epochs),
+        "--warmup-start",
+        str(args.warmup_start),
+        "--weight-decay",
+        str(args.weight_decay),
+        "--hidden",
+        str(args.hidden),
+        "--seed",
+        str(args.seed),
+        "--device",
+        args.device,
+    ]
     if args.fusion_bytes is not None:
         out += ["--fusion-bytes", str(args.fusion_bytes)]
     return out
@@ -301,21 +351,42 @@ def run_one(args: argparse.Namespace, backend: str, nproc: int, workdir: str) ->
         The run failed or timed out; the message holds the end of its output.
     """
     result = os.path.join(workdir, f"{backend}-np{nproc}.json")
-    cmd = [sys.executable, "-m", "ddlcore.launcher", "-np", str(nproc), "--no-prefix",
-           "--timeout", str(args.run_timeout), "--job-timeout", str(args.run_timeout),
-           sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend,
-           "--port", str(_free_port()), "--result", result, *_training_args(args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddlcore.launcher",
+        "-np",
+        str(nproc),
+        "--no-prefix",
+        "--timeout",
+        str(args.run_timeout),
+        "--job-timeout",
+        str(args.run_timeout),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--backend",
+        backend,
+        "--port",
+        str(_free_port()),
+        "--result",
+        result,
+        *_training_args(args),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=args.run_timeout + 30)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=args.run_timeout + 30
+        )
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"{backend} np={nproc}: no result after {exc.timeout:.0f} s") from exc
     if proc.returncode != 0 or not os.path.exists(result):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{backend} np={nproc} failed (exit code {proc.returncode}); "
-                           f"command: {' '.join(cmd)}\n{tail}")
+        raise RuntimeError(
+            f"{backend} np={nproc} failed (exit code {proc.returncode}); "
+            f"command: {' '.join(cmd)}\n{tail}"
+        )
     with open(result) as f:
         out: dict[str, Any] = json.load(f)
     out["wall_s"] = time.monotonic() - t0
@@ -340,18 +411,22 @@ def summarise(runs: list[dict[str, Any]], target: float) -> None:
 
 def print_table(runs: list[dict[str, Any]]) -> None:
     """The results, one line per run."""
-    head = (f"{'backend':<12} {'np':>3} {'target':>7} {'epochs':>7} {'TTA s':>7} "
-            f"{'samples/s':>10} {'t_iter ms':>10} {'eff':>6} {'comm ms':>8} {'comm %':>7} "
-            f"{'final acc':>9}")
+    head = (
+        f"{'backend':<12} {'np':>3} {'target':>7} {'epochs':>7} {'TTA s':>7} "
+        f"{'samples/s':>10} {'t_iter ms':>10} {'eff':>6} {'comm ms':>8} {'comm %':>7} "
+        f"{'final acc':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in runs:
         tta = f"{r['time_to_target_s']:.2f}" if r["reached"] else "-"
         epochs = f"{r['epochs_to_target'] or '-'}/{r['epochs']}"
-        print(f"{r['backend']:<12} {r['np']:>3} {'yes' if r['reached'] else 'NO':>7} "
-              f"{epochs:>7} {tta:>7} {r['throughput']:>10.0f} {r['t_iter_ms']:>10.2f} "
-              f"{r['scaling_efficiency']:>6.2f} {r['comm_overhead_ms']:>8.2f} "
-              f"{r['comm_overhead_pct']:>6.1f}% {r['final_val_acc']:>9.4f}")
+        print(
+            f"{r['backend']:<12} {r['np']:>3} {'yes' if r['reached'] else 'NO':>7} "
+            f"{epochs:>7} {tta:>7} {r['throughput']:>10.0f} {r['t_iter_ms']:>10.2f} "
+            f"{r['scaling_efficiency']:>6.2f} {r['comm_overhead_ms']:>8.2f} "
+            f"{r['comm_overhead_pct']:>6.1f}% {r['final_val_acc']:>9.4f}"
+        )
 
 
 def plot(runs: list[dict[str, Any]], target: float, path: str) -> None:
@@ -363,15 +438,19 @@ def plot(runs: list[dict[str, Any]], target: float, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
-        ax.plot([0.0] + [h["train_time_s"] for h in r["history"]],
-                [0.1] + [h["val_acc"] for h in r["history"]],  # 0.1: chance, before training
-                marker=".", label=f"{r['backend']} np={r['np']}")
+        ax.plot(
+            [0.0] + [h["train_time_s"] for h in r["history"]],
+            [0.1] + [h["val_acc"] for h in r["history"]],  # 0.1: chance, before training
+            marker=".",
+            label=f"{r['backend']} np={r['np']}",
+        )
     ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
     ax.set_xlabel("training time (s, validation excluded)")
     ax.set_ylabel("validation accuracy")
     ax.set_ylim(max(0.0, target - 0.15), 1.0)
-    where = (f"{os.cpu_count()} CPU cores" if runs[0].get("device", "cpu") == "cpu"
-             else "on the GPUs")
+    where = (
+        f"{os.cpu_count()} CPU cores" if runs[0].get("device", "cpu") == "cpu" else "on the GPUs"
+    )
     ax.set_title(f"digits MLP, global batch {runs[0]['global_batch']}, {where}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -386,16 +465,20 @@ def driver(args: argparse.Namespace) -> int:
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
         if b not in BACKENDS:
-            raise SystemExit(f"--backends: unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
+            raise SystemExit(
+                f"--backends: unknown backend {b!r} (choose from {', '.join(BACKENDS)})"
+            )
     for n in nps:
         if n < 1 or args.global_batch % n:
             raise SystemExit(f"--nps: np={n} does not divide --global-batch {args.global_batch}")
     plan = [(BASELINE, 1)] + [(b, n) for n in nps if n > 1 for b in backends]
     cores = os.cpu_count() or 1
-    print(f"# digits MLP 64-{args.hidden}-{args.hidden}-10, global batch {args.global_batch}, "
-          f"peak lr {args.base_lr * args.global_batch / REFERENCE_BATCH:g} (linear scaling), "
-          f"warm-up {args.warmup_epochs} epochs then cosine, {args.epochs} epochs, "
-          f"target {args.target:g}, on {args.device}")
+    print(
+        f"# digits MLP 64-{args.hidden}-{args.hidden}-10, global batch {args.global_batch}, "
+        f"peak lr {args.base_lr * args.global_batch / REFERENCE_BATCH:g} (linear scaling), "
+        f"warm-up {args.warmup_epochs} epochs then cosine, {args.epochs} epochs, "
+        f"target {args.target:g}, on {args.device}"
+    )
     if max(nps) > cores:
         print(f"# note: np={max(nps)} oversubscribes this machine's {cores} cores")
     if args.device == "cuda":
@@ -420,31 +503,46 @@ def driver(args: argparse.Namespace) -> int:
     summarise(runs, args.target)
     print()
     print_table(runs)
-    print(f"\n# sweep took {time.monotonic() - t0:.0f} s; eff = throughput(np) / (np * "
-          "throughput(1)); comm = t_iter(np) - t_iter(1)/np, % of t_iter(np)")
+    print(
+        f"\n# sweep took {time.monotonic() - t0:.0f} s; eff = throughput(np) / (np * "
+        "throughput(1)); comm = t_iter(np) - t_iter(1)/np, % of t_iter(np)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "worker"},
-                       "cores": cores, "runs": runs}, f, indent=1)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "worker"},
+                    "cores": cores,
+                    "runs": runs,
+                },
+                f,
+                indent=1,
+            )
         print(f"# wrote {args.json}")
     if args.plot:
         plot(runs, args.target, args.plot)
         print(f"# wrote {args.plot}")
-    missed = [f"{r['backend']} np={r['np']} (best {max(h['val_acc'] for h in r['history']):.4f})"
-              for r in runs if not r["reached"]]
+    missed = [
+        f"{r['backend']} np={r['np']} (best {max(h['val_acc'] for h in r['history']):.4f})"
+        for r in runs
+        if not r["reached"]
+    ]
     sys.stdout.flush()  # the table before the verdict on stderr
     for msg in failures:
         print(f"convergence: run failed: {msg}", file=sys.stderr)
     if missed:
-        print(f"convergence: target {args.target:g} not reached by: {', '.join(missed)}",
-              file=sys.stderr)
+        print(
+            f"convergence: target {args.target:g} not reached by: {', '.join(missed)}",
+            file=sys.stderr,
+        )
     return 1 if failures or missed else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of both modes (the driver forwards the training options to its workers)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nps", default="1,2,4", help="rank counts (np=1 is always run)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="for np > 1")
     p.add_argument("--target", type=float, default=0.97, help="validation accuracy to reach")
@@ -452,15 +550,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--base-lr", type=float, default=0.1, help="learning rate per 256 samples")
     p.add_argument("--warmup-epochs", type=int, default=3)
-    p.add_argument("--warmup-start", type=float, default=0.1,
-                   help="warm-up starts at this fraction of the peak learning rate")
+    p.add_argument(
+        "--warmup-start",
+        type=float,
+        default=0.1,
+        help="warm-up starts at this fraction of the peak learning rate",
+    )
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--hidden", type=int, default=1024, help="width of the two hidden layers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the model and the gradients live (cuda: local rank r on GPU r)")
-    p.add_argument("--fusion-bytes", type=int, default=None,
-                   help="DistributedOptimizer bucket size (default: DDL_FUSION_BYTES)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and the gradients live (cuda: local rank r on GPU r)",
+    )
+    p.add_argument(
+        "--fusion-bytes",
+        type=int,
+        default=None,
+        help="DistributedOptimizer bucket size (default: DDL_FUSION_BYTES)",
+    )
     p.add_argument("--run-timeout", type=float, default=300, help="seconds per run")
     p.add_argument("--json", help="write every run's results and history here")
     p.add_argument("--plot", help="write validation accuracy vs training time here (PNG)")
@@ -473,8 +583,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         import torch
 
         if not torch.cuda.is_available():
-            p.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False; "
-                    "a CPU build of torch, or no driver)")
+            p.error(
+                "--device cuda: torch sees no GPU here (torch.cuda.is_available() is False; "
+                "a CPU build of torch, or no driver)"
+            )
     if args.epochs < 1 or args.warmup_epochs < 0 or args.global_batch < 1:
         p.error("--epochs and --global-batch must be >= 1, --warmup-epochs >= 0")
     return args

@@ -76,14 +76,18 @@ def main() -> None:
             off, on_ = np.concatenate(took[False]), np.concatenate(took[True])
             diff = np.array(block_medians[True]) - np.array(block_medians[False])
             q1, q3 = np.percentile(diff, [25, 75]) * 1e6
-            print(f"{nbytes} B allreduce, {comm.size} ranks, {blocks} blocks of {per_block} "
-                  f"calls, path {comm.flight_record()['entries'][-1]['path']}")
+            print(
+                f"{nbytes} B allreduce, {comm.size} ranks, {blocks} blocks of {per_block} "
+                f"calls, path {comm.flight_record()['entries'][-1]['path']}"
+            )
             for name, t in (("off", off), ("on: ", on_)):
                 p10, p50, p90 = np.percentile(t, [10, 50, 90]) * 1e6
                 print(f"  recorder {name} median {p50:.2f} us (p10 {p10:.2f}, p90 {p90:.2f})")
             rel = np.median(diff) / np.median(off)
-            print(f"  on - off, paired block medians: median {np.median(diff) * 1e6:+.2f} us "
-                  f"({rel:+.1%}; quartiles {q1:+.2f} .. {q3:+.2f} us)")
+            print(
+                f"  on - off, paired block medians: median {np.median(diff) * 1e6:+.2f} us "
+                f"({rel:+.1%}; quartiles {q1:+.2f} .. {q3:+.2f} us)"
+            )
             print(f"  the recorder alone: {recorder_alone() * 1e9:.0f} ns per call")
 
 

@@ -87,9 +87,17 @@ def _timed_inits(cycles: int) -> list[float]:
 
 
 def _rank(rank: int, size: int, port: int, cycles: int, transport: str, out) -> None:
-    os.environ.update({"DDL_RANK": str(rank), "DDL_SIZE": str(size), "DDL_LOCAL_RANK": str(rank),
-                       "DDL_LOCAL_SIZE": str(size), "DDL_MASTER_ADDR": "127.0.0.1",
-                       "DDL_MASTER_PORT": str(port), "DDL_TRANSPORT": transport})
+    os.environ.update(
+        {
+            "DDL_RANK": str(rank),
+            "DDL_SIZE": str(size),
+            "DDL_LOCAL_RANK": str(rank),
+            "DDL_LOCAL_SIZE": str(size),
+            "DDL_MASTER_ADDR": "127.0.0.1",
+            "DDL_MASTER_PORT": str(port),
+            "DDL_TRANSPORT": transport,
+        }
+    )
     import ddlcore
 
     times = _timed_inits(cycles)
@@ -97,16 +105,19 @@ def _rank(rank: int, size: int, port: int, cycles: int, transport: str, out) -> 
     out.close()
 
 
-def measure(size: int, cycles: int, transport: str,
-            store_only: bool = False) -> tuple[list[float], str]:
+def measure(
+    size: int, cycles: int, transport: str, store_only: bool = False
+) -> tuple[list[float], str]:
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes, procs = [], []
     for rank in range(size):
         recv_end, send_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_store_rank, args=(rank, size, port, cycles, send_end)) \
-            if store_only else \
-            ctx.Process(target=_rank, args=(rank, size, port, cycles, transport, send_end))
+        proc = (
+            ctx.Process(target=_store_rank, args=(rank, size, port, cycles, send_end))
+            if store_only
+            else ctx.Process(target=_rank, args=(rank, size, port, cycles, transport, send_end))
+        )
         proc.start()
         send_end.close()
         pipes.append(recv_end)
@@ -136,9 +147,12 @@ def measure_netns(shape: str, rate: str | None, cycles: int, transport: str) -> 
     spec.loader.exec_module(netns)
     per_host, hosts = netns.parse_shape(shape)
     with netns.Testbed(hosts, rate=rate) as tb:
-        ranks = tb.run_job(per_host, [os.path.abspath(__file__), "--netns-rank", str(cycles)],
-                           timeout=600, env={"DDL_TRANSPORT": transport,
-                                             "DDL_LINK_PROBE": os.environ["DDL_LINK_PROBE"]})
+        ranks = tb.run_job(
+            per_host,
+            [os.path.abspath(__file__), "--netns-rank", str(cycles)],
+            timeout=600,
+            env={"DDL_TRANSPORT": transport, "DDL_LINK_PROBE": os.environ["DDL_LINK_PROBE"]},
+        )
         per_rank = [json.loads(r.output().strip().splitlines()[-1]) for r in ranks]
     return [max(times[c] for times in per_rank) for c in range(cycles)]
 
@@ -175,25 +189,33 @@ def main() -> None:
         return
     os.environ["DDL_LINK_PROBE"] = args.probe  # spawned ranks inherit it
     if args.netns:
-        times = measure_netns(args.netns, None if args.rate == "none" else args.rate,
-                              args.cycles, args.transport)
-        print(f"{args.netns} at {args.rate}, DDL_TRANSPORT={args.transport}, DDL_LINK_PROBE="
-              f"{args.probe}: init median {statistics.median(times) * 1e3:.2f} ms, min "
-              f"{min(times) * 1e3:.2f} ms (slowest rank, {args.cycles} inits)")
+        times = measure_netns(
+            args.netns, None if args.rate == "none" else args.rate, args.cycles, args.transport
+        )
+        print(
+            f"{args.netns} at {args.rate}, DDL_TRANSPORT={args.transport}, DDL_LINK_PROBE="
+            f"{args.probe}: init median {statistics.median(times) * 1e3:.2f} ms, min "
+            f"{min(times) * 1e3:.2f} ms (slowest rank, {args.cycles} inits)"
+        )
         return
     if args.connects:
         times = store_connects(args.connects)
-        print(f"store connection (connect, handshake, one request, close): median "
-              f"{statistics.median(times) * 1e3:.3f} ms, min {min(times) * 1e3:.3f} ms "
-              f"over {args.connects}")
-    print(f"{'np':>3} {'transport':>9} {'median ms':>10} {'min ms':>8}  (slowest rank, "
-          f"{args.cycles} inits)")
+        print(
+            f"store connection (connect, handshake, one request, close): median "
+            f"{statistics.median(times) * 1e3:.3f} ms, min {min(times) * 1e3:.3f} ms "
+            f"over {args.connects}"
+        )
+    print(
+        f"{'np':>3} {'transport':>9} {'median ms':>10} {'min ms':>8}  (slowest rank, "
+        f"{args.cycles} inits)"
+    )
     where = ""
     for size in (int(n) for n in args.np.split(",")):
         times, where = measure(size, args.cycles, args.transport, args.store_only)
         what = "store" if args.store_only else args.transport
-        print(f"{size:>3} {what:>9} {statistics.median(times) * 1e3:>10.2f} "
-              f"{min(times) * 1e3:>8.2f}")
+        print(
+            f"{size:>3} {what:>9} {statistics.median(times) * 1e3:>10.2f} {min(times) * 1e3:>8.2f}"
+        )
     print(f"ddlcore from {os.path.dirname(where)}")
 
 

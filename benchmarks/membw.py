@@ -41,8 +41,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     res = measure(args.mib << 20, args.reps)
-    print(f"{args.mib} MiB: copy {res['copy_GBps']:.1f} GB/s, a+=b {res['add_GBps']:.1f} GB/s "
-          "(bytes read + written)")
+    print(
+        f"{args.mib} MiB: copy {res['copy_GBps']:.1f} GB/s, a+=b {res['add_GBps']:.1f} GB/s "
+        "(bytes read + written)"
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,16 @@ def _pingpong(rank: int, send: Any, recv: Any, n: int) -> float:
     return statistics.median(lat[2:])
 
 
-def _rank(rank: int, names: list[str], nchannels: int, host: str, port: int,
-          points: list[int], conn: Any, mpi: Any = None) -> list[tuple[int, dict[str, float]]]:
+def _rank(
+    rank: int,
+    names: list[str],
+    nchannels: int,
+    host: str,
+    port: int,
+    points: list[int],
+    conn: Any,
+    mpi: Any = None,
+) -> list[tuple[int, dict[str, float]]]:
     """Measure every transport in ``names``, raw sockets and (under mpiexec) mpi4py, size by
     size in the same two processes, so they share the machine's state."""
     os.environ["DDL_NCHANNELS"] = str(nchannels)
@@ -73,19 +81,27 @@ def _rank(rank: int, names: list[str], nchannels: int, host: str, port: int,
 
     server = StoreServer(host, port) if rank == 0 else None
     client = StoreClient(host, port, 60.0, rank=rank, size=2)
-    contexts = {name: load(name)().create_context(rank, 2, PrefixStore(client, f"p2p/{name}/"),
-                                                  60.0) for name in names}
+    contexts = {
+        name: load(name)().create_context(rank, 2, PrefixStore(client, f"p2p/{name}/"), 60.0)
+        for name in names
+    }
     pairs = {name: ctx.pair(1 - rank) for name, ctx in contexts.items()}
     buf = np.ones(max(max(points), 1), np.uint8)  # touched: no page faults inside the timing
     view = memoryview(buf)
     raw = _raw_socket(rank, client)
     systems: dict[str, tuple[Any, Any]] = {
-        name: (lambda n, p=p: p.isend(view[:n], 1).wait(60),
-               lambda n, p=p: p.irecv(view[:n], 1).wait(60)) for name, p in pairs.items()}
+        name: (
+            lambda n, p=p: p.isend(view[:n], 1).wait(60),
+            lambda n, p=p: p.irecv(view[:n], 1).wait(60),
+        )
+        for name, p in pairs.items()
+    }
     systems["raw socket"] = (lambda n: raw.sendall(view[:n]), lambda n: _recv_all(raw, view[:n]))
     if mpi is not None:
-        systems["mpi4py"] = (lambda n: mpi.Send([view[:n], _byte()], 1 - rank, 7),
-                             lambda n: mpi.Recv([view[:n], _byte()], 1 - rank, 7))
+        systems["mpi4py"] = (
+            lambda n: mpi.Send([view[:n], _byte()], 1 - rank, 7),
+            lambda n: mpi.Recv([view[:n], _byte()], 1 - rank, 7),
+        )
     results = []
     for n in points:
         row = {}
@@ -150,8 +166,14 @@ def run(names: list[str], points: list[int], nchannels: int) -> list[tuple[int, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, names, nchannels, "127.0.0.1", port, points,
-                                             pipes[r][1]), daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_rank,
+            args=(r, names, nchannels, "127.0.0.1", port, points, pipes[r][1]),
+            daemon=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -192,13 +214,21 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--transport", default="tcp",
-                    help="comma-separated transports to measure side by side, e.g. shm,tcp,ucx")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--transport",
+        default="tcp",
+        help="comma-separated transports to measure side by side, e.g. shm,tcp,ucx",
+    )
     ap.add_argument("--min", type=_size, default=1, help="smallest message in bytes (K/M/G)")
-    ap.add_argument("--max", type=_size, default=256 << 20,
-                    help="largest message in bytes (K/M/G); sizes step by 4x")
+    ap.add_argument(
+        "--max",
+        type=_size,
+        default=256 << 20,
+        help="largest message in bytes (K/M/G); sizes step by 4x",
+    )
     ap.add_argument("--nchannels", type=int, default=1, help="TCP connections (DDL_NCHANNELS)")
     ap.add_argument("--json", help="write the rows (and the command) to this file")
     args = ap.parse_args(argv)
@@ -211,20 +241,26 @@ def main(argv: list[str] | None = None) -> None:
     else:
         results = run(names, points, args.nchannels)
     systems = list(results[0][1])
-    print(f"# ping-pong between 2 ranks on this host (DDL_NCHANNELS={args.nchannels}); "
-          "one-way latency = round trip / 2 (median), GB/s = bytes / latency")
+    print(
+        f"# ping-pong between 2 ranks on this host (DDL_NCHANNELS={args.nchannels}); "
+        "one-way latency = round trip / 2 (median), GB/s = bytes / latency"
+    )
     print(f"{'bytes':>12} " + " ".join(f"{name + ' us':>14} {'GB/s':>7}" for name in systems))
     for n, row in results:
-        print(f"{n:>12} " + " ".join(f"{row[name] * 1e6:>14.1f} {n / row[name] / 1e9:>7.3f}"
-                                     for name in systems))
+        print(
+            f"{n:>12} "
+            + " ".join(f"{row[name] * 1e6:>14.1f} {n / row[name] / 1e9:>7.3f}" for name in systems)
+        )
     if args.json:
         under_mpi = os.environ.get("PMI_RANK") is not None
         launch = ["mpiexec", "-n", "2"] if under_mpi else []
-        doc = {"command": " ".join([*launch, "python", "benchmarks/p2p.py",
-                                    *(argv or sys.argv[1:])]),
-               "under_mpi": under_mpi,
-               "nchannels": args.nchannels, "systems": systems,
-               "rows": [{"bytes": n, "one_way_s": dict(row)} for n, row in results]}
+        doc = {
+            "command": " ".join([*launch, "python", "benchmarks/p2p.py", *(argv or sys.argv[1:])]),
+            "under_mpi": under_mpi,
+            "nchannels": args.nchannels,
+            "systems": systems,
+            "rows": [{"bytes": n, "one_way_s": dict(row)} for n, row in results],
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
 

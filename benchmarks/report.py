@@ -64,13 +64,16 @@ def load(name: str) -> Any:
 def table(head: list[str], rows: Iterable[list[str]], align: str | None = None) -> str:
     """A markdown table; ``align`` holds one of 'l'/'r' per column (default: first left)."""
     align = align or "l" + "r" * (len(head) - 1)
-    out = ["| " + " | ".join(head) + " |",
-           "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
+    out = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|",
+    ]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
 
 
 # --- one host: ddl-bench --compare ------------------------------------------------------------
+
 
 def host_allreduce(name: str) -> str:
     """ddl-bench rows with their peers (MPI, gloo) and, when measured, the single-copy bound."""
@@ -88,8 +91,10 @@ def host_allreduce(name: str) -> str:
         cells = [size_label(r["size"]), fmt(r["busbw"]), fmt(r["time_us"], 1)]
         for p in peers:
             theirs = r.get("peers", {}).get(p)
-            cells += [fmt(theirs, 3 if theirs and theirs < 0.01 else 2),
-                      fmt(r["busbw"] / theirs if theirs else None, 2)]
+            cells += [
+                fmt(theirs, 3 if theirs and theirs < 0.01 else 2),
+                fmt(r["busbw"] / theirs if theirs else None, 2),
+            ]
         if bound:
             cells.append(f"{100 * r['busbw'] / bound:.0f}")
         rows.append(cells)
@@ -104,6 +109,7 @@ def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[fl
 
 
 # --- point-to-point ---------------------------------------------------------------------------
+
 
 def p2p(name: str) -> str:
     doc = load(name)
@@ -122,6 +128,7 @@ def p2p(name: str) -> str:
 
 
 # --- the testbed ------------------------------------------------------------------------------
+
 
 def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = {}
@@ -151,12 +158,30 @@ def testbed_auto(name: str) -> str:
         ring = g.get((shape, place, size, "ring", adapters))
         sim = runs[0].get("sim_us")
         used = "/".join(sorted({r["algorithm"] for r in runs}))
-        rows.append([shape, place, size_label(size), used, fmt(t / bound),
-                     fmt(_median(ring) / bound) if ring else "-",
-                     fmt(sim / t) if sim else "-"])
-    return (f"```bash\n{_command(doc)}\n```\n\n"
-            + table(["shape", "placement", "size", "auto ran", "auto / bound",
-                     "flat ring / bound", "sim / measured (auto)"], rows, "lllrrrr"))
+        rows.append(
+            [
+                shape,
+                place,
+                size_label(size),
+                used,
+                fmt(t / bound),
+                fmt(_median(ring) / bound) if ring else "-",
+                fmt(sim / t) if sim else "-",
+            ]
+        )
+    return f"```bash\n{_command(doc)}\n```\n\n" + table(
+        [
+            "shape",
+            "placement",
+            "size",
+            "auto ran",
+            "auto / bound",
+            "flat ring / bound",
+            "sim / measured (auto)",
+        ],
+        rows,
+        "lllrrrr",
+    )
 
 
 def testbed_schedule(pipelined: str, in_series: str) -> str:
@@ -172,14 +197,32 @@ def testbed_schedule(pipelined: str, in_series: str) -> str:
         sims = [fmt(sim / t) if sim else "-"]
         if serial and serial[0].get("sim_us"):
             sims.append(fmt(serial[0]["sim_us"] / _median(serial)))
-        rows.append([shape, str(adapters), size_label(size), str(runs[0].get("segments", 1)),
-                     f"**{fmt(t / bound)}**" if adapters == 1 else fmt(t / bound),
-                     fmt(_median(serial) / bound) if serial else "",
-                     ", ".join(sims), f"{_median(one) / t:.2f}x" if one else ""])
-    return (f"```bash\n{_command(p)}\n{_command(s)}\n```\n\n"
-            + table(["shape", "adapters", "size", "segments", "pipelined / bound",
-                     "phases in series / bound", "sim / measured (pipelined, in series)",
-                     "2 adapters vs 1"], rows, "lrrrrrrr"))
+        rows.append(
+            [
+                shape,
+                str(adapters),
+                size_label(size),
+                str(runs[0].get("segments", 1)),
+                f"**{fmt(t / bound)}**" if adapters == 1 else fmt(t / bound),
+                fmt(_median(serial) / bound) if serial else "",
+                ", ".join(sims),
+                f"{_median(one) / t:.2f}x" if one else "",
+            ]
+        )
+    return f"```bash\n{_command(p)}\n{_command(s)}\n```\n\n" + table(
+        [
+            "shape",
+            "adapters",
+            "size",
+            "segments",
+            "pipelined / bound",
+            "phases in series / bound",
+            "sim / measured (pipelined, in series)",
+            "2 adapters vs 1",
+        ],
+        rows,
+        "lrrrrrrr",
+    )
 
 
 def testbed_rails(name: str) -> str:
@@ -205,10 +248,13 @@ def testbed_rails(name: str) -> str:
             sims.append(fmt(sim / t) if sim else "-")
         rows.append(cells + [" / ".join(vs), " / ".join(sims)])
     labels = " / ".join(size_label(s) for s in sizes)
-    return (f"```bash\n{_command(doc)}\n```\n\n"
-            + table(["shape", "adapters"] + [f"{size_label(s)} / bound" for s in sizes]
-                    + [f"2 adapters vs 1 ({labels})", f"sim / measured ({labels})"], rows,
-                    "lr" + "r" * len(sizes) + "rr"))
+    return f"```bash\n{_command(doc)}\n```\n\n" + table(
+        ["shape", "adapters"]
+        + [f"{size_label(s)} / bound" for s in sizes]
+        + [f"2 adapters vs 1 ({labels})", f"sim / measured ({labels})"],
+        rows,
+        "lr" + "r" * len(sizes) + "rr",
+    )
 
 
 def testbed_range(name: str, algo: str) -> tuple[float, float]:
@@ -229,6 +275,7 @@ def rails_speedups(name: str, size: int) -> dict[str, float]:
 
 # --- the simulator ----------------------------------------------------------------------------
 
+
 def _sweep_rows(names: Iterable[str]) -> list[dict]:
     rows: list[dict] = []
     for name in names:
@@ -241,8 +288,7 @@ def paper(*names: str) -> str:
     """auto beside the per-host bound and the paper, every box the sweeps simulated."""
     rows = _sweep_rows(names)
     commands = [load(n)["meta"]["command"] for n in _present(names)]
-    return ("```bash\n" + "\n".join(commands) + "\n```\n"
-            + simulate_sweep.paper_table(rows))
+    return "```bash\n" + "\n".join(commands) + "\n```\n" + simulate_sweep.paper_table(rows)
 
 
 def sweep_tables(name: str) -> str:
@@ -250,8 +296,15 @@ def sweep_tables(name: str) -> str:
 
 
 def _paper_point(rows: list[dict], box: str, nbytes: float, adapters: int, algo: str) -> dict:
-    return next(r for r in rows if r["box"] == box and r["bytes"] == nbytes
-                and r["adapters"] == adapters and r["algo"] == algo and r["reduce"] == "cpu")
+    return next(
+        r
+        for r in rows
+        if r["box"] == box
+        and r["bytes"] == nbytes
+        and r["adapters"] == adapters
+        and r["algo"] == algo
+        and r["reduce"] == "cpu"
+    )
 
 
 def _present(names: Iterable[str]) -> list[str]:
@@ -269,48 +322,91 @@ def auto_vs_best(*names: str) -> str:
     within = sum(1 for r in judged if r["ratio"] <= 1.05)
     ranks = sorted({r["ranks"] for r in rows})
     sizes = sorted({r["bytes"] for r in rows})
-    off = [[r["box"], size_label(r["bytes"]), r["auto"], str(r["best"]),
+    off = [
+        [
+            r["box"],
+            size_label(r["bytes"]),
+            r["auto"],
+            str(r["best"]),
             f"{r['ratio']:.3f}" if r["ratio"] is not None else "auto not simulated",
-            str(r["skipped"])]
-           for r in rows if r["ratio"] is None or r["ratio"] > 1.0 + 1e-9]
+            str(r["skipped"]),
+        ]
+        for r in rows
+        if r["ratio"] is None or r["ratio"] > 1.0 + 1e-9
+    ]
     unjudged = len(rows) - len(judged)
-    text = ("```bash\n" + "\n".join(d["command"] for d in docs) + "\n```\n\n"
-            f"{', '.join(map(str, ranks))} GPUs x {', '.join(size_label(s) for s in sizes)}: "
-            f"auto's choice was the simulated best at {best} of {len(judged)} points, within 5% "
-            f"at {within}; the worst point is {worst['ratio']:.3f}x the best "
-            f"({worst['box']}, {size_label(worst['bytes'])})"
-            + (f"; at {unjudged} more, auto's own choice is over the simulator's step budget"
-               if unjudged else "") + ".")
+    text = (
+        "```bash\n" + "\n".join(d["command"] for d in docs) + "\n```\n\n"
+        f"{', '.join(map(str, ranks))} GPUs x {', '.join(size_label(s) for s in sizes)}: "
+        f"auto's choice was the simulated best at {best} of {len(judged)} points, within 5% "
+        f"at {within}; the worst point is {worst['ratio']:.3f}x the best "
+        f"({worst['box']}, {size_label(worst['bytes'])})"
+        + (
+            f"; at {unjudged} more, auto's own choice is over the simulator's step budget"
+            if unjudged
+            else ""
+        )
+        + "."
+    )
     if off:
-        text += "\n\n" + table(["box", "size", "auto", "best simulated", "auto / best",
-                                 "candidates over the budget"], off, "lllllr")
+        text += "\n\n" + table(
+            ["box", "size", "auto", "best simulated", "auto / best", "candidates over the budget"],
+            off,
+            "lllllr",
+        )
     return text
 
 
 # --- convergence ------------------------------------------------------------------------------
 
+
 def convergence(name: str) -> str:
     doc = load(name)
     rows = []
     for r in doc["runs"]:
-        rows.append([r["backend"], str(r["np"]), "yes" if r["reached"] else "no",
-                     str(r["epochs_to_target"] or "-"),
-                     fmt(r["time_to_target_s"]) if r["reached"] else "-",
-                     f"{r['throughput']:.0f}", fmt(r["t_iter_ms"]),
-                     fmt(r["scaling_efficiency"]), fmt(r["comm_overhead_ms"]),
-                     f"{r['comm_overhead_pct']:.0f}%", f"{r['final_val_acc']:.4f}"])
+        rows.append(
+            [
+                r["backend"],
+                str(r["np"]),
+                "yes" if r["reached"] else "no",
+                str(r["epochs_to_target"] or "-"),
+                fmt(r["time_to_target_s"]) if r["reached"] else "-",
+                f"{r['throughput']:.0f}",
+                fmt(r["t_iter_ms"]),
+                fmt(r["scaling_efficiency"]),
+                fmt(r["comm_overhead_ms"]),
+                f"{r['comm_overhead_pct']:.0f}%",
+                f"{r['final_val_acc']:.4f}",
+            ]
+        )
     target = doc["config"]["target"]
-    return table(["backend", "np", f"reached {target:.0%}", "epochs", "time to target (s)",
-                  "samples/s", "t_iter (ms)", "efficiency", "comm (ms)", "comm %", "final acc"],
-                 rows, "lrlrrrrrrrr")
+    return table(
+        [
+            "backend",
+            "np",
+            f"reached {target:.0%}",
+            "epochs",
+            "time to target (s)",
+            "samples/s",
+            "t_iter (ms)",
+            "efficiency",
+            "comm (ms)",
+            "comm %",
+            "final acc",
+        ],
+        rows,
+        "lrlrrrrrrrr",
+    )
 
 
 def _throughput(name: str, backend: str, np_: int) -> float:
-    return next(r["throughput"] for r in load(name)["runs"]
-                if r["backend"] == backend and r["np"] == np_)
+    return next(
+        r["throughput"] for r in load(name)["runs"] if r["backend"] == backend and r["np"] == np_
+    )
 
 
 # --- the summary ------------------------------------------------------------------------------
+
 
 def summary() -> str:
     lo, hi = testbed_range("testbed_out_of_the_box.json", "auto")
@@ -321,49 +417,78 @@ def summary() -> str:
     four = _paper_point(sweep, "4x16x4", 100e6, 4, "auto")
     flat = _paper_point(sweep, "4x16x4", 100e6, 4, "ring")
     bound = {nb: simulate_sweep.network_bound((4, 16, 4), nb) for nb in one}
-    avb = [r for n in _present(["auto_vs_best.json", "auto_vs_best_large.json"])
-           for r in load(n)["rows"] if r["ratio"] is not None]
+    avb = [
+        r
+        for n in _present(["auto_vs_best.json", "auto_vs_best_large.json"])
+        for r in load(n)["rows"]
+        if r["ratio"] is not None
+    ]
     best = sum(1 for r in avb if r["ratio"] <= 1.0 + 1e-9)
     avb_ranks = sorted({r["ranks"] for r in avb})
     np2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20))
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))
     gloo2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20), "gloo")
-    conv = (_throughput("convergence.json", "ddlcore", 2)
-            / _throughput("convergence.json", "gloo", 2))
+    conv = _throughput("convergence.json", "ddlcore", 2) / _throughput(
+        "convergence.json", "gloo", 2
+    )
     rows = [
-        ["Two emulated hosts x 2 or 4 ranks, 1 Gbit/s, **nothing set**: `auto`",
-         f"{span(lo, hi, 2)}x the link bound (16 and 64 MB, block and cyclic placement); "
-         f"the flat ring {rlo:.2f}-{rhi:.1f}x", "[The testbed](#the-testbed-two-emulated-hosts)"],
-        ["Two network adapters per host (rails), 64 MB",
-         " and ".join(f"{v:.2f}x ({k})" for k, v in sorted(rails.items()))
-         + " one adapter's speed", "same"],
-        ["The paper's cluster in the simulator (256 GPUs, 4x16x4, one adapter per host)",
-         f"100 MB in {one[100e6]['time_s'] * 1e3:.1f} ms (paper: 23 ms), 350 MB in "
-         f"{one[350e6]['time_s'] * 1e3:.1f} ms (paper: < 100 ms): "
-         f"{one[100e6]['time_s'] / bound[100e6]:.2f}x and "
-         f"{one[350e6]['time_s'] / bound[350e6]:.2f}x the per-host network bound",
-         "[The paper's cluster](#the-papers-cluster-in-the-simulator)"],
-        ["The same with 4 adapters per host",
-         f"100 MB in {four['time_s'] * 1e3:.1f} ms, {flat['time_s'] / four['time_s']:.1f}x "
-         "the flat ring", "same"],
-        [f"`auto` against every candidate, simulated, {avb_ranks[0]}-{avb_ranks[-1]} GPUs",
-         f"the best candidate at {best} of {len(avb)} points", "same"],
-        ["One host, 16 and 64 MB allreduce",
-         f"np = 2: {span(*np2)}x MPICH's MPI_Allreduce and {span(*gloo2, 0)}x gloo in the "
-         f"same processes; np = 4: {span(*np4)}x MPICH",
-         "[One host](#one-host-allreduce-beside-mpi-and-gloo)"],
-        ["Training (MLP, DDP-style, np = 2, CPU)",
-         f"{conv:.2f}x gloo's samples/s, same accuracy at the same epoch",
-         "[Convergence](#convergence-and-scaling-with-pytorch)"],
+        [
+            "Two emulated hosts x 2 or 4 ranks, 1 Gbit/s, **nothing set**: `auto`",
+            f"{span(lo, hi, 2)}x the link bound (16 and 64 MB, block and cyclic placement); "
+            f"the flat ring {rlo:.2f}-{rhi:.1f}x",
+            "[The testbed](#the-testbed-two-emulated-hosts)",
+        ],
+        [
+            "Two network adapters per host (rails), 64 MB",
+            " and ".join(f"{v:.2f}x ({k})" for k, v in sorted(rails.items()))
+            + " one adapter's speed",
+            "same",
+        ],
+        [
+            "The paper's cluster in the simulator (256 GPUs, 4x16x4, one adapter per host)",
+            f"100 MB in {one[100e6]['time_s'] * 1e3:.1f} ms (paper: 23 ms), 350 MB in "
+            f"{one[350e6]['time_s'] * 1e3:.1f} ms (paper: < 100 ms): "
+            f"{one[100e6]['time_s'] / bound[100e6]:.2f}x and "
+            f"{one[350e6]['time_s'] / bound[350e6]:.2f}x the per-host network bound",
+            "[The paper's cluster](#the-papers-cluster-in-the-simulator)",
+        ],
+        [
+            "The same with 4 adapters per host",
+            f"100 MB in {four['time_s'] * 1e3:.1f} ms, {flat['time_s'] / four['time_s']:.1f}x "
+            "the flat ring",
+            "same",
+        ],
+        [
+            f"`auto` against every candidate, simulated, {avb_ranks[0]}-{avb_ranks[-1]} GPUs",
+            f"the best candidate at {best} of {len(avb)} points",
+            "same",
+        ],
+        [
+            "One host, 16 and 64 MB allreduce",
+            f"np = 2: {span(*np2)}x MPICH's MPI_Allreduce and {span(*gloo2, 0)}x gloo in the "
+            f"same processes; np = 4: {span(*np4)}x MPICH",
+            "[One host](#one-host-allreduce-beside-mpi-and-gloo)",
+        ],
+        [
+            "Training (MLP, DDP-style, np = 2, CPU)",
+            f"{conv:.2f}x gloo's samples/s, same accuracy at the same epoch",
+            "[Convergence](#convergence-and-scaling-with-pytorch)",
+        ],
     ]
     return table(["what", "result", "where"], rows, "lll")
 
 
 RENDERERS: dict[str, Callable[..., str]] = {
-    "summary": summary, "host_allreduce": host_allreduce, "p2p": p2p,
-    "testbed_auto": testbed_auto, "testbed_schedule": testbed_schedule,
-    "testbed_rails": testbed_rails, "paper": paper, "sweep_tables": sweep_tables,
-    "auto_vs_best": auto_vs_best, "convergence": convergence,
+    "summary": summary,
+    "host_allreduce": host_allreduce,
+    "p2p": p2p,
+    "testbed_auto": testbed_auto,
+    "testbed_schedule": testbed_schedule,
+    "testbed_rails": testbed_rails,
+    "paper": paper,
+    "sweep_tables": sweep_tables,
+    "auto_vs_best": auto_vs_best,
+    "convergence": convergence,
 }
 
 PLACEHOLDER = re.compile(r"^\{\{\s*(\w+)((?:\s+[\w.\-]+)*)\s*\}\}$")
@@ -378,23 +503,29 @@ def render(template: str) -> str:
             continue
         name, args = m.group(1), m.group(2).split()
         if name not in RENDERERS:
-            raise SystemExit(f"report_template.md: unknown renderer {name!r} "
-                             f"(known: {', '.join(sorted(RENDERERS))})")
+            raise SystemExit(
+                f"report_template.md: unknown renderer {name!r} "
+                f"(known: {', '.join(sorted(RENDERERS))})"
+            )
         out.append(RENDERERS[name](*args))
     return "\n".join(out).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--check", action="store_true",
-                   help="compare with BENCHMARKS.md instead of writing it")
+    p.add_argument(
+        "--check", action="store_true", help="compare with BENCHMARKS.md instead of writing it"
+    )
     p.add_argument("--output", type=Path, default=OUTPUT)
     a = p.parse_args(argv)
     text = render(TEMPLATE.read_text())
     if a.check:
         if a.output.read_text() != text:
-            print(f"{a.output} is not what `python benchmarks/report.py` gives from "
-                  "benchmarks/results/: run it and commit the result", file=sys.stderr)
+            print(
+                f"{a.output} is not what `python benchmarks/report.py` gives from "
+                "benchmarks/results/: run it and commit the result",
+                file=sys.stderr,
+            )
             return 1
         return 0
     a.output.write_text(text)

@@ -20,8 +20,16 @@ from membw import measure  # benchmarks/ is the script's directory
 from ddlcore import kernels
 
 REDUCE_BYTES = 16 << 20
-DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.int32,
-          np.int64]
+DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.int8,
+    np.uint8,
+    np.int32,
+    np.int64,
+]
 PACK_COUNTS = [1, 10, 100, 1000]
 PACK_ARRAY_BYTES = 4096  # gradient-bucket sized tensors: the per-array cost dominates
 
@@ -71,8 +79,15 @@ def test_reduce_copy_float32(benchmark, bound_gbps, impl):
     a, b = _operands(np.float32, REDUCE_BYTES // 4)
     c = np.empty_like(a)
     if impl == "ddlcore":
-        benchmark(kernels.reduce_copy, c.ctypes.data, a.ctypes.data, b.ctypes.data, a.size,
-                  dtype_code(a.dtype), 0)
+        benchmark(
+            kernels.reduce_copy,
+            c.ctypes.data,
+            a.ctypes.data,
+            b.ctypes.data,
+            a.size,
+            dtype_code(a.dtype),
+            0,
+        )
     else:
         benchmark(np.add, a, b, out=c)
     _report(benchmark, f"{impl} float32 c = a + b", 3 * a.nbytes, bound_gbps)
@@ -96,7 +111,7 @@ def test_pack(benchmark, bound_gbps, k, impl):
 
         def numpy_pack():
             for i, a in enumerate(arrays):
-                view[i * n:(i + 1) * n] = a
+                view[i * n : (i + 1) * n] = a
 
         benchmark(numpy_pack)
     _report(benchmark, f"{impl} pack of {k} x {PACK_ARRAY_BYTES} B", 2 * flat.nbytes, bound_gbps)
@@ -115,7 +130,7 @@ def test_unpack(benchmark, bound_gbps, k, impl):
 
         def numpy_unpack():
             for i, a in enumerate(arrays):
-                a[...] = view[i * n:(i + 1) * n]
+                a[...] = view[i * n : (i + 1) * n]
 
         benchmark(numpy_unpack)
     _report(benchmark, f"{impl} unpack of {k} x {PACK_ARRAY_BYTES} B", 2 * flat.nbytes, bound_gbps)

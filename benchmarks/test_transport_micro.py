@@ -40,8 +40,9 @@ def pair_of_contexts(request):
     contexts = []
 
     def make(rank: int) -> None:
-        contexts.append((rank, cls().create_context(rank, 2, PrefixStore(clients[rank], "m/"),
-                                                    10.0)))
+        contexts.append(
+            (rank, cls().create_context(rank, 2, PrefixStore(clients[rank], "m/"), 10.0))
+        )
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
     for t in threads:

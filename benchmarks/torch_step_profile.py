@@ -30,9 +30,13 @@ def main() -> None:
     torch.set_num_threads(1)
     with ddlcore.init() as comm:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(),
-                                    torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-                                    torch.nn.Linear(1024, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 10),
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if not args.local:
             opt = DistributedOptimizer(opt, comm, model.named_parameters())
@@ -53,8 +57,11 @@ def main() -> None:
                     phases[name].append(dt * 1e3)
         medians = {name: statistics.median(v) for name, v in phases.items()}
         mode = "local" if args.local else "ddlcore"
-        print(f"rank {comm.rank} {mode}: " + " ".join(f"{k} {v:.2f}" for k, v in medians.items())
-              + f" total {sum(medians.values()):.2f} ms")
+        print(
+            f"rank {comm.rank} {mode}: "
+            + " ".join(f"{k} {v:.2f}" for k, v in medians.items())
+            + f" total {sum(medians.values()):.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
+
 try:  # one version source: pyproject.toml, through the installed metadata
     __version__ = _metadata.version("ddlcore")
 except _metadata.PackageNotFoundError:  # a source tree that was never installed

@@ -1,9 +1,9 @@
 """``python -m ddlcore info``: versions, transports, kernels, configuration and algorithm choice.
 
-    python -m ddlcore info            # this process
-    python -m ddlcore info --np 8     # what an 8-rank job on this host would choose
-    python -m ddlcore info --np 8 --hosts 2 --bytes 16e6   # ... on 2 hosts of 4 ranks
-    ddlrun -np 4 python -m ddlcore info --init   # join the job and show per-pair transports
+python -m ddlcore info            # this process
+python -m ddlcore info --np 8     # what an 8-rank job on this host would choose
+python -m ddlcore info --np 8 --hosts 2 --bytes 16e6   # ... on 2 hosts of 4 ranks
+ddlrun -np 4 python -m ddlcore info --init   # join the job and show per-pair transports
 """
 
 from __future__ import annotations
@@ -49,9 +49,15 @@ def _kernels() -> str:
         return f"NOT BUILT: {exc} (reinstall: pip install -e .)"
 
 
-def job_choice(collective: str, topo: topology.Topology, in_bytes: int, algo: str,
-               chunk_bytes: int, host_transport: str | None,
-               direct_reads: bool | None = None) -> tuning.Choice:
+def job_choice(
+    collective: str,
+    topo: topology.Topology,
+    in_bytes: int,
+    algo: str,
+    chunk_bytes: int,
+    host_transport: str | None,
+    direct_reads: bool | None = None,
+) -> tuning.Choice:
     """What `Communicator.describe` says in a job of ``topo``'s shape for a collective of
     ``in_bytes`` of input, without joining one: every rank on one host over shm runs
     ``direct`` (the boards) where the slots hold the call or direct reads are allowed; with
@@ -77,14 +83,24 @@ def job_choice(collective: str, topo: topology.Topology, in_bytes: int, algo: st
     if one_host and shm and algo in ("auto", hostcoll.NAME) and 1 < size <= hostcoll.MAX_RANKS:
         how = mode(in_bytes)
         if how != hostcoll.SYNC_ONLY:
-            return tuning.Choice(hostcoll.NAME,
-                                 hostcoll.CHUNK_BYTES if how == hostcoll.DIRECT else in_bytes)
-    node = (not one_host and shm and algo in ("auto", mdring.NAME) and
-            0 < topo.host_dims < len(topo.dims) and 1 < per_node <= hostcoll.MAX_RANKS)
-    boards = node and collective in host_staged.COLLECTIVES and \
-        mode(host_staged.board_bytes(collective, in_bytes, topo)) != hostcoll.SYNC_ONLY
-    choice = tuning.choose(collective, topo, tuning.model_bytes(collective, in_bytes, size),
-                           algo, chunk_bytes, boards)
+            return tuning.Choice(
+                hostcoll.NAME, hostcoll.CHUNK_BYTES if how == hostcoll.DIRECT else in_bytes
+            )
+    node = (
+        not one_host
+        and shm
+        and algo in ("auto", mdring.NAME)
+        and 0 < topo.host_dims < len(topo.dims)
+        and 1 < per_node <= hostcoll.MAX_RANKS
+    )
+    boards = (
+        node
+        and collective in host_staged.COLLECTIVES
+        and mode(host_staged.board_bytes(collective, in_bytes, topo)) != hostcoll.SYNC_ONLY
+    )
+    choice = tuning.choose(
+        collective, topo, tuning.model_bytes(collective, in_bytes, size), algo, chunk_bytes, boards
+    )
     if boards and choice.algorithm == mdring.NAME and tuning.host_first(topo, choice.dim_order):
         return dataclasses.replace(choice, host_path=hostcoll.NAME)
     return choice
@@ -98,8 +114,10 @@ def _links_source(joined: bool, nhosts: int) -> str:
             which = "" if mode == "1" else " across hosts"
             return f"links{which}: measured at init (DDL_LINK_PROBE={mode}, ddlcore.probe)"
         which = "every link" if mode == "1" else "the links across hosts"
-        return (f"links: defaults; a job on {nhosts} host(s) measures {which} at init "
-                f"(DDL_LINK_PROBE={mode}, ddlcore.probe) and chooses from the measurement")
+        return (
+            f"links: defaults; a job on {nhosts} host(s) measures {which} at init "
+            f"(DDL_LINK_PROBE={mode}, ddlcore.probe) and chooses from the measurement"
+        )
     if config.get("DDL_LINK_BW") and config.get("DDL_LINK_LAT"):
         return "links: given (DDL_LINK_BW, DDL_LINK_LAT)"
     why = " on one host" if mode == "auto" else ""
@@ -107,16 +125,27 @@ def _links_source(joined: bool, nhosts: int) -> str:
 
 
 def info(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddlcore info",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--np", type=int, default=None,
-                        help="world size to plan for; not given: 2, or the job's with --init")
-    parser.add_argument("--hosts", type=int, default=1,
-                        help="hosts the --np ranks are spread over, evenly")
-    parser.add_argument("--bytes", type=float, default=64e6,
-                        help="message size to plan for: each rank's input, as comm.describe")
-    parser.add_argument("--init", action="store_true",
-                        help="join the job (under a launcher) and show what it chose")
+    parser = argparse.ArgumentParser(
+        prog="python -m ddlcore info", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--np",
+        type=int,
+        default=None,
+        help="world size to plan for; not given: 2, or the job's with --init",
+    )
+    parser.add_argument(
+        "--hosts", type=int, default=1, help="hosts the --np ranks are spread over, evenly"
+    )
+    parser.add_argument(
+        "--bytes",
+        type=float,
+        default=64e6,
+        help="message size to plan for: each rank's input, as comm.describe",
+    )
+    parser.add_argument(
+        "--init", action="store_true", help="join the job (under a launcher) and show what it chose"
+    )
     args = parser.parse_args(argv)
 
     spec = config.get("DDL_TRANSPORT")
@@ -130,8 +159,7 @@ def info(argv: list[str]) -> int:
         print(f"  {name:12s} {_version(name)}")
     for name in _BUILD_ONLY:
         found = _version(name)
-        print(f"  {name:12s} {found} "
-              "(needed only to build the extensions from source)")
+        print(f"  {name:12s} {found} (needed only to build the extensions from source)")
     print(f"kernels:\n  cpu          {_kernels()}")
     try:
         import ddlcore.kernels.cuda as kcuda
@@ -182,26 +210,38 @@ def info(argv: list[str]) -> int:
     nhosts = len(set(topo.node_of(r) for r in range(size)))
     print(f"topology ({size} ranks on {nhosts} host(s)): box {topo.shape}: {topo.describe()}")
     print(f"  {_links_source(comm is not None, nhosts)}")
-    print(f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
-          f"ddlcore.tuning):")
+    print(
+        f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
+        f"ddlcore.tuning):"
+    )
     chosen = {}
     for coll in ALGORITHMS:
-        choice = comm.describe(coll, int(args.bytes)) if comm is not None else \
-            job_choice(coll, topo, int(args.bytes), algo, chunk, level_transports.get("host"))
+        choice = (
+            comm.describe(coll, int(args.bytes))
+            if comm is not None
+            else job_choice(coll, topo, int(args.bytes), algo, chunk, level_transports.get("host"))
+        )
         chosen[coll] = choice
         print(f"  {coll:15s} {choice.describe()}")
     if any(c.algorithm == tuning.DIRECT for c in chosen.values()):
-        print(f"    ({tuning.DIRECT}: every rank on one host over shm, so the collectives run "
-              "through the shared boards, not as schedules; the schedules' candidates below "
-              "are what DDL_ALGO=ring|rhd|... would predict)")
+        print(
+            f"    ({tuning.DIRECT}: every rank on one host over shm, so the collectives run "
+            "through the shared boards, not as schedules; the schedules' candidates below "
+            "are what DDL_ALGO=ring|rhd|... would predict)"
+        )
     for coll in tuning.SELECTABLE:
-        ranked = ", ".join(f"{c.algorithm}{'' if c.dim_order is None else list(c.dim_order)} "
-                           f"{c.predicted_s * 1e6:.0f} us"
-                           for c in tuning.candidates(
-                               coll, topo, tuning.model_bytes(coll, int(args.bytes), size))[:4])
+        ranked = ", ".join(
+            f"{c.algorithm}{'' if c.dim_order is None else list(c.dim_order)} "
+            f"{c.predicted_s * 1e6:.0f} us"
+            for c in tuning.candidates(coll, topo, tuning.model_bytes(coll, int(args.bytes), size))[
+                :4
+            ]
+        )
         print(f"    {coll} candidates: {ranked}")
-    print(f"    (predictions within {tuning.TIE:.0%} of the fastest count as a tie, won by the "
-          "simplest algorithm: ring, mdring, rhd, rd in that order)")
+    print(
+        f"    (predictions within {tuning.TIE:.0%} of the fastest count as a tie, won by the "
+        "simplest algorithm: ring, mdring, rhd, rd in that order)"
+    )
     if comm is not None:
         comm.close()
     return 0

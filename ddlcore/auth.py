@@ -52,8 +52,10 @@ _VERDICT = struct.Struct("<II")
 _OK, _REFUSED = 0, 1
 _KEY_LABEL = b"ddlcore job key v1\0"
 _SECRET_BYTES = 32
-_ADVICE = ("Give every rank the same DDL_SECRET or DDL_SECRET_FILE (ddlrun and mpiexec provide "
-           "one themselves; under torchrun, srun or by hand, set one)")
+_ADVICE = (
+    "Give every rank the same DDL_SECRET or DDL_SECRET_FILE (ddlrun and mpiexec provide "
+    "one themselves; under torchrun, srun or by hand, set one)"
+)
 
 
 class AuthenticationError(DDLError):
@@ -89,14 +91,17 @@ def _user_secret() -> tuple[bytes, str]:
         raise DDLError(
             f"no job secret is set and the per-user secret {path} cannot be used ({exc}); set "
             "DDL_SECRET, or DDL_SECRET_FILE to a file only you can read (ddlrun and mpiexec "
-            "provide one themselves)") from None
+            "provide one themselves)"
+        ) from None
 
 
 def _read_secret_file(path: Path, what: str) -> bytes:
     mode = path.stat().st_mode
     if mode & 0o077:
-        raise DDLError(f"{what} {path} can be read by other users (mode {mode & 0o777:o}); "
-                       f"run: chmod 600 {path}")
+        raise DDLError(
+            f"{what} {path} can be read by other users (mode {mode & 0o777:o}); "
+            f"run: chmod 600 {path}"
+        )
     raw = path.read_bytes().strip()
     if not raw:
         raise DDLError(f"{what} {path} is empty")
@@ -120,8 +125,9 @@ def job_secret(environ: Mapping[str, str] | None = None) -> tuple[bytes, str]:
         try:
             return _read_secret_file(Path(path), "DDL_SECRET_FILE"), f"DDL_SECRET_FILE={path}"
         except OSError as exc:
-            raise DDLError(f"DDL_SECRET_FILE={path} cannot be read ({exc.strerror or exc})") \
-                from None
+            raise DDLError(
+                f"DDL_SECRET_FILE={path} cannot be read ({exc.strerror or exc})"
+            ) from None
     return _user_secret()
 
 
@@ -152,8 +158,9 @@ class JobKey:
         return f"JobKey(job={self.job!r}, origin={self.origin!r})"  # never the key
 
     def _mac(self, label: bytes, claim: bytes, nonce_c: bytes, nonce_a: bytes) -> bytes:
-        return hmac.new(self._key, label + b"\0" + claim + nonce_c + nonce_a,
-                        hashlib.sha256).digest()
+        return hmac.new(
+            self._key, label + b"\0" + claim + nonce_c + nonce_a, hashlib.sha256
+        ).digest()
 
     def derive(self, label: bytes, data: bytes) -> bytes:
         """32 bytes that only holders of the key can compute, ``HMAC(key, label | 0 | data)``
@@ -182,19 +189,21 @@ class JobKey:
         magic, _ = _CHALLENGE.unpack_from(challenge)
         if magic != _MAGIC:
             raise AuthenticationError("the other end does not speak ddlcore's handshake")
-        nonce_a = challenge[_CHALLENGE.size:_CHALLENGE.size + NONCE_BYTES]
-        mac_a = challenge[_CHALLENGE.size + NONCE_BYTES:]
+        nonce_a = challenge[_CHALLENGE.size : _CHALLENGE.size + NONCE_BYTES]
+        mac_a = challenge[_CHALLENGE.size + NONCE_BYTES :]
         if not hmac.compare_digest(mac_a, self._mac(b"accept", claim, nonce_c, nonce_a)):
             raise AuthenticationError(
                 "the other end could not prove it holds this job's secret: it belongs to another "
                 f"job, or holds another secret (ours is from {self.origin or 'unknown'}). "
-                + _ADVICE)
+                + _ADVICE
+            )
         sock.sendall(self._mac(b"connect", claim, nonce_c, nonce_a))
         magic, status = _VERDICT.unpack(_recv(sock, _VERDICT.size, deadline))
         if magic != _MAGIC or status != _OK:
             raise AuthenticationError(
                 "the other end refused our proof of the job's secret: the ranks hold different "
-                f"secrets (ours is from {self.origin or 'unknown'}). " + _ADVICE)
+                f"secrets (ours is from {self.origin or 'unknown'}). " + _ADVICE
+            )
 
     def acceptor(self) -> Acceptor:
         """The acceptor's side of one handshake as a state machine over bytes (`Acceptor`), for
@@ -237,8 +246,16 @@ class Acceptor:
     first 8 bytes before asking for the rest, so garbage is refused as soon as it arrives.
     """
 
-    __slots__ = ("_key", "_step", "wants", "claim", "error", "_nonce_c", "_nonce_a",
-                 "_pending_claim")
+    __slots__ = (
+        "_key",
+        "_step",
+        "wants",
+        "claim",
+        "error",
+        "_nonce_c",
+        "_nonce_a",
+        "_pending_claim",
+    )
 
     def __init__(self, key: JobKey) -> None:
         self._key = key
@@ -259,11 +276,17 @@ class Acceptor:
             self._step, self.wants = 1, NONCE_BYTES + nclaim
             return b""
         if self._step == 1:
-            self._nonce_c, self._pending_claim = bytes(data[:NONCE_BYTES]), bytes(data[NONCE_BYTES:])
+            self._nonce_c, self._pending_claim = (
+                bytes(data[:NONCE_BYTES]),
+                bytes(data[NONCE_BYTES:]),
+            )
             self._nonce_a = secrets.token_bytes(NONCE_BYTES)
             self._step, self.wants = 2, MAC_BYTES
-            return (_CHALLENGE.pack(_MAGIC, 0) + self._nonce_a +
-                    self._key._mac(b"accept", self._pending_claim, self._nonce_c, self._nonce_a))
+            return (
+                _CHALLENGE.pack(_MAGIC, 0)
+                + self._nonce_a
+                + self._key._mac(b"accept", self._pending_claim, self._nonce_c, self._nonce_a)
+            )
         expected = self._key._mac(b"connect", self._pending_claim, self._nonce_c, self._nonce_a)
         if not hmac.compare_digest(bytes(data), expected):
             return self._fail("wrong proof of the job's secret", _VERDICT.pack(_MAGIC, _REFUSED))

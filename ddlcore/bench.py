@@ -33,16 +33,31 @@ from ddlcore import config
 from ddlcore.collectives import Collective
 
 COLLECTIVES = tuple(c.value for c in Collective)[:-1]  # no barrier; plain strings for argparse
-DTYPES: dict[str, Any] = {"float": np.float32, "float32": np.float32, "double": np.float64, "float64": np.float64,
-          "half": np.float16, "float16": np.float16, "bfloat16": "bfloat16", "int8": np.int8,
-          "uint8": np.uint8, "int32": np.int32, "int": np.int32, "int64": np.int64}
+DTYPES: dict[str, Any] = {
+    "float": np.float32,
+    "float32": np.float32,
+    "double": np.float64,
+    "float64": np.float64,
+    "half": np.float16,
+    "float16": np.float16,
+    "bfloat16": "bfloat16",
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "int32": np.int32,
+    "int": np.int32,
+    "int64": np.int64,
+}
 PEERS = ("mpi", "gloo")
 
 
 def bus_factor(collective: str, n: int) -> float:
     """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
-    return {Collective.ALLREDUCE: 2 * (n - 1) / n, Collective.REDUCE_SCATTER: (n - 1) / n,
-            Collective.ALLGATHER: (n - 1) / n, Collective.BROADCAST: 1.0}[Collective(collective)]
+    return {
+        Collective.ALLREDUCE: 2 * (n - 1) / n,
+        Collective.REDUCE_SCATTER: (n - 1) / n,
+        Collective.ALLGATHER: (n - 1) / n,
+        Collective.BROADCAST: 1.0,
+    }[Collective(collective)]
 
 
 @dataclass
@@ -83,8 +98,16 @@ def sizes(begin: int, end: int, factor: float) -> list[int]:
 class Case:
     """Buffers and expected results of one (collective, size), shared by every system."""
 
-    def __init__(self, collective: str, nbytes: int, dtype: np.dtype, rank: int, size: int,
-                 op: str, root: int) -> None:
+    def __init__(
+        self,
+        collective: str,
+        nbytes: int,
+        dtype: np.dtype,
+        rank: int,
+        size: int,
+        op: str,
+        root: int,
+    ) -> None:
         self.collective, self.rank, self.size, self.op, self.root = collective, rank, size, op, root
         itemsize = dtype.itemsize
         count = nbytes // itemsize
@@ -98,17 +121,24 @@ class Case:
             # Rank r holds pattern * (r + 1) (pattern alone for prod): the reduction in closed
             # form, so the check costs O(n) memory, not a copy per rank (64 MB x 8 ranks).
             base = pattern.astype(np.float64)
-            factor = {"sum": size * (size + 1) / 2, "avg": (size + 1) / 2, "min": 1.0,
-                      "max": float(size)}
-            full = base ** size if op == "prod" else base * factor[op]
+            factor = {
+                "sum": size * (size + 1) / 2,
+                "avg": (size + 1) / 2,
+                "min": 1.0,
+                "max": float(size),
+            }
+            full = base**size if op == "prod" else base * factor[op]
             if op == "avg" and dtype.kind in "iu":  # integer avg: the exact mean rounded down
                 full = np.floor(full)
             k = count // size
-            self.expect = full if collective == Collective.ALLREDUCE else \
-                full[rank * k:(rank + 1) * k]
+            self.expect = (
+                full if collective == Collective.ALLREDUCE else full[rank * k : (rank + 1) * k]
+            )
             self.out = np.empty(count if collective == Collective.ALLREDUCE else k, dtype)
         elif collective == Collective.ALLGATHER:
-            self.expect = np.concatenate([pattern.astype(np.float64) * (r + 1) for r in range(size)])
+            self.expect = np.concatenate(
+                [pattern.astype(np.float64) * (r + 1) for r in range(size)]
+            )
             self.out = np.empty(count * size, dtype)
         else:
             self.expect = pattern.astype(np.float64) * (root + 1)
@@ -138,8 +168,11 @@ def _device_ops(comm, case: Case, in_place: bool) -> Ops:
 
     c = case.collective
     x = cuda.to_device(case.x)
-    out = x if in_place and c in (Collective.ALLREDUCE, Collective.BROADCAST) else \
-        cuda.to_device(case.out)
+    out = (
+        x
+        if in_place and c in (Collective.ALLREDUCE, Collective.BROADCAST)
+        else cuda.to_device(case.out)
+    )
 
     def reset() -> None:
         if in_place or c == Collective.BROADCAST:
@@ -154,6 +187,7 @@ def _device_ops(comm, case: Case, in_place: bool) -> Ops:
             comm.allgather(x, out=out)
         else:
             comm.broadcast(out, root=case.root)
+
     return reset, run, lambda: out.copy_to_host()
 
 
@@ -166,28 +200,35 @@ def _ddl_ops(comm, case: Case, in_place: bool) -> Ops:
         def reset() -> None:
             if in_place:
                 buf[...] = case.x
+
         return reset, lambda: comm.allreduce(buf, op=case.op, out=out), lambda: out
     if c == Collective.REDUCE_SCATTER:
-        return (_nothing, lambda: comm.reduce_scatter(case.x, op=case.op, out=case.out),
-                lambda: case.out)
+        return (
+            _nothing,
+            lambda: comm.reduce_scatter(case.x, op=case.op, out=case.out),
+            lambda: case.out,
+        )
     if c == Collective.ALLGATHER:
         if in_place:  # the input is this rank's block of the output
             k, out = case.count, case.out
-            mine = out[case.rank * k:(case.rank + 1) * k]
+            mine = out[case.rank * k : (case.rank + 1) * k]
 
             def reset_ag() -> None:
                 mine[...] = case.x
+
             return reset_ag, lambda: comm.allgather(mine, out=out), lambda: out
         return _nothing, lambda: comm.allgather(case.x, out=case.out), lambda: case.out
     buf = case.out
 
     def reset_bcast() -> None:
         buf[...] = case.x
+
     return reset_bcast, lambda: comm.broadcast(buf, root=case.root), lambda: buf
 
 
-def _time(comm, run: Callable[[], None], warmup: int, iters: int,
-          reset: Callable[[], None] = _nothing) -> float:
+def _time(
+    comm, run: Callable[[], None], warmup: int, iters: int, reset: Callable[[], None] = _nothing
+) -> float:
     """The slowest rank's mean time of ``run`` over ``iters`` calls after ``warmup`` calls;
     ``reset`` once before them, outside the timed loop."""
     reset()
@@ -239,12 +280,16 @@ class _MpiPeer:
         try:
             from mpi4py import MPI
         except ImportError:
-            raise SystemExit("ddl-bench: --compare mpi needs mpi4py (pip install 'ddlcore[mpi]')") from None
+            raise SystemExit(
+                "ddl-bench: --compare mpi needs mpi4py (pip install 'ddlcore[mpi]')"
+            ) from None
         self.MPI, self.world = MPI, MPI.COMM_WORLD
         if self.world.Get_size() != comm.size:
-            raise SystemExit(f"ddl-bench: --compare mpi needs the job started by mpiexec "
-                             f"(MPI sees {self.world.Get_size()} ranks, ddlcore {comm.size}); "
-                             f"run: mpiexec -n {comm.size} ddl-bench ...")
+            raise SystemExit(
+                f"ddl-bench: --compare mpi needs the job started by mpiexec "
+                f"(MPI sees {self.world.Get_size()} ranks, ddlcore {comm.size}); "
+                f"run: mpiexec -n {comm.size} ddl-bench ..."
+            )
         self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
     def supports(self, case: Case) -> bool:
@@ -269,7 +314,9 @@ class _GlooPeer:
             import torch
             import torch.distributed as dist
         except ImportError:
-            raise SystemExit("ddl-bench: --compare gloo needs torch (pip install 'ddlcore[torch]')") from None
+            raise SystemExit(
+                "ddl-bench: --compare gloo needs torch (pip install 'ddlcore[torch]')"
+            ) from None
         self.torch, self.dist = torch, dist
         import socket
 
@@ -280,10 +327,15 @@ class _GlooPeer:
                 port[0] = s.getsockname()[1]
         comm.broadcast(port, root=0)
         addr = _master_addr()
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{int(port[0])}",
-                                rank=comm.rank, world_size=comm.size)
-        self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-                     "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{addr}:{int(port[0])}", rank=comm.rank, world_size=comm.size
+        )
+        self._ops = {
+            "sum": dist.ReduceOp.SUM,
+            "prod": dist.ReduceOp.PRODUCT,
+            "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX,
+        }
 
     def supports(self, case: Case) -> bool:
         return case.op in self._ops and case.x.dtype.kind != "V"
@@ -292,9 +344,11 @@ class _GlooPeer:
         t, dist, c = self.torch, self.dist, case.collective
         x, out = t.from_numpy(case.x), t.from_numpy(case.out)
         if c == Collective.ALLREDUCE:
+
             def run() -> None:
                 out.copy_(x)
                 dist.all_reduce(out, op=self._ops[case.op])
+
             return run
         if c == Collective.REDUCE_SCATTER:
             return lambda: dist.reduce_scatter_tensor(out, x, op=self._ops[case.op])
@@ -344,33 +398,42 @@ def run(args: argparse.Namespace) -> list[Row]:
         membw = memory_bandwidth(comm)
         bound = single_copy_bound(args.collective, n, membw["add_GBps"])
         if lead:
-            print(f"# memory bandwidth, all {n} ranks streaming at once (64 MiB, bytes read + "
-                  f"written, per rank): copy {membw['copy_GBps']:.1f} GB/s, a+=b "
-                  f"{membw['add_GBps']:.1f} GB/s; single-copy allreduce bound {bound:.2f} GB/s "
-                  "busbw")
+            print(
+                f"# memory bandwidth, all {n} ranks streaming at once (64 MiB, bytes read + "
+                f"written, per rank): copy {membw['copy_GBps']:.1f} GB/s, a+=b "
+                f"{membw['add_GBps']:.1f} GB/s; single-copy allreduce bound {bound:.2f} GB/s "
+                "busbw"
+            )
     if lead:
         choice = comm.describe(args.collective, args.maxbytes)
-        print(f"# ddl-bench: {args.collective}, {n} ranks on {comm.nhosts} host(s), "
-              f"transport {sorted(set(comm.transports.values())) or ['none']}, algorithm "
-              f"{choice.algorithm}, chunk {choice.chunk_bytes} B, dtype {dtype}, op {args.op}, "
-              f"{args.memory} memory, "
-              f"warmup {args.warmup}, iters {args.iters}")
+        print(
+            f"# ddl-bench: {args.collective}, {n} ranks on {comm.nhosts} host(s), "
+            f"transport {sorted(set(comm.transports.values())) or ['none']}, algorithm "
+            f"{choice.algorithm}, chunk {choice.chunk_bytes} B, dtype {dtype}, op {args.op}, "
+            f"{args.memory} memory, "
+            f"warmup {args.warmup}, iters {args.iters}"
+        )
         peer_head = "".join(f" {p.name + ':busbw':>11s} {'ratio':>6s}" for p in peers)
         peer_head += f" {'%bound':>6s}" if args.membw else ""
         print("#" + " " * 54 + "out-of-place" + " " * 23 + "in-place")
-        print(f"# {'size':>10s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s} "
-              f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s} "
-              f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s}{peer_head}")
-        print(f"# {'(B)':>10s} {'(elements)':>12s} {'':>8s} {'':>6s} {'':>5s} "
-              f"{'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s} {'':>6s} "
-              f"{'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s}")
+        print(
+            f"# {'size':>10s} {'count':>12s} {'type':>8s} {'redop':>6s} {'root':>5s} "
+            f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s} "
+            f"{'time':>9s} {'algbw':>7s} {'busbw':>7s} {'#wrong':>6s}{peer_head}"
+        )
+        print(
+            f"# {'(B)':>10s} {'(elements)':>12s} {'':>8s} {'':>6s} {'':>5s} "
+            f"{'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s} {'':>6s} "
+            f"{'(us)':>9s} {'(GB/s)':>7s} {'(GB/s)':>7s}"
+        )
     for i, nbytes in enumerate(sweep):
         case = Case(args.collective, nbytes, dtype, comm.rank, n, args.op, args.root)
         iters = max(1, args.iters)
         results = []
         for in_place in (False, True):
-            reset, op, got = (_device_ops if args.memory == "cuda" else _ddl_ops)(comm, case,
-                                                                                    in_place)
+            reset, op, got = (_device_ops if args.memory == "cuda" else _ddl_ops)(
+                comm, case, in_place
+            )
             t = _time(comm, op, args.warmup, iters, reset)
             wrong = 0
             if args.check:  # from fresh inputs: in place, the timed calls reduced the results
@@ -379,8 +442,15 @@ def run(args: argparse.Namespace) -> list[Row]:
                 wrong = int(comm.allreduce(np.array([case.wrong(got())], np.int64))[0])
             algbw = case.nbytes() / t / 1e9 if t > 0 else 0.0
             results.append((t * 1e6, algbw, algbw * factor, wrong))
-        row = Row(case.nbytes(), case.count, str(dtype), args.op, args.root if
-                  args.collective == Collective.BROADCAST else -1, *results[0], *results[1])
+        row = Row(
+            case.nbytes(),
+            case.count,
+            str(dtype),
+            args.op,
+            args.root if args.collective == Collective.BROADCAST else -1,
+            *results[0],
+            *results[1],
+        )
         for peer in peers:
             if peer.supports(case):
                 t = _time(comm, peer.op(case), args.warmup, iters)
@@ -394,10 +464,13 @@ def run(args: argparse.Namespace) -> list[Row]:
                 peer_cols += f" {bw if bw is not None else float('nan'):11.2f} {ratio:6.2f}"
             if args.membw:
                 peer_cols += f" {100 * row.busbw / bound:6.0f}"
-            print(f"  {row.size:10d} {row.count:12d} {row.type:>8s} {row.redop:>6s} {row.root:5d} "
-                  f"{row.time_us:9.1f} {row.algbw:7.2f} {row.busbw:7.2f} {row.wrong:6d} "
-                  f"{row.ip_time_us:9.1f} {row.ip_algbw:7.2f} {row.ip_busbw:7.2f} {row.ip_wrong:6d}"
-                  f"{peer_cols}", flush=True)
+            print(
+                f"  {row.size:10d} {row.count:12d} {row.type:>8s} {row.redop:>6s} {row.root:5d} "
+                f"{row.time_us:9.1f} {row.algbw:7.2f} {row.busbw:7.2f} {row.wrong:6d} "
+                f"{row.ip_time_us:9.1f} {row.ip_algbw:7.2f} {row.ip_busbw:7.2f} {row.ip_wrong:6d}"
+                f"{peer_cols}",
+                flush=True,
+            )
             if args.progress:
                 print(f"\r[{i + 1}/{len(sweep)}] {nbytes} B", end="", file=sys.stderr, flush=True)
     if lead:
@@ -419,11 +492,15 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int,
-                   membw: dict[str, float] | None, bound: float) -> None:
+def _write_outputs(
+    args: argparse.Namespace, rows: list[Row], n: int, membw: dict[str, float] | None, bound: float
+) -> None:
     if args.json:
-        doc: dict[str, Any] = {"collective": args.collective, "nranks": n,
-                               "rows": [asdict(r) for r in rows]}
+        doc: dict[str, Any] = {
+            "collective": args.collective,
+            "nranks": n,
+            "rows": [asdict(r) for r in rows],
+        }
         if membw is not None:
             doc["memory_bandwidth"] = membw
             doc["single_copy_bound_busbw"] = bound
@@ -432,11 +509,26 @@ def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int,
     if args.csv:
         with open(args.csv, "w") as f:
             peers = sorted({p for r in rows for p in r.peers})
-            f.write("size,count,type,redop,root,time_us,algbw,busbw,wrong,ip_time_us,ip_algbw,"
-                    "ip_busbw,ip_wrong" + "".join(f",{p}_busbw" for p in peers) + "\n")
+            f.write(
+                "size,count,type,redop,root,time_us,algbw,busbw,wrong,ip_time_us,ip_algbw,"
+                "ip_busbw,ip_wrong" + "".join(f",{p}_busbw" for p in peers) + "\n"
+            )
             for r in rows:
-                vals = [r.size, r.count, r.type, r.redop, r.root, r.time_us, r.algbw, r.busbw,
-                        r.wrong, r.ip_time_us, r.ip_algbw, r.ip_busbw, r.ip_wrong]
+                vals = [
+                    r.size,
+                    r.count,
+                    r.type,
+                    r.redop,
+                    r.root,
+                    r.time_us,
+                    r.algbw,
+                    r.busbw,
+                    r.wrong,
+                    r.ip_time_us,
+                    r.ip_algbw,
+                    r.ip_busbw,
+                    r.ip_wrong,
+                ]
                 vals += [r.peers.get(p, "") for p in peers]
                 f.write(",".join(str(v) for v in vals) + "\n")
     if args.plot:
@@ -452,8 +544,12 @@ def _write_outputs(args: argparse.Namespace, rows: list[Row], n: int,
         xs = [r.size for r in rows]
         ax.plot(xs, [r.busbw for r in rows], marker="o", label="ddlcore")
         for p in sorted({p for r in rows for p in r.peers}):
-            ax.plot([r.size for r in rows if p in r.peers], [r.peers[p] for r in rows if p in r.peers],
-                    marker="s", label=p)
+            ax.plot(
+                [r.size for r in rows if p in r.peers],
+                [r.peers[p] for r in rows if p in r.peers],
+                marker="s",
+                label=p,
+            )
         if membw is not None and bound == bound:
             ax.axhline(bound, color="grey", linestyle="--", label="single-copy memory bound")
         ax.set_xscale("log", base=2)
@@ -471,44 +567,87 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddl-bench", description=__doc__,
-                                formatter_class=_HelpFormatter)
-    p.add_argument("-C", "--collective", choices=COLLECTIVES, default="allreduce",
-                   help="the collective to time")
-    p.add_argument("-b", "--minbytes", type=config.parse_size, default=config.parse_size("8"),
-                   help="smallest message in bytes (K/M/G suffixes)")
-    p.add_argument("-e", "--maxbytes", type=config.parse_size, default=config.parse_size("32M"),
-                   help="largest message in bytes (K/M/G suffixes)")
-    p.add_argument("-f", "--stepfactor", type=float, default=2.0,
-                   help="multiply the size by this from one row to the next")
+    p = argparse.ArgumentParser(
+        prog="ddl-bench", description=__doc__, formatter_class=_HelpFormatter
+    )
+    p.add_argument(
+        "-C",
+        "--collective",
+        choices=COLLECTIVES,
+        default="allreduce",
+        help="the collective to time",
+    )
+    p.add_argument(
+        "-b",
+        "--minbytes",
+        type=config.parse_size,
+        default=config.parse_size("8"),
+        help="smallest message in bytes (K/M/G suffixes)",
+    )
+    p.add_argument(
+        "-e",
+        "--maxbytes",
+        type=config.parse_size,
+        default=config.parse_size("32M"),
+        help="largest message in bytes (K/M/G suffixes)",
+    )
+    p.add_argument(
+        "-f",
+        "--stepfactor",
+        type=float,
+        default=2.0,
+        help="multiply the size by this from one row to the next",
+    )
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
-    p.add_argument("-w", "--warmup", type=int, default=5,
-                   help="untimed iterations before them")
-    p.add_argument("-c", "--check", type=int, default=1,
-                   help="check results (1) or not (0); checked outside the timed loop")
-    p.add_argument("-o", "--op", choices=("sum", "prod", "min", "max", "avg"), default="sum",
-                   help="reduction op (integer avg: the exact mean rounded down)")
-    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float",
-                   help="element type")
+    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations before them")
+    p.add_argument(
+        "-c",
+        "--check",
+        type=int,
+        default=1,
+        help="check results (1) or not (0); checked outside the timed loop",
+    )
+    p.add_argument(
+        "-o",
+        "--op",
+        choices=("sum", "prod", "min", "max", "avg"),
+        default="sum",
+        help="reduction op (integer avg: the exact mean rounded down)",
+    )
+    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float", help="element type")
     p.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank")
-    p.add_argument("--memory", choices=("host", "cuda"), default="host",
-                   help="where the buffers live (cuda: Numba device arrays, needs numba-cuda "
-                        "and a GPU)")
-    p.add_argument("--transport", default=None,
-                   help="like DDL_TRANSPORT: auto, shm, tcp, mpi, ucx (None: the variable's)")
-    p.add_argument("--algo", default=None,
-                   help="like DDL_ALGO: auto, ring, mdring, rhd, rd, direct (None: the "
-                        "variable's)")
-    p.add_argument("--compare", default="",
-                   help="peers to time in the same job, comma-separated: mpi (needs mpiexec), "
-                        "gloo (needs torch)")
+    p.add_argument(
+        "--memory",
+        choices=("host", "cuda"),
+        default="host",
+        help="where the buffers live (cuda: Numba device arrays, needs numba-cuda and a GPU)",
+    )
+    p.add_argument(
+        "--transport",
+        default=None,
+        help="like DDL_TRANSPORT: auto, shm, tcp, mpi, ucx (None: the variable's)",
+    )
+    p.add_argument(
+        "--algo",
+        default=None,
+        help="like DDL_ALGO: auto, ring, mdring, rhd, rd, direct (None: the variable's)",
+    )
+    p.add_argument(
+        "--compare",
+        default="",
+        help="peers to time in the same job, comma-separated: mpi (needs mpiexec), "
+        "gloo (needs torch)",
+    )
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--csv", default=None, help="write the rows as CSV to this file")
     p.add_argument("--plot", default=None, help="draw busbw vs size to this PNG (matplotlib)")
     p.add_argument("--progress", action="store_true", help="progress on stderr")
-    p.add_argument("--membw", action="store_true",
-                   help="measure the memory bandwidth with every rank streaming, and print each "
-                        "allreduce size's busbw as a percentage of the single-copy bound")
+    p.add_argument(
+        "--membw",
+        action="store_true",
+        help="measure the memory bandwidth with every rank streaming, and print each "
+        "allreduce size's busbw as a percentage of the single-copy bound",
+    )
     return p
 
 

@@ -73,12 +73,17 @@ def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] 
     log.debug("rank %d: the job's secret comes from %s", info.rank, origin)
     with _servers_lock:
         if info.rank == 0 and key not in _servers:
-            _servers[key] = StoreServer(info.master_addr, info.master_port, job_key=job_key,
-                                        max_connections=_store_connections(info.size))
+            _servers[key] = StoreServer(
+                info.master_addr,
+                info.master_port,
+                job_key=job_key,
+                max_connections=_store_connections(info.size),
+            )
         generation = _generation.get(key, 0)
         _generation[key] = generation + 1
-    client = StoreClient(info.master_addr, info.master_port, timeout, rank=info.rank,
-                         size=info.size, job_key=job_key)
+    client = StoreClient(
+        info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size, job_key=job_key
+    )
     return client, PrefixStore(client, f"g{generation}/")
 
 
@@ -91,8 +96,9 @@ def _let_peers_finish(info: RendezvousInfo, timeout: float) -> None:
         server.wait_idle(min(timeout, _LINGER_S))
 
 
-def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links, store: Any,
-                      timeout: float, algo: str) -> hostcoll.HostCollectives | None:
+def _host_collectives(
+    info: RendezvousInfo, peers: list[PeerInfo], links: Links, store: Any, timeout: float, algo: str
+) -> hostcoll.HostCollectives | None:
     """The shared-memory host collectives, when every rank is on this host and talks shm (and
     DDL_ALGO leaves the choice to us); an error if DDL_ALGO=direct asks for them elsewhere."""
     if algo not in ("auto", hostcoll.NAME):
@@ -108,35 +114,46 @@ def _host_collectives(info: RendezvousInfo, peers: list[PeerInfo], links: Links,
         if algo == hostcoll.NAME:
             # Every rank comes to this; none may leave (taking rank 0's store) before all have.
             store.barrier("direct", info.rank, info.size, timeout)
-            raise ValueError(f"DDL_ALGO={hostcoll.NAME} needs every rank on one host over the shm "
-                             f"transport, but {why}")
+            raise ValueError(
+                f"DDL_ALGO={hostcoll.NAME} needs every rank on one host over the shm "
+                f"transport, but {why}"
+            )
         return None
     return _connected(hostcoll.HostCollectives(info.rank, info.size, store, timeout), store)
 
 
-def _node_collectives(info: RendezvousInfo, peers: list[PeerInfo], topo: topology.Topology,
-                      links: Links, store: Any, timeout: float,
-                      algo: str) -> hostcoll.HostCollectives | None:
+def _node_collectives(
+    info: RendezvousInfo,
+    peers: list[PeerInfo],
+    topo: topology.Topology,
+    links: Links,
+    store: Any,
+    timeout: float,
+    algo: str,
+) -> hostcoll.HostCollectives | None:
     """Host collectives among the ranks of this host, when the box has host and network
     dimensions: mdring then runs its host dimensions through them (`Communicator`)."""
-    if algo not in ("auto", mdring.NAME) or topo.host_dims == 0 or \
-            topo.host_dims == len(topo.dims):
+    if algo not in ("auto", mdring.NAME) or topo.host_dims == 0 or topo.host_dims == len(topo.dims):
         return None
     per_node = topo.ranks_per_node
     node = topo.node_of(info.rank)
     group = [topo.order[node * per_node + g] for g in range(per_node)]
     boards = None
-    if 1 < per_node <= hostcoll.MAX_RANKS and \
-            all(peers[q].host_id == peers[info.rank].host_id for q in group) and \
-            all(links.choice.get(q) == "shm" for q in group if q != info.rank):
+    if (
+        1 < per_node <= hostcoll.MAX_RANKS
+        and all(peers[q].host_id == peers[info.rank].host_id for q in group)
+        and all(links.choice.get(q) == "shm" for q in group if q != info.rank)
+    ):
         index = topo.position(info.rank) % per_node  # (the same on every rank of this host)
-        boards = _connected(hostcoll.HostCollectives(index, per_node, store, timeout,
-                                                     f"n{node}/", group), store)
+        boards = _connected(
+            hostcoll.HostCollectives(index, per_node, store, timeout, f"n{node}/", group), store
+        )
     return _agreed_across_hosts(info, boards, store, timeout)
 
 
-def _agreed_across_hosts(info: RendezvousInfo, boards: hostcoll.HostCollectives | None,
-                         store: Any, timeout: float) -> hostcoll.HostCollectives | None:
+def _agreed_across_hosts(
+    info: RendezvousInfo, boards: hostcoll.HostCollectives | None, store: Any, timeout: float
+) -> hostcoll.HostCollectives | None:
     """Every host keeps its boards only if every host has some, and reads directly only if
     every host can (a kernel's Yama setting is per host): a collective takes the host-staged
     path on every rank or on none, since an allreduce's segments there are not the messages
@@ -151,13 +168,17 @@ def _agreed_across_hosts(info: RendezvousInfo, boards: hostcoll.HostCollectives 
             boards.close()
         raise
     if boards is not None and without:
-        log.debug("rank %d: host collectives off: %d rank(s) on other hosts have none",
-                  info.rank, without)
+        log.debug(
+            "rank %d: host collectives off: %d rank(s) on other hosts have none", info.rank, without
+        )
         boards.close()
         return None
     if boards is not None and no_direct and boards.direct:
-        log.debug("rank %d: direct reads off: %d rank(s) on other hosts cannot read directly",
-                  info.rank, no_direct)
+        log.debug(
+            "rank %d: direct reads off: %d rank(s) on other hosts cannot read directly",
+            info.rank,
+            no_direct,
+        )
         boards.direct = False
     return boards
 
@@ -171,10 +192,18 @@ def _connected(host: hostcoll.HostCollectives, store: Any) -> hostcoll.HostColle
     return host
 
 
-def init(*, rank: int | None = None, size: int | None = None, master_addr: str | None = None,
-         master_port: int | None = None, transport: str | None = None,
-         timeout: float | None = None, algo: str | None = None,
-         environ: Mapping[str, str] | None = None, store: Any = None) -> Communicator:
+def init(
+    *,
+    rank: int | None = None,
+    size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    transport: str | None = None,
+    timeout: float | None = None,
+    algo: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    store: Any = None,
+) -> Communicator:
     """Join the job and return its `Communicator`.
 
     Parameters
@@ -206,19 +235,31 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         raise ValueError("store= needs rank= and size=, and takes no master_addr/master_port")
     info = detect(environ)
     if rank is not None or size is not None:
-        info = RendezvousInfo(info.rank if rank is None else rank,
-                              info.size if size is None else size,
-                              info.master_addr, info.master_port, "arguments")
+        info = RendezvousInfo(
+            info.rank if rank is None else rank,
+            info.size if size is None else size,
+            info.master_addr,
+            info.master_port,
+            "arguments",
+        )
     if master_addr is not None or master_port is not None:
-        info = RendezvousInfo(info.rank, info.size, master_addr or info.master_addr,
-                              master_port or info.master_port, info.source)
+        info = RendezvousInfo(
+            info.rank,
+            info.size,
+            master_addr or info.master_addr,
+            master_port or info.master_port,
+            info.source,
+        )
     if not 0 <= info.rank < info.size:
         raise ValueError(f"rank={info.rank} must be in [0, size={info.size})")
     timeout = config.get("DDL_TIMEOUT", environ) if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be positive")
-    spec = config.VARS["DDL_TRANSPORT"].parse(transport) if transport else config.get(
-        "DDL_TRANSPORT", environ)
+    spec = (
+        config.VARS["DDL_TRANSPORT"].parse(transport)
+        if transport
+        else config.get("DDL_TRANSPORT", environ)
+    )
     if config.get("DDL_DEBUG", environ) and not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[ddlcore] %(message)s"))
@@ -227,8 +268,10 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     host_id = topology.host_identity(environ)
     if info.size == 1:
         if info.source == "single process":  # DDL_DEBUG=1 says why a job is alone
-            log.info("rank 0 of 1: no launcher variables are set, so this process is a world of "
-                     "one; start N ranks with: ddlrun -np N python prog.py")
+            log.info(
+                "rank 0 of 1: no launcher variables are set, so this process is a world of "
+                "one; start N ranks with: ddlrun -np N python prog.py"
+            )
         return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
     if store is not None:
         info = via_torch_store(store, info.rank, info.size, timeout, environ)
@@ -240,26 +283,37 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
     host = node = None
     try:
         # Read once by every rank, then freed by the store.
-        store.set(f"peer/{info.rank}", _encode_peer(host_id, names, topology.rack_identity(environ)),
-                  readers=info.size)
+        store.set(
+            f"peer/{info.rank}",
+            _encode_peer(host_id, names, topology.rack_identity(environ)),
+            readers=info.size,
+        )
         store.barrier("init", info.rank, info.size, timeout)
         records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
         peers = [peer for peer, _ in records]
         # Every rank has read every record before any can fail on the topology (a box that does
         # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
         store.barrier("peers", info.rank, info.size, timeout)
-        topo = topology.build([p.host_id for p in peers], [rack for _, rack in records],
-                              level_transports(spec, peers), environ)
+        topo = topology.build(
+            [p.host_id for p in peers],
+            [rack for _, rack in records],
+            level_transports(spec, peers),
+            environ,
+        )
         links = Links(info.rank, info.size, spec, peers, store, timeout)
         host_ids = [p.host_id for p in peers]
         probing = config.get("DDL_LINK_PROBE", environ)
         if probe.wanted(probing, len(set(host_ids)), environ):
-            topo = probe.measure(topo, info.rank, links, store, timeout, host_ids, environ,
-                                 in_host=probing == "1")
+            topo = probe.measure(
+                topo, info.rank, links, store, timeout, host_ids, environ, in_host=probing == "1"
+            )
         algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
         host = _host_collectives(info, peers, links, store, timeout, algo_name)
-        node = None if host is not None else \
-            _node_collectives(info, peers, topo, links, store, timeout, algo_name)
+        node = (
+            None
+            if host is not None
+            else _node_collectives(info, peers, topo, links, store, timeout, algo_name)
+        )
         comm = Communicator(info, peers, client, links, timeout, environ, algo, topo, host, node)
     except BaseException:
         for part in (host, node, links):
@@ -271,7 +325,15 @@ def init(*, rank: int | None = None, size: int | None = None, master_addr: str |
         client.close()
         _let_peers_finish(info, timeout)
         raise
-    log.debug("rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",
-              comm.rank, comm.size, info.source, host_id, comm.local_rank, comm.local_size,
-              sorted(set(links.choice.values())), topo.describe())
+    log.debug(
+        "rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",
+        comm.rank,
+        comm.size,
+        info.source,
+        host_id,
+        comm.local_rank,
+        comm.local_size,
+        sorted(set(links.choice.values())),
+        topo.describe(),
+    )
     return comm

@@ -55,7 +55,7 @@ class BufferDesc:
         """A writable byte view of elements [start, stop) of a host buffer."""
         stop = self.count if stop is None else stop
         flat = self.array.reshape(-1).view(np.uint8)
-        return memoryview(flat[start * self.itemsize: stop * self.itemsize])
+        return memoryview(flat[start * self.itemsize : stop * self.itemsize])
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -66,11 +66,14 @@ def _from_numpy(arr: np.ndarray, argname: str, wrap: Callable[[np.ndarray], Any]
     code = dtype_code(arr.dtype)
     if code is None:
         names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{argname} has dtype {arr.dtype}, which ddlcore cannot reduce; "
-                        f"supported: {names}")
+        raise TypeError(
+            f"{argname} has dtype {arr.dtype}, which ddlcore cannot reduce; supported: {names}"
+        )
     if not arr.flags.c_contiguous:
-        raise ValueError(f"{argname} is not C-contiguous (strides {arr.strides}); "
-                         f"pass np.ascontiguousarray({argname})")
+        raise ValueError(
+            f"{argname} is not C-contiguous (strides {arr.strides}); "
+            f"pass np.ascontiguousarray({argname})"
+        )
     return BufferDesc(
         ptr=array_address(arr) if arr.size else 0,
         nbytes=arr.nbytes,
@@ -88,24 +91,38 @@ def _from_device(obj: Any, argname: str) -> BufferDesc:
     try:
         nb = device.numba_view(obj)
     except ImportError:
-        raise TypeError(f"{argname} is a CUDA array; the GPU path needs numba-cuda "
-                        "(pip install 'ddlcore[cuda]')") from None
+        raise TypeError(
+            f"{argname} is a CUDA array; the GPU path needs numba-cuda "
+            "(pip install 'ddlcore[cuda]')"
+        ) from None
     except Exception as exc:  # numba's CudaSupportError and friends: no driver, no device
-        raise TypeError(f"{argname} is a CUDA array but CUDA is not usable in this process: "
-                        f"{exc}") from None
+        raise TypeError(
+            f"{argname} is a CUDA array but CUDA is not usable in this process: {exc}"
+        ) from None
     # a PyTorch bfloat16 tensor arrives as its int16 bits (Numba has no bfloat16 arrays)
     dtype = np.dtype(ml_dtypes.bfloat16) if device.torch_bfloat16(obj) else np.dtype(nb.dtype)
     code = dtype_code(dtype)
     if code is None:
         names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{argname} has dtype {dtype}, which ddlcore cannot reduce; supported: {names}")
+        raise TypeError(
+            f"{argname} has dtype {dtype}, which ddlcore cannot reduce; supported: {names}"
+        )
     if not nb.is_c_contiguous():
         raise ValueError(f"{argname} is not C-contiguous; make a contiguous copy on the device")
     shape = tuple(int(s) for s in nb.shape)
     count = int(np.prod(shape, dtype=np.int64))
-    return BufferDesc(ptr=device.pointer_of(nb), nbytes=count * dtype.itemsize, count=count,
-                      dtype=dtype, code=code, shape=shape, memory=MemoryKind.CUDA,
-                      device=device.device_of(obj), array=nb, wrap=device.result_wrapper(obj))
+    return BufferDesc(
+        ptr=device.pointer_of(nb),
+        nbytes=count * dtype.itemsize,
+        count=count,
+        dtype=dtype,
+        code=code,
+        shape=shape,
+        memory=MemoryKind.CUDA,
+        device=device.device_of(obj),
+        array=nb,
+        wrap=device.result_wrapper(obj),
+    )
 
 
 def _torch_wrap(arr: np.ndarray) -> Any:
@@ -149,14 +166,18 @@ def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
         try:
             arr = np.from_dlpack(obj)
         except (BufferError, TypeError, RuntimeError) as exc:
-            raise TypeError(f"{argname} ({type(obj).__name__}) exports DLPack but not host memory "
-                            f"NumPy can view: {exc}") from None
+            raise TypeError(
+                f"{argname} ({type(obj).__name__}) exports DLPack but not host memory "
+                f"NumPy can view: {exc}"
+            ) from None
         return _from_numpy(arr, argname, _torch_wrap if module == "torch" else (lambda a: a))
     try:
         view = memoryview(obj)
     except TypeError:
-        raise TypeError(f"{argname} must be an array (NumPy, buffer protocol or DLPack), "
-                        f"not {type(obj).__name__}") from None
+        raise TypeError(
+            f"{argname} must be an array (NumPy, buffer protocol or DLPack), "
+            f"not {type(obj).__name__}"
+        ) from None
     if not view.c_contiguous:
         raise ValueError(f"{argname} is not C-contiguous")
     return _from_numpy(np.asarray(view), argname, lambda a: a)
@@ -169,8 +190,17 @@ def empty_like(desc: BufferDesc, shape: tuple[int, ...] | None = None) -> Buffer
         with device.on_device(desc.device):  # the input's GPU, whichever is current here
             nb = device.empty(shape, desc.dtype)
         count = int(np.prod(shape, dtype=np.int64))
-        return BufferDesc(ptr=device.pointer_of(nb), nbytes=count * desc.itemsize, count=count,
-                          dtype=desc.dtype, code=desc.code, shape=tuple(shape),
-                          memory=MemoryKind.CUDA, device=desc.device, array=nb, wrap=desc.wrap)
+        return BufferDesc(
+            ptr=device.pointer_of(nb),
+            nbytes=count * desc.itemsize,
+            count=count,
+            dtype=desc.dtype,
+            code=desc.code,
+            shape=tuple(shape),
+            memory=MemoryKind.CUDA,
+            device=desc.device,
+            array=nb,
+            wrap=desc.wrap,
+        )
     arr = np.empty(shape, dtype=desc.dtype)
     return _from_numpy(arr, "out", desc.wrap)

@@ -46,9 +46,11 @@ def output(x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc,
         return desc, desc.wrap(desc.array)
     desc = as_buffer(out, "out")
     if (desc.memory, desc.device) != (x.memory, x.device):
-        raise ValueError(f"out is in {desc.memory.value} memory (device {desc.device}) but x is "
-                         f"in {x.memory.value} memory (device {x.device}); pass both on the "
-                         "same device")
+        raise ValueError(
+            f"out is in {desc.memory.value} memory (device {desc.device}) but x is "
+            f"in {x.memory.value} memory (device {x.device}); pass both on the "
+            "same device"
+        )
     if desc.dtype != x.dtype:
         raise TypeError(f"out has dtype {desc.dtype} but x has {x.dtype}")
     expected = math.prod(shape)
@@ -72,8 +74,10 @@ def prepare(collective: Collective, x: Any, op: Any, out: Any, root: int, size: 
         od, result = output(xd, out, xd.shape)
     elif collective == Collective.REDUCE_SCATTER:
         if xd.count % size:
-            raise ValueError(f"x has {xd.count} elements, not divisible by the communicator "
-                             f"size {size}; reduce_scatter needs size * k elements")
+            raise ValueError(
+                f"x has {xd.count} elements, not divisible by the communicator "
+                f"size {size}; reduce_scatter needs size * k elements"
+            )
         shape = xd.shape
         if len(shape) >= 1 and shape[0] % size == 0:
             out_shape = (shape[0] // size, *shape[1:])
@@ -100,10 +104,14 @@ def prepare(collective: Collective, x: Any, op: Any, out: Any, root: int, size: 
 def fingerprint(call: Call) -> bytes:
     """The call's collective, dtype, op, root and element count in 20 bytes: what ranks compare
     where their messages carry no check word (`engine.agree`)."""
-    return _FINGERPRINT.pack(_FINGERPRINT_MAGIC, COLLECTIVES.index(call.collective),
-                             int(call.inp.code) if call.inp is not None else _NONE,
-                             int(call.op) if call.op is not None else _NONE, call.root,
-                             call.count)
+    return _FINGERPRINT.pack(
+        _FINGERPRINT_MAGIC,
+        COLLECTIVES.index(call.collective),
+        int(call.inp.code) if call.inp is not None else _NONE,
+        int(call.op) if call.op is not None else _NONE,
+        call.root,
+        call.count,
+    )
 
 
 def describe_fingerprint(raw: bytes) -> str:

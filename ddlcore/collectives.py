@@ -22,4 +22,3 @@ class Collective(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
-

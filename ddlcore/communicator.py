@@ -62,11 +62,19 @@ class Communicator:
         Rank among, and number of, the ranks on this host.
     """
 
-    def __init__(self, info: RendezvousInfo, peers: list[PeerInfo], store: Any, links: Links | None,
-                 timeout: float, environ: Mapping[str, str] | None = None,
-                 algo: str | None = None, topo: topology.Topology | None = None,
-                 host: hostcoll.HostCollectives | None = None,
-                 node: hostcoll.HostCollectives | None = None) -> None:
+    def __init__(
+        self,
+        info: RendezvousInfo,
+        peers: list[PeerInfo],
+        store: Any,
+        links: Links | None,
+        timeout: float,
+        environ: Mapping[str, str] | None = None,
+        algo: str | None = None,
+        topo: topology.Topology | None = None,
+        host: hostcoll.HostCollectives | None = None,
+        node: hostcoll.HostCollectives | None = None,
+    ) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
         self.topology = topo or topology.flat(self.size, level="host")
@@ -76,36 +84,51 @@ class Communicator:
         self.timeout = timeout
         self._store = store
         self._links = links
-        self._host = host    # every rank on this host: all collectives through the boards
-        self._node = node    # this host's ranks, when there are others: mdring's host dimensions
+        self._host = host  # every rank on this host: all collectives through the boards
+        self._node = node  # this host's ranks, when there are others: mdring's host dimensions
         self._algo = algo.lower() if algo else config.get("DDL_ALGO", environ)
         tuning.validate_algo(self._algo)
         self._debug = config.get("DDL_DEBUG", environ)
         self._ctx = paths.Context(
-            self.rank, self.size, self.topology, links, timeout,
-            depth=config.get("DDL_PIPELINE_DEPTH", environ), debug=self._debug, algo=self._algo,
+            self.rank,
+            self.size,
+            self.topology,
+            links,
+            timeout,
+            depth=config.get("DDL_PIPELINE_DEPTH", environ),
+            debug=self._debug,
+            algo=self._algo,
             chunk_bytes=max(1, config.get("DDL_CHUNK_BYTES", environ)),
-            segments=config.get("DDL_SEGMENTS", environ), host=host, node=node)
+            segments=config.get("DDL_SEGMENTS", environ),
+            host=host,
+            node=node,
+        )
         self._boards_path = paths.BoardsPath(self._ctx)
         self._staged_path = paths.HostStagedPath(self._ctx)
         self._device_path = paths.DevicePath(self._ctx)
         self._schedule_path = paths.SchedulePath(self._ctx)
         # In the order they are asked (`ddlcore.paths.PATHS`): the first that accepts runs it.
-        self._paths: tuple[paths.Path, ...] = (self._boards_path, self._staged_path,
-                                                self._device_path, self._schedule_path)
+        self._paths: tuple[paths.Path, ...] = (
+            self._boards_path,
+            self._staged_path,
+            self._device_path,
+            self._schedule_path,
+        )
         self._executor = Executor(f"ddlcore-rank{self.rank}")
         self._before_collective: list[Callable[[], Any]] = []
         self._in_hooks = threading.local()
         self._broken: str | None = None
         # Some link cannot judge check words: compare the calls explicitly (`engine.agree`).
         self._agree_explicitly = links is not None and any(
-            name not in _CHECKED_TRANSPORTS for name in links.choice.values())
+            name not in _CHECKED_TRANSPORTS for name in links.choice.values()
+        )
         self._closed = False
         self._close_lock = threading.Lock()
         # Each call runs through the flight recorder (its last collectives, written out when one
         # fails: ddlcore.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
         self._flight = flight.FlightRecorder.for_communicator(
-            self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ)
+            self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ
+        )
         self._execute_recorded = self._flight.recording(self._execute)
 
     # --- introspection -------------------------------------------------------------------------
@@ -125,28 +148,40 @@ class Communicator:
         collective = Collective(collective)
         mode = self._host.mode(nbytes) if self._host is not None else hostcoll.SYNC_ONLY
         if mode != hostcoll.SYNC_ONLY:
-            return tuning.Choice(hostcoll.NAME,
-                                 hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes)
+            return tuning.Choice(
+                hostcoll.NAME, hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes
+            )
         staged = self._staged_path.choice(collective, nbytes)
         return staged if staged is not None else self._ctx.choose(collective, nbytes)
 
     def __repr__(self) -> str:
-        return (f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
-                f"local_size={self.local_size}, hosts={self.nhosts}, box={self.topology.shape})")
+        return (
+            f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+            f"local_size={self.local_size}, hosts={self.nhosts}, box={self.topology.shape})"
+        )
 
     # --- execution ------------------------------------------------------------------------------
     def _agree(self, call: Call, seq: int) -> None:
         """Over links without check words: compare this call with every rank's (`engine.agree`)
         before it runs."""
-        engine.agree(self.rank, self.size, seq & 0x7FFFFFFF, check_word(call),
-                     calls.fingerprint(call), self._links, self.timeout, label(call, seq),
-                     calls.describe_fingerprint)
+        engine.agree(
+            self.rank,
+            self.size,
+            seq & 0x7FFFFFFF,
+            check_word(call),
+            calls.fingerprint(call),
+            self._links,
+            self.timeout,
+            label(call, seq),
+            calls.describe_fingerprint,
+        )
 
     def _execute(self, call: Call, seq: int) -> Any:
         if self._broken is not None:
             raise CommunicatorClosedError(
                 f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
-                f"({self._broken}); create a new one with ddlcore.init()")
+                f"({self._broken}); create a new one with ddlcore.init()"
+            )
         if int_avg.applies(call, self.size):  # a "sum" of a wider buffer, then a division
             return self._integer_avg(call, seq)
         running: paths.Path | None = None
@@ -172,6 +207,7 @@ class Communicator:
         or the links'), so that nobody waits out its deadline."""
         self._broken = str(exc) or type(exc).__name__
         from ddlcore.launcher import record_failure  # for ddlrun: who failed first
+
         record_failure(self.rank, exc)
         # The reason without our "rank R: " prefix.
         code, reason = engine.abort_code(exc), engine.failure_reason(exc)
@@ -194,25 +230,44 @@ class Communicator:
 
     def _check_agreement(self, call: Call, seq: int, label: str) -> None:
         """DDL_DEBUG: allgather every rank's (kind, dtype, op, count, root) and compare."""
-        mine = np.array([BoardKind.of(call.collective), int(call.inp.code) if call.inp else -1,
-                         int(call.op) if call.op is not None else -1, call.count, call.root],
-                        np.int64)
+        mine = np.array(
+            [
+                BoardKind.of(call.collective),
+                int(call.inp.code) if call.inp else -1,
+                int(call.op) if call.op is not None else -1,
+                call.count,
+                call.root,
+            ],
+            np.int64,
+        )
         every = np.empty(self.size * mine.size, np.int64)
-        sched = ALGORITHMS[Collective.ALLGATHER]["ring"](self.rank, self.size, mine.size, 8,
-                                                         1 << 20)
-        coll = engine.Collective((seq & 0x7FFFFFFF) | _DEBUG_SEQ, 0, 8, 7, None,
-                                 f"{label} agreement check")
-        engine.run(sched, coll, {Buf.INPUT: engine.Region.of(mine),
-                                 Buf.OUTPUT: engine.Region.of(every)},
-                   self._links, self._ctx.staging, self._ctx.depth, self.timeout)
+        sched = ALGORITHMS[Collective.ALLGATHER]["ring"](
+            self.rank, self.size, mine.size, 8, 1 << 20
+        )
+        coll = engine.Collective(
+            (seq & 0x7FFFFFFF) | _DEBUG_SEQ, 0, 8, 7, None, f"{label} agreement check"
+        )
+        engine.run(
+            sched,
+            coll,
+            {Buf.INPUT: engine.Region.of(mine), Buf.OUTPUT: engine.Region.of(every)},
+            self._links,
+            self._ctx.staging,
+            self._ctx.depth,
+            self.timeout,
+        )
         rows = every.reshape(self.size, mine.size)
         if not (rows == mine).all():
             names = {int(k): k.label for k in BoardKind}
-            lines = [f"rank {r}: {names.get(int(k), '?')} count={c} dtype_code={d} op_code={o} "
-                     f"root={root}" for r, (k, d, o, c, root) in enumerate(rows.tolist())]
+            lines = [
+                f"rank {r}: {names.get(int(k), '?')} count={c} dtype_code={d} op_code={o} "
+                f"root={root}"
+                for r, (k, d, o, c, root) in enumerate(rows.tolist())
+            ]
             raise CollectiveMismatchError(
                 f"rank {self.rank}: {label}: ranks called different collectives "
-                f"(DDL_DEBUG check):\n  " + "\n  ".join(lines))
+                f"(DDL_DEBUG check):\n  " + "\n  ".join(lines)
+            )
 
     def add_before_collective(self, fn: Callable[[], Any]) -> Callable[[], None]:
         """Call ``fn()`` on the calling thread before each collective this communicator starts
@@ -241,7 +296,8 @@ class Communicator:
             self._run_hooks()
         return self._executor.run_inline(
             functools.partial(self._execute_recorded, call),
-            lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()))
+            lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()),
+        )
 
     def _submit(self, call: Call) -> Handle:
         if self._before_collective:

@@ -16,8 +16,19 @@ from typing import Any
 
 _TRUE = {"1", "true", "yes", "on", "y"}
 _FALSE = {"0", "false", "no", "off", "n", ""}
-_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_SUFFIX = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 def parse_bool(text: str) -> bool:
@@ -33,7 +44,7 @@ def parse_size(text: str) -> int:
     """Parse a byte count with an optional binary suffix: "4096", "64K", "1M", "2G"."""
     stripped = text.strip().upper()
     digits = stripped.rstrip("KMGIB")
-    suffix = stripped[len(digits):]
+    suffix = stripped[len(digits) :]
     if suffix not in _SUFFIX or not digits:
         raise ValueError(f"expected a byte count like 4096, 64K, 1M or 1G, got {text!r}")
     value = float(digits) * _SUFFIX[suffix]
@@ -107,7 +118,9 @@ def _transport_spec(text: str) -> str:
         bad = [n for n in order if n not in names]
         if order and not bad:
             return spec
-    raise ValueError(f"expected auto, tcp, shm, mpi, ucx or auto:<order> like auto:ucx,tcp, got {text!r}")
+    raise ValueError(
+        f"expected auto, tcp, shm, mpi, ucx or auto:<order> like auto:ucx,tcp, got {text!r}"
+    )
 
 
 def _link_probe(text: str) -> str:
@@ -142,97 +155,190 @@ class Var:
 VARS: dict[str, Var] = {}
 
 
-def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str,
-             external: bool = False, secret: bool = False) -> None:
+def _declare(
+    name: str,
+    parse: Callable[[str], Any],
+    default: Any,
+    doc: str,
+    external: bool = False,
+    secret: bool = False,
+) -> None:
     VARS[name] = Var(name, parse, default, doc, external, secret)
 
 
 # --- behaviour ------------------------------------------------------------------------------
-_declare("DDL_TRANSPORT", _transport_spec, "auto",
-         "Transport for every peer pair: tcp, shm, mpi, ucx; 'auto' picks per pair "
-         "(shm within a host, else the first available network transport); 'auto:ucx,tcp' sets that order.")
-_declare("DDL_ALGO", lambda s: s.strip().lower(), "auto",
-         "Algorithm of allreduce, reduce_scatter and allgather: 'auto' (the host collectives "
-         "when every rank is on one host over shm, else the lowest time predicted by the cost "
-         "model), 'direct' (the host collectives), 'ring', 'mdring' (multi-dimensional ring "
-         "over the box), 'rhd' (recursive halving-doubling) or 'rd' (recursive doubling, "
-         "allreduce of small messages).")
-_declare("DDL_TOPOLOGY", parse_dims, (),
-         "Box shape of the ranks, fastest level first, e.g. 4x2 (4 ranks per host, 2 hosts). "
-         "Empty: derived from the hosts found at init.")
-_declare("DDL_RACK_ID", str, "",
-         "Rack (or switch) of this host; hosts with the same id form the box's rack level "
-         "(ranks-per-host x hosts-per-rack x racks). Empty: no rack level.")
-_declare("DDL_LINK_BW", _float_list, (),
-         "Link bandwidth in bytes/s along each box dimension, fastest first, comma-separated "
-         "(e.g. 20e9,10e9,9.5e9; one value applies to all; the last repeats). Empty: the "
-         "defaults of the transport carrying each level. Feeds the cost model.")
-_declare("DDL_LINK_LAT", _float_list, (),
-         "Per-message latency in seconds along each box dimension, like DDL_LINK_BW.")
-_declare("DDL_LINK_PROBE", _link_probe, "auto",
-         "Measure box dimensions' bandwidth and latency with a short ping-pong at init (tens of "
-         "ms per dimension on a 1 Gbit/s link) instead of using transport defaults: 'auto' "
-         "those that cross hosts when the job spans hosts, 1 every dimension, 0 none. "
-         "DDL_LINK_BW / DDL_LINK_LAT, where given, win over the measurement.")
-_declare("DDL_TIMEOUT", _positive_float, 600.0,
-         "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
-         "fails with DDLTimeoutError naming the rank and collective.")
-_declare("DDL_CHUNK_BYTES", parse_size, 1 << 20,
-         "Pipeline chunk size in bytes (suffixes K, M, G): one chunk is on the wire while the "
-         "previous one is reduced. 1 MiB measured best on TCP loopback (BENCHMARKS.md).")
-_declare("DDL_FUSION_BYTES", parse_size, 25 << 20,
-         "Gradient fusion threshold of the PyTorch DistributedOptimizer (suffixes K, M, G): "
-         "gradients are packed into buckets of up to this many bytes, each allreduced as soon as "
-         "backward has produced it. 25 MiB is DDP's default bucket size; smaller buckets start "
-         "communicating earlier in backward, larger ones pay the per-collective latency less.")
-_declare("DDL_SEGMENTS", _nonneg_int, 0,
-         "The mdring allreduce in this many segments pipelined across the box's dimensions (a "
-         "segment on the network while the next is reduced inside the hosts): 0 lets the cost "
-         "model choose (python -m ddlcore info shows it), 1 runs the phases one after another.")
-_declare("DDL_PIPELINE_DEPTH", _positive_int, 8,
-         "How many chunks the engine keeps posted ahead of the one it is reducing.")
-_declare("DDL_GPU_DIRECT", _gpu_direct, "auto",
-         "GPU buffers over transports that can carry device memory (UCX with its CUDA "
-         "transports, a CUDA-aware MPI): 'auto' sends and receives device memory directly when "
-         "the transport reports CUDA support, 'on' always does on those transports (trusting "
-         "them: a MPI that is not CUDA-aware then crashes), 'off' stages every chunk through "
-         "pinned host memory. tcp and shm always stage.")
-_declare("DDL_NCHANNELS", _positive_int, 1,
-         "Number of TCP connections (channels) per peer pair; messages are striped across "
-         "them round-robin so several sender/receiver threads share the link.")
-_declare("DDL_SOCKET_IFNAME", str, "",
-         "Network interface the TCP transport binds to (e.g. eth0). Empty: the interface "
-         "that reaches the master address. A comma list (eth0,eth1) names one interface per "
-         "network adapter (rail, one subnet each): local rank i listens on the "
-         "(i mod A)-th, and the topology counts A adapters per host.")
-_declare("DDL_HOST_ID", str, "",
-         "Overrides host identity (default: hostname plus network namespace); ranks with "
-         "the same id count as one host.")
-_declare("DDL_DEBUG", parse_bool, False,
-         "Log the algorithm, chunking and transport of each collective to stderr, and check "
-         "fully that all ranks call the same collective with the same size, dtype and op.")
-_declare("DDL_REQUIRE_ALL", parse_bool, False,
-         "Tests only: a test that would skip because a component is missing fails instead.")
+_declare(
+    "DDL_TRANSPORT",
+    _transport_spec,
+    "auto",
+    "Transport for every peer pair: tcp, shm, mpi, ucx; 'auto' picks per pair "
+    "(shm within a host, else the first available network transport); 'auto:ucx,tcp' sets that order.",
+)
+_declare(
+    "DDL_ALGO",
+    lambda s: s.strip().lower(),
+    "auto",
+    "Algorithm of allreduce, reduce_scatter and allgather: 'auto' (the host collectives "
+    "when every rank is on one host over shm, else the lowest time predicted by the cost "
+    "model), 'direct' (the host collectives), 'ring', 'mdring' (multi-dimensional ring "
+    "over the box), 'rhd' (recursive halving-doubling) or 'rd' (recursive doubling, "
+    "allreduce of small messages).",
+)
+_declare(
+    "DDL_TOPOLOGY",
+    parse_dims,
+    (),
+    "Box shape of the ranks, fastest level first, e.g. 4x2 (4 ranks per host, 2 hosts). "
+    "Empty: derived from the hosts found at init.",
+)
+_declare(
+    "DDL_RACK_ID",
+    str,
+    "",
+    "Rack (or switch) of this host; hosts with the same id form the box's rack level "
+    "(ranks-per-host x hosts-per-rack x racks). Empty: no rack level.",
+)
+_declare(
+    "DDL_LINK_BW",
+    _float_list,
+    (),
+    "Link bandwidth in bytes/s along each box dimension, fastest first, comma-separated "
+    "(e.g. 20e9,10e9,9.5e9; one value applies to all; the last repeats). Empty: the "
+    "defaults of the transport carrying each level. Feeds the cost model.",
+)
+_declare(
+    "DDL_LINK_LAT",
+    _float_list,
+    (),
+    "Per-message latency in seconds along each box dimension, like DDL_LINK_BW.",
+)
+_declare(
+    "DDL_LINK_PROBE",
+    _link_probe,
+    "auto",
+    "Measure box dimensions' bandwidth and latency with a short ping-pong at init (tens of "
+    "ms per dimension on a 1 Gbit/s link) instead of using transport defaults: 'auto' "
+    "those that cross hosts when the job spans hosts, 1 every dimension, 0 none. "
+    "DDL_LINK_BW / DDL_LINK_LAT, where given, win over the measurement.",
+)
+_declare(
+    "DDL_TIMEOUT",
+    _positive_float,
+    600.0,
+    "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
+    "fails with DDLTimeoutError naming the rank and collective.",
+)
+_declare(
+    "DDL_CHUNK_BYTES",
+    parse_size,
+    1 << 20,
+    "Pipeline chunk size in bytes (suffixes K, M, G): one chunk is on the wire while the "
+    "previous one is reduced. 1 MiB measured best on TCP loopback (BENCHMARKS.md).",
+)
+_declare(
+    "DDL_FUSION_BYTES",
+    parse_size,
+    25 << 20,
+    "Gradient fusion threshold of the PyTorch DistributedOptimizer (suffixes K, M, G): "
+    "gradients are packed into buckets of up to this many bytes, each allreduced as soon as "
+    "backward has produced it. 25 MiB is DDP's default bucket size; smaller buckets start "
+    "communicating earlier in backward, larger ones pay the per-collective latency less.",
+)
+_declare(
+    "DDL_SEGMENTS",
+    _nonneg_int,
+    0,
+    "The mdring allreduce in this many segments pipelined across the box's dimensions (a "
+    "segment on the network while the next is reduced inside the hosts): 0 lets the cost "
+    "model choose (python -m ddlcore info shows it), 1 runs the phases one after another.",
+)
+_declare(
+    "DDL_PIPELINE_DEPTH",
+    _positive_int,
+    8,
+    "How many chunks the engine keeps posted ahead of the one it is reducing.",
+)
+_declare(
+    "DDL_GPU_DIRECT",
+    _gpu_direct,
+    "auto",
+    "GPU buffers over transports that can carry device memory (UCX with its CUDA "
+    "transports, a CUDA-aware MPI): 'auto' sends and receives device memory directly when "
+    "the transport reports CUDA support, 'on' always does on those transports (trusting "
+    "them: a MPI that is not CUDA-aware then crashes), 'off' stages every chunk through "
+    "pinned host memory. tcp and shm always stage.",
+)
+_declare(
+    "DDL_NCHANNELS",
+    _positive_int,
+    1,
+    "Number of TCP connections (channels) per peer pair; messages are striped across "
+    "them round-robin so several sender/receiver threads share the link.",
+)
+_declare(
+    "DDL_SOCKET_IFNAME",
+    str,
+    "",
+    "Network interface the TCP transport binds to (e.g. eth0). Empty: the interface "
+    "that reaches the master address. A comma list (eth0,eth1) names one interface per "
+    "network adapter (rail, one subnet each): local rank i listens on the "
+    "(i mod A)-th, and the topology counts A adapters per host.",
+)
+_declare(
+    "DDL_HOST_ID",
+    str,
+    "",
+    "Overrides host identity (default: hostname plus network namespace); ranks with "
+    "the same id count as one host.",
+)
+_declare(
+    "DDL_DEBUG",
+    parse_bool,
+    False,
+    "Log the algorithm, chunking and transport of each collective to stderr, and check "
+    "fully that all ranks call the same collective with the same size, dtype and op.",
+)
+_declare(
+    "DDL_REQUIRE_ALL",
+    parse_bool,
+    False,
+    "Tests only: a test that would skip because a component is missing fails instead.",
+)
 
 # --- security and diagnostics ----------------------------------------------------------------
-_declare("DDL_SECRET", str, "",
-         "The job's shared secret: every connection (store, TCP) proves it with an HMAC "
-         "challenge-response before anything else is acted on. ddlrun and MPI launchers provide a "
-         "fresh one per job; empty: DDL_SECRET_FILE, else the per-user ~/.config/ddlcore/secret.",
-         secret=True)
+_declare(
+    "DDL_SECRET",
+    str,
+    "",
+    "The job's shared secret: every connection (store, TCP) proves it with an HMAC "
+    "challenge-response before anything else is acted on. ddlrun and MPI launchers provide a "
+    "fresh one per job; empty: DDL_SECRET_FILE, else the per-user ~/.config/ddlcore/secret.",
+    secret=True,
+)
 
-_declare("DDL_SECRET_FILE", str, "",
-         "File holding the job's secret (readable by its owner only), used when DDL_SECRET is "
-         "empty.")
-_declare("DDL_FLIGHT_RECORDER", str, "",
-         "Directory where each rank writes its flight record (its last collectives: sequence "
-         "number, collective, size, dtype, op, algorithm, path, times, state), as JSON in "
-         "rankR.json, when a collective fails (timeout, peer failure, mismatch: the error names "
-         "the file), when the communicator is closed, and on SIGTERM (unless the program has "
-         "its own handler); python -m ddlcore.trace DIR merges them and says which rank was "
-         "behind. Empty: kept in memory only (Communicator.flight_record()).")
-_declare("DDL_FLIGHT_RECORDER_ENTRIES", _nonneg_int, 1024,
-         "How many of the last collectives the flight recorder keeps per communicator (0: off).")
+_declare(
+    "DDL_SECRET_FILE",
+    str,
+    "",
+    "File holding the job's secret (readable by its owner only), used when DDL_SECRET is empty.",
+)
+_declare(
+    "DDL_FLIGHT_RECORDER",
+    str,
+    "",
+    "Directory where each rank writes its flight record (its last collectives: sequence "
+    "number, collective, size, dtype, op, algorithm, path, times, state), as JSON in "
+    "rankR.json, when a collective fails (timeout, peer failure, mismatch: the error names "
+    "the file), when the communicator is closed, and on SIGTERM (unless the program has "
+    "its own handler); python -m ddlcore.trace DIR merges them and says which rank was "
+    "behind. Empty: kept in memory only (Communicator.flight_record()).",
+)
+_declare(
+    "DDL_FLIGHT_RECORDER_ENTRIES",
+    _nonneg_int,
+    1024,
+    "How many of the last collectives the flight recorder keeps per communicator (0: off).",
+)
 
 # --- rendezvous (set by ddlrun, or by hand) --------------------------------------------------
 _declare("DDL_RANK", _nonneg_int, None, "This process's rank (set by ddlrun).")
@@ -241,9 +347,13 @@ _declare("DDL_LOCAL_RANK", _nonneg_int, None, "Rank among the ranks of this host
 _declare("DDL_LOCAL_SIZE", _positive_int, None, "Ranks on this host (set by ddlrun).")
 _declare("DDL_MASTER_ADDR", str, None, "Address of rank 0's rendezvous store.")
 _declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
-_declare("DDL_FAILURE_DIR", str, "",
-         "Set by ddlrun: a directory where a rank whose collective failed records which rank "
-         "failed first (itself, or the peer it names), so that ddlrun reports the root cause.")
+_declare(
+    "DDL_FAILURE_DIR",
+    str,
+    "",
+    "Set by ddlrun: a directory where a rank whose collective failed records which rank "
+    "failed first (itself, or the peer it names), so that ddlrun reports the root cause.",
+)
 
 # --- other launchers' variables, understood for rendezvous ----------------------------------
 _EXTERNAL: list[tuple[str, Callable[[str], Any], str]] = [
@@ -253,8 +363,11 @@ _EXTERNAL: list[tuple[str, Callable[[str], Any], str]] = [
     ("LOCAL_WORLD_SIZE", _positive_int, "Torchrun: ranks on this host."),
     ("MASTER_ADDR", str, "Torchrun: rendezvous address."),
     ("MASTER_PORT", _port, "Torchrun: rendezvous port."),
-    ("TORCHELASTIC_USE_AGENT_STORE", str, "Torchrun: 'True' when its agent serves the store at "
-     "MASTER_ADDR:MASTER_PORT."),
+    (
+        "TORCHELASTIC_USE_AGENT_STORE",
+        str,
+        "Torchrun: 'True' when its agent serves the store at MASTER_ADDR:MASTER_PORT.",
+    ),
     ("TORCHELASTIC_RUN_ID", str, "Torchrun: the job's run id."),
     ("TORCHELASTIC_RESTART_COUNT", _nonneg_int, "Torchrun: how many times the workers restarted."),
     ("PMI_RANK", _nonneg_int, "MPICH/Hydra (mpiexec): global rank."),
@@ -306,8 +419,11 @@ def resolved(environ: Mapping[str, str] | None = None, external: bool = False) -
     """All declared variables (the ``DDL_*`` ones unless ``external``) with their parsed values;
     a secret's value is replaced by a note saying whether it is set (what `python -m ddlcore
     info` prints ends up in bug reports)."""
-    return {name: (_redacted(get(name, environ)) if var.secret else get(name, environ))
-            for name, var in VARS.items() if external or not var.external}
+    return {
+        name: (_redacted(get(name, environ)) if var.secret else get(name, environ))
+        for name, var in VARS.items()
+        if external or not var.external
+    }
 
 
 def _redacted(value: Any) -> str:

@@ -286,49 +286,75 @@ class NumbaStreams:
         pause = 2e-6
         while not query():
             if time.monotonic() > deadline:
-                raise DDLTimeoutError(f"GPU work queued by this collective did not finish "
-                                      f"within {timeout:g} s (is the caller's stream stuck?)")
+                raise DDLTimeoutError(
+                    f"GPU work queued by this collective did not finish "
+                    f"within {timeout:g} s (is the caller's stream stuck?)"
+                )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
     def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None:
         if host.size:
-            src.array[off:off + host.size].copy_to_host(host, stream=stream)
+            src.array[off : off + host.size].copy_to_host(host, stream=stream)
 
     def upload(self, host: np.ndarray, dst: DeviceRegion, off: int, stream: Any) -> None:
         if host.size:
-            dst.array[off:off + host.size].copy_to_device(host, stream=stream)
+            dst.array[off : off + host.size].copy_to_device(host, stream=stream)
 
-    def copy(self, dst: DeviceRegion, dst_off: int, src: DeviceRegion, src_off: int,
-             nbytes: int, stream: Any) -> None:
+    def copy(
+        self,
+        dst: DeviceRegion,
+        dst_off: int,
+        src: DeviceRegion,
+        src_off: int,
+        nbytes: int,
+        stream: Any,
+    ) -> None:
         if nbytes:
-            dst.array[dst_off:dst_off + nbytes].copy_to_device(
-                src.array[src_off:src_off + nbytes], stream=stream)
+            dst.array[dst_off : dst_off + nbytes].copy_to_device(
+                src.array[src_off : src_off + nbytes], stream=stream
+            )
 
     @staticmethod
     def _typed(region: DeviceRegion, off: int, count: int, code: DType) -> Any:
         # Numba has no bfloat16 arrays: the kernels take its bits as uint16 (dtype="bfloat16")
         dtype = np.dtype(np.uint16) if code == DType.BFLOAT16 else numpy_dtype(code)
-        return region.array[off:off + count * dtype.itemsize].view(dtype)
+        return region.array[off : off + count * dtype.itemsize].view(dtype)
 
     @staticmethod
     def _marker(code: DType) -> dict[str, str]:
         return {"dtype": "bfloat16"} if code == DType.BFLOAT16 else {}
 
-    def reduce(self, dst: DeviceRegion, dst_off: int, a: DeviceRegion, a_off: int,
-               b: DeviceRegion, b_off: int, count: int, code: DType, op: Op,
-               stream: Any) -> None:
+    def reduce(
+        self,
+        dst: DeviceRegion,
+        dst_off: int,
+        a: DeviceRegion,
+        a_off: int,
+        b: DeviceRegion,
+        b_off: int,
+        count: int,
+        code: DType,
+        op: Op,
+        stream: Any,
+    ) -> None:
         if count:
-            self._kernels.reduce_copy(self._typed(dst, dst_off, count, code),
-                                      self._typed(a, a_off, count, code),
-                                      self._typed(b, b_off, count, code), op, stream,
-                                      **self._marker(code))
+            self._kernels.reduce_copy(
+                self._typed(dst, dst_off, count, code),
+                self._typed(a, a_off, count, code),
+                self._typed(b, b_off, count, code),
+                op,
+                stream,
+                **self._marker(code),
+            )
 
-    def scale(self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int,
-              stream: Any) -> None:
+    def scale(
+        self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int, stream: Any
+    ) -> None:
         if count:
-            self._kernels.avg_scale(self._typed(dst, off, count, code), divisor, stream,
-                                    **self._marker(code))
+            self._kernels.avg_scale(
+                self._typed(dst, off, count, code), divisor, stream, **self._marker(code)
+            )
 
     def pinned(self, nbytes: int) -> np.ndarray:
         return self._cuda.pinned_array(nbytes, dtype=np.uint8)
@@ -336,7 +362,7 @@ class NumbaStreams:
     def view(self, region: DeviceRegion, off: int, nbytes: int) -> DeviceView:
         if not nbytes:
             return DeviceView(0, 0, self._device, _no_upload)
-        target, gpu, stream = region.array[off:off + nbytes], self._device, self._uploads
+        target, gpu, stream = region.array[off : off + nbytes], self._device, self._uploads
 
         def upload(_: DeviceView, data: memoryview) -> None:
             # Called by a transport's thread (no current CUDA context of its own). On a stream
@@ -345,8 +371,9 @@ class NumbaStreams:
                 target.copy_to_device(np.frombuffer(data, np.uint8), stream=stream)
                 stream.synchronize()
 
-        return DeviceView(region.ptr + off, nbytes, gpu, upload,
-                          functools.partial(bind_thread, gpu))
+        return DeviceView(
+            region.ptr + off, nbytes, gpu, upload, functools.partial(bind_thread, gpu)
+        )
 
     def device(self, nbytes: int) -> DeviceRegion:
         arr = self._cuda.device_array(nbytes, dtype=np.uint8)

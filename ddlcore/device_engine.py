@@ -80,13 +80,31 @@ class DeviceOps(Protocol):
     def sync(self, event: Any, timeout: float) -> None: ...
     def download(self, src: DeviceRegion, off: int, host: np.ndarray, stream: Any) -> None: ...
     def upload(self, host: np.ndarray, dst: DeviceRegion, off: int, stream: Any) -> None: ...
-    def copy(self, dst: DeviceRegion, dst_off: int, src: DeviceRegion, src_off: int,
-             nbytes: int, stream: Any) -> None: ...
-    def reduce(self, dst: DeviceRegion, dst_off: int, a: DeviceRegion, a_off: int,
-               b: DeviceRegion, b_off: int, count: int, code: DType, op: Op,
-               stream: Any) -> None: ...
-    def scale(self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int,
-              stream: Any) -> None: ...
+    def copy(
+        self,
+        dst: DeviceRegion,
+        dst_off: int,
+        src: DeviceRegion,
+        src_off: int,
+        nbytes: int,
+        stream: Any,
+    ) -> None: ...
+    def reduce(
+        self,
+        dst: DeviceRegion,
+        dst_off: int,
+        a: DeviceRegion,
+        a_off: int,
+        b: DeviceRegion,
+        b_off: int,
+        count: int,
+        code: DType,
+        op: Op,
+        stream: Any,
+    ) -> None: ...
+    def scale(
+        self, dst: DeviceRegion, off: int, count: int, code: DType, divisor: int, stream: Any
+    ) -> None: ...
     def pinned(self, nbytes: int) -> np.ndarray: ...
     def device(self, nbytes: int) -> DeviceRegion: ...
     def view(self, region: DeviceRegion, off: int, nbytes: int) -> DeviceView: ...
@@ -125,8 +143,16 @@ class DeviceSlots:
         return self._scratch
 
 
-def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], links,
-        slots: DeviceSlots, depth: int, timeout: float, ready: Any = None) -> None:
+def run(
+    schedule: Schedule,
+    coll: Collective,
+    buffers: dict[Buf, DeviceRegion],
+    links,
+    slots: DeviceSlots,
+    depth: int,
+    timeout: float,
+    ready: Any = None,
+) -> None:
     """Execute ``schedule`` on device buffers within ``timeout`` seconds.
 
     ``ready`` is an event recorded on the caller's stream (None: the legacy default stream):
@@ -151,12 +177,12 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
     slots.ensure(nslots, max_bytes)
     free_send = list(range(len(slots.send)))
     free_recv = list(range(nslots))
-    busy_recv: deque = deque()   # (slot, event after which its pinned and device slots are free)
-    writes: list = []            # (lo, hi, event) of compute-stream writes to the buffers
-    reads: list = []             # (lo, hi, event) of downloads reading the buffers
-    queued: deque = deque()      # (event, slot, peer, tag, payload, lo, hi): sends not yet posted
-    inflight: deque = deque()    # (slot, request) of sends from pinned slots on the wire
-    direct_sends: list = []      # (lo, hi, request) of sends reading the buffers themselves
+    busy_recv: deque = deque()  # (slot, event after which its pinned and device slots are free)
+    writes: list = []  # (lo, hi, event) of compute-stream writes to the buffers
+    reads: list = []  # (lo, hi, event) of downloads reading the buffers
+    queued: deque = deque()  # (event, slot, peer, tag, payload, lo, hi): sends not yet posted
+    inflight: deque = deque()  # (slot, request) of sends from pinned slots on the wire
+    direct_sends: list = []  # (lo, hi, request) of sends reading the buffers themselves
     direct: dict[int, bool] = {}  # peer -> its pair takes device memory
     posted: list = [None] * nsteps
     recv_slot = [-1] * nsteps
@@ -302,19 +328,27 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
                 base = buffers[s.src]
                 tag = tag_base | s.slot
                 if not s.count:  # an agreement message: no device work behind it
-                    direct_sends.append((lo, lo, pair(s.peer).isend(memoryview(b""), tag,
-                                                                    check)))
+                    direct_sends.append((lo, lo, pair(s.peer).isend(memoryview(b""), tag, check)))
                     continue
                 if is_direct(s.peer):
-                    queued.append((last_write(lo, hi), -1, s.peer, tag,
-                                   ops.view(base, lo - base.ptr, hi - lo), lo, hi))
+                    queued.append(
+                        (
+                            last_write(lo, hi),
+                            -1,
+                            s.peer,
+                            tag,
+                            ops.view(base, lo - base.ptr, hi - lo),
+                            lo,
+                            hi,
+                        )
+                    )
                     continue
                 slot = send_slot()
                 after_last_write(d2h, lo, hi)
-                ops.download(base, lo - base.ptr, slots.send[slot][:hi - lo], d2h)
+                ops.download(base, lo - base.ptr, slots.send[slot][: hi - lo], d2h)
                 ev = ops.record(d2h)
                 reads.append((lo, hi, ev))
-                payload = memoryview(slots.send[slot])[:hi - lo]  # type: ignore[arg-type]
+                payload = memoryview(slots.send[slot])[: hi - lo]  # type: ignore[arg-type]
                 queued.append((ev, slot, s.peer, tag, payload, lo, hi))
                 continue
             if kind == _COPY:
@@ -344,19 +378,20 @@ def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, DeviceRegion], 
                 if on_device:
                     ops.copy(dst, lo - dst.ptr, staged, 0, hi - lo, compute)
                 else:
-                    ops.upload(slots.recv[slot][:hi - lo], dst, lo - dst.ptr, compute)
+                    ops.upload(slots.recv[slot][: hi - lo], dst, lo - dst.ptr, compute)
                 wrote(lo, hi, slot)
                 continue
             if not on_device:
-                ops.upload(slots.recv[slot][:hi - lo], staged, 0, h2d)
+                ops.upload(slots.recv[slot][: hi - lo], staged, 0, h2d)
                 ops.wait(compute, ops.record(h2d))
             before_write(lo, hi)
             src = buffers[s.src]
             own, own_off, other, other_off = src, s.src_off * isz, staged, 0
             if s.staged_first:
                 own, own_off, other, other_off = staged, 0, src, s.src_off * isz
-            ops.reduce(dst, lo - dst.ptr, own, own_off, other, other_off, s.count, code, kop,
-                       compute)
+            ops.reduce(
+                dst, lo - dst.ptr, own, own_off, other, other_off, s.count, code, kop, compute
+            )
             if divide and s.finalize:
                 ops.scale(dst, lo - dst.ptr, s.count, code, schedule.size, compute)
             wrote(lo, hi, slot)

@@ -65,8 +65,7 @@ class Region:
     @classmethod
     def of(cls, array: np.ndarray) -> Region:
         flat = array.reshape(-1).view(np.uint8)
-        return cls(kernels.array_address(flat) if flat.size else 0,
-                   memoryview(flat))  # type: ignore[arg-type]
+        return cls(kernels.array_address(flat) if flat.size else 0, memoryview(flat))  # type: ignore[arg-type]
 
 
 class StagingPool:
@@ -92,8 +91,11 @@ class StagingPool:
         return self.regions
 
 
-_ABORT_CODE = {DDLTimeoutError: ABORT_TIMEOUT, CollectiveMismatchError: ABORT_MISMATCH,
-               PeerFailureError: ABORT_PEER_FAILURE}
+_ABORT_CODE = {
+    DDLTimeoutError: ABORT_TIMEOUT,
+    CollectiveMismatchError: ABORT_MISMATCH,
+    PeerFailureError: ABORT_PEER_FAILURE,
+}
 
 
 def abort_code(exc: BaseException) -> int:
@@ -161,20 +163,45 @@ def post_ahead(steps, i: int, nxt: int, depth: int, post_recv: Callable[[int, bo
     return nxt
 
 
-def run(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links, staging: StagingPool,
-        depth: int, timeout: float) -> None:
+def run(
+    schedule: Schedule,
+    coll: Collective,
+    buffers: dict[Buf, Region],
+    links,
+    staging: StagingPool,
+    depth: int,
+    timeout: float,
+) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
     failure (after aborting the links so the peers fail fast too). A schedule with parts runs
     each stream on a thread of its own (`_run_streams`)."""
     if schedule.parts:
         _run_streams(schedule, coll, buffers, links, staging, depth, deadline_clock(timeout))
     elif schedule.steps:
-        _run_steps(schedule, schedule.steps, None, coll, buffers, links, staging, depth,
-                   deadline_clock(timeout))
+        _run_steps(
+            schedule,
+            schedule.steps,
+            None,
+            coll,
+            buffers,
+            links,
+            staging,
+            depth,
+            deadline_clock(timeout),
+        )
 
 
-def _run_steps(schedule: Schedule, steps, index, coll: Collective, buffers: dict[Buf, Region],
-               links, staging: StagingPool, depth: int, remaining: Callable[[], float]) -> None:
+def _run_steps(
+    schedule: Schedule,
+    steps,
+    index,
+    coll: Collective,
+    buffers: dict[Buf, Region],
+    links,
+    staging: StagingPool,
+    depth: int,
+    remaining: Callable[[], float],
+) -> None:
     """Run ``steps`` (all of ``schedule``'s, or one part's, ``index`` then giving each one's
     place in the schedule for messages) in program order."""
     nsteps = len(steps)
@@ -233,7 +260,7 @@ def _run_steps(schedule: Schedule, steps, index, coll: Collective, buffers: dict
             else:
                 wait_sends_over(lo, hi)
             base = buffers[s.dst]
-            view = base.view[lo - base.ptr: hi - base.ptr]
+            view = base.view[lo - base.ptr : hi - base.ptr]
         posted[j] = pair(s.peer).irecv(view, tag_base | s.slot, check)
         return True
 
@@ -249,8 +276,9 @@ def _run_steps(schedule: Schedule, steps, index, coll: Collective, buffers: dict
             if kind == _SEND:
                 lo, hi = span(s.src, s.src_off, s.count)
                 base = buffers[s.src]
-                req = pair(s.peer).isend(base.view[lo - base.ptr: hi - base.ptr],
-                                         tag_base | s.slot, check)
+                req = pair(s.peer).isend(
+                    base.view[lo - base.ptr : hi - base.ptr], tag_base | s.slot, check
+                )
                 sends.append((lo, hi, req))
                 continue
             if kind == _COPY:
@@ -284,8 +312,15 @@ def _run_steps(schedule: Schedule, steps, index, coll: Collective, buffers: dict
         raise failure(schedule, coll, i if index is None else index[i], exc, links) from None
 
 
-def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region], links,
-                 staging: StagingPool, depth: int, remaining: Callable[[], float]) -> None:
+def _run_streams(
+    schedule: Schedule,
+    coll: Collective,
+    buffers: dict[Buf, Region],
+    links,
+    staging: StagingPool,
+    depth: int,
+    remaining: Callable[[], float],
+) -> None:
     """Run each stream of ``schedule`` on a thread (the first on this one), a part once the
     parts it comes after have finished. The first failure aborts the links (so the other
     streams' waits end at once), the other threads are joined, and it is raised here."""
@@ -315,8 +350,7 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
                     return
                 index, steps = groups[p]
                 if steps:
-                    _run_steps(schedule, steps, index, coll, buffers, links, pool, depth,
-                               remaining)
+                    _run_steps(schedule, steps, index, coll, buffers, links, pool, depth, remaining)
                 with cond:
                     done[p] = True
                     cond.notify_all()
@@ -330,9 +364,11 @@ def _run_streams(schedule: Schedule, coll: Collective, buffers: dict[Buf, Region
 
     streams = schedule.streams()
     first = parts[0].stream
-    threads = [threading.Thread(target=run_stream, args=(k, mine), daemon=True,
-                                name=f"ddlcore-stream-{k}")
-               for k, mine in streams.items() if k != first]
+    threads = [
+        threading.Thread(target=run_stream, args=(k, mine), daemon=True, name=f"ddlcore-stream-{k}")
+        for k, mine in streams.items()
+        if k != first
+    ]
     for t in threads:
         t.start()
     try:
@@ -371,8 +407,17 @@ _JOIN_AFTER_ABORT_S = 5.0
 _PINNED: list = []  # buffers of failed agreement checks (see `agree`)
 
 
-def agree(rank: int, size: int, seq: int, check: int, mine: bytes, links, timeout: float,
-          label: str, describe: Callable[[bytes], str]) -> None:
+def agree(
+    rank: int,
+    size: int,
+    seq: int,
+    check: int,
+    mine: bytes,
+    links,
+    timeout: float,
+    label: str,
+    describe: Callable[[bytes], str],
+) -> None:
     """Compare this rank's description of the call (``mine``, the same length on every rank)
     with every other rank's, by dissemination: in round k, send the description to rank +
     2^k and compare the one from rank - 2^k before going on, so a rank that finishes has
@@ -395,7 +440,8 @@ def agree(rank: int, size: int, seq: int, check: int, mine: bytes, links, timeou
                 raise CollectiveMismatchError(
                     f"rank {frm} called {describe(bytes(theirs))}, rank {rank} called "
                     f"{describe(bytes(out))}: every rank must call the same collectives in "
-                    "the same order, with the same count, dtype, op and root")
+                    "the same order, with the same count, dtype, op and root"
+                )
             dist *= 2
     except DDLError as exc:
         # A receive or send may still be posted (an abort ended the wait): MPI may write
@@ -415,11 +461,15 @@ def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) 
     (``links.abort``) so that every rank fails fast instead of waiting out its own timeout."""
     steps = schedule.steps
     step = steps[min(i, len(steps) - 1)].describe()
-    message = (f"rank {schedule.rank}: {coll.label} via {schedule.algorithm} failed at step "
-               f"{i + 1} of {len(steps)} [{step}]: {exc}")
+    message = (
+        f"rank {schedule.rank}: {coll.label} via {schedule.algorithm} failed at step "
+        f"{i + 1} of {len(steps)} [{step}]: {exc}"
+    )
     if isinstance(exc, DDLTimeoutError):
-        message += (". A peer may have died, be stuck, or be calling a different collective; "
-                    "raise DDL_TIMEOUT if the job is just slow")
+        message += (
+            ". A peer may have died, be stuck, or be calling a different collective; "
+            "raise DDL_TIMEOUT if the job is just slow"
+        )
     err = rewrap(exc, message)  # peers hear the cause (``exc``), not our step
     # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
     links.abort(abort_code(exc), abort_reason(err, message.split(": ", 1)[1]))

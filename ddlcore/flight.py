@@ -111,9 +111,16 @@ class FlightRecorder:
         More about the communicator for the record's header (transports, box, timeout).
     """
 
-    def __init__(self, rank: int, size: int, job: str, entries: int, directory: str = "",
-                 describe: Callable[[str, int, bool], tuple[str, str]] | None = None,
-                 context: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        job: str,
+        entries: int,
+        directory: str = "",
+        describe: Callable[[str, int, bool], tuple[str, str]] | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> None:
         self.rank, self.size, self.job = rank, size, job
         self.capacity = entries
         self.directory = directory
@@ -136,9 +143,11 @@ class FlightRecorder:
         self._writer: int | None = None
 
     @classmethod
-    def for_communicator(cls, comm: Any, job: str,
-                         environ: Mapping[str, str] | None = None) -> FlightRecorder:
+    def for_communicator(
+        cls, comm: Any, job: str, environ: Mapping[str, str] | None = None
+    ) -> FlightRecorder:
         """The recorder of ``comm`` as the environment configures it."""
+
         def describe(collective: str, nbytes: int, cuda: bool) -> tuple[str, str]:
             choice = comm.describe(collective, nbytes)
             if choice.algorithm == tuning.DIRECT:  # the host collectives (hostcoll)
@@ -147,12 +156,22 @@ class FlightRecorder:
                 return choice.algorithm, "host-staged"
             return choice.algorithm, "device" if cuda else "schedule"
 
-        context = {"local_rank": comm.local_rank, "local_size": comm.local_size,
-                   "box": comm.topology.shape, "timeout": comm.timeout,
-                   "transports": {str(p): t for p, t in sorted(comm.transports.items())}}
-        recorder = cls(comm.rank, comm.size, job,
-                       config.get("DDL_FLIGHT_RECORDER_ENTRIES", environ),
-                       config.get("DDL_FLIGHT_RECORDER", environ), describe, context)
+        context = {
+            "local_rank": comm.local_rank,
+            "local_size": comm.local_size,
+            "box": comm.topology.shape,
+            "timeout": comm.timeout,
+            "transports": {str(p): t for p, t in sorted(comm.transports.items())},
+        }
+        recorder = cls(
+            comm.rank,
+            comm.size,
+            job,
+            config.get("DDL_FLIGHT_RECORDER_ENTRIES", environ),
+            config.get("DDL_FLIGHT_RECORDER", environ),
+            describe,
+            context,
+        )
         if recorder.directory and recorder.enabled:
             _watch_sigterm(recorder)
         return recorder
@@ -178,8 +197,16 @@ class FlightRecorder:
         def run(call: Any, seq: int) -> Any:
             inp = call.inp
             slot = seq % n
-            calls[slot] = (seq, call.collective, call.count, inp and inp.dtype, call.op,
-                           call.root, inp and inp.memory, clock())
+            calls[slot] = (
+                seq,
+                call.collective,
+                call.count,
+                inp and inp.dtype,
+                call.op,
+                call.root,
+                inp and inp.memory,
+                clock(),
+            )
             ends[slot] = 0.0
             try:
                 result = execute(call, seq)
@@ -195,9 +222,14 @@ class FlightRecorder:
     # --- reading ----------------------------------------------------------------------------------
     def entries(self) -> list[dict[str, Any]]:
         """The kept collectives, oldest first, as plain dicts (see `document`)."""
-        raw = sorted(((c, end) for c, end in zip(list(self._calls), list(self._ends),
-                                                    strict=True) if c is not None),
-                     key=lambda ce: ce[0][_SEQ])
+        raw = sorted(
+            (
+                (c, end)
+                for c, end in zip(list(self._calls), list(self._ends), strict=True)
+                if c is not None
+            ),
+            key=lambda ce: ce[0][_SEQ],
+        )
         known: dict[tuple[str, int, bool], tuple[str, str]] = {}
         out = []
         for e, end in raw:
@@ -213,15 +245,23 @@ class FlightRecorder:
                 continue
             if end and abs(end) < e[_START]:  # read as a call was starting: the end is the last's
                 end = 0.0
-            out.append({
-                "seq": e[_SEQ], "collective": e[_COLL], "count": e[_COUNT], "bytes": nbytes,
-                "dtype": dtype.name if dtype is not None else None,
-                "op": op.name.lower() if op is not None else None,
-                "root": e[_ROOT] if e[_COLL] == Collective.BROADCAST else None,
-                "memory": e[_MEMORY].value if e[_MEMORY] is not None else None,
-                "algorithm": algorithm, "path": path,
-                "start": e[_START], "end": abs(end) if end else None,
-                "state": COMPLETED if end > 0 else FAILED if end < 0 else STARTED})
+            out.append(
+                {
+                    "seq": e[_SEQ],
+                    "collective": e[_COLL],
+                    "count": e[_COUNT],
+                    "bytes": nbytes,
+                    "dtype": dtype.name if dtype is not None else None,
+                    "op": op.name.lower() if op is not None else None,
+                    "root": e[_ROOT] if e[_COLL] == Collective.BROADCAST else None,
+                    "memory": e[_MEMORY].value if e[_MEMORY] is not None else None,
+                    "algorithm": algorithm,
+                    "path": path,
+                    "start": e[_START],
+                    "end": abs(end) if end else None,
+                    "state": COMPLETED if end > 0 else FAILED if end < 0 else STARTED,
+                }
+            )
         return out
 
     def _algorithm_and_path(self, collective: str, nbytes: int, cuda: bool) -> tuple[str, str]:
@@ -230,8 +270,9 @@ class FlightRecorder:
         try:
             return self._describe(collective, nbytes, cuda)
         except Exception as exc:  # a record is still worth having without these
-            log.debug("rank %d: flight recorder could not describe %s: %s", self.rank,
-                      collective, exc)
+            log.debug(
+                "rank %d: flight recorder could not describe %s: %s", self.rank, collective, exc
+            )
             return "?", "?"
 
     def document(self, reason: str, error: BaseException | None = None) -> dict[str, Any]:
@@ -239,12 +280,23 @@ class FlightRecorder:
         (``reason``: "failure", "close", "SIGTERM" or "request"; the error that broke the
         communicator, if one did), and the entries."""
         err = _summary(error) if error is not None else self.failure
-        return {"format": FORMAT, "version": VERSION, "job": self.job,
-                "comm": self.comm_index, "rank": self.rank, "size": self.size,
-                "host": socket.gethostname(), "pid": os.getpid(), "created": self.created,
-                "written": time.time(), "reason": reason, "error": err,
-                **self._context, "capacity": self.capacity,
-                "entries": self.entries() if self.enabled else []}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "job": self.job,
+            "comm": self.comm_index,
+            "rank": self.rank,
+            "size": self.size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "created": self.created,
+            "written": time.time(),
+            "reason": reason,
+            "error": err,
+            **self._context,
+            "capacity": self.capacity,
+            "entries": self.entries() if self.enabled else [],
+        }
 
     # --- writing ----------------------------------------------------------------------------------
     def write(self, doc: dict[str, Any], path: str | None = None) -> str:
@@ -272,8 +324,10 @@ class FlightRecorder:
         _live.discard(self)  # only now: a SIGTERM during the write must still see this record
         if self.written is None:
             return
-        note = (f"flight record: {self.written} (python -m ddlcore.trace {self.directory} "
-                "merges every rank's)")
+        note = (
+            f"flight record: {self.written} (python -m ddlcore.trace {self.directory} "
+            "merges every rank's)"
+        )
         if isinstance(exc, DDLError) and exc.args and isinstance(exc.args[0], str):
             exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
         elif hasattr(exc, "add_note"):  # Python 3.11+: shown in the traceback
@@ -318,14 +372,21 @@ class FlightRecorder:
         try:
             return self.write(self.document(reason, exc))
         except Exception as werr:
-            log.warning("rank %d: could not write the flight record to %s: %s", self.rank,
-                        self.directory, werr)
+            log.warning(
+                "rank %d: could not write the flight record to %s: %s",
+                self.rank,
+                self.directory,
+                werr,
+            )
             return None
 
 
 def _summary(exc: BaseException) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": str(exc) or type(exc).__name__,
-            "peer": getattr(exc, "peer", None)}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc) or type(exc).__name__,
+        "peer": getattr(exc, "peer", None),
+    }
 
 
 def dumps(doc: dict[str, Any]) -> str:
@@ -352,13 +413,19 @@ def load(path: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a ddlcore flight record")
     if doc.get("version") != VERSION:
-        raise ValueError(f"{path}: flight record version {doc.get('version')!r}, this ddlcore "
-                         f"reads version {VERSION}")
+        raise ValueError(
+            f"{path}: flight record version {doc.get('version')!r}, this ddlcore "
+            f"reads version {VERSION}"
+        )
     for key, kind in (("rank", int), ("size", int), ("entries", list)):
         if not isinstance(doc.get(key), kind):
             raise ValueError(f"{path}: field {key!r} missing or not {kind.__name__}")
     for e in doc["entries"]:
-        if not (isinstance(e, dict) and isinstance(e.get("seq"), int) and
-                e.get("state") in _STATES and isinstance(e.get("start"), (int, float))):
+        if not (
+            isinstance(e, dict)
+            and isinstance(e.get("seq"), int)
+            and e.get("state") in _STATES
+            and isinstance(e.get("start"), (int, float))
+        ):
             raise ValueError(f"{path}: malformed entry {e!r:.200}")
     return doc

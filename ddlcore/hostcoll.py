@@ -94,8 +94,16 @@ SMALL_MAX = 1 << 17
 CHUNK_BYTES = 1 << 18
 _MAGIC = 0xDD1C_B0A2_0000_0001
 _VERSION = 1
-_OFF_MAGIC, _OFF_VERSION, _OFF_SIZE, _OFF_SLOT, _OFF_PID, _OFF_CMA_OK, _OFF_SELF, _OFF_PROBE = \
-    0, 8, 12, 16, 24, 28, 32, 40
+_OFF_MAGIC, _OFF_VERSION, _OFF_SIZE, _OFF_SLOT, _OFF_PID, _OFF_CMA_OK, _OFF_SELF, _OFF_PROBE = (
+    0,
+    8,
+    12,
+    16,
+    24,
+    28,
+    32,
+    40,
+)
 _CLOSED = 0xFFFF  # abort code of a rank that closed its communicator
 
 
@@ -129,8 +137,10 @@ class BoardKind(enum.IntEnum):
         return self.name.lower() if phase is None else f"{Collective.ALLREDUCE}, {phase}"
 
 
-_PHASES = {BoardKind.HOST_REDUCE_SCATTER: "host reduce-scatter",
-           BoardKind.HOST_ALLGATHER: "host allgather"}
+_PHASES = {
+    BoardKind.HOST_REDUCE_SCATTER: "host reduce-scatter",
+    BoardKind.HOST_ALLGATHER: "host allgather",
+}
 
 
 @dataclass
@@ -181,8 +191,15 @@ class HostCollectives:
     then call `connect` (collective: it waits for every rank's board and agrees on direct
     reads)."""
 
-    def __init__(self, rank: int, size: int, store: Any, timeout: float, group: str = "",
-                 ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        store: Any,
+        timeout: float,
+        group: str = "",
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         if not 1 < size <= _arena.MAX_RANKS:
             raise ValueError(f"host collectives take 2 to {_arena.MAX_RANKS} ranks, not {size}")
         self.rank, self.size, self.timeout = rank, size, timeout
@@ -191,8 +208,9 @@ class HostCollectives:
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-board-r{rank}"
         self._bytes = _board_bytes()
-        self.path, self._base = create_segment(self.name, self._bytes, self._bytes,
-                                               f"rank {rank}'s host-collective board")
+        self.path, self._base = create_segment(
+            self.name, self._bytes, self._bytes, f"rank {rank}'s host-collective board"
+        )
         self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, self.path)
         base = self._base
         _shm.store_u32(base + _OFF_VERSION, _VERSION)
@@ -201,7 +219,7 @@ class HostCollectives:
         _shm.store_u32(base + _OFF_PID, os.getpid())
         _shm.store_u64(base + _OFF_SELF, base)
         _shm.store_u64(base + _OFF_MAGIC, _MAGIC)
-        self._maps: list[tuple[int, int]] = []   # (address, bytes) of the peers' boards
+        self._maps: list[tuple[int, int]] = []  # (address, bytes) of the peers' boards
         self._pidfds: list[int] = []
         self._pids: list[int] = []
         self._arena: Any = None
@@ -210,7 +228,7 @@ class HostCollectives:
         # Not a Condition (its notify costs microseconds per call): close() polls _busy.
         # Re-entrant, as the Condition's lock was: close() from a signal handler mid-call.
         self._lock = threading.RLock()
-        self._busy = 0      # calls in native code (close() waits for them)
+        self._busy = 0  # calls in native code (close() waits for them)
         self._pinned: list[Any] = []  # buffers of failed calls a stopped peer may still write
         try:
             store.set(f"{self._key}{rank}", f"{self.name} {os.getpid()}".encode())
@@ -235,22 +253,29 @@ class HostCollectives:
                 self._pidfds.append(os.pidfd_open(pid))
             except OSError:  # gone already, or another pid namespace: the deadline still holds
                 self._pidfds.append(-1)
-        self._arena = _arena.Arena(self.rank, self.size, boards, self._pids, self._pidfds,
-                                   SMALL_MAX, CHUNK_BYTES)
+        self._arena = _arena.Arena(
+            self.rank, self.size, boards, self._pids, self._pidfds, SMALL_MAX, CHUNK_BYTES
+        )
         ok = self._probe_direct(boards)
         _shm.store_u32(self._base + _OFF_CMA_OK, 1 if ok else 0)
-        self.run(BoardCall(BoardKind.BARRIER, 0, 0, 0, 1, 0, 0, 1,
-                           lambda: "host collectives set-up"))
+        self.run(
+            BoardCall(BoardKind.BARRIER, 0, 0, 0, 1, 0, 0, 1, lambda: "host collectives set-up")
+        )
         self.direct = all(_shm.load_u32(b + _OFF_CMA_OK) == 1 for b in boards)
-        log.debug("rank %d: host collectives over %d boards; direct reads %s", self.rank,
-                  self.size, "on" if self.direct else "off")
+        log.debug(
+            "rank %d: host collectives over %d boards; direct reads %s",
+            self.rank,
+            self.size,
+            "on" if self.direct else "off",
+        )
 
     def _lookup(self, store: Any, q: int) -> tuple[str, int]:
         raw = store.get(f"{self._key}{q}", self.timeout)
         name, _, pid = raw.decode("utf-8", "replace").partition(" ")
         if not name.startswith(PREFIX) or "/" in name or len(name) > 255 or not pid.isdigit():
-            raise PeerFailureError(f"rank {self.ranks[q]} published a bad board name {name!r}",
-                                   self.ranks[q])
+            raise PeerFailureError(
+                f"rank {self.ranks[q]} published a bad board name {name!r}", self.ranks[q]
+            )
         return name, int(pid)
 
     def _map_peer(self, q: int, name: str) -> int:
@@ -259,23 +284,33 @@ class HostCollectives:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            raise PeerFailureError(f"rank {me} cannot open rank {peer}'s board {path}: that "
-                                   "rank closed or exited", peer) from None
+            raise PeerFailureError(
+                f"rank {me} cannot open rank {peer}'s board {path}: that rank closed or exited",
+                peer,
+            ) from None
         try:
             found = os.fstat(fd).st_size
             if found != self._bytes:
-                raise PeerFailureError(f"rank {peer}'s board {path} has {found} "
-                                       f"bytes, rank {me} expected {self._bytes}: "
-                                       "different ddlcore versions?", peer)
+                raise PeerFailureError(
+                    f"rank {peer}'s board {path} has {found} "
+                    f"bytes, rank {me} expected {self._bytes}: "
+                    "different ddlcore versions?",
+                    peer,
+                )
             base = _shm.map_shared(fd, self._bytes)
         finally:
             os.close(fd)
         self._maps.append((base, self._bytes))
-        if _shm.load_u64(base + _OFF_MAGIC) != _MAGIC or \
-                _shm.load_u32(base + _OFF_VERSION) != _VERSION or \
-                _shm.load_u32(base + _OFF_SIZE) != self.size:
-            raise PeerFailureError(f"{path} is not a board of this job's size {self.size} "
-                                   f"(protocol version {_VERSION})", peer)
+        if (
+            _shm.load_u64(base + _OFF_MAGIC) != _MAGIC
+            or _shm.load_u32(base + _OFF_VERSION) != _VERSION
+            or _shm.load_u32(base + _OFF_SIZE) != self.size
+        ):
+            raise PeerFailureError(
+                f"{path} is not a board of this job's size {self.size} "
+                f"(protocol version {_VERSION})",
+                peer,
+            )
         return base
 
     def _probe_direct(self, boards: list[int]) -> bool:
@@ -289,11 +324,16 @@ class HostCollectives:
             if q == self.rank:
                 continue
             remote = _shm.load_u64(base + _OFF_SELF)
-            if self._pidfds[q] < 0 or _shm.cma_read(self._pids[q], remote, probe, 0, 8) != 0 \
-                    or _shm.cma_write(self._pids[q], remote + _OFF_PROBE, magic, 0, 8) != 0:
+            if (
+                self._pidfds[q] < 0
+                or _shm.cma_read(self._pids[q], remote, probe, 0, 8) != 0
+                or _shm.cma_write(self._pids[q], remote + _OFF_PROBE, magic, 0, 8) != 0
+            ):
                 return False
-            if int(probe.view(np.uint64)[0]) != _MAGIC or \
-                    _shm.load_u64(base + _OFF_PROBE) != _MAGIC:
+            if (
+                int(probe.view(np.uint64)[0]) != _MAGIC
+                or _shm.load_u64(base + _OFF_PROBE) != _MAGIC
+            ):
                 return False
         return True
 
@@ -315,13 +355,25 @@ class HostCollectives:
         label, mode = call.label, call.mode
         with self._lock:
             if self._closed:
-                raise CommunicatorClosedError(f"rank {self.ranks[self.rank]}: {label()}: the "
-                                              "communicator is closed")
+                raise CommunicatorClosedError(
+                    f"rank {self.ranks[self.rank]}: {label()}: the communicator is closed"
+                )
             self._busy += 1
         try:
-            st = self._arena.run(mode, int(call.kind), call.inp, call.out, call.count,
-                                 call.itemsize, call.dtype, call.op, call.divisor, call.root,
-                                 call.check, time.monotonic() + self.timeout)
+            st = self._arena.run(
+                mode,
+                int(call.kind),
+                call.inp,
+                call.out,
+                call.count,
+                call.itemsize,
+                call.dtype,
+                call.op,
+                call.divisor,
+                call.root,
+                call.check,
+                time.monotonic() + self.timeout,
+            )
             if st:
                 err = self._error(st, label())
                 self.abort(abort_code(err), abort_reason(err, str(err).split(": ", 1)[1]))
@@ -338,11 +390,14 @@ class HostCollectives:
         peer = self.ranks[q]
         where = f"rank {self.ranks[self.rank]}: {label} via {NAME}"
         if status == _STATUS_TIMEOUT:
-            cause = (f"rank {peer} did not reach sync point {self._arena.epoch} within "
-                     f"DDL_TIMEOUT={self.timeout:g} s")
+            cause = (
+                f"rank {peer} did not reach sync point {self._arena.epoch} within "
+                f"DDL_TIMEOUT={self.timeout:g} s"
+            )
             err: DDLError = DDLTimeoutError(
                 f"{where}: {cause}. A peer may have died, be stuck, or be calling a different "
-                "collective; raise DDL_TIMEOUT if the job is just slow")
+                "collective; raise DDL_TIMEOUT if the job is just slow"
+            )
             err.cause = cause
             return err
         if status == _STATUS_DEAD:
@@ -351,8 +406,10 @@ class HostCollectives:
         if status == _STATUS_ABORTED:
             code, reason = self._arena.abort_note(q)
             if q == self.rank:
-                return CommunicatorClosedError(f"{where}: the communicator was closed (or failed) "
-                                               "on another thread during the call")
+                return CommunicatorClosedError(
+                    f"{where}: the communicator was closed (or failed) "
+                    "on another thread during the call"
+                )
             if code == _CLOSED:
                 return _peer_error(where, f"rank {peer} closed its communicator", peer)
             told = abort_error(code - 1, peer, reason.decode("utf-8", "replace"), peer=peer)
@@ -360,21 +417,26 @@ class HostCollectives:
         if status == _STATUS_MISMATCH:
             mine = self._arena.entry(self.rank)
             theirs = self._arena.entry(q)
-            cause = (f"ranks called different collectives: rank {self.ranks[self.rank]} "
-                     f"{_describe(mine)}, rank {peer} {_describe(theirs)}")
+            cause = (
+                f"ranks called different collectives: rank {self.ranks[self.rank]} "
+                f"{_describe(mine)}, rank {peer} {_describe(theirs)}"
+            )
             err = CollectiveMismatchError(f"{where}: {cause}")
             err.cause = cause
             return err
         if status == _STATUS_CMA:
-            return _peer_error(where, f"reading or writing rank {peer}'s memory failed: "
-                               f"{os.strerror(-self._arena.err)}", peer)
+            return _peer_error(
+                where,
+                f"reading or writing rank {peer}'s memory failed: {os.strerror(-self._arena.err)}",
+                peer,
+            )
         return DDLError(f"{where}: internal error (status {status})")
 
     # --- failure and lifetime -----------------------------------------------------------------
     def abort(self, code: int, reason: str) -> None:
         """Leave an abort note (transport abort ``code``) that ends the peers' waits at once.
         Under the lock: close() may otherwise unmap the boards while the note is written."""
-        raw = reason.encode("utf-8", "replace")[:min(1024, MAX_ABORT_REASON_BYTES)]
+        raw = reason.encode("utf-8", "replace")[: min(1024, MAX_ABORT_REASON_BYTES)]
         with self._lock:
             if not self._closed and self._arena is not None:
                 self._arena.abort(code + 1, raw)
@@ -389,8 +451,11 @@ class HostCollectives:
         deadline = time.monotonic() + _SETTLE_S
         while self._busy:  # read without the lock: it only goes down now (_closed is set)
             if time.monotonic() >= deadline:
-                log.warning("rank %d: a host collective is still running at close(); its "
-                            "shared memory stays mapped", self.rank)
+                log.warning(
+                    "rank %d: a host collective is still running at close(); its "
+                    "shared memory stays mapped",
+                    self.rank,
+                )
                 return
             time.sleep(1e-3)
         for fd in self._pidfds:

@@ -54,8 +54,7 @@ def avg_dtype(root: int) -> str | None:
 
 def applies(call: Call, size: int) -> bool:
     """Whether ``call`` is an integer avg over more than one rank (run by `run`)."""
-    return call.op == Op.AVG and size > 1 and call.inp is not None and \
-        call.inp.dtype.kind in "iu"
+    return call.op == Op.AVG and size > 1 and call.inp is not None and call.inp.dtype.kind in "iu"
 
 
 def widen(x: np.ndarray, size: int, blocks: int) -> np.ndarray:
@@ -83,8 +82,12 @@ def finish(total: np.ndarray, size: int, out: np.ndarray) -> None:
     out[...] = np.floor_divide(total, size).astype(out.dtype)
 
 
-def run(call: Call, size: int, host: tuple[np.ndarray, np.ndarray] | None,
-        execute: Callable[[Call], Any]) -> None:
+def run(
+    call: Call,
+    size: int,
+    host: tuple[np.ndarray, np.ndarray] | None,
+    execute: Callable[[Call], Any],
+) -> None:
     """Run the integer avg ``call`` (an allreduce or reduce_scatter) as a "sum" of its wide
     buffer through ``execute`` (the communicator's own execution, same sequence number), then
     divide into the call's output. ``host``: the input and output in host memory when the
@@ -95,6 +98,16 @@ def run(call: Call, size: int, host: tuple[np.ndarray, np.ndarray] | None,
     blocks = size if call.collective == Collective.REDUCE_SCATTER else 1
     wide = widen(x, size, blocks)
     total = np.empty(wide.size // blocks, wide.dtype)
-    execute(Call(call.collective, as_buffer(wide), as_buffer(total, "out"), Op.SUM,
-                 marker(call), total, None, wide.size))
+    execute(
+        Call(
+            call.collective,
+            as_buffer(wide),
+            as_buffer(total, "out"),
+            Op.SUM,
+            marker(call),
+            total,
+            None,
+            wide.size,
+        )
+    )
     finish(total, size, y)

@@ -122,8 +122,14 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec")
 
 
-def mpiexec_command(mpiexec: str, np_: int, hosts: str, forwarded: dict[str, str],
-                    command: list[str], prefix: bool = False) -> list[str]:
+def mpiexec_command(
+    mpiexec: str,
+    np_: int,
+    hosts: str,
+    forwarded: dict[str, str],
+    command: list[str],
+    prefix: bool = False,
+) -> list[str]:
     """Hydra's syntax: ``mpiexec -n N -hosts h1:4,h2:4 [-prepend-rank] -genv K V ... prog args``
     (``forwarded`` holds option values only: never a secret, which ``ps`` would show)."""
     slots = sum(n for _, n in parse_hosts(hosts))
@@ -151,8 +157,9 @@ def record_failure(rank: int, exc: BaseException) -> None:
     found = failure_origin(exc)
     origin = rank if found is None else found
     try:
-        fd = os.open(os.path.join(directory, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                     0o600)
+        fd = os.open(
+            os.path.join(directory, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+        )
     except OSError:  # recorded already, or ddlrun's directory is gone: nothing to add
         return
     try:
@@ -226,28 +233,42 @@ def _die_with_parent() -> Callable[[], None]:
 class LocalJob:
     """N local ranks, their output pumps, and the decision of which rank failed first."""
 
-    def __init__(self, command: list[str], np_: int, env: dict[str, str], prefix: bool,
-                 failure_dir: str) -> None:
+    def __init__(
+        self, command: list[str], np_: int, env: dict[str, str], prefix: bool, failure_dir: str
+    ) -> None:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[_Output] = []
         self.failure_dir = failure_dir
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when seen, exit code)
-        self.signals: list[int] = []     # signals ddlrun received, in order
+        self.signals: list[int] = []  # signals ddlrun received, in order
         self.kill_at: float | None = None  # SIGKILL every rank then (an escalated stop)
         preexec = _die_with_parent()
         try:
             for rank in range(np_):
                 child_env = dict(os.environ)
                 child_env.update(env)
-                child_env.update({"DDL_RANK": str(rank), "DDL_SIZE": str(np_),
-                                  "DDL_LOCAL_RANK": str(rank), "DDL_LOCAL_SIZE": str(np_),
-                                  "RANK": str(rank), "WORLD_SIZE": str(np_),
-                                  "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(np_),
-                                  "DDL_FAILURE_DIR": failure_dir, "PYTHONUNBUFFERED": "1"})
-                proc = subprocess.Popen(command, env=child_env, start_new_session=True,
-                                        preexec_fn=preexec,
-                                        stdout=subprocess.PIPE if prefix else None,
-                                        stderr=subprocess.PIPE if prefix else None)
+                child_env.update(
+                    {
+                        "DDL_RANK": str(rank),
+                        "DDL_SIZE": str(np_),
+                        "DDL_LOCAL_RANK": str(rank),
+                        "DDL_LOCAL_SIZE": str(np_),
+                        "RANK": str(rank),
+                        "WORLD_SIZE": str(np_),
+                        "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(np_),
+                        "DDL_FAILURE_DIR": failure_dir,
+                        "PYTHONUNBUFFERED": "1",
+                    }
+                )
+                proc = subprocess.Popen(
+                    command,
+                    env=child_env,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                    stdout=subprocess.PIPE if prefix else None,
+                    stderr=subprocess.PIPE if prefix else None,
+                )
                 self.procs.append(proc)
         except BaseException:
             self.stop()
@@ -338,8 +359,12 @@ class LocalJob:
                 if rank is not None:
                     return self._fail(rank)
             if deadline is not None and now > deadline and not self.signals:
-                print(f"ddlrun: job still running after --job-timeout {job_timeout:g} s; "
-                      "stopping every rank", file=sys.stderr, flush=True)
+                print(
+                    f"ddlrun: job still running after --job-timeout {job_timeout:g} s; "
+                    "stopping every rank",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.stop()
                 self._drain()
                 return 124
@@ -355,8 +380,12 @@ class LocalJob:
         code = self.exits[rank][1]
         what = f"code {code}" if code > 0 else _signal_name(code)
         others = sum(1 for p in self.procs if p.poll() is None)
-        print(f"ddlrun: rank {rank} exited with {what}; terminating the other {others} "
-              f"rank{'s' if others != 1 else ''}", file=sys.stderr, flush=True)
+        print(
+            f"ddlrun: rank {rank} exited with {what}; terminating the other {others} "
+            f"rank{'s' if others != 1 else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.stop(skip=rank)
         self._drain()
         return code if code > 0 else 128 - code
@@ -368,32 +397,57 @@ class LocalJob:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ddlrun", description="Start the ranks of a ddlcore job.",
-        usage="ddlrun -np N [options] (prog.py | -m module | command) [args...]")
+        prog="ddlrun",
+        description="Start the ranks of a ddlcore job.",
+        usage="ddlrun -np N [options] (prog.py | -m module | command) [args...]",
+    )
     p.add_argument("-np", dest="np", type=int, required=True, help="number of ranks")
-    p.add_argument("--transport", help="DDL_TRANSPORT for every rank: tcp, shm, mpi, ucx or auto (default: the "
-                   "environment's, else auto)")
-    p.add_argument("--timeout", help="DDL_TIMEOUT for every rank, in seconds (default: the environment's, else 600)")
-    p.add_argument("--topology", help="DDL_TOPOLOGY for every rank, e.g. 4x2, holding -np ranks (default: derived "
-                   "from the hosts)")
+    p.add_argument(
+        "--transport",
+        help="DDL_TRANSPORT for every rank: tcp, shm, mpi, ucx or auto (default: the "
+        "environment's, else auto)",
+    )
+    p.add_argument(
+        "--timeout",
+        help="DDL_TIMEOUT for every rank, in seconds (default: the environment's, else 600)",
+    )
+    p.add_argument(
+        "--topology",
+        help="DDL_TOPOLOGY for every rank, e.g. 4x2, holding -np ranks (default: derived "
+        "from the hosts)",
+    )
     p.add_argument("--hosts", help="h1:4,h2:4: launch across hosts through mpiexec")
-    p.add_argument("--master-addr", default="127.0.0.1",
-                   help="rendezvous address (local mode; default: %(default)s)")
+    p.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="rendezvous address (local mode; default: %(default)s)",
+    )
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: free)")
-    p.add_argument("--job-timeout", type=float, default=None,
-                   help="stop every rank and exit 124 after this many seconds (default: no limit)")
+    p.add_argument(
+        "--job-timeout",
+        type=float,
+        default=None,
+        help="stop every rank and exit 124 after this many seconds (default: no limit)",
+    )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
     p.add_argument("-m", dest="module", action="store_true", help="prog is a module (python -m)")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="prog [args...]",
-                   help="the program (script.py, module with -m, or executable) and its arguments")
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="prog [args...]",
+        help="the program (script.py, module with -m, or executable) and its arguments",
+    )
     return p
 
 
 def _forwarded(args: argparse.Namespace) -> dict[str, str]:
     """The option values as environment variables, validated by config's own parsers."""
     out = {}
-    for option, var in (("transport", "DDL_TRANSPORT"), ("timeout", "DDL_TIMEOUT"),
-                        ("topology", "DDL_TOPOLOGY")):
+    for option, var in (
+        ("transport", "DDL_TRANSPORT"),
+        ("timeout", "DDL_TIMEOUT"),
+        ("topology", "DDL_TOPOLOGY"),
+    ):
         value = getattr(args, option)
         if value is None:
             continue
@@ -402,8 +456,9 @@ def _forwarded(args: argparse.Namespace) -> dict[str, str]:
         except ValueError as exc:
             raise ValueError(f"--{option} {value!r}: {exc}") from None
         if option == "topology" and parsed and math.prod(parsed) != args.np:
-            raise ValueError(f"--topology {value} holds {math.prod(parsed)} ranks, but -np is "
-                             f"{args.np}")
+            raise ValueError(
+                f"--topology {value} holds {math.prod(parsed)} ranks, but -np is {args.np}"
+            )
         out[var] = value
     return out
 
@@ -423,8 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.np < 1:
         parser.error("-np must be at least 1")
     if not args.command:
-        parser.error("no program given: ddlrun -np N prog.py [args...] (or -m module, or a "
-                     "command)")
+        parser.error(
+            "no program given: ddlrun -np N prog.py [args...] (or -m module, or a command)"
+        )
     prog, prog_args = args.command[0], args.command[1:]
     try:
         forwarded = _forwarded(args)
@@ -441,13 +497,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ports = _free_ports(args.master_addr, 2)
     ddl_port = args.master_port or ports[0]
     torch_port = ports[1] if ports[1] != ddl_port else ports[0]
-    env.update({"DDL_MASTER_ADDR": args.master_addr, "DDL_MASTER_PORT": str(ddl_port),
-                "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(torch_port)})
+    env.update(
+        {
+            "DDL_MASTER_ADDR": args.master_addr,
+            "DDL_MASTER_PORT": str(ddl_port),
+            "MASTER_ADDR": args.master_addr,
+            "MASTER_PORT": str(torch_port),
+        }
+    )
     failure_dir = tempfile.mkdtemp(prefix="ddlrun-")
     try:
         try:
-            job = LocalJob(command, args.np, env, prefix=not args.no_prefix,
-                           failure_dir=failure_dir)
+            job = LocalJob(
+                command, args.np, env, prefix=not args.no_prefix, failure_dir=failure_dir
+            )
         except OSError as exc:
             print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
             return 127
@@ -463,16 +526,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _run_mpiexec(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                 forwarded: dict[str, str], command: list[str]) -> int:
+def _run_mpiexec(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    forwarded: dict[str, str],
+    command: list[str],
+) -> int:
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        print("ddlrun: --hosts needs mpiexec; install it with pip install 'ddlcore[mpi]'",
-              file=sys.stderr)
+        print(
+            "ddlrun: --hosts needs mpiexec; install it with pip install 'ddlcore[mpi]'",
+            file=sys.stderr,
+        )
         return 2
     try:
-        argv_mpi = mpiexec_command(mpiexec, args.np, args.hosts, forwarded, command,
-                                   prefix=not args.no_prefix)
+        argv_mpi = mpiexec_command(
+            mpiexec, args.np, args.hosts, forwarded, command, prefix=not args.no_prefix
+        )
     except ValueError as exc:
         parser.error(str(exc))
     # mpiexec dies with us too; its proxies then stop the ranks (they lose their connection).
@@ -493,8 +563,11 @@ def _remove_shared_memory(job: LocalJob) -> None:
         return
     removed = remove_segments_of({p.pid for p in job.procs if p.poll() is not None})
     if removed:
-        print(f"ddlrun: removed {len(removed)} shared-memory segment(s) left by ranks that did "
-              "not close", file=sys.stderr)
+        print(
+            f"ddlrun: removed {len(removed)} shared-memory segment(s) left by ranks that did "
+            "not close",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def choose(spec: str, me: PeerInfo, peer: PeerInfo, instances: dict[str, Transpo
         if spec not in both:
             raise TransportUnavailableError(
                 f"DDL_TRANSPORT={spec}: rank {peer.rank} cannot run it "
-                f"(it has {', '.join(peer.transports) or 'none'})")
+                f"(it has {', '.join(peer.transports) or 'none'})"
+            )
         return spec
     if me.host_id == peer.host_id and "shm" in both:
         if instances["shm"].can_connect(me, peer):
@@ -80,7 +81,8 @@ def choose(spec: str, me: PeerInfo, peer: PeerInfo, instances: dict[str, Transpo
             return name
     raise TransportUnavailableError(
         f"no transport connects rank {me.rank} ({', '.join(me.transports)}) with rank "
-        f"{peer.rank} ({', '.join(peer.transports)}) under DDL_TRANSPORT={spec}")
+        f"{peer.rank} ({', '.join(peer.transports)}) under DDL_TRANSPORT={spec}"
+    )
 
 
 def nominal(spec: str, a: PeerInfo, b: PeerInfo) -> str:
@@ -118,28 +120,33 @@ def level_transports(spec: str, peers: list[PeerInfo]) -> dict[str, str]:
     for p in peers:
         by_host.setdefault(p.host_id, []).append(p)
     groups = list(by_host.values())
-    pairs = {"host": next((g[:2] for g in groups if len(g) > 1), None),
-             "network": [groups[0][0], groups[1][0]] if len(groups) > 1 else None}
+    pairs = {
+        "host": next((g[:2] for g in groups if len(g) > 1), None),
+        "network": [groups[0][0], groups[1][0]] if len(groups) > 1 else None,
+    }
     return {level: nominal(spec, *pair) for level, pair in pairs.items() if pair}
 
 
 class Links:
     """Per-peer transport pairs of one communicator."""
 
-    def __init__(self, rank: int, size: int, spec: str, peers: list[PeerInfo], store: Store,
-                 timeout: float) -> None:
+    def __init__(
+        self, rank: int, size: int, spec: str, peers: list[PeerInfo], store: Store, timeout: float
+    ) -> None:
         self.rank, self.size = rank, size
         me = peers[rank]
         instances = {name: transports.load(name)() for name in me.transports}
         self.choice: dict[int, str] = {
-            p.rank: choose(spec, me, p, instances) for p in peers if p.rank != rank}
+            p.rank: choose(spec, me, p, instances) for p in peers if p.rank != rank
+        }
         self.contexts: dict[str, Context] = {}
         self._relayed = False  # an abort a peer told one context of went to all of them
         self._relay_lock = threading.Lock()
         local_rank = layout([p.host_id for p in peers], rank).local_rank  # picks its rail
         for name in sorted(set(self.choice.values())):
             ctx = self.contexts[name] = instances[name].create_context_local(
-                rank, size, store, timeout, local_rank)
+                rank, size, store, timeout, local_rank
+            )
             try:
                 ctx.on_abort = self._heard_abort
             except AttributeError:  # a context that cannot take it: it only fails less promptly

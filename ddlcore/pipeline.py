@@ -31,9 +31,17 @@ from ddlcore.errors import DDLTimeoutError
 
 log = logging.getLogger("ddlcore")
 
-def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
-        last: Callable[[int], None], abort: Callable[[BaseException], None], timeout: float,
-        name: str = "ddlcore-pipeline", label: str = "pipeline") -> None:
+
+def run(
+    nseg: int,
+    first: Callable[[int], None],
+    middle: Callable[[int], None],
+    last: Callable[[int], None],
+    abort: Callable[[BaseException], None],
+    timeout: float,
+    name: str = "ddlcore-pipeline",
+    label: str = "pipeline",
+) -> None:
     """Run ``first(s)``, ``middle(s)``, ``last(s)`` for s in range(nseg) as described above.
 
     ``timeout`` bounds the calling thread's waits for the middle stages, all of them together
@@ -65,8 +73,10 @@ def run(nseg: int, first: Callable[[int], None], middle: Callable[[int], None],
     def wait_middle(s: int) -> None:
         while not middles[s].wait(min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                raise DDLTimeoutError(f"{label}: segment {s} of {nseg} had not crossed the "
-                                      f"network {timeout:g} s after the call began")
+                raise DDLTimeoutError(
+                    f"{label}: segment {s} of {nseg} had not crossed the "
+                    f"network {timeout:g} s after the call began"
+                )
         helper_failed()
 
     def helper_failed() -> None:

@@ -33,8 +33,8 @@ from ddlcore.topology import Topology
 
 log = logging.getLogger("ddlcore")
 
-_SEQ = 0xC0000000          # tag space apart from collectives (< 2^31) and DDL_DEBUG's checks
-_CHECK = 0x50524F43        # "PROC": every probe message carries it
+_SEQ = 0xC0000000  # tag space apart from collectives (< 2^31) and DDL_DEBUG's checks
+_CHECK = 0x50524F43  # "PROC": every probe message carries it
 _LAT_ROUNDS = 5
 # The first round of a size may ride a traffic shaper's burst (tbf lets max(128 KiB, rate/1000)
 # pass at once) or TCP's slow start, and be too fast: it is dropped, and the first size is twice
@@ -62,8 +62,15 @@ def _tags(dim: int) -> Iterator[int]:
         i += 1
 
 
-def _round_trips(pair: Any, there: memoryview, back: memoryview, tags: Iterator[int],
-                 rounds: int, leader: bool, timeout: float) -> list[float]:
+def _round_trips(
+    pair: Any,
+    there: memoryview,
+    back: memoryview,
+    tags: Iterator[int],
+    rounds: int,
+    leader: bool,
+    timeout: float,
+) -> list[float]:
     """``rounds`` exchanges of ``there`` (leader -> follower) answered by ``back``; the
     seconds each took."""
     times = []
@@ -86,8 +93,11 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
     small = memoryview(bytearray(8))
     rtts = _round_trips(pair, small, small, tags, _LAT_ROUNDS, leader, timeout)
     lat = statistics.median(rtts) / 2
-    log.debug("link probe, dimension %d: 8 B round trips in %s ms", dim,
-              ", ".join(f"{x * 1e3:.2f}" for x in rtts))
+    log.debug(
+        "link probe, dimension %d: 8 B round trips in %s ms",
+        dim,
+        ", ".join(f"{x * 1e3:.2f}" for x in rtts),
+    )
     big = memoryview(bytearray(_BW_MAX))
     nbytes, control = _BW_FIRST, memoryview(bytearray(8))
     before: tuple[int, float] | None = None  # (bytes, seconds) of the size before
@@ -96,15 +106,20 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
         t = min(trips[1:])  # the first may ride a shaper's burst; the others: the least disturbed
         # The leader decides the next size (0: done) and tells the follower.
         if leader:
-            done = nbytes >= _BW_MAX or t >= _BW_ENOUGH_S or \
-                (t >= _BW_TARGET_S and before is not None)
+            done = (
+                nbytes >= _BW_MAX or t >= _BW_ENOUGH_S or (t >= _BW_TARGET_S and before is not None)
+            )
             struct.pack_into("<q", control, 0, 0 if done else 2 * nbytes)
             pair.isend(control, next(tags), _CHECK).wait(timeout)
         else:
             pair.irecv(control, next(tags), _CHECK).wait(timeout)
         following = struct.unpack_from("<q", control)[0]
-        log.debug("link probe, dimension %d: %d B in %s ms", dim, nbytes,
-                  ", ".join(f"{x * 1e3:.2f}" for x in trips))
+        log.debug(
+            "link probe, dimension %d: %d B in %s ms",
+            dim,
+            nbytes,
+            ", ".join(f"{x * 1e3:.2f}" for x in trips),
+        )
         if not following:
             break
         before, nbytes = (nbytes, t), following
@@ -134,9 +149,16 @@ def _pair_across(topo: Topology, dim: int, host_of: Sequence[str]) -> tuple[int,
     return pairs[0]
 
 
-def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
-            host_of: Sequence[str], environ: Mapping[str, str] | None = None,
-            in_host: bool = True) -> Topology:
+def measure(
+    topo: Topology,
+    rank: int,
+    links: Any,
+    store: Any,
+    timeout: float,
+    host_of: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    in_host: bool = True,
+) -> Topology:
     """``topo`` with the measured bandwidth and latency of every dimension of size > 1 (those
     DDL_LINK_BW / DDL_LINK_LAT give are kept), or, without ``in_host``, of those that cross
     hosts.
@@ -148,17 +170,24 @@ def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
         the pair and its transport.
     """
     bw, lat = list(topo.bw), list(topo.lat)
-    keep_bw, keep_lat = bool(config.get("DDL_LINK_BW", environ)), \
-        bool(config.get("DDL_LINK_LAT", environ))
+    keep_bw, keep_lat = (
+        bool(config.get("DDL_LINK_BW", environ)),
+        bool(config.get("DDL_LINK_LAT", environ)),
+    )
     for j, d in enumerate(topo.dims):
         if d < 2 or (topo.levels[j] == "host" and not in_host):
             continue
         leader, follower = _pair_across(topo, j, host_of)
         key = f"probe/{j}"
-        over = f", over {links.choice[follower if rank == leader else leader]}" \
-            if rank in (leader, follower) else ""
-        what = (f"the link probe of dimension {j} ({topo.levels[j]}: rank {leader} with rank "
-                f"{follower}{over})")
+        over = (
+            f", over {links.choice[follower if rank == leader else leader]}"
+            if rank in (leader, follower)
+            else ""
+        )
+        what = (
+            f"the link probe of dimension {j} ({topo.levels[j]}: rank {leader} with rank "
+            f"{follower}{over})"
+        )
         start = time.perf_counter()
         try:
             if rank == leader:
@@ -166,11 +195,15 @@ def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
                     got = _ping_pong(links.pair(follower), j, True, timeout)
                 except BaseException as exc:
                     try:  # the others wait for the numbers: tell them there are none
-                        store.set(key, _FAILED + f"{type(exc).__name__}: {exc}".encode()[:2000],
-                                  readers=topo.size - 1)
+                        store.set(
+                            key,
+                            _FAILED + f"{type(exc).__name__}: {exc}".encode()[:2000],
+                            readers=topo.size - 1,
+                        )
                     except Exception:  # (the store gone too): the first error is the one to say
-                        log.debug("rank %d: could not publish the probe's failure", rank,
-                                  exc_info=True)
+                        log.debug(
+                            "rank %d: could not publish the probe's failure", rank, exc_info=True
+                        )
                     raise
                 store.set(key, _OK + struct.pack("<dd", *got), readers=topo.size - 1)
             else:
@@ -183,10 +216,19 @@ def measure(topo: Topology, rank: int, links: Any, store: Any, timeout: float,
                     raise err
                 got = struct.unpack("<dd", raw[1:])
         except DDLError as exc:
-            raise rewrap(exc, f"rank {rank}: {what} failed: {exc}; DDL_LINK_PROBE=0 skips it "
-                              "(DDL_LINK_BW / DDL_LINK_LAT then give the links)") from exc
+            raise rewrap(
+                exc,
+                f"rank {rank}: {what} failed: {exc}; DDL_LINK_PROBE=0 skips it "
+                "(DDL_LINK_BW / DDL_LINK_LAT then give the links)",
+            ) from exc
         bw[j] = bw[j] if keep_bw else got[0]
         lat[j] = lat[j] if keep_lat else got[1]
-        log.debug("rank %d: %s: %.3g GB/s, %.3g us (%.1f ms)", rank, what, got[0] / 1e9,
-                  got[1] * 1e6, (time.perf_counter() - start) * 1e3)
+        log.debug(
+            "rank %d: %s: %.3g GB/s, %.3g us (%.1f ms)",
+            rank,
+            what,
+            got[0] / 1e9,
+            got[1] * 1e6,
+            (time.perf_counter() - start) * 1e3,
+        )
     return dataclasses.replace(topo, bw=tuple(bw), lat=tuple(lat), _pos=())

@@ -73,8 +73,13 @@ _SOURCES = (
     ("ddlrun", "DDL_RANK", "DDL_SIZE", "DDL_LOCAL_RANK", "DDL_LOCAL_SIZE"),
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
 
@@ -92,13 +97,17 @@ def detect(environ: Mapping[str, str] | None = None) -> RendezvousInfo:
         port = _first(("DDL_MASTER_PORT", "MASTER_PORT"), environ)
         # torchrun's agent serves torch's store at MASTER_ADDR:MASTER_PORT (both torch's own:
         # a DDL_MASTER_ADDR or DDL_MASTER_PORT set by hand names ddlcore's store instead)
-        torch_store = (label == "torchrun" and not config.is_set("DDL_MASTER_PORT", environ)
-                       and not config.is_set("DDL_MASTER_ADDR", environ)
-                       and config.get("TORCHELASTIC_USE_AGENT_STORE", environ) == "True")
+        torch_store = (
+            label == "torchrun"
+            and not config.is_set("DDL_MASTER_PORT", environ)
+            and not config.is_set("DDL_MASTER_ADDR", environ)
+            and config.get("TORCHELASTIC_USE_AGENT_STORE", environ) == "True"
+        )
         local_rank = config.get(lrank_var, environ) if lrank_var else None
         local_size = config.get(lsize_var, environ) if lsize_var else None
-        return RendezvousInfo(rank, size, addr, port, label, local_rank, local_size,
-                              torch_store=torch_store)
+        return RendezvousInfo(
+            rank, size, addr, port, label, local_rank, local_size, torch_store=torch_store
+        )
     return RendezvousInfo(0, 1, None, None, "single process", 0, 1)
 
 
@@ -125,8 +134,11 @@ def _host_beside(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str
     """Where rank 0 serves its store when torch's is at MASTER_ADDR: DDL_SOCKET_IFNAME's
     interface when set, else its own address on the route to MASTER_ADDR, which every rank
     reaches (the hostname may resolve to 127.0.1.1, as Debian's /etc/hosts has it)."""
-    if config.get("DDL_SOCKET_IFNAME", environ) or info.master_addr is None or \
-            (info.local_size is not None and info.local_size == info.size):
+    if (
+        config.get("DDL_SOCKET_IFNAME", environ)
+        or info.master_addr is None
+        or (info.local_size is not None and info.local_size == info.size)
+    ):
         return _master_host(info, environ)
     from ddlcore.transports.sockets import route_address
 
@@ -172,20 +184,29 @@ def _agent_store(info: RendezvousInfo, timeout: float) -> Any:
     except ImportError as exc:
         raise RendezvousError(
             f"rank {info.rank}: started by torchrun, but torch.distributed does not import "
-            f"({exc}); set DDL_MASTER_ADDR and DDL_MASTER_PORT for ddlcore's own store") from None
+            f"({exc}); set DDL_MASTER_ADDR and DDL_MASTER_PORT for ddlcore's own store"
+        ) from None
     try:
-        return dist.TCPStore(info.master_addr, info.master_port, is_master=False,
-                             timeout=timedelta(seconds=timeout))
+        return dist.TCPStore(
+            info.master_addr, info.master_port, is_master=False, timeout=timedelta(seconds=timeout)
+        )
     except Exception as exc:  # torch raises RuntimeError or its DistError subclasses
         raise RendezvousError(
             f"rank {info.rank}: cannot reach torchrun's store at {info.master_addr}:"
             f"{info.master_port} within {timeout:g} s ({exc}); is the torchrun agent running, "
-            "and do MASTER_ADDR/MASTER_PORT name it?") from None
+            "and do MASTER_ADDR/MASTER_PORT name it?"
+        ) from None
 
 
-def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, timeout: float,
-                     store: Any, where: str, key: str | None = None,
-                     mine: tuple[str, int, str] | None = None) -> RendezvousInfo:
+def _via_torch_store(
+    info: RendezvousInfo,
+    environ: Mapping[str, str] | None,
+    timeout: float,
+    store: Any,
+    where: str,
+    key: str | None = None,
+    mine: tuple[str, int, str] | None = None,
+) -> RendezvousInfo:
     """Rank 0 picks a free port for its own store and publishes "host:port" in torch's
     ``store`` (MASTER_PORT is torch's: ddlcore never serves there); the others read it.
     ``key``: where in ``store`` (default: this run's); ``mine``: what rank 0's port is kept
@@ -206,7 +227,8 @@ def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, ti
         except Exception as exc:  # torch's DistError family or a lost connection
             raise RendezvousError(
                 f"rank 0: cannot publish its store's address in {where} ({exc}); did the "
-                "launcher (torchrun's agent, or the process group) stop?") from None
+                "launcher (torchrun's agent, or the process group) stop?"
+            ) from None
         return replace(info, master_addr=host, master_port=port, torch_store=False)
     try:
         store.wait([key], timedelta(seconds=timeout))
@@ -215,11 +237,13 @@ def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, ti
         raise RendezvousError(
             f"rank {info.rank}: rank 0 did not publish its store's address in {where} within "
             f"{timeout:g} s (key {key!r}: {exc}); did rank 0 fail, or not call "
-            "ddlcore.init()?") from None
+            "ddlcore.init()?"
+        ) from None
     host, _, port_text = raw.decode("utf-8", "replace").rpartition(":")
     if not host or not port_text.isdigit():
-        raise RendezvousError(f"rank {info.rank}: {where} holds {raw[:80]!r} under {key!r}, "
-                              "not a host:port")
+        raise RendezvousError(
+            f"rank {info.rank}: {where} holds {raw[:80]!r} under {key!r}, not a host:port"
+        )
     return replace(info, master_addr=host, master_port=int(port_text), torch_store=False)
 
 
@@ -229,8 +253,9 @@ def _via_torch_store(info: RendezvousInfo, environ: Mapping[str, str] | None, ti
 _store_inits = [0]
 
 
-def via_torch_store(store: Any, rank: int, size: int, timeout: float,
-                    environ: Mapping[str, str] | None = None) -> RendezvousInfo:
+def via_torch_store(
+    store: Any, rank: int, size: int, timeout: float, environ: Mapping[str, str] | None = None
+) -> RendezvousInfo:
     """Where ddlcore's store is, for ranks that share a torch.distributed ``store`` (the one
     ``init_process_group`` hands a backend: torch's own rank and size, no launcher variable
     needed). Rank 0 serves ddlcore's store on a free port of its own (the same one for every
@@ -247,19 +272,33 @@ def via_torch_store(store: Any, rank: int, size: int, timeout: float,
     found = detect(environ)
     same_job = (found.rank, found.size) == (rank, size)
     # The launcher's host facts only describe these ranks when its rank and size are torch's.
-    info = RendezvousInfo(rank, size, found.master_addr if same_job else None, None,
-                          "torch process group", found.local_rank if same_job else None,
-                          found.local_size if same_job else None)
+    info = RendezvousInfo(
+        rank,
+        size,
+        found.master_addr if same_job else None,
+        None,
+        "torch process group",
+        found.local_rank if same_job else None,
+        found.local_size if same_job else None,
+    )
     if size == 1:
         return info
     _store_inits[0] += 1
     key = f"{_torch_store_key(environ)}/pg{_store_inits[0]}"
-    return _via_torch_store(info, environ, timeout, store, "the process group's store", key,
-                            mine=(info.master_addr or "", 0, "torch process group"))
+    return _via_torch_store(
+        info,
+        environ,
+        timeout,
+        store,
+        "the process group's store",
+        key,
+        mine=(info.master_addr or "", 0, "torch process group"),
+    )
 
 
-def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = None,
-                   timeout: float | None = None) -> RendezvousInfo:
+def resolve_master(
+    info: RendezvousInfo, environ: Mapping[str, str] | None = None, timeout: float | None = None
+) -> RendezvousInfo:
     """Fill in the address of ddlcore's store: through torch's store (torchrun's agent's, or the
     process group's the script made first), or, for an MPI-launched job, by broadcasting it
     with mpi4py. ``timeout``: DDL_TIMEOUT's."""
@@ -269,22 +308,36 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
     if info.torch_store:
         store = _agent_store(info, wait_s)
         try:
-            return _via_torch_store(info, environ, wait_s, store, "torchrun's store at "
-                                    f"{info.master_addr}:{info.master_port}")
+            return _via_torch_store(
+                info,
+                environ,
+                wait_s,
+                store,
+                f"torchrun's store at {info.master_addr}:{info.master_port}",
+            )
         finally:
             del store  # closes the connection
-    if info.master_port is not None and not config.is_set("DDL_MASTER_PORT", environ) and \
-            info.master_port == config.get("MASTER_PORT", environ):
+    if (
+        info.master_port is not None
+        and not config.is_set("DDL_MASTER_PORT", environ)
+        and info.master_port == config.get("MASTER_PORT", environ)
+    ):
         group_store = _process_group_store(info)
         if group_store is not None:  # init_process_group serves torch's store on MASTER_PORT
-            return _via_torch_store(info, environ, wait_s, group_store,
-                                    "the store of torch.distributed's default process group")
+            return _via_torch_store(
+                info,
+                environ,
+                wait_s,
+                group_store,
+                "the store of torch.distributed's default process group",
+            )
     if info.master_addr and info.master_port:
         return info
     if info.source not in ("mpich", "openmpi", "slurm"):
         raise RendezvousError(
             f"rank {info.rank}: launched by {info.source} but no master address/port is set; "
-            "set DDL_MASTER_ADDR and DDL_MASTER_PORT (or MASTER_ADDR/MASTER_PORT)")
+            "set DDL_MASTER_ADDR and DDL_MASTER_PORT (or MASTER_ADDR/MASTER_PORT)"
+        )
     try:
         import numpy as np
         from mpi4py import MPI
@@ -292,12 +345,14 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
         raise RendezvousError(
             f"rank {info.rank}: started by an MPI launcher ({info.source}) without "
             "DDL_MASTER_ADDR/DDL_MASTER_PORT; install mpi4py (pip install 'ddlcore[mpi]') so the "
-            f"store address can be broadcast, or set those variables ({exc})") from None
+            f"store address can be broadcast, or set those variables ({exc})"
+        ) from None
     comm = MPI.COMM_WORLD
     if comm.Get_size() != info.size or comm.Get_rank() != info.rank:
         raise RendezvousError(
             f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's variables say "
-            f"rank {info.rank} of {info.size}; set DDL_MASTER_ADDR/DDL_MASTER_PORT explicitly")
+            f"rank {info.rank} of {info.size}; set DDL_MASTER_ADDR/DDL_MASTER_PORT explicitly"
+        )
     own_secret = bool(config.get("DDL_SECRET", environ) or config.get("DDL_SECRET_FILE", environ))
     own_error: DDLError | None = None
     buf = np.zeros(_ADDR_BYTES + 1 + _SECRET_BYTES, np.uint8)
@@ -315,13 +370,13 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
             drawn = new_secret().encode()
             assert len(drawn) == _SECRET_BYTES
             buf[_ADDR_BYTES] = _SECRET_DRAWN
-            buf[_ADDR_BYTES + 1:] = np.frombuffer(drawn, np.uint8)
+            buf[_ADDR_BYTES + 1 :] = np.frombuffer(drawn, np.uint8)
     comm.Bcast(buf, root=0)
     raw_buf = buf.tobytes()
     buf[:] = 0  # the secret stays in one place: the RendezvousInfo
     host, _, port = raw_buf[:_ADDR_BYTES].rstrip(b"\0").decode().rpartition(":")
     flag = raw_buf[_ADDR_BYTES]
-    secret = raw_buf[_ADDR_BYTES + 1:] if flag == _SECRET_DRAWN else None
+    secret = raw_buf[_ADDR_BYTES + 1 :] if flag == _SECRET_DRAWN else None
     # Every rank learns whether any rank's own secret disagrees with rank 0's choice (one
     # integer, summed: nothing pickled), so that all of them fail at once, saying why.
     differ = np.array([int(own_secret != (flag != _SECRET_DRAWN))], np.int64)
@@ -329,8 +384,10 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
     if own_error is not None:
         raise own_error
     if flag == _SECRET_UNREADABLE:
-        raise RendezvousError(f"rank {info.rank}: rank 0 cannot read the job's secret "
-                              "(DDL_SECRET_FILE); its own error says why")
+        raise RendezvousError(
+            f"rank {info.rank}: rank 0 cannot read the job's secret "
+            "(DDL_SECRET_FILE); its own error says why"
+        )
     if differ[0]:
         rank0_drew = flag == _SECRET_DRAWN
         rank0_has = "has no" if rank0_drew else "has"
@@ -338,6 +395,8 @@ def resolve_master(info: RendezvousInfo, environ: Mapping[str, str] | None = Non
             f"rank {info.rank}: the ranks disagree on the job's secret: rank 0 {rank0_has} "
             f"DDL_SECRET or DDL_SECRET_FILE, {int(differ[0])} other rank(s) "
             f"{'have one' if rank0_drew else 'have neither'}; set the "
-            "same one on every rank (or on none: rank 0 then draws one and shares it over MPI)")
-    return RendezvousInfo(info.rank, info.size, host, int(port), info.source,
-                          info.local_rank, info.local_size, secret)
+            "same one on every rank (or on none: rank 0 then draws one and shares it over MPI)"
+        )
+    return RendezvousInfo(
+        info.rank, info.size, host, int(port), info.source, info.local_rank, info.local_size, secret
+    )

@@ -62,7 +62,7 @@ from ddlcore.errors import DDLError
 
 _SEND, _RECV_REDUCE = int(Kind.SEND), int(Kind.RECV_REDUCE)
 _COPY = int(Kind.COPY)
-_AFTER, _DONE = -1, -2   # a part's markers in an actor's program (`Program`)
+_AFTER, _DONE = -1, -2  # a part's markers in an actor's program (`Program`)
 # Default step budget: 16M steps take 3-5 minutes of CPU to generate and simulate on this
 # project's VM (11-18 us/step in all: 67M steps took 713 s for the ring, 1160 s for rhd);
 # mdring at 4096 ranks is ~6.5M.
@@ -95,19 +95,24 @@ class Program:
     collective: str
     algorithm: str
     size: int
-    owner: tuple[int, ...]    # the rank of each actor
+    owner: tuple[int, ...]  # the rank of each actor
     kinds: tuple[array, ...]
     peers: tuple[array, ...]
     keys: tuple[array, ...]
     nbytes: tuple[array, ...]
     dim_order: tuple[int, ...] | None = None
-    steps: int = 0            # the schedules' steps, all ranks (markers not counted)
+    steps: int = 0  # the schedules' steps, all ranks (markers not counted)
     segments: int = 1
 
     @classmethod
-    def from_schedules(cls, schedules: Iterable[Schedule], size: int, itemsize: int,
-                       dim_order: tuple[int, ...] | None = None,
-                       segments: int = 1) -> Program:
+    def from_schedules(
+        cls,
+        schedules: Iterable[Schedule],
+        size: int,
+        itemsize: int,
+        dim_order: tuple[int, ...] | None = None,
+        segments: int = 1,
+    ) -> Program:
         """Compile ``size`` ranks' schedules (rank order), one at a time: an iterator of
         schedules never holds every rank's steps as objects."""
         owner: list[int] = []
@@ -120,8 +125,12 @@ class Program:
             name = (sched.collective, sched.algorithm)
             steps = sched.steps
             total += len(steps)
-            bad = [s for s in steps if s.kind != Kind.COPY and not (
-                0 <= s.peer < size and s.peer != rank and 0 <= s.slot < 1 << 32)]
+            bad = [
+                s
+                for s in steps
+                if s.kind != Kind.COPY
+                and not (0 <= s.peer < size and s.peer != rank and 0 <= s.slot < 1 << 32)
+            ]
             if bad:
                 raise SimulationError(f"rank {rank}: bad peer or slot in step {bad[0].describe()}")
 
@@ -140,8 +149,9 @@ class Program:
                     prog = []
                     for p in parts:
                         prog += [(_AFTER, -1, part_base + q, 0) for q in sched.parts[p].after]
-                        prog += [(int(s.kind), s.peer, key(s), s.count * itemsize)
-                                 for s in groups[p][1]]
+                        prog += [
+                            (int(s.kind), s.peer, key(s), s.count * itemsize) for s in groups[p][1]
+                        ]
                         prog.append((_DONE, -1, part_base + p, 0))
                     programs.append(prog)
                 part_base += len(sched.parts)
@@ -153,8 +163,19 @@ class Program:
                 nbytes.append(array("q", [x[3] for x in prog]))
         if ranks != size:
             raise ValueError(f"{ranks} schedules for {size} ranks")
-        return cls(name[0], name[1], size, tuple(owner), tuple(kinds), tuple(peers),
-                   tuple(keys), tuple(nbytes), dim_order, total, segments)
+        return cls(
+            name[0],
+            name[1],
+            size,
+            tuple(owner),
+            tuple(kinds),
+            tuple(peers),
+            tuple(keys),
+            tuple(nbytes),
+            dim_order,
+            total,
+            segments,
+        )
 
 
 def element_count(collective: str, nbytes: float, size: int, itemsize: int) -> int:
@@ -168,10 +189,17 @@ def element_count(collective: str, nbytes: float, size: int, itemsize: int) -> i
     return count
 
 
-def compile_program(collective: str, algorithm: str, topo: topology.Topology, nbytes: float,
-                    itemsize: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    dim_order: tuple[int, ...] | None = None,
-                    max_steps: int = MAX_STEPS, segments: int = 1) -> Program:
+def compile_program(
+    collective: str,
+    algorithm: str,
+    topo: topology.Topology,
+    nbytes: float,
+    itemsize: int = 4,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    dim_order: tuple[int, ...] | None = None,
+    max_steps: int = MAX_STEPS,
+    segments: int = 1,
+) -> Program:
     """Generate every rank's schedule with the library's own algorithm functions (mdring's
     allreduce pipelined in ``segments``).
 
@@ -197,7 +225,8 @@ def compile_program(collective: str, algorithm: str, topo: topology.Topology, nb
             f"({max(len(s.steps) for s in ends)} per rank), over the budget of "
             f"{max_steps / 1e6:.1f}M (max_steps / --max-steps); it would take "
             f"{estimate * 11e-6 / 60:.0f}-{estimate * 18e-6 / 60:.0f} min of CPU and "
-            f"{estimate * 25 / 1e9:.1f}-{estimate * 60 / 1e9:.1f} GB here")
+            f"{estimate * 25 / 1e9:.1f}-{estimate * 60 / 1e9:.1f} GB here"
+        )
     scheds = itertools.chain(ends[:1], (schedule(r) for r in range(1, size - 1)), ends[1:size])
     return Program.from_schedules(scheds, size, itemsize, dim_order, segments)
 
@@ -209,9 +238,9 @@ class DimStats:
     level: str
     bw: float
     lat: float
-    bytes_per_rank: int   # most bytes one rank sent along this dimension
-    messages: int         # messages along this dimension, all ranks
-    busy_s: float         # longest time one port was busy with this dimension's messages
+    bytes_per_rank: int  # most bytes one rank sent along this dimension
+    messages: int  # messages along this dimension, all ranks
+    busy_s: float  # longest time one port was busy with this dimension's messages
 
 
 @dataclass(frozen=True)
@@ -245,8 +274,12 @@ class Result:
         return out
 
 
-def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning.REDUCE_BW,
-            copy_bw: float | None = None) -> tuple[float, list[float], tuple[DimStats, ...]]:
+def execute(
+    program: Program,
+    topo: topology.Topology,
+    reduce_bw: float = tuning.REDUCE_BW,
+    copy_bw: float | None = None,
+) -> tuple[float, list[float], tuple[DimStats, ...]]:
     """Run ``program`` on ``topo``'s links: (time, finish time per rank, per-dimension stats).
 
     Raises `SimulationError` on a deadlock, an unmatched message or mismatched message sizes."""
@@ -255,7 +288,7 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
         raise ValueError(f"program has {size} ranks, topology {topo.shape} has {topo.size}")
     inv_reduce, inv_copy = 1.0 / reduce_bw, 1.0 / (copy_bw or reduce_bw)
     inv_bw, lat = [1.0 / b for b in topo.bw], list(topo.lat)
-    net_base = 2 * size * k   # ports: per-rank egress/ingress per host dim, then adapters
+    net_base = 2 * size * k  # ports: per-rank egress/ingress per host dim, then adapters
     nports = net_base + 2 * (size // topo.ranks_per_node + 1) * topo.adapters
     free = [0.0] * nports
     busy = [0.0] * (nports * k)
@@ -271,10 +304,10 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
         egress = net_base + 2 * (ha * topo.adapters + aa)
         return j, egress, net_base + 2 * (hb * topo.adapters + ab) + 1
 
-    arrived: dict[int, tuple[float, int]] = {}    # key -> (arrival time, bytes)
-    waiting: dict[int, int] = {}                  # key -> the actor blocked on it
-    finished: dict[int, float] = {}               # part -> when it finished
-    after: dict[int, list[int]] = {}              # part -> the actors waiting for it
+    arrived: dict[int, tuple[float, int]] = {}  # key -> (arrival time, bytes)
+    waiting: dict[int, int] = {}  # key -> the actor blocked on it
+    finished: dict[int, float] = {}  # part -> when it finished
+    after: dict[int, list[int]] = {}  # part -> the actors waiting for it
     owner = program.owner
     nactors = len(owner)
     pcs, clock, sends_end = [0] * nactors, [0.0] * nactors, [0.0] * nactors
@@ -284,8 +317,12 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
     while heap:
         t, a = pop(heap)
         r = owner[a]
-        kinds, peers, keys, nbytes = (program.kinds[a], program.peers[a], program.keys[a],
-                                      program.nbytes[a])
+        kinds, peers, keys, nbytes = (
+            program.kinds[a],
+            program.peers[a],
+            program.keys[a],
+            program.nbytes[a],
+        )
         n, pc = len(kinds), pcs[a]
         limit = heap[0][0] if heap else inf
         while pc < n:
@@ -308,8 +345,10 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
                 sent[r * k + j] += nb
                 messages[j] += 1
                 if key in arrived:
-                    raise SimulationError(f"rank {r} sends slot {key & 0xFFFFFFFF} to rank "
-                                          f"{peers[pc]} twice (step {pc})")
+                    raise SimulationError(
+                        f"rank {r} sends slot {key & 0xFFFFFFFF} to rank "
+                        f"{peers[pc]} twice (step {pc})"
+                    )
                 arrival = end + lat[j]
                 arrived[key] = (arrival, nb)
                 w = waiting.pop(key, None)
@@ -352,9 +391,11 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
                     t = msg[0]
                 del arrived[key]
                 if msg[1] != nb:
-                    raise SimulationError(f"rank {r} step {pc} expects {nb} bytes from rank "
-                                          f"{peers[pc]} (slot {key & 0xFFFFFFFF}), it sent "
-                                          f"{msg[1]}")
+                    raise SimulationError(
+                        f"rank {r} step {pc} expects {nb} bytes from rank "
+                        f"{peers[pc]} (slot {key & 0xFFFFFFFF}), it sent "
+                        f"{msg[1]}"
+                    )
                 if kind == _RECV_REDUCE:
                     t += nb * inv_reduce
             pc += 1
@@ -365,46 +406,73 @@ def execute(program: Program, topo: topology.Topology, reduce_bw: float = tuning
         if pc == n and t > finish[r]:
             finish[r] = t
     _check_complete(program, pcs, waiting, arrived)
-    dims = tuple(DimStats(j, topo.dims[j], topo.levels[j], topo.bw[j], topo.lat[j],
-                          max(sent[r * k + j] for r in range(size)), messages[j],
-                          max(busy[p * k + j] for p in range(nports)))
-                 for j in range(k))
+    dims = tuple(
+        DimStats(
+            j,
+            topo.dims[j],
+            topo.levels[j],
+            topo.bw[j],
+            topo.lat[j],
+            max(sent[r * k + j] for r in range(size)),
+            messages[j],
+            max(busy[p * k + j] for p in range(nports)),
+        )
+        for j in range(k)
+    )
     return max(finish, default=0.0), finish, dims
 
 
-def _check_complete(program: Program, pcs: list[int], waiting: dict[int, int],
-                    arrived: dict[int, tuple[float, int]]) -> None:
+def _check_complete(
+    program: Program, pcs: list[int], waiting: dict[int, int], arrived: dict[int, tuple[float, int]]
+) -> None:
     stuck = [a for a in range(len(program.owner)) if pcs[a] < len(program.kinds[a])]
     if stuck:
+
         def blocked(a: int) -> str:
             r, pc = program.owner[a], pcs[a]
             if program.kinds[a][pc] == _AFTER:
                 return f"rank {r} at step {pc} waits for its part {program.keys[a][pc]}"
-            return (f"rank {r} at step {pc} waits for rank {program.peers[a][pc]} "
-                    f"(slot {program.keys[a][pc] & 0xFFFFFFFF})")
+            return (
+                f"rank {r} at step {pc} waits for rank {program.peers[a][pc]} "
+                f"(slot {program.keys[a][pc] & 0xFFFFFFFF})"
+            )
+
         ranks = sorted({program.owner[a] for a in stuck})
-        raise SimulationError(f"deadlock: {len(ranks)} of {program.size} ranks never finish; "
-                              + "; ".join(blocked(a) for a in stuck[:4])
-                              + ("; ..." if len(stuck) > 4 else ""))
+        raise SimulationError(
+            f"deadlock: {len(ranks)} of {program.size} ranks never finish; "
+            + "; ".join(blocked(a) for a in stuck[:4])
+            + ("; ..." if len(stuck) > 4 else "")
+        )
     if arrived:
-        lost = [f"rank {(key >> 32) // program.size} -> rank {(key >> 32) % program.size} "
-                f"slot {key & 0xFFFFFFFF}" for key in list(arrived)[:4]]
+        lost = [
+            f"rank {(key >> 32) // program.size} -> rank {(key >> 32) % program.size} "
+            f"slot {key & 0xFFFFFFFF}"
+            for key in list(arrived)[:4]
+        ]
         raise SimulationError(f"{len(arrived)} messages were never received: " + "; ".join(lost))
 
 
-def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: float,
-             itemsize: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             dim_order: tuple[int, ...] | None = None, reduce_bw: float = tuning.REDUCE_BW,
-             copy_bw: float | None = None, max_steps: int = MAX_STEPS,
-             program: Program | None = None, segments: int = 0) -> Result:
+def simulate(
+    collective: str,
+    algorithm: str,
+    topo: topology.Topology,
+    nbytes: float,
+    itemsize: int = 4,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    dim_order: tuple[int, ...] | None = None,
+    reduce_bw: float = tuning.REDUCE_BW,
+    copy_bw: float | None = None,
+    max_steps: int = MAX_STEPS,
+    program: Program | None = None,
+    segments: int = 0,
+) -> Result:
     """Simulate ``collective`` of ``nbytes`` with ``algorithm`` (or ``auto``) on ``topo``.
 
     The algorithm, mdring's dimension order and its pipelined segments come from
     `tuning.choose`, as in a real job, unless ``dim_order`` / ``segments`` (> 0) are given.
     ``program`` reuses compiled schedules (they do not depend on the link speeds or adapters).
     Raises `TooLargeToSimulate` or `SimulationError`."""
-    choice = tuning.choose(collective, topo, int(nbytes), algorithm, chunk_bytes,
-                           segments=segments)
+    choice = tuning.choose(collective, topo, int(nbytes), algorithm, chunk_bytes, segments=segments)
     order = dim_order if dim_order is not None else choice.dim_order
     nseg = choice.segments
     if choice.algorithm != "mdring":
@@ -412,18 +480,42 @@ def simulate(collective: str, algorithm: str, topo: topology.Topology, nbytes: f
     elif dim_order is not None and segments <= 0:  # the best count for the order asked
         nseg = tuning.best_mdring(collective, topo, nbytes, dim_order, reduce_bw, False)[1]
     if program is None:
-        program = compile_program(collective, choice.algorithm, topo, nbytes, itemsize,
-                                  chunk_bytes, order, max_steps, nseg)
+        program = compile_program(
+            collective,
+            choice.algorithm,
+            topo,
+            nbytes,
+            itemsize,
+            chunk_bytes,
+            order,
+            max_steps,
+            nseg,
+        )
     elif (program.collective, program.algorithm) != (collective, choice.algorithm):
-        raise ValueError(f"program is {program.collective} via {program.algorithm}, not "
-                         f"{collective} via {choice.algorithm}")
+        raise ValueError(
+            f"program is {program.collective} via {program.algorithm}, not "
+            f"{collective} via {choice.algorithm}"
+        )
     else:
         nseg = program.segments
     time_s, _, dims = execute(program, topo, reduce_bw, copy_bw)
-    predicted = tuning.predict(collective, choice.algorithm, topo, nbytes, order, reduce_bw,
-                               segments=nseg)
-    return Result(collective, choice.algorithm, order, topo.shape, topo.adapters, topo.size,
-                  float(nbytes), time_s, predicted, program.steps, dims, nseg)
+    predicted = tuning.predict(
+        collective, choice.algorithm, topo, nbytes, order, reduce_bw, segments=nseg
+    )
+    return Result(
+        collective,
+        choice.algorithm,
+        order,
+        topo.shape,
+        topo.adapters,
+        topo.size,
+        float(nbytes),
+        time_s,
+        predicted,
+        program.steps,
+        dims,
+        nseg,
+    )
 
 
 def cyclic(topo: topology.Topology) -> topology.Topology:
@@ -453,48 +545,86 @@ def _report(res: Result) -> str:
         f"{'messages':>9} {'busiest port ms':>15}",
     ]
     for d in res.dims:
-        lines.append(f"{d.dim:>3} {d.size:>5} {d.level:<11} {d.bw / 1e9:>6.3g} {d.lat * 1e6:>6.3g} "
-                     f"{d.bytes_per_rank / 1e6:>12.3f} {d.messages:>9} {d.busy_s * 1e3:>15.3f}")
+        lines.append(
+            f"{d.dim:>3} {d.size:>5} {d.level:<11} {d.bw / 1e9:>6.3g} {d.lat * 1e6:>6.3g} "
+            f"{d.bytes_per_rank / 1e6:>12.3f} {d.messages:>9} {d.busy_s * 1e3:>15.3f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI. Exit status 0: simulated; 3: refused as too large (NOT SIMULATED, with the reason)."""
-    p = argparse.ArgumentParser(prog="python -m ddlcore.simulate",
-                                description=(__doc__ or "").split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--collective", default="allreduce", choices=tuning.SELECTABLE,
-                   help="the collective to simulate")
+    p = argparse.ArgumentParser(
+        prog="python -m ddlcore.simulate",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--collective",
+        default="allreduce",
+        choices=tuning.SELECTABLE,
+        help="the collective to simulate",
+    )
     p.add_argument("--topology", default="4x16x4", help="box, fastest dimension first")
-    p.add_argument("--link-bw", default="", help="bytes/s per dimension, comma-separated; one "
-                   "value applies to every dimension, fewer values than dimensions repeat the "
-                   "last (20e9,10e9 on a 3-D box: 20e9,10e9,10e9; the table shows each "
-                   "dimension's); empty: the paper's 20e9,10e9,9.5e9 for as many dimensions as "
-                   "the box has")
-    p.add_argument("--link-lat", default="", help="seconds per dimension, as --link-bw (empty: "
-                   "5e-6,10e-6,20e-6)")
+    p.add_argument(
+        "--link-bw",
+        default="",
+        help="bytes/s per dimension, comma-separated; one "
+        "value applies to every dimension, fewer values than dimensions repeat the "
+        "last (20e9,10e9 on a 3-D box: 20e9,10e9,10e9; the table shows each "
+        "dimension's); empty: the paper's 20e9,10e9,9.5e9 for as many dimensions as "
+        "the box has",
+    )
+    p.add_argument(
+        "--link-lat",
+        default="",
+        help="seconds per dimension, as --link-bw (empty: 5e-6,10e-6,20e-6)",
+    )
     p.add_argument("--bytes", type=float, default=100e6, help="each rank's input in bytes")
     p.add_argument("--algo", default="auto", help="ring, mdring, rhd, rd or auto")
-    p.add_argument("--segments", type=int, default=0, help="mdring allreduce: pipelined "
-                   "segments (0: the cost model's choice, 1: the phases one after another)")
-    p.add_argument("--dim-order", default="", help="mdring phase order, e.g. 0,2,1 (empty: "
-                   "the best, under auto)")
+    p.add_argument(
+        "--segments",
+        type=int,
+        default=0,
+        help="mdring allreduce: pipelined "
+        "segments (0: the cost model's choice, 1: the phases one after another)",
+    )
+    p.add_argument(
+        "--dim-order",
+        default="",
+        help="mdring phase order, e.g. 0,2,1 (empty: the best, under auto)",
+    )
     p.add_argument("--adapters", type=int, default=1, help="network adapters per host")
-    p.add_argument("--placement", default="block", choices=("block", "cyclic"),
-                   help="rank -> host map: block (host by host, as launchers do by default) or "
-                   "cyclic (round-robin over hosts: rank order crosses a host every hop)")
-    p.add_argument("--levels", default="", help="level per dimension, comma-separated (empty: "
-                   "the first inside a host, the others across the network, e.g. host,rack,"
-                   "cross-rack)")
-    p.add_argument("--reduce-bw", type=float, default=tuning.REDUCE_BW,
-                   help="bytes/s of the reduction kernel")
-    p.add_argument("--copy-bw", type=float, default=None,
-                   help="bytes/s of a local copy (None: --reduce-bw)")
+    p.add_argument(
+        "--placement",
+        default="block",
+        choices=("block", "cyclic"),
+        help="rank -> host map: block (host by host, as launchers do by default) or "
+        "cyclic (round-robin over hosts: rank order crosses a host every hop)",
+    )
+    p.add_argument(
+        "--levels",
+        default="",
+        help="level per dimension, comma-separated (empty: "
+        "the first inside a host, the others across the network, e.g. host,rack,"
+        "cross-rack)",
+    )
+    p.add_argument(
+        "--reduce-bw", type=float, default=tuning.REDUCE_BW, help="bytes/s of the reduction kernel"
+    )
+    p.add_argument(
+        "--copy-bw", type=float, default=None, help="bytes/s of a local copy (None: --reduce-bw)"
+    )
     p.add_argument("--itemsize", type=int, default=4, help="bytes per element")
-    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
-                   help="pipeline chunk in bytes")
-    p.add_argument("--max-steps", type=float, default=MAX_STEPS,
-                   help="refuse (exit 3) schedules with more steps than this")
+    p.add_argument(
+        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="pipeline chunk in bytes"
+    )
+    p.add_argument(
+        "--max-steps",
+        type=float,
+        default=MAX_STEPS,
+        help="refuse (exit 3) schedules with more steps than this",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     try:
@@ -504,31 +634,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.algo != "auto" and a.algo not in ALGORITHMS[a.collective]:
         p.error(f"--algo {a.algo!r}: {a.collective} has {sorted(ALGORITHMS[a.collective])} or auto")
     try:
-        bw = _floats(a.link_bw) if a.link_bw else PAPER_BW[:len(dims)]
-        lat = _floats(a.link_lat) if a.link_lat else PAPER_LAT[:len(dims)]
-        topo = topology.box(dims, topology.per_dim(bw, len(dims), "--link-bw"),
-                            topology.per_dim(lat, len(dims), "--link-lat"),
-                            a.levels.split(",") if a.levels else None, a.adapters)
+        bw = _floats(a.link_bw) if a.link_bw else PAPER_BW[: len(dims)]
+        lat = _floats(a.link_lat) if a.link_lat else PAPER_LAT[: len(dims)]
+        topo = topology.box(
+            dims,
+            topology.per_dim(bw, len(dims), "--link-bw"),
+            topology.per_dim(lat, len(dims), "--link-lat"),
+            a.levels.split(",") if a.levels else None,
+            a.adapters,
+        )
     except ValueError as exc:
         p.error(str(exc))
     if a.placement == "cyclic":
         topo = cyclic(topo)
     order = tuple(int(v) for v in a.dim_order.split(",")) if a.dim_order else None
     try:
-        res = simulate(a.collective, a.algo, topo, a.bytes, a.itemsize, a.chunk_bytes, order,
-                       a.reduce_bw, a.copy_bw, int(a.max_steps), segments=a.segments)
+        res = simulate(
+            a.collective,
+            a.algo,
+            topo,
+            a.bytes,
+            a.itemsize,
+            a.chunk_bytes,
+            order,
+            a.reduce_bw,
+            a.copy_bw,
+            int(a.max_steps),
+            segments=a.segments,
+        )
     except TooLargeToSimulate as exc:
-        choice = tuning.choose(a.collective, topo, int(a.bytes), a.algo, a.chunk_bytes,
-                               segments=a.segments)
-        model = tuning.predict(a.collective, choice.algorithm, topo, a.bytes,
-                               order or choice.dim_order, a.reduce_bw, segments=choice.segments)
+        choice = tuning.choose(
+            a.collective, topo, int(a.bytes), a.algo, a.chunk_bytes, segments=a.segments
+        )
+        model = tuning.predict(
+            a.collective,
+            choice.algorithm,
+            topo,
+            a.bytes,
+            order or choice.dim_order,
+            a.reduce_bw,
+            segments=choice.segments,
+        )
         if a.json:
-            print(json.dumps({"simulated": False, "reason": str(exc), "time_s": None,
-                              "algorithm": choice.algorithm, "topology": topo.shape,
-                              "predicted_s": model}))
+            print(
+                json.dumps(
+                    {
+                        "simulated": False,
+                        "reason": str(exc),
+                        "time_s": None,
+                        "algorithm": choice.algorithm,
+                        "topology": topo.shape,
+                        "predicted_s": model,
+                    }
+                )
+            )
         else:
-            print(f"NOT SIMULATED: {exc}\n(the cost model alone predicts {model * 1e3:.3f} ms; "
-                  "that is a formula, not a simulation)")
+            print(
+                f"NOT SIMULATED: {exc}\n(the cost model alone predicts {model * 1e3:.3f} ms; "
+                "that is a formula, not a simulation)"
+            )
         return 3
     print(json.dumps(res.to_json()) if a.json else _report(res))
     return 0

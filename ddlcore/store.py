@@ -25,8 +25,16 @@ from ddlcore.store_server import StoreServer
 from ddlcore.store_wire import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from ddlcore.transports.sockets import recv_exact
 
-__all__ = ["MAX_KEY_BYTES", "MAX_VALUE_BYTES", "PrefixStore", "StoreAuthenticationError",
-           "StoreClient", "StoreServer", "StoreUnreachableError", "default_key"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_VALUE_BYTES",
+    "PrefixStore",
+    "StoreAuthenticationError",
+    "StoreClient",
+    "StoreServer",
+    "StoreUnreachableError",
+    "default_key",
+]
 
 # Extra seconds a client waits for the server's answer beyond the wait it asked the server for
 # (the server answers "missing" at the deadline itself; this only covers a lost network).
@@ -81,8 +89,15 @@ class StoreClient:
         The store could not be reached (and its handshake completed) within ``timeout``.
     """
 
-    def __init__(self, host: str, port: int, timeout: float, rank: int | None = None,
-                 size: int | None = None, job_key: JobKey | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        rank: int | None = None,
+        size: int | None = None,
+        job_key: JobKey | None = None,
+    ) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout={timeout} must be positive")
         self.host, self.port, self.timeout = host, int(port), float(timeout)
@@ -109,7 +124,8 @@ class StoreClient:
             except socket.gaierror as exc:
                 raise RendezvousError(
                     f"{self._who()}the rendezvous store address {self.host!r} does not resolve "
-                    f"({exc}); check DDL_MASTER_ADDR") from None
+                    f"({exc}); check DDL_MASTER_ADDR"
+                ) from None
             last: OSError | None = None
             for family, _, _, _, sockaddr in infos:
                 sock = socket.socket(family, socket.SOCK_STREAM)
@@ -127,8 +143,11 @@ class StoreClient:
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    self.job_key.connect(sock, wire.encode_claim(self.rank, self.size),
-                                         min(deadline, time.monotonic() + _HANDSHAKE_S))
+                    self.job_key.connect(
+                        sock,
+                        wire.encode_claim(self.rank, self.size),
+                        min(deadline, time.monotonic() + _HANDSHAKE_S),
+                    )
                 except AuthenticationError as exc:
                     sock.close()
                     raise StoreAuthenticationError(
@@ -147,33 +166,41 @@ class StoreClient:
                 raise StoreUnreachableError(
                     f"{self._who()}could not reach the rendezvous store at {self.address} within "
                     f"{self.timeout:.1f} s ({attempts} attempts, last error: {last}); is rank 0 "
-                    "running, and do DDL_MASTER_ADDR/DDL_MASTER_PORT name it?")
+                    "running, and do DDL_MASTER_ADDR/DDL_MASTER_PORT name it?"
+                )
             time.sleep(min(delay, left))
             delay = min(delay * 2, max_delay)
 
-    def _request(self, op: int, key: str, value: Any = b"", arg: int = 0,
-                 wait_s: float = 0.0) -> tuple[int, bytes, int]:
+    def _request(
+        self, op: int, key: str, value: Any = b"", arg: int = 0, wait_s: float = 0.0
+    ) -> tuple[int, bytes, int]:
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         raw_key = key.encode("utf-8")
         if len(raw_key) > MAX_KEY_BYTES:
-            raise ValueError(f"key is {len(raw_key)} bytes in UTF-8; the store takes keys of at "
-                             f"most {MAX_KEY_BYTES} bytes")
+            raise ValueError(
+                f"key is {len(raw_key)} bytes in UTF-8; the store takes keys of at "
+                f"most {MAX_KEY_BYTES} bytes"
+            )
         if isinstance(value, str) or not isinstance(value, (bytes, bytearray, memoryview)):
             raise TypeError(f"value must be bytes-like, got {type(value).__name__}")
         nvalue = memoryview(value).nbytes
         if nvalue > MAX_VALUE_BYTES:
-            raise ValueError(f"value is {nvalue} bytes; the store takes values of at most "
-                             f"{MAX_VALUE_BYTES} bytes")
+            raise ValueError(
+                f"value is {nvalue} bytes; the store takes values of at most "
+                f"{MAX_VALUE_BYTES} bytes"
+            )
         wait_s = min(max(wait_s, 0.0), wire.MAX_WAIT_S)
-        header = wire.REQUEST.pack(wire.MAGIC, op, 0, len(raw_key), nvalue, arg,
-                                   wire.wait_ms(wait_s))
+        header = wire.REQUEST.pack(
+            wire.MAGIC, op, 0, len(raw_key), nvalue, arg, wire.wait_ms(wait_s)
+        )
         with self._lock:
             sock = self._sock
             if sock is None:
                 raise StoreUnreachableError(
                     f"{self._who()}the store client for {self.address} is closed (or lost its "
-                    "connection earlier)")
+                    "connection earlier)"
+                )
             try:
                 sock.settimeout(wait_s + _REPLY_SLACK_S)
                 sock.sendall(header + raw_key)
@@ -191,7 +218,8 @@ class StoreClient:
                 sock.close()
                 raise StoreUnreachableError(
                     f"{self._who()}lost the connection to the rendezvous store at "
-                    f"{self.address} ({exc}); rank 0, which serves it, may have exited") from None
+                    f"{self.address} ({exc}); rank 0, which serves it, may have exited"
+                ) from None
         if status == wire.ERROR:
             raise ValueError(out.decode("utf-8", "replace"))
         return status, out, rarg
@@ -228,7 +256,8 @@ class StoreClient:
         if status != wire.OK:
             raise RendezvousError(
                 f"{self._who()}waited {wait_s:.1f} s for key {key!r} at the rendezvous store "
-                f"{self.address}; the rank that sets it has not started, is stuck, or failed")
+                f"{self.address}; the rank that sets it has not started, is stuck, or failed"
+            )
         return value
 
     def check(self, key: str) -> bool:
@@ -256,11 +285,17 @@ class StoreClient:
         if status != wire.OK:
             raise RendezvousError(
                 f"{self._who()}counter {key!r} at the rendezvous store {self.address} reached "
-                f"{value} of {target} after {wait_s:.1f} s")
+                f"{value} of {target} after {wait_s:.1f} s"
+            )
         return value
 
-    def barrier(self, name: str, rank: int | None = None, size: int | None = None,
-                timeout: float | None = None) -> None:
+    def barrier(
+        self,
+        name: str,
+        rank: int | None = None,
+        size: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
         """Return once all ``size`` ranks have called ``barrier(name)`` as often as this one.
 
         Raises
@@ -279,8 +314,9 @@ class StoreClient:
         base = f"barrier/{name}/{self._barrier_seq[name]}"
         # One request: the server counts the ranks in and answers all at once (and forgets the
         # barrier when it has); a timeout is answered with the ranks that did arrive.
-        status, arrived, _ = self._request(wire.BARRIER, base, arg=wire.barrier_arg(rank, size),
-                                           wait_s=wait_s)
+        status, arrived, _ = self._request(
+            wire.BARRIER, base, arg=wire.barrier_arg(rank, size), wait_s=wait_s
+        )
         if status == wire.OK:
             return
         present = set(wire.arrived_ranks(arrived, size))
@@ -290,7 +326,8 @@ class StoreClient:
             listed = listed[:-1] + f", ... ({len(missing) - _MAX_LISTED} more)]"
         raise RendezvousError(
             f"rendezvous at {self.address}: {size - len(missing)} of {size} ranks joined "
-            f"barrier {name!r} after {wait_s:.1f} s (seen from rank {rank}); missing ranks: {listed}")
+            f"barrier {name!r} after {wait_s:.1f} s (seen from rank {rank}); missing ranks: {listed}"
+        )
 
     def close(self) -> None:
         """Drop the connection (idempotent)."""
@@ -364,6 +401,11 @@ class PrefixStore:
     def wait_count(self, key: str, target: int, timeout: float | None = None) -> int:
         return self.store.wait_count(self.prefix + key, target, timeout)  # type: ignore[attr-defined]
 
-    def barrier(self, name: str, rank: int | None = None, size: int | None = None,
-                timeout: float | None = None) -> None:
+    def barrier(
+        self,
+        name: str,
+        rank: int | None = None,
+        size: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
         self.store.barrier(self.prefix + name, rank, size, timeout)  # type: ignore[attr-defined]

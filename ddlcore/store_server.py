@@ -96,14 +96,22 @@ class StoreServer:
         The address cannot be bound (in use, not an address of this host).
     """
 
-    def __init__(self, host: str, port: int, backlog: int = 4096,
-                 job_key: JobKey | None = None, max_connections: int = MAX_CONNECTIONS,
-                 max_bytes: int = MAX_STORED_BYTES) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        backlog: int = 4096,
+        job_key: JobKey | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        max_bytes: int = MAX_STORED_BYTES,
+    ) -> None:
         try:
             family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         except OSError as exc:
-            raise RendezvousError(f"cannot serve the rendezvous store at {host}:{port}: "
-                                  f"{host!r} does not resolve ({exc})") from None
+            raise RendezvousError(
+                f"cannot serve the rendezvous store at {host}:{port}: "
+                f"{host!r} does not resolve ({exc})"
+            ) from None
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -139,8 +147,9 @@ class StoreServer:
         self._cond = threading.Condition()
         self._nclients = 0  # authenticated connections (under _cond: other threads read it)
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name=f"ddl-store-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"ddl-store-{self.port}", daemon=True
+        )
         self._thread.start()
 
     def sockname(self) -> tuple[str, int]:
@@ -213,15 +222,20 @@ class StoreServer:
             if len(self._pending) >= MAX_PENDING:
                 self._drop_oldest_pending(None)
             if len(self._conns) >= self.max_connections and not self._drop_oldest_pending(None):
-                log.debug("store %d: refused a connection from %s: %d connections open",
-                          self.port, source, len(self._conns))
+                log.debug(
+                    "store %d: refused a connection from %s: %d connections open",
+                    self.port,
+                    source,
+                    len(self._conns),
+                )
                 sock.close()
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             acceptor = self.job_key.acceptor()
-            conn = _Conn(sock, source, acceptor, time.monotonic() + HANDSHAKE_TIMEOUT_S,
-                         need=acceptor.wants)
+            conn = _Conn(
+                sock, source, acceptor, time.monotonic() + HANDSHAKE_TIMEOUT_S, need=acceptor.wants
+            )
             self._conns[sock] = conn
             self._pending[conn] = None
             self._pending_by_source.setdefault(source, {})[conn] = None
@@ -289,8 +303,12 @@ class StoreServer:
         except (BlockingIOError, InterruptedError):
             return
         if not chunk:
-            self._drop(conn, None if conn.phase == _HEADER and not conn.inbuf
-                       else "closed in the middle of a message")
+            self._drop(
+                conn,
+                None
+                if conn.phase == _HEADER and not conn.inbuf
+                else "closed in the middle of a message",
+            )
             return
         conn.inbuf += chunk
         if len(conn.inbuf) < conn.need:
@@ -345,8 +363,13 @@ class StoreServer:
     def _header(self, conn: _Conn, data: bytes) -> None:
         header = wire.REQUEST.unpack(data)
         magic, op, flags, klen, vlen = header[:5]
-        if (magic != wire.MAGIC or flags or op not in wire.OPS or klen > wire.MAX_KEY_BYTES
-                or vlen > wire.MAX_VALUE_BYTES):
+        if (
+            magic != wire.MAGIC
+            or flags
+            or op not in wire.OPS
+            or klen > wire.MAX_KEY_BYTES
+            or vlen > wire.MAX_VALUE_BYTES
+        ):
             self._drop(conn, "malformed or oversize request header")
             return
         conn.header = header
@@ -404,8 +427,13 @@ class StoreServer:
             return
         conn.closed = True
         if why is not None:
-            log.debug("store %d: dropped a connection from %s (rank %s): %s", self.port,
-                      conn.source, "?" if conn.rank is None else conn.rank, why)
+            log.debug(
+                "store %d: dropped a connection from %s (rank %s): %s",
+                self.port,
+                conn.source,
+                "?" if conn.rank is None else conn.rank,
+                why,
+            )
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
@@ -438,8 +466,12 @@ class StoreServer:
     def stats(self) -> dict[str, int]:
         """What the server holds now (approximate when read while it serves): connections
         open and in their handshake, keys, bytes of values, open barriers, parked waits."""
-        return {"connections": len(self._conns), "pending": len(self._pending),
-                "clients": self.clients(), **self._table.stats()}
+        return {
+            "connections": len(self._conns),
+            "pending": len(self._pending),
+            "clients": self.clients(),
+            **self._table.stats(),
+        }
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no client is connected (at most ``timeout`` seconds); True if none is."""

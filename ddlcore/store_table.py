@@ -57,8 +57,12 @@ class StoreTable:
         Most bytes of values held at once; a SET past it is answered with an error.
     """
 
-    def __init__(self, answer: Callable[[Any, int, bytes, int], None],
-                 timer: Callable[[float, object], None], max_bytes: int) -> None:
+    def __init__(
+        self,
+        answer: Callable[[Any, int, bytes, int], None],
+        timer: Callable[[float, object], None],
+        max_bytes: int,
+    ) -> None:
         self._answer_fn, self._timer, self.max_bytes = answer, timer, max_bytes
         self._data: dict[str, _Entry] = {}
         self._stored = 0
@@ -75,8 +79,12 @@ class StoreTable:
         self._stored = 0
 
     def stats(self) -> dict[str, int]:
-        return {"keys": len(self._data), "bytes": self._stored, "barriers": len(self._barriers),
-                "waits": sum(len(w) for w in list(self._waiters.values()))}
+        return {
+            "keys": len(self._data),
+            "bytes": self._stored,
+            "barriers": len(self._barriers),
+            "waits": sum(len(w) for w in list(self._waiters.values())),
+        }
 
     def request(self, conn: Any, op: int, key: str, value: bytes, arg: int, wait_s: float) -> None:
         """Serve one request of ``conn`` (answered now, or parked until ``wait_s`` passes)."""
@@ -109,9 +117,13 @@ class StoreTable:
         old = self._data.get(key)
         grown = self._stored - (len(old.value) if old else 0) + len(value)
         if grown > self.max_bytes:
-            self._answer(conn, wire.ERROR, f"the store holds {self._stored} bytes; storing "
-                         f"{len(value)} more under {key!r} would pass its cap of "
-                         f"{self.max_bytes}".encode())
+            self._answer(
+                conn,
+                wire.ERROR,
+                f"the store holds {self._stored} bytes; storing "
+                f"{len(value)} more under {key!r} would pass its cap of "
+                f"{self.max_bytes}".encode(),
+            )
             return
         self._stored = grown
         self._data[key] = _Entry(value, readers)
@@ -209,8 +221,12 @@ class StoreTable:
         self.leave(wait)
         conn = wait.conn
         if wait.op == wire.BARRIER:
-            self._answer(conn, wire.MISSING, bytes(barrier.arrived) if barrier else b"",
-                        barrier.count if barrier else 0)
+            self._answer(
+                conn,
+                wire.MISSING,
+                bytes(barrier.arrived) if barrier else b"",
+                barrier.count if barrier else 0,
+            )
         elif wait.op == wire.WAIT_GE:
             current = self._counter(conn, wait.key)
             if current is not None:
@@ -227,13 +243,21 @@ class StoreTable:
         if barrier is None:
             barrier = self._barriers[key] = _Barrier(size, bytearray((size + 7) // 8))
         if barrier.size != size:
-            self._answer(conn, wire.ERROR, f"barrier {key!r}: rank {rank} says {size} ranks, "
-                         f"an earlier one said {barrier.size}".encode())
+            self._answer(
+                conn,
+                wire.ERROR,
+                f"barrier {key!r}: rank {rank} says {size} ranks, "
+                f"an earlier one said {barrier.size}".encode(),
+            )
             return
         byte, bit = rank >> 3, 1 << (rank & 7)
         if barrier.arrived[byte] & bit:
-            self._answer(conn, wire.ERROR, f"barrier {key!r}: rank {rank} arrived twice (two "
-                         "processes claim that rank, or it called the barrier twice)".encode())
+            self._answer(
+                conn,
+                wire.ERROR,
+                f"barrier {key!r}: rank {rank} arrived twice (two "
+                "processes claim that rank, or it called the barrier twice)".encode(),
+            )
             return
         barrier.arrived[byte] |= bit
         barrier.count += 1

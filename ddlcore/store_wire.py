@@ -39,8 +39,9 @@ _CLAIM = re.compile(rb"ddl-store rank=(-|\d{1,9}) size=(-|\d{1,9})")
 
 def encode_claim(rank: int | None, size: int | None) -> bytes:
     """What a client claims in its handshake: the store, and which rank of how many it is."""
-    return (f"ddl-store rank={'-' if rank is None else rank} "
-            f"size={'-' if size is None else size}").encode()
+    return (
+        f"ddl-store rank={'-' if rank is None else rank} size={'-' if size is None else size}"
+    ).encode()
 
 
 def decode_claim(claim: bytes) -> tuple[int | None, int | None] | None:

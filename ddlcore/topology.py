@@ -63,7 +63,7 @@ def rack_identity(environ: Mapping[str, str] | None = None) -> str:
 class HostLayout:
     """Where each rank sits: host index per rank, and this rank's local position."""
 
-    host_of: tuple[int, ...]      # host index of every rank
+    host_of: tuple[int, ...]  # host index of every rank
     local_rank: int
     local_size: int
     nhosts: int
@@ -92,16 +92,20 @@ class Topology:
 
     dims: tuple[int, ...]
     order: tuple[int, ...]
-    bw: tuple[float, ...]          # bytes/s of one link along each dimension
-    lat: tuple[float, ...]         # seconds per message along each dimension
-    levels: tuple[str, ...]        # what each dimension crosses: "host", "network", "rack"...
-    note: str = ""                 # why the box is flat, when the hosts do not form one
-    adapters: int = 1              # network adapters per host, shared by its ranks
+    bw: tuple[float, ...]  # bytes/s of one link along each dimension
+    lat: tuple[float, ...]  # seconds per message along each dimension
+    levels: tuple[str, ...]  # what each dimension crosses: "host", "network", "rack"...
+    note: str = ""  # why the box is flat, when the hosts do not form one
+    adapters: int = 1  # network adapters per host, shared by its ranks
     _pos: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        if math.prod(self.dims) != len(self.order) or sorted(self.order) != list(range(len(self.order))):
-            raise ValueError(f"box {self.dims} does not hold the {len(self.order)} ranks {self.order}")
+        if math.prod(self.dims) != len(self.order) or sorted(self.order) != list(
+            range(len(self.order))
+        ):
+            raise ValueError(
+                f"box {self.dims} does not hold the {len(self.order)} ranks {self.order}"
+            )
         if not len(self.bw) == len(self.lat) == len(self.levels) == len(self.dims):
             raise ValueError("one bandwidth, latency and level per dimension")
         pos = [0] * len(self.order)
@@ -160,7 +164,7 @@ class Topology:
     @property
     def ranks_per_node(self) -> int:
         """Ranks that share one network adapter (a host)."""
-        return math.prod(self.dims[:self.host_dims])
+        return math.prod(self.dims[: self.host_dims])
 
     def adapter_of(self, rank: int) -> tuple[int, int]:
         """(host, adapter) through which ``rank`` reaches the network: local rank i (its
@@ -174,17 +178,22 @@ class Topology:
         return self._pos[rank] // self.ranks_per_node
 
     def describe(self) -> str:
-        parts = [f"{d} ({lvl}, {bw / 1e9:.3g} GB/s, {lat * 1e6:.3g} us)"
-                 for d, lvl, bw, lat in zip(self.dims, self.levels, self.bw, self.lat, strict=True)]
+        parts = [
+            f"{d} ({lvl}, {bw / 1e9:.3g} GB/s, {lat * 1e6:.3g} us)"
+            for d, lvl, bw, lat in zip(self.dims, self.levels, self.bw, self.lat, strict=True)
+        ]
         text = " x ".join(parts)
         if self.adapters > 1:
-            text += f"; {self.adapters} network adapters per host (local rank i uses i mod " \
-                    f"{self.adapters})"
+            text += (
+                f"; {self.adapters} network adapters per host (local rank i uses i mod "
+                f"{self.adapters})"
+            )
         return f"{text}; {self.note}" if self.note else text
 
 
-def flat(size: int, bw: float = _FALLBACK_LINK[0], lat: float = _FALLBACK_LINK[1],
-         level: str = "network") -> Topology:
+def flat(
+    size: int, bw: float = _FALLBACK_LINK[0], lat: float = _FALLBACK_LINK[1], level: str = "network"
+) -> Topology:
     """A 1-D box in rank order: what the algorithms assume when given no topology."""
     return Topology((size,), tuple(range(size)), (bw,), (lat,), (level,))
 
@@ -199,13 +208,23 @@ def default_levels(k: int) -> tuple[str, ...]:
     return ("host",) + tuple("network" if k == 2 else f"network{j}" for j in range(1, k))
 
 
-def box(dims: Sequence[int], bw: Sequence[float], lat: Sequence[float],
-        levels: Sequence[str] | None = None, adapters: int = 1) -> Topology:
+def box(
+    dims: Sequence[int],
+    bw: Sequence[float],
+    lat: Sequence[float],
+    levels: Sequence[str] | None = None,
+    adapters: int = 1,
+) -> Topology:
     """A box in rank order with the given links (the simulator's and the tests' topologies)."""
     dims = tuple(int(d) for d in dims)
-    return Topology(dims, tuple(range(math.prod(dims))), tuple(map(float, bw)),
-                    tuple(map(float, lat)), tuple(levels or default_levels(len(dims))),
-                    adapters=adapters)
+    return Topology(
+        dims,
+        tuple(range(math.prod(dims))),
+        tuple(map(float, bw)),
+        tuple(map(float, lat)),
+        tuple(levels or default_levels(len(dims))),
+        adapters=adapters,
+    )
 
 
 def per_dim(values: Sequence[float], k: int, what: str) -> tuple[float, ...]:
@@ -220,30 +239,39 @@ def per_dim(values: Sequence[float], k: int, what: str) -> tuple[float, ...]:
     return tuple(float(values[min(j, len(values) - 1)]) for j in range(k))
 
 
-def link_defaults(levels: Sequence[str],
-                  level_transport: Mapping[str, str]) -> list[tuple[float, float]]:
+def link_defaults(
+    levels: Sequence[str], level_transport: Mapping[str, str]
+) -> list[tuple[float, float]]:
     """(bytes/s, s) of each level before a probe: the defaults of the transport carrying it, a
     level across hosts priced at most 1/`NETWORK_SLOWER` of the job's in-host level and never
     quicker to answer. Priced faster (ucx's 12.5 GB/s against shm's 5), the network went first
     in mdring and ran 2.3x the 1 Gbit/s testbed's bound (issue 21); priced alike, the flat ring
     won (1.6x); a slower network makes mdring go host first (1.1x), which costs at most 1.33x
     where the network really is as fast as shared memory."""
+
     def of(level: str) -> tuple[float, float]:
         name = level_transport.get("host" if level == "host" else "network", "")
         return LINK_DEFAULTS.get(name, _FALLBACK_LINK)
 
     host_bw, host_lat = of("host")
-    return [of(lvl) if lvl == "host" or "host" not in levels else
-            (min(of(lvl)[0], host_bw / NETWORK_SLOWER), max(of(lvl)[1], host_lat))
-            for lvl in levels]
+    return [
+        of(lvl)
+        if lvl == "host" or "host" not in levels
+        else (min(of(lvl)[0], host_bw / NETWORK_SLOWER), max(of(lvl)[1], host_lat))
+        for lvl in levels
+    ]
 
 
 def _uniform(counts: Sequence[int]) -> int | None:
     return counts[0] if counts and all(c == counts[0] for c in counts) else None
 
 
-def build(host_ids: Sequence[str], rack_ids: Sequence[str], level_transport: Mapping[str, str],
-          environ: Mapping[str, str] | None = None) -> Topology:
+def build(
+    host_ids: Sequence[str],
+    rack_ids: Sequence[str],
+    level_transport: Mapping[str, str],
+    environ: Mapping[str, str] | None = None,
+) -> Topology:
     """The job's box from every rank's host and rack identity.
 
     ``level_transport`` names the transport between two ranks of one host (``"host"``) and of two
@@ -260,31 +288,46 @@ def build(host_ids: Sequence[str], rack_ids: Sequence[str], level_transport: Map
     for h in range(hosts.nhosts):
         rack_index.setdefault(racks_of_host[h], len(rack_index))
     # Place ranks by (rack, host, local rank): hosts become sub-boxes of the leading dimensions.
-    order = tuple(sorted(range(size), key=lambda r: (rack_index[racks_of_host[hosts.host_of[r]]],
-                                                     hosts.host_of[r], r)))
+    order = tuple(
+        sorted(
+            range(size),
+            key=lambda r: (rack_index[racks_of_host[hosts.host_of[r]]], hosts.host_of[r], r),
+        )
+    )
     per_host = _uniform(hosts.ranks_per_host)
-    hosts_per_rack = _uniform([sum(1 for h in range(hosts.nhosts) if rack_index[racks_of_host[h]] == k)
-                               for k in range(len(rack_index))])
+    hosts_per_rack = _uniform(
+        [
+            sum(1 for h in range(hosts.nhosts) if rack_index[racks_of_host[h]] == k)
+            for k in range(len(rack_index))
+        ]
+    )
     given = config.get("DDL_TOPOLOGY", environ)
     note = ""
     if given:
         dims = tuple(given)
         if math.prod(dims) != size:
-            raise ValueError(f"DDL_TOPOLOGY={'x'.join(map(str, dims))} holds {math.prod(dims)} "
-                             f"ranks but the job has {size}")
+            raise ValueError(
+                f"DDL_TOPOLOGY={'x'.join(map(str, dims))} holds {math.prod(dims)} "
+                f"ranks but the job has {size}"
+            )
         if per_host is None and len(dims) > 1:
-            raise ValueError(f"DDL_TOPOLOGY={'x'.join(map(str, dims))}: the hosts have "
-                             f"{list(hosts.ranks_per_host)} ranks; a box needs the same number "
-                             "on every host (unset DDL_TOPOLOGY for a flat ring)")
+            raise ValueError(
+                f"DDL_TOPOLOGY={'x'.join(map(str, dims))}: the hosts have "
+                f"{list(hosts.ranks_per_host)} ranks; a box needs the same number "
+                "on every host (unset DDL_TOPOLOGY for a flat ring)"
+            )
         prefixes = [math.prod(dims[:j]) for j in range(len(dims) + 1)]
         if per_host is not None and per_host not in prefixes and len(dims) > 1:
-            raise ValueError(f"DDL_TOPOLOGY={'x'.join(map(str, dims))} splits a host: each host "
-                             f"has {per_host} ranks, which is not a product of the leading "
-                             f"dimensions {prefixes[1:-1]}")
+            raise ValueError(
+                f"DDL_TOPOLOGY={'x'.join(map(str, dims))} splits a host: each host "
+                f"has {per_host} ranks, which is not a product of the leading "
+                f"dimensions {prefixes[1:-1]}"
+            )
     elif per_host is None:
         dims = (size,)
-        note = (f"flat: the hosts have {list(hosts.ranks_per_host)} ranks, not the same number "
-                "on each")
+        note = (
+            f"flat: the hosts have {list(hosts.ranks_per_host)} ranks, not the same number on each"
+        )
     else:
         racks = len(rack_index)
         if racks > 1 and hosts_per_rack is not None:
@@ -297,7 +340,7 @@ def build(host_ids: Sequence[str], rack_ids: Sequence[str], level_transport: Map
     groups_per_rack = per_host * hosts_per_rack if per_host and hosts_per_rack else None
     levels = []
     for j in range(len(dims)):
-        reach = math.prod(dims[:j + 1])  # ranks in one group of dimensions 0..j
+        reach = math.prod(dims[: j + 1])  # ranks in one group of dimensions 0..j
         if hosts.nhosts == 1 or (per_host is not None and reach <= per_host):
             levels.append("host")
         elif len(rack_index) > 1 and groups_per_rack is not None:
@@ -309,8 +352,9 @@ def build(host_ids: Sequence[str], rack_ids: Sequence[str], level_transport: Map
     lat_env = config.get("DDL_LINK_LAT", environ)
     bw = per_dim(bw_env, len(dims), "DDL_LINK_BW") if bw_env else tuple(d[0] for d in defaults)
     lat = per_dim(lat_env, len(dims), "DDL_LINK_LAT") if lat_env else tuple(d[1] for d in defaults)
-    adapters = network_adapters(level_transport.get("network", ""), environ) \
-        if hosts.nhosts > 1 else 1
+    adapters = (
+        network_adapters(level_transport.get("network", ""), environ) if hosts.nhosts > 1 else 1
+    )
     return Topology(dims, order, bw, lat, tuple(levels), note, adapters)
 
 

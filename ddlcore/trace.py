@@ -112,8 +112,13 @@ def describe(e: Entry) -> str:
 
 
 def _signature(e: Entry) -> tuple[Any, ...]:
-    return (e["collective"], e.get("count"), e.get("dtype"), e.get("op"),
-            e.get("root") if e["collective"] == Collective.BROADCAST else None)
+    return (
+        e["collective"],
+        e.get("count"),
+        e.get("dtype"),
+        e.get("op"),
+        e.get("root") if e["collective"] == Collective.BROADCAST else None,
+    )
 
 
 def _clock(t: float | None) -> str:
@@ -132,7 +137,7 @@ def _error_line(rec: Record, limit: int = 200) -> str:
         return ""
     first = str(err.get("message", "")).splitlines()[0] if err.get("message") else ""
     if len(first) > limit:
-        first = first[:limit - 3] + "..."
+        first = first[: limit - 3] + "..."
     return f"{err.get('type')}: {first}"
 
 
@@ -177,15 +182,17 @@ def _mismatch(seqs: dict[int, dict[int, Entry]]) -> Finding | None:
         others = {r: e for r, e in calls.items() if r not in agree}
         shown = _shape(calls[agree[0]])
         if len(agree) > max(len(v) for v in _groups(others).values()):
-            parts = [f"{_ranks(rs)} called {_shape(calls[rs[0]])}"
-                     for rs in _groups(others).values()]
-            text = (f"collective #{seq}: " + "; ".join(parts) +
-                    f" where {_ranks(agree)} called {shown}")
+            parts = [
+                f"{_ranks(rs)} called {_shape(calls[rs[0]])}" for rs in _groups(others).values()
+            ]
+            text = (
+                f"collective #{seq}: " + "; ".join(parts) + f" where {_ranks(agree)} called {shown}"
+            )
         else:  # no majority to blame: list each
-            parts = [f"{_ranks(rs)} called {_shape(calls[rs[0]])}"
-                     for rs in _groups(calls).values()]
-            text = f"collective #{seq}: the ranks called different collectives: " + \
-                "; ".join(parts)
+            parts = [
+                f"{_ranks(rs)} called {_shape(calls[rs[0]])}" for rs in _groups(calls).values()
+            ]
+            text = f"collective #{seq}: the ranks called different collectives: " + "; ".join(parts)
         return Finding("mismatch", sorted(others), seq, text)
     return None
 
@@ -218,11 +225,16 @@ def analyze(group: Group) -> list[Finding]:
             calls = {r: e[nxt] for r, e in seqs.items() if nxt in e}
             rec = group.records[rank]
             if not calls:  # the others' records no longer reach back that far
-                findings.append(Finding(
-                    "behind", [rank], nxt,
-                    f"rank {rank} is behind: its last collective was #{mine}, the others "
-                    f"reached #{front} (their records start later than #{nxt}); "
-                    f"{_ending(rec)}"))
+                findings.append(
+                    Finding(
+                        "behind",
+                        [rank],
+                        nxt,
+                        f"rank {rank} is behind: its last collective was #{mine}, the others "
+                        f"reached #{front} (their records start later than #{nxt}); "
+                        f"{_ending(rec)}",
+                    )
+                )
                 continue
             sig, _ = _majority(calls)
             theirs = next(e for e in calls.values() if _signature(e) == sig)
@@ -232,15 +244,24 @@ def analyze(group: Group) -> list[Finding]:
                 e = seqs[rank][mine]
                 at = _clock(e.get("end") or e["start"])
                 before = f"its last collective was {describe(e)} ({e['state']} at {at})"
-            findings.append(Finding(
-                "behind", [rank], nxt,
-                f"rank {rank} is behind: it never started {describe(theirs)}, which "
-                f"{_ranks(calls)} started; {before}, and {_ending(rec)}"))
+            findings.append(
+                Finding(
+                    "behind",
+                    [rank],
+                    nxt,
+                    f"rank {rank} is behind: it never started {describe(theirs)}, which "
+                    f"{_ranks(calls)} started; {before}, and {_ending(rec)}",
+                )
+            )
         # Late: started the front collective only after another rank had given up waiting in
         # it (a failure after at least half its DDL_TIMEOUT: a quick one, like a peer that
         # died, says nothing about who came late).
-        failed_ends = [(e["end"], r) for r in started for e in [seqs[r][front]]
-                       if e["state"] == flight.FAILED and e.get("end") is not None]
+        failed_ends = [
+            (e["end"], r)
+            for r in started
+            for e in [seqs[r][front]]
+            if e["state"] == flight.FAILED and e.get("end") is not None
+        ]
         if failed_ends:
             first_end, first = min(failed_ends)
             waited = first_end - seqs[first][front]["start"]
@@ -250,56 +271,93 @@ def analyze(group: Group) -> list[Finding]:
                 t0 = min(seqs[r][front]["start"] for r in early)
                 for rank in late:
                     e = seqs[rank][front]
-                    findings.append(Finding(
-                        "late", [rank], front,
-                        f"rank {rank} is behind: it started {describe(e)} "
-                        f"{_seconds(e['start'] - t0)} after {_ranks(early)}, when rank {first} "
-                        f"had already failed in it ({_error_type(group.records[first])} at "
-                        f"{_clock(first_end)})"))
+                    findings.append(
+                        Finding(
+                            "late",
+                            [rank],
+                            front,
+                            f"rank {rank} is behind: it started {describe(e)} "
+                            f"{_seconds(e['start'] - t0)} after {_ranks(early)}, when rank {first} "
+                            f"had already failed in it ({_error_type(group.records[first])} at "
+                            f"{_clock(first_end)})",
+                        )
+                    )
         if not any(f.kind in ("behind", "late", "mismatch") for f in findings):
             findings.append(_front_state(group, seqs, front, started, not missing))
     if missing:
-        blamed = sorted({r for r, rec in group.records.items()
-                         if (rec.get("error") or {}).get("peer") in missing})
-        text = (f"{_ranks(missing)} left no record: killed (SIGKILL), crashed, or still "
-                "running (a rank writes its record when its communicator fails or is closed, "
-                "and on SIGTERM)")
+        blamed = sorted(
+            {
+                r
+                for r, rec in group.records.items()
+                if (rec.get("error") or {}).get("peer") in missing
+            }
+        )
+        text = (
+            f"{_ranks(missing)} left no record: killed (SIGKILL), crashed, or still "
+            "running (a rank writes its record when its communicator fails or is closed, "
+            "and on SIGTERM)"
+        )
         if blamed:
             text += f"; the errors of {_ranks(blamed)} name it as the peer that failed"
         findings.append(Finding("missing", missing, None, text))
     return findings
 
 
-def _front_state(group: Group, seqs: dict[int, dict[int, Entry]], front: int,
-                 started: list[int], complete: bool) -> Finding:
+def _front_state(
+    group: Group, seqs: dict[int, dict[int, Entry]], front: int, started: list[int], complete: bool
+) -> Finding:
     """Nobody on record behind: how the last collective ended (completed, or where it failed
     first); ``complete``: every rank left a record."""
     nobody = "no rank was behind" if complete else "no rank on record was behind"
     entries = [seqs[r][front] for r in started]
     e0 = entries[0]
     spread = max(e["start"] for e in entries) - min(e["start"] for e in entries)
-    failed = sorted((e["end"] or e["start"], r) for r, e in zip(started, entries, strict=True)
-                    if e["state"] == flight.FAILED)
+    failed = sorted(
+        (e["end"] or e["start"], r)
+        for r, e in zip(started, entries, strict=True)
+        if e["state"] == flight.FAILED
+    )
     if not failed and all(e["state"] == flight.COMPLETED for e in entries):
-        return Finding("completed", started, front,
-                       f"{nobody}: {_ranks(started)} completed {describe(e0)}, "
-                       "the last collective recorded")
+        return Finding(
+            "completed",
+            started,
+            front,
+            f"{nobody}: {_ranks(started)} completed {describe(e0)}, the last collective recorded",
+        )
     if not failed:
-        running = [r for r, e in zip(started, entries, strict=True)
-                   if e["state"] == flight.STARTED]
-        return Finding("failed", running, front,
-                       f"{_ranks(started)} started {describe(e0)} within {_seconds(spread)}; "
-                       f"{_ranks(running)} had not finished it when the record was taken")
+        running = [r for r, e in zip(started, entries, strict=True) if e["state"] == flight.STARTED]
+        return Finding(
+            "failed",
+            running,
+            front,
+            f"{_ranks(started)} started {describe(e0)} within {_seconds(spread)}; "
+            f"{_ranks(running)} had not finished it when the record was taken",
+        )
     first_t, first = failed[0]
-    return Finding("failed", [first], front,
-                   f"{nobody}: {_ranks(started)} started {describe(e0)} within "
-                   f"{_seconds(spread)}; it failed first on rank {first} at {_clock(first_t)}: "
-                   f"{_error_line(group.records[first])}")
+    return Finding(
+        "failed",
+        [first],
+        front,
+        f"{nobody}: {_ranks(started)} started {describe(e0)} within "
+        f"{_seconds(spread)}; it failed first on rank {first} at {_clock(first_t)}: "
+        f"{_error_line(group.records[first])}",
+    )
 
 
 # --- output ----------------------------------------------------------------------------------
-_COLUMNS = ("seq", "collective", "count", "dtype", "op/root", "bytes", "algorithm", "path",
-            "start", "took", "state")
+_COLUMNS = (
+    "seq",
+    "collective",
+    "count",
+    "dtype",
+    "op/root",
+    "bytes",
+    "algorithm",
+    "path",
+    "start",
+    "took",
+    "state",
+)
 
 
 def table(rec: Record, last: int = 0) -> str:
@@ -309,29 +367,47 @@ def table(rec: Record, last: int = 0) -> str:
     for e in entries:
         end = e.get("end")
         took = _seconds(end - e["start"]) if end is not None else "-"
-        extra = e.get("op") or (f"root {e.get('root')}"
-                                if e["collective"] == Collective.BROADCAST else "")
-        rows.append((str(e["seq"]), e["collective"], str(e.get("count", "")),
-                     e.get("dtype") or "-", extra or "-", str(e.get("bytes", "")),
-                     str(e.get("algorithm", "?")), str(e.get("path", "?")),
-                     _clock(e["start"]), took, e["state"]))
+        extra = e.get("op") or (
+            f"root {e.get('root')}" if e["collective"] == Collective.BROADCAST else ""
+        )
+        rows.append(
+            (
+                str(e["seq"]),
+                e["collective"],
+                str(e.get("count", "")),
+                e.get("dtype") or "-",
+                extra or "-",
+                str(e.get("bytes", "")),
+                str(e.get("algorithm", "?")),
+                str(e.get("path", "?")),
+                _clock(e["start"]),
+                took,
+                e["state"],
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
-def report(group: Group, with_tables: bool = False, last: int = 20,
-           ranks: Sequence[int] | None = None) -> str:
+def report(
+    group: Group, with_tables: bool = False, last: int = 20, ranks: Sequence[int] | None = None
+) -> str:
     """The verdict on one communicator, each rank's status, and optionally its table."""
     present = sorted(group.records)
-    lines = [f"job {group.job}, communicator {group.comm}: {group.size} ranks, records from "
-             f"{_ranks(present) if present else 'no rank'}"]
+    lines = [
+        f"job {group.job}, communicator {group.comm}: {group.size} ranks, records from "
+        f"{_ranks(present) if present else 'no rank'}"
+    ]
     created = [float(r.get("created") or 0) for r in group.records.values()]
     timeout = max(float(r.get("timeout") or 0) for r in group.records.values())
     if timeout and max(created) - min(created) > timeout:
-        lines.append(f"  warning: these records were made {_seconds(max(created) - min(created))}"
-                     " apart, longer than DDL_TIMEOUT: some may be from an earlier job; give "
-                     "each job a directory of its own")
+        lines.append(
+            f"  warning: these records were made {_seconds(max(created) - min(created))}"
+            " apart, longer than DDL_TIMEOUT: some may be from an earlier job; give "
+            "each job a directory of its own"
+        )
     lines.append("verdict:")
     lines += [f"  {f.text}" for f in analyze(group)]
     lines.append("ranks:")
@@ -356,8 +432,9 @@ def report(group: Group, with_tables: bool = False, last: int = 20,
                 continue
             rec = group.records[rank]
             shown = min(last, len(rec["entries"])) if last else len(rec["entries"])
-            lines.append(f"\nrank {rank}: its last {shown} collectives (of "
-                         f"{len(rec['entries'])} kept)")
+            lines.append(
+                f"\nrank {rank}: its last {shown} collectives (of {len(rec['entries'])} kept)"
+            )
             lines.append(table(rec, last))
     return "\n".join(lines)
 
@@ -366,14 +443,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddlcore.trace",
         description="Merge the ranks' ddlcore flight records (DDL_FLIGHT_RECORDER=DIR) and say "
-                    "which rank was behind, in which collective.")
-    parser.add_argument("paths", nargs="+", metavar="DIR",
-                        help="directory of the records (or record files)")
+        "which rank was behind, in which collective.",
+    )
+    parser.add_argument(
+        "paths", nargs="+", metavar="DIR", help="directory of the records (or record files)"
+    )
     parser.add_argument("--table", action="store_true", help="also each rank's collectives")
-    parser.add_argument("--last", type=int, default=20,
-                        help="rows per rank in --table (0: all; default 20)")
-    parser.add_argument("--rank", type=int, action="append",
-                        help="only this rank's table (repeatable)")
+    parser.add_argument(
+        "--last", type=int, default=20, help="rows per rank in --table (0: all; default 20)"
+    )
+    parser.add_argument(
+        "--rank", type=int, action="append", help="only this rank's table (repeatable)"
+    )
     args = parser.parse_args(argv)
     groups, problems = load(args.paths)
     for problem in problems:

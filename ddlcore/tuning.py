@@ -53,8 +53,9 @@ from ddlcore.topology import Topology
 
 # Collectives for which DDL_ALGO selects among several algorithms.
 # As plain strings: argparse lists them in its messages (`ddlcore.simulate`).
-SELECTABLE = tuple(c.value for c in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER,
-                                      Collective.ALLGATHER))
+SELECTABLE = tuple(
+    c.value for c in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER)
+)
 # Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
 # project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.
 REDUCE_BW = 8e9
@@ -86,10 +87,10 @@ _HOST_SEGMENTS = 8
 class Choice:
     algorithm: str
     chunk_bytes: int
-    dim_order: tuple[int, ...] | None = None   # mdring: the order of the ring phases
+    dim_order: tuple[int, ...] | None = None  # mdring: the order of the ring phases
     predicted_s: float = math.nan
-    host_path: str = ""   # mdring: the host dimensions run as this host collective instead
-    segments: int = 1     # mdring allreduce: pipelined across the dimensions in this many
+    host_path: str = ""  # mdring: the host dimensions run as this host collective instead
+    segments: int = 1  # mdring allreduce: pipelined across the dimensions in this many
 
     def describe(self) -> str:
         text = f"{self.algorithm}"
@@ -116,14 +117,24 @@ def validate_algo(algo: str) -> None:
         return
     known = sorted({name for coll in SELECTABLE for name in ALGORITHMS[coll]})
     if algo not in known:
-        raise ValueError(f"DDL_ALGO={algo!r} is not an algorithm; use auto, {DIRECT} or one of "
-                         f"{known}")
+        raise ValueError(
+            f"DDL_ALGO={algo!r} is not an algorithm; use auto, {DIRECT} or one of {known}"
+        )
 
 
 # --- the model -----------------------------------------------------------------------------------
 
-def _phase(topo: Topology, dim: int, steps: int, nbytes: float, share: int, reduce: bool,
-           gamma: float, chunk_bytes: float = 0.0) -> float:
+
+def _phase(
+    topo: Topology,
+    dim: int,
+    steps: int,
+    nbytes: float,
+    share: int,
+    reduce: bool,
+    gamma: float,
+    chunk_bytes: float = 0.0,
+) -> float:
     """``steps`` steps of ``nbytes`` across ``dim``; a reduce-scatter step reduces them too,
     overlapped with the transfer when they stream in several chunks (chunk k is reduced while
     chunk k+1 is on the wire)."""
@@ -155,13 +166,26 @@ def _ring_hops(topo: Topology, order: tuple[int, ...]) -> list[tuple[int, int]]:
         if j >= topo.host_dims:
             out_flows[topo.adapter_of(a)] = out_flows.get(topo.adapter_of(a), 0) + 1
             in_flows[topo.adapter_of(b)] = in_flows.get(topo.adapter_of(b), 0) + 1
-    return [(j, 1 if j < topo.host_dims else
-             max(out_flows[topo.adapter_of(a)], in_flows[topo.adapter_of(b)]))
-            for (a, b), j in zip(pairs, dims, strict=True)]
+    return [
+        (
+            j,
+            1
+            if j < topo.host_dims
+            else max(out_flows[topo.adapter_of(a)], in_flows[topo.adapter_of(b)]),
+        )
+        for (a, b), j in zip(pairs, dims, strict=True)
+    ]
 
 
-def _ring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
-          chunk_bytes: float, order: tuple[int, ...] | None = None) -> float:
+def _ring(
+    topo: Topology,
+    nbytes: float,
+    rs: bool,
+    ag: bool,
+    gamma: float,
+    chunk_bytes: float,
+    order: tuple[int, ...] | None = None,
+) -> float:
     """The ring through ``order`` (default rank order, the ``ring`` algorithm's)."""
     p = topo.size
     if p == 1:
@@ -196,13 +220,20 @@ def host_first(topo: Topology, order: tuple[int, ...] | None) -> bool:
     """Does mdring in this order run every host dimension before any network one (and has
     both)? Then its host phases can run through the boards (``ddlcore.paths.host_staged``)."""
     inside = [j < topo.host_dims for j in active_dims(topo, order)]
-    return bool(inside) and inside[0] and not inside[-1] and \
-        inside == sorted(inside, reverse=True)
+    return bool(inside) and inside[0] and not inside[-1] and inside == sorted(inside, reverse=True)
 
 
-def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
-            order: tuple[int, ...], chunk_bytes: float, host_path: bool = False,
-            segments: int = 1) -> float:
+def _mdring(
+    topo: Topology,
+    nbytes: float,
+    rs: bool,
+    ag: bool,
+    gamma: float,
+    order: tuple[int, ...],
+    chunk_bytes: float,
+    host_path: bool = False,
+    segments: int = 1,
+) -> float:
     """mdring's phases one after another, or (``segments`` > 1, an allreduce) pipelined: every
     phase runs once per segment, phases on different links overlap, and a dimension's
     ``mdring.channels`` streams carry that many segments at once. After the first segment's
@@ -220,10 +251,16 @@ def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
         segments = 1
     m = float(nbytes) / segments
     shared = topo.ranks_per_node > topo.adapters
-    net_streams = max([mdring.channels(topo.dims[j], shared) for j in active_dims(topo, order)
-                       if j >= topo.host_dims] or [1])  # the network dimensions share them
+    net_streams = max(
+        [
+            mdring.channels(topo.dims[j], shared)
+            for j in active_dims(topo, order)
+            if j >= topo.host_dims
+        ]
+        or [1]
+    )  # the network dimensions share them
     chains: dict[int, float] = {}  # per link: its phases' times over their streams (a segment)
-    wires: dict[int, float] = {}   # per link: the seconds its bytes take (one segment)
+    wires: dict[int, float] = {}  # per link: the seconds its bytes take (one segment)
     total = 0.0
     for j in active_dims(topo, order):
         d = topo.dims[j]
@@ -236,8 +273,9 @@ def _mdring(topo: Topology, nbytes: float, rs: bool, ag: bool, gamma: float,
             streams = 1
         else:
             share = _share(topo, j, topo.ranks_per_node)
-            t = (_phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes) +
-                 _phase(topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes))
+            t = _phase(topo, j, (d - 1) * rs, seg, share, True, gamma, chunk_bytes) + _phase(
+                topo, j, (d - 1) * ag, seg, share, False, gamma, chunk_bytes
+            )
             wire = (d - 1) * (int(rs) + int(ag)) * seg * share / topo.bw[j]
             streams = net_streams if link < 0 else mdring.channels(d)
         total += t
@@ -260,8 +298,15 @@ def segment_counts(nbytes: float) -> list[int]:
     return [s for s in SEGMENT_COUNTS if s == 1 or nbytes / s >= MIN_SEGMENT_BYTES]
 
 
-def best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int, ...],
-                 reduce_bw: float, host_path: bool, segments: int = 0) -> tuple[float, int]:
+def best_mdring(
+    collective: str,
+    topo: Topology,
+    nbytes: float,
+    order: tuple[int, ...],
+    reduce_bw: float,
+    host_path: bool,
+    segments: int = 0,
+) -> tuple[float, int]:
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
     else the best count (the host-staged path's own where it runs)."""
     if collective != Collective.ALLREDUCE:
@@ -270,12 +315,32 @@ def best_mdring(collective: str, topo: Topology, nbytes: float, order: tuple[int
         counts = [host_segments(int(nbytes))]
     else:
         counts = [segments] if segments > 0 else segment_counts(nbytes)
-    return min((predict(collective, "mdring", topo, nbytes, order, reduce_bw,
-                        host_path=host_path, segments=s), s) for s in counts)
+    return min(
+        (
+            predict(
+                collective,
+                "mdring",
+                topo,
+                nbytes,
+                order,
+                reduce_bw,
+                host_path=host_path,
+                segments=s,
+            ),
+            s,
+        )
+        for s in counts
+    )
 
 
-def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_only: bool,
-         chunk_bytes: float) -> float:
+def _rhd(
+    topo: Topology,
+    nbytes: float,
+    collective: str,
+    gamma: float,
+    doubling_only: bool,
+    chunk_bytes: float,
+) -> float:
     """Halving-doubling and recursive doubling, round by round as the schedules run them
     (`ddlcore.algorithms.halving_doubling`): allreduce halves nearest partners first and
     doubles back; reduce-scatter halves the largest distance first; allgather doubles from 1."""
@@ -284,8 +349,9 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
     ag = collective in (Collective.ALLREDUCE, Collective.ALLGATHER)
     t = 0.0
     if extra:  # fold and unfold: the even rank of each of the first pairs hands over everything
-        t += _phase(topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma,
-                    chunk_bytes)
+        t += _phase(
+            topo, topo.dim_between(0, 1), int(rs) + int(ag), nbytes, 1, rs, gamma, chunk_bytes
+        )
     near = [1 << i for i in range(p2.bit_length() - 1)]
 
     def real(v: int) -> int:  # the rank virtual rank v runs on (halving_doubling._Fold.real)
@@ -295,12 +361,20 @@ def _rhd(topo: Topology, nbytes: float, collective: str, gamma: float, doubling_
         return max(topo.dim_between(real(v), real(v ^ d)) for v in range(p2))
 
     def cost(d: int, m: float, reduce: bool) -> float:
-        return _phase(topo, dim_of(d), 1, m, _share(topo, dim_of(d), topo.ranks_per_node),
-                      reduce, gamma, chunk_bytes)
+        return _phase(
+            topo,
+            dim_of(d),
+            1,
+            m,
+            _share(topo, dim_of(d), topo.ranks_per_node),
+            reduce,
+            gamma,
+            chunk_bytes,
+        )
 
     if doubling_only:
         return t + sum(cost(d, nbytes, True) for d in near)
-    halves = [nbytes / 2 ** (i + 1) for i in range(len(near))]   # n/2, n/4, ... per round
+    halves = [nbytes / 2 ** (i + 1) for i in range(len(near))]  # n/2, n/4, ... per round
     if collective == Collective.ALLREDUCE:
         t += sum(cost(d, m, True) for d, m in zip(near, halves, strict=True))
         t += sum(cost(d, m, False) for d, m in zip(near, halves, strict=True))
@@ -317,10 +391,17 @@ def model_bytes(collective: str, in_bytes: int, size: int) -> int:
     return in_bytes * size if collective == Collective.ALLGATHER else in_bytes
 
 
-def predict(collective: str, algorithm: str, topo: Topology, nbytes: float,
-            dim_order: tuple[int, ...] | None = None, reduce_bw: float = REDUCE_BW,
-            chunk_bytes: float = CHUNK_BYTES, host_path: bool = False,
-            segments: int = 1) -> float:
+def predict(
+    collective: str,
+    algorithm: str,
+    topo: Topology,
+    nbytes: float,
+    dim_order: tuple[int, ...] | None = None,
+    reduce_bw: float = REDUCE_BW,
+    chunk_bytes: float = CHUNK_BYTES,
+    host_path: bool = False,
+    segments: int = 1,
+) -> float:
     """Predicted seconds of ``collective`` moving ``nbytes`` (the allreduce / reduce_scatter
     input, the allgather output) with ``algorithm`` on ``topo``; ``host_path``: an allreduce's
     host dimensions may run through the boards (mdring); ``segments``: mdring's allreduce
@@ -348,8 +429,9 @@ def dim_orders(topo: Topology) -> list[tuple[int, ...]]:
     return list(itertools.permutations(range(k)))
 
 
-def candidates(collective: str, topo: Topology, nbytes: float, host_path: bool = False,
-               segments: int = 0) -> list[Choice]:
+def candidates(
+    collective: str, topo: Topology, nbytes: float, host_path: bool = False, segments: int = 0
+) -> list[Choice]:
     """Every (algorithm, dimension order) for ``collective`` with its predicted time, best
     first; mdring with its best segment count (or ``segments``, if > 0)."""
     out = []
@@ -360,8 +442,9 @@ def candidates(collective: str, topo: Topology, nbytes: float, host_path: bool =
                     out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
                 continue  # in rank order, a box with one dimension makes mdring the ring
             for order in dim_orders(topo):
-                t, nseg = best_mdring(collective, topo, nbytes, order, REDUCE_BW, host_path,
-                                       segments)
+                t, nseg = best_mdring(
+                    collective, topo, nbytes, order, REDUCE_BW, host_path, segments
+                )
                 out.append(Choice(name, 0, order, t, segments=nseg))
         else:
             out.append(Choice(name, 0, None, predict(collective, name, topo, nbytes)))
@@ -369,8 +452,15 @@ def candidates(collective: str, topo: Topology, nbytes: float, host_path: bool =
     return sorted(out, key=lambda c: c.predicted_s)
 
 
-def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes: int,
-           host_path: bool = False, segments: int = 0) -> Choice:
+def choose(
+    collective: str,
+    topo: Topology,
+    nbytes: int,
+    algo: str,
+    chunk_bytes: int,
+    host_path: bool = False,
+    segments: int = 0,
+) -> Choice:
     """The algorithm for one call: ``algo`` if named and ``collective`` has it (``rd`` is an
     allreduce only: the other collectives then take the cost model's choice), else the lowest
     predicted time (``host_path``: as `predict`; ``segments`` > 0: mdring's allreduce in that
@@ -380,13 +470,28 @@ def choose(collective: str, topo: Topology, nbytes: int, algo: str, chunk_bytes:
         return Choice(next(iter(candidates_of)), chunk_bytes)
     if algo != "auto" and algo in candidates_of:
         if algo == "mdring" and len(active_dims(topo)) > 1:
-            best = min((c for c in candidates(collective, topo, nbytes, host_path, segments)
-                        if c.algorithm == algo), key=lambda c: c.predicted_s)
+            best = min(
+                (
+                    c
+                    for c in candidates(collective, topo, nbytes, host_path, segments)
+                    if c.algorithm == algo
+                ),
+                key=lambda c: c.predicted_s,
+            )
             return dataclasses.replace(best, chunk_bytes=chunk_bytes)
         if algo == "mdring":  # one ring in box order, whatever the order of the dimensions
-            return min((Choice("mdring", chunk_bytes, order,
-                               predict(collective, algo, topo, nbytes, order, host_path=host_path))
-                        for order in dim_orders(topo)), key=lambda c: c.predicted_s)
+            return min(
+                (
+                    Choice(
+                        "mdring",
+                        chunk_bytes,
+                        order,
+                        predict(collective, algo, topo, nbytes, order, host_path=host_path),
+                    )
+                    for order in dim_orders(topo)
+                ),
+                key=lambda c: c.predicted_s,
+            )
         return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
     ranked = candidates(collective, topo, nbytes, host_path, segments)
     # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins; but

@@ -41,8 +41,13 @@ def _code(arr: np.ndarray, name: str) -> int:
     return int(code)
 
 
-def reduce_arrays(dst: np.ndarray, src: np.ndarray, op: str | Op = "sum",
-                  out: np.ndarray | None = None, divisor: int | None = None) -> np.ndarray:
+def reduce_arrays(
+    dst: np.ndarray,
+    src: np.ndarray,
+    op: str | Op = "sum",
+    out: np.ndarray | None = None,
+    divisor: int | None = None,
+) -> np.ndarray:
     """``out = dst OP src`` (``out`` defaults to ``dst``, i.e. in place); for "avg", the sum is
     divided by ``divisor`` (default 2): floats rounded once, integers the exact quotient rounded
     down (floor; computed without wrapping, e.g. int8 100 and 101 give 100)."""
@@ -97,9 +102,23 @@ def describe() -> str:
     """One line for ``python -m ddlcore info``."""
     from ddlcore.kernels.cpu import _reduce
 
-    return (f"Cython ({_reduce.__file__.rsplit('/', 1)[-1]}): reduce sum/prod/min/max/avg for "
-            f"{', '.join(d.name.lower() for d in DType)}; reduce-copy; pack/unpack")
+    return (
+        f"Cython ({_reduce.__file__.rsplit('/', 1)[-1]}): reduce sum/prod/min/max/avg for "
+        f"{', '.join(d.name.lower() for d in DType)}; reduce-copy; pack/unpack"
+    )
 
 
-__all__ = ["DType", "array_address", "avg_finalize", "copy_bytes", "describe", "pack", "pack_arrays",
-           "reduce_arrays", "reduce_copy", "reduce_into", "unpack", "unpack_arrays"]
+__all__ = [
+    "DType",
+    "array_address",
+    "avg_finalize",
+    "copy_bytes",
+    "describe",
+    "pack",
+    "pack_arrays",
+    "reduce_arrays",
+    "reduce_copy",
+    "reduce_into",
+    "unpack",
+    "unpack_arrays",
+]

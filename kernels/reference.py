@@ -75,7 +75,7 @@ def unpack_ref(flat: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]
     out, off = [], 0
     raw = flat.reshape(-1).view(np.uint8)
     for a in like:
-        out.append(raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape).copy())
+        out.append(raw[off : off + a.nbytes].view(a.dtype).reshape(a.shape).copy())
         off += a.nbytes
     return out
 
@@ -84,8 +84,9 @@ def accumulate_float32_ref(arrays: Sequence[np.ndarray], op: str | Op = "sum") -
     """Element-wise reduction of half-precision ``arrays`` (left to right) in float32: each
     widened exactly, every step rounded to float32 only ("avg" is "sum" here)."""
     rop = as_op(op)
-    return _combine([np.asarray(a).astype(np.float32) for a in arrays],
-                    Op.SUM if rop == Op.AVG else rop)
+    return _combine(
+        [np.asarray(a).astype(np.float32) for a in arrays], Op.SUM if rop == Op.AVG else rop
+    )
 
 
 def reduce_widened_ref(arrays: Sequence[np.ndarray], op: str | Op = "sum") -> np.ndarray:
@@ -116,20 +117,22 @@ def cast_ref(array: np.ndarray, dtype: np.dtype, scale: float | None = None) -> 
         return value.astype(dt)
 
 
-def pack_cast_ref(arrays: Sequence[np.ndarray], dtype: np.dtype,
-                  scale: float | None = None) -> np.ndarray:
+def pack_cast_ref(
+    arrays: Sequence[np.ndarray], dtype: np.dtype, scale: float | None = None
+) -> np.ndarray:
     """The elements of ``arrays`` back to back as one ``dtype`` array, each `cast_ref`'d."""
     parts = [cast_ref(np.asarray(a).reshape(-1), dtype, scale) for a in arrays]
     return np.concatenate(parts) if parts else np.empty(0, dtype)
 
 
-def unpack_cast_ref(flat: np.ndarray, like: Sequence[np.ndarray],
-                    scale: float | None = None) -> list[np.ndarray]:
+def unpack_cast_ref(
+    flat: np.ndarray, like: Sequence[np.ndarray], scale: float | None = None
+) -> list[np.ndarray]:
     """Arrays shaped and typed like ``like``, cut in order from the elements of ``flat`` and
     `cast_ref`'d to their dtype."""
     out, off = [], 0
     flat = flat.reshape(-1)
     for a in like:
-        out.append(cast_ref(flat[off:off + a.size], a.dtype, scale).reshape(a.shape))
+        out.append(cast_ref(flat[off : off + a.size], a.dtype, scale).reshape(a.shape))
         off += a.size
     return out

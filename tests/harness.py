@@ -54,8 +54,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, size: int, port: int,
-             env: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+def rank_env(
+    rank: int, size: int, port: int, env: Mapping[str, str | None] | None = None
+) -> dict[str, str | None]:
     """The environment a rank of a local job gets (what ddlrun would set)."""
     out: dict[str, str | None] = {
         "DDL_RANK": str(rank),
@@ -69,8 +70,14 @@ def rank_env(rank: int, size: int, port: int,
     return out
 
 
-def _run_job(fn: Callable[..., Any], rank: int, size: int, args: tuple,
-             env: Mapping[str, str | None], conn: Any) -> None:
+def _run_job(
+    fn: Callable[..., Any],
+    rank: int,
+    size: int,
+    args: tuple,
+    env: Mapping[str, str | None],
+    conn: Any,
+) -> None:
     for key in [k for k in os.environ if k.startswith("DDL_")]:
         if key not in env:
             del os.environ[key]
@@ -90,8 +97,9 @@ def _run_job(fn: Callable[..., Any], rank: int, size: int, args: tuple,
             conn.send(("error", traceback.format_exc()))
 
 
-def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str | None],
-           conn: Any) -> None:
+def _child(
+    fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str | None], conn: Any
+) -> None:
     _run_job(fn, rank, size, args, env, conn)
     conn.close()
 
@@ -113,10 +121,16 @@ def _remove_shared_memory(procs: list) -> None:
     remove_segments_of({p.pid for p in procs if p.pid is not None and not p.is_alive()})
 
 
-def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 120.0,
-              env: Mapping[str, str | None] | None = None,
-              rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
-              may_die: Iterable[int] = (), launcher: str = "spawn") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: Mapping[str, str | None] | None = None,
+    rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
+    may_die: Iterable[int] = (),
+    launcher: str = "spawn",
+) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; see the module doc.
 
     ``launcher="mpiexec"`` starts the ranks with mpiexec instead (for the MPI transport); a rank
@@ -131,8 +145,12 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         child_env = rank_env(rank, nprocs, port, env)
         child_env.update((rank_envs or {}).get(rank, {}))
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, child_env, child_end),
-                           name=f"rank{rank}", daemon=True)
+        proc = ctx.Process(
+            target=_child,
+            args=(fn, rank, nprocs, args, child_env, child_end),
+            name=f"rank{rank}",
+            daemon=True,
+        )
         proc.start()
         child_end.close()
         procs.append(proc)
@@ -166,9 +184,10 @@ def _collect(procs: list, conns: list, timeout: float, allowed_dead: set[int]) -
         limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
         if now >= limit:
             break
-        ready = mp.connection.wait([conns[r] for r in pending] +
-                                   [procs[r].sentinel for r in pending],
-                                   timeout=min(0.2, limit - now))
+        ready = mp.connection.wait(
+            [conns[r] for r in pending] + [procs[r].sentinel for r in pending],
+            timeout=min(0.2, limit - now),
+        )
         for rank in list(pending):
             conn = conns[rank]
             got = None
@@ -193,9 +212,11 @@ def _collect(procs: list, conns: list, timeout: float, allowed_dead: set[int]) -
                 pending.discard(rank)
     for rank in pending:
         if rank not in errors:
-            errors[rank] = ("killed by the harness: still running "
-                            + ("after another rank failed" if failed_at else
-                               f"after the {timeout:.0f} s test timeout"))
+            errors[rank] = "killed by the harness: still running " + (
+                "after another rank failed"
+                if failed_at
+                else f"after the {timeout:.0f} s test timeout"
+            )
     if errors:
         story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {nprocs} ranks failed:\n{story}")
@@ -231,15 +252,24 @@ class RankPool:
         ctx = mp.get_context("spawn")
         for rank in range(self.nprocs):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve, args=(rank, self.nprocs, child_end),
-                               name=f"pooled-rank{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_serve,
+                args=(rank, self.nprocs, child_end),
+                name=f"pooled-rank{rank}",
+                daemon=True,
+            )
             proc.start()
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
-            env: Mapping[str, str | None] | None = None) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 120.0,
+        env: Mapping[str, str | None] | None = None,
+    ) -> list[Any]:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
@@ -270,19 +300,34 @@ class RankPool:
         self._procs, self._conns = [], []
 
 
-def run_like_torchrun(argv: list[str], cwd: Any, env: Mapping[str, str], size: int = 2,
-                      timeout: float = 120.0) -> list[str]:
+def run_like_torchrun(
+    argv: list[str], cwd: Any, env: Mapping[str, str], size: int = 2, timeout: float = 120.0
+) -> list[str]:
     """Start ``argv`` as ``size`` processes with torch's variables set by hand (RANK, WORLD_SIZE,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT: a Slurm script's way, no agent), wait for
     them all, assert that each exited 0 and return their standard outputs."""
     port = free_port()
     procs = []
     for rank in range(size):
-        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen(argv, cwd=cwd, env=rank_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -298,27 +343,42 @@ def mpiexec_path() -> str | None:
     return local if os.access(local, os.X_OK) else shutil.which("mpiexec")
 
 
-def _run_mpiexec(fn: Callable[..., Any], nprocs: int, args: tuple, timeout: float,
-                 env: Mapping[str, str | None] | None,
-                 rank_envs: Mapping[int, Mapping[str, str | None]] | None) -> list[Any]:
+def _run_mpiexec(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple,
+    timeout: float,
+    env: Mapping[str, str | None] | None,
+    rank_envs: Mapping[int, Mapping[str, str | None]] | None,
+) -> list[Any]:
     mpiexec = mpiexec_path()
     if mpiexec is None:
         raise RankFailure("mpiexec is not installed (pip install 'ddlcore[mpi]')")
     port = free_port()
-    job_env = {k: v for k, v in rank_env(0, nprocs, port, env).items()
-               if k not in ("DDL_RANK", "DDL_LOCAL_RANK")}
+    job_env = {
+        k: v
+        for k, v in rank_env(0, nprocs, port, env).items()
+        if k not in ("DDL_RANK", "DDL_LOCAL_RANK")
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="ddl-mpi-") as jobdir:
         with open(os.path.join(jobdir, "job.pkl"), "wb") as f:
             pickle.dump((fn, args, job_env, {r: dict(e) for r, e in (rank_envs or {}).items()}), f)
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
         try:
-            proc = subprocess.run([mpiexec, "-n", str(nprocs), sys.executable, "-m",
-                                   "tests.mpi_child", jobdir], cwd=root, env=child_env,
-                                  capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(
+                [mpiexec, "-n", str(nprocs), sys.executable, "-m", "tests.mpi_child", jobdir],
+                cwd=root,
+                env=child_env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired as exc:
-            raise RankFailure(f"mpiexec job still running after {timeout:.0f} s:\n"
-                              f"{exc.stdout or ''}{exc.stderr or ''}") from None
+            raise RankFailure(
+                f"mpiexec job still running after {timeout:.0f} s:\n"
+                f"{exc.stdout or ''}{exc.stderr or ''}"
+            ) from None
         results, errors = [], {}
         for rank in range(nprocs):
             path = os.path.join(jobdir, f"rank{rank}.pkl")

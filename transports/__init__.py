@@ -54,18 +54,20 @@ def load(name: str) -> type[Transport]:
     """
     spec = _entry_points().get(name)
     if spec is None:
-        raise TransportUnavailableError(
-            f"no transport named {name!r}; known: {', '.join(names())}")
+        raise TransportUnavailableError(f"no transport named {name!r}; known: {', '.join(names())}")
     module_name, _, attr = spec.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except Exception as exc:
-        raise TransportUnavailableError(f"transport {name!r} ({spec}) failed to import: {exc}") from exc
+        raise TransportUnavailableError(
+            f"transport {name!r} ({spec}) failed to import: {exc}"
+        ) from exc
     version = getattr(cls, "api_version", None)
     if version != API_VERSION:
         raise TransportUnavailableError(
             f"transport {name!r} ({spec}) implements transport API version {version}, "
-            f"this ddlcore speaks version {API_VERSION}; upgrade the plug-in or ddlcore")
+            f"this ddlcore speaks version {API_VERSION}; upgrade the plug-in or ddlcore"
+        )
     return cls
 
 

@@ -7,10 +7,31 @@ MAX_RANKS: Final[int]  # ddl_arena.h's DDL_ARENA_MAX (64)
 HEADER_BYTES: Final[int]  # ddl_arena.h's DDL_A_HEADER (4096)
 
 class Arena:
-    def __init__(self, rank: int, size: int, boards: Sequence[int], pids: Sequence[int],
-                 pidfds: Sequence[int], slot_bytes: int, chunk: int) -> None: ...
-    def run(self, mode: int, kind: int, inp: int, out: int, count: int, itemsize: int,
-            dtype: int, op: int, divisor: int, root: int, check: int, deadline: float) -> int: ...
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        boards: Sequence[int],
+        pids: Sequence[int],
+        pidfds: Sequence[int],
+        slot_bytes: int,
+        chunk: int,
+    ) -> None: ...
+    def run(
+        self,
+        mode: int,
+        kind: int,
+        inp: int,
+        out: int,
+        count: int,
+        itemsize: int,
+        dtype: int,
+        op: int,
+        divisor: int,
+        root: int,
+        check: int,
+        deadline: float,
+    ) -> int: ...
     def settle(self, deadline: float) -> bool: ...
     @property
     def bad_rank(self) -> int: ...

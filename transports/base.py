@@ -109,9 +109,14 @@ class DeviceView:
 
     __slots__ = ("ptr", "nbytes", "device", "_upload", "_bind")
 
-    def __init__(self, ptr: int, nbytes: int, device: int,
-                 upload: Callable[[DeviceView, memoryview], None],
-                 bind: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        ptr: int,
+        nbytes: int,
+        device: int,
+        upload: Callable[[DeviceView, memoryview], None],
+        bind: Callable[[], None] | None = None,
+    ) -> None:
         if nbytes < 0 or (nbytes and not ptr):
             raise ValueError(f"a device view of {nbytes} bytes at {ptr:#x}")
         self.ptr, self.nbytes, self.device, self._upload = ptr, nbytes, device, upload
@@ -125,8 +130,14 @@ class DeviceView:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
-                "strides": None, "version": 3, "stream": None}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
 
     def upload(self, data: memoryview) -> None:
         """Copy ``data`` (host bytes, exactly ``nbytes`` of them) into this device memory."""
@@ -228,8 +239,9 @@ class Transport(abc.ABC):
         """Create this rank's context. Addresses are exchanged through ``store``; ``timeout``
         bounds connection set-up."""
 
-    def create_context_local(self, rank: int, size: int, store: Store, timeout: float,
-                             local_rank: int) -> Context:
+    def create_context_local(
+        self, rank: int, size: int, store: Store, timeout: float, local_rank: int
+    ) -> Context:
         """`create_context` for a rank that is local rank ``local_rank`` of its host (what the
         communicator calls): a transport with several network adapters per host gives local
         rank i the (i mod A)-th (tcp: ``DDL_SOCKET_IFNAME``'s list); by default the same."""

@@ -80,9 +80,11 @@ def job_key_of(store: Store, transport: str) -> JobKey:
     """
     key = getattr(store, "job_key", None)
     if not isinstance(key, JobKey):
-        raise DDLError(f"the {transport} transport authenticates its connections with the job's "
-                       f"key, but the rendezvous store it was given ({type(store).__name__}) has "
-                       "no job_key; pass a ddlcore.store.StoreClient (or a PrefixStore over one)")
+        raise DDLError(
+            f"the {transport} transport authenticates its connections with the job's "
+            f"key, but the rendezvous store it was given ({type(store).__name__}) has "
+            "no job_key; pass a ddlcore.store.StoreClient (or a PrefixStore over one)"
+        )
     return key
 
 
@@ -95,8 +97,10 @@ def as_view(view: object) -> memoryview:
     device memory, which only pairs with ``device_memory`` take)."""
     if type(view) is not memoryview:
         if isinstance(view, DeviceView):
-            raise ValueError(f"{view!r}: this transport moves host memory only; device memory "
-                             "must be staged through host memory (the device engine does that)")
+            raise ValueError(
+                f"{view!r}: this transport moves host memory only; device memory "
+                "must be staged through host memory (the device engine does that)"
+            )
         view = memoryview(view)  # type: ignore[arg-type]
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -130,13 +134,21 @@ def checks_match(sent: int, posted: int) -> bool:
     return not (sent and posted and sent != posted)
 
 
-def mismatch_error(peer: int, rank: int, tag: int, sent_nbytes: int, sent_check: int,
-                   posted_nbytes: int, posted_check: int) -> CollectiveMismatchError:
+def mismatch_error(
+    peer: int,
+    rank: int,
+    tag: int,
+    sent_nbytes: int,
+    sent_check: int,
+    posted_nbytes: int,
+    posted_check: int,
+) -> CollectiveMismatchError:
     return CollectiveMismatchError(
         f"rank {peer} sent {sent_nbytes} bytes with check {sent_check:#010x} for tag "
         f"{tag:#x}, rank {rank} posted {posted_nbytes} bytes with check "
         f"{posted_check:#010x}: the ranks are calling different collectives, or the same one "
-        "with a different size, dtype, op or root")
+        "with a different size, dtype, op or root"
+    )
 
 
 def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:
@@ -161,13 +173,19 @@ def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DD
 def relay_of(error: DDLError) -> tuple[int, str]:
     """The ``(code, reason)`` with which a rank that heard of ``error`` (an abort a peer told
     it of, `abort_error`) passes it on: the same class, the same origin, the cause once."""
-    code = (ABORT_MISMATCH if isinstance(error, CollectiveMismatchError) else
-            ABORT_TIMEOUT if isinstance(error, DDLTimeoutError) else ABORT_PEER_FAILURE)
+    code = (
+        ABORT_MISMATCH
+        if isinstance(error, CollectiveMismatchError)
+        else ABORT_TIMEOUT
+        if isinstance(error, DDLTimeoutError)
+        else ABORT_PEER_FAILURE
+    )
     return code, abort_reason(error, root_cause(error))
 
 
-def timeout_error(rank: int, peer: int, req: ThreadRequest, timeout: float,
-                  note: str = "") -> DDLTimeoutError:
+def timeout_error(
+    rank: int, peer: int, req: ThreadRequest, timeout: float, note: str = ""
+) -> DDLTimeoutError:
     if req.is_send:
         what = f"to send {req.nbytes} bytes with tag {req.tag:#x} to rank {peer}"
     else:
@@ -188,15 +206,21 @@ class ThreadRequest(Request):
 
     __slots__ = ("_lock", "_done", "_error", "_pair", "tag", "view", "check", "nbytes", "is_send")
 
-    def __init__(self, pair: Any, view: memoryview | DeviceView, tag: int, check: int,
-                 is_send: bool) -> None:
+    def __init__(
+        self, pair: Any, view: memoryview | DeviceView, tag: int, check: int, is_send: bool
+    ) -> None:
         self._lock = allocate_lock()
         self._lock.acquire()
         self._done = False
         self._error: DDLError | None = None
         self._pair = pair
         self.view, self.tag, self.check, self.nbytes, self.is_send = (
-            view, tag, check, len(view), is_send)
+            view,
+            tag,
+            check,
+            len(view),
+            is_send,
+        )
 
     def _complete(self) -> None:
         with _FINISHING:
@@ -234,7 +258,6 @@ class ThreadRequest(Request):
         if self.is_send:
             return f"was sending {self.nbytes} bytes with tag {self.tag:#x}"
         return f"waited for a message with tag {self.tag:#x}"
-
 
 
 def _take_oldest(table: dict[int, deque[_T]], tag: int) -> _T | None:
@@ -292,8 +315,9 @@ class Matcher(Generic[_R]):
 
     __slots__ = ("lock", "rank", "peer", "transport", "posted", "unexpected", "failure", "lost")
 
-    def __init__(self, rank: int, peer: int, transport: str,
-                 lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self, rank: int, peer: int, transport: str, lock: threading.Lock | None = None
+    ) -> None:
         self.lock = threading.Lock() if lock is None else lock
         self.rank, self.peer, self.transport = rank, peer, transport
         self.posted: dict[int, deque[_R]] = {}
@@ -370,19 +394,23 @@ class Matcher(Generic[_R]):
         try:
             view.upload(memoryview(data))
         except Exception as exc:
-            req._fail(DDLError(f"rank {self.rank}: copying {req.nbytes} bytes from rank "
-                               f"{self.peer} into device memory failed: {exc}"))
+            req._fail(
+                DDLError(
+                    f"rank {self.rank}: copying {req.nbytes} bytes from rank "
+                    f"{self.peer} into device memory failed: {exc}"
+                )
+            )
             return False
         return True
 
-    def mismatch(self, req: ThreadRequest, check: int,
-                 nbytes: int) -> CollectiveMismatchError | None:
+    def mismatch(
+        self, req: ThreadRequest, check: int, nbytes: int
+    ) -> CollectiveMismatchError | None:
         """The error of a message of ``nbytes`` with ``check`` meeting ``req``, or None when
         they match (exact size; a zero check word on either side matches any)."""
         if nbytes == req.nbytes and checks_match(check, req.check):
             return None
-        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes,
-                              req.check)
+        return mismatch_error(self.peer, self.rank, req.tag, nbytes, check, req.nbytes, req.check)
 
     # --- failing --------------------------------------------------------------------------------
     def error_for(self, req: ThreadRequest) -> DDLError:
@@ -393,10 +421,12 @@ class Matcher(Generic[_R]):
             return PeerFailureError(f"{self.lost} rank {self.rank} {req.describe()}", self.peer)
         return CommunicatorClosedError(
             f"rank {self.rank}: the {self.transport} pair to rank {self.peer} is not connected "
-            "(use Context.pair to get a pair)")
+            "(use Context.pair to get a pair)"
+        )
 
-    def fail(self, error: DDLError,
-             others: Callable[[], Iterable[ThreadRequest]] | None = None) -> bool:
+    def fail(
+        self, error: DDLError, others: Callable[[], Iterable[ThreadRequest]] | None = None
+    ) -> bool:
         """Fail every posted and later receive with ``error`` (first error wins) and drop the
         unexpected messages; ``others`` (called once, only by the call that failed the matcher)
         gives the transport's own pending requests (sends) to fail with it. False if failed
@@ -428,8 +458,9 @@ class Matcher(Generic[_R]):
         self.posted.clear()
         return pending
 
-    def _fail_taken(self, pending: list[ThreadRequest],
-                    others: Callable[[], Iterable[ThreadRequest]] | None) -> None:
+    def _fail_taken(
+        self, pending: list[ThreadRequest], others: Callable[[], Iterable[ThreadRequest]] | None
+    ) -> None:
         """Fail the receives taken out of ``posted`` and the requests ``others`` gives, each
         with `error_for` (outside the lock: failing a request may wake its waiter)."""
         if others is not None:

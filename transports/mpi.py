@@ -93,10 +93,12 @@ def thread_level_problem() -> str | None:
         if str(threads).lower() not in ("false", "no", "n", "off", "0") and level == "multiple":
             return None
         how = f"mpi4py.rc asks MPI for threads={threads!r}, thread_level={level!r}"
-    return (f"{how}; ddlcore calls MPI from its own threads and needs MPI_THREAD_MULTIPLE "
-            "(leave mpi4py.rc.threads and thread_level, and MPI4PY_RC_THREADS and "
-            "MPI4PY_RC_THREAD_LEVEL, at their defaults; with an MPI library that grants less, "
-            "pick another transport: DDL_TRANSPORT=tcp)")
+    return (
+        f"{how}; ddlcore calls MPI from its own threads and needs MPI_THREAD_MULTIPLE "
+        "(leave mpi4py.rc.threads and thread_level, and MPI4PY_RC_THREADS and "
+        "MPI4PY_RC_THREAD_LEVEL, at their defaults; with an MPI library that grants less, "
+        "pick another transport: DDL_TRANSPORT=tcp)"
+    )
 
 
 def cuda_aware() -> bool:
@@ -158,7 +160,8 @@ class MpiRequest(Request):
                     raise CollectiveMismatchError(
                         f"rank {p.peer} sent {got} bytes for tag {self.tag:#x}, rank {p.rank} "
                         f"expected {self.nbytes}: the ranks are calling different collectives, "
-                        "or the same one with a different size")
+                        "or the same one with a different size"
+                    )
         return finished
 
     def test(self) -> bool:
@@ -175,7 +178,8 @@ class MpiRequest(Request):
                 p = self._pair
                 raise DDLTimeoutError(
                     f"rank {p.rank} waited {timeout:.1f} s for {what} {self.nbytes} bytes with tag "
-                    f"{self.tag:#x} {'to' if self.is_send else 'from'} rank {p.peer} (MPI)")
+                    f"{self.tag:#x} {'to' if self.is_send else 'from'} rank {p.peer} (MPI)"
+                )
             # Spin for the first 100 µs (small messages arrive within it), then back off up to
             # 1 ms so the other ranks on this host get the CPU during long waits.
             if time.monotonic() - start > 1e-4:
@@ -192,22 +196,24 @@ class MpiPair(Pair):
         if not (0 <= tag < 1 << 64 and 0 <= check < 1 << 32):
             raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
         slot, seq = tag & 0xFFFFFFFF, tag >> 32
-        return (((seq << _SLOT_BITS) | (slot & ((1 << _SLOT_BITS) - 1)))
-                % (self.context.tag_ub + 1))
+        return ((seq << _SLOT_BITS) | (slot & ((1 << _SLOT_BITS) - 1))) % (self.context.tag_ub + 1)
 
     def _error(self, exc: Any, req: MpiRequest | None = None) -> DDLError:
         text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
         if "truncat" in text.lower() and req is not None:
             return CollectiveMismatchError(
                 f"rank {self.peer} sent more than the {req.nbytes} bytes rank {self.rank} expected "
-                f"for tag {req.tag:#x} (MPI: {text})")
+                f"for tag {req.tag:#x} (MPI: {text})"
+            )
         return PeerFailureError(f"MPI error talking to rank {self.peer}: {text}", self.peer)
 
     def _device_check(self, view: Any) -> None:
         if isinstance(view, DeviceView) and not self.device_memory:
-            raise ValueError(f"rank {self.rank}: this MPI library is not CUDA-aware "
-                             "(MPIX_Query_cuda_support says no); device memory must be staged "
-                             "through host memory (DDL_GPU_DIRECT=off/auto does that)")
+            raise ValueError(
+                f"rank {self.rank}: this MPI library is not CUDA-aware "
+                "(MPIX_Query_cuda_support says no); device memory must be staged "
+                "through host memory (DDL_GPU_DIRECT=off/auto does that)"
+            )
 
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
         self._device_check(view)
@@ -249,8 +255,10 @@ class MpiContext(Context):
             raise DDLError(f"rank {rank}: the MPI transport cannot run: {problem}")
         world = MPI.COMM_WORLD
         if world.Get_size() != size:
-            raise DDLError(f"rank {rank}: MPI_COMM_WORLD has {world.Get_size()} ranks but the job "
-                           f"has {size}; start every rank with one mpiexec")
+            raise DDLError(
+                f"rank {rank}: MPI_COMM_WORLD has {world.Get_size()} ranks but the job "
+                f"has {size}; start every rank with one mpiexec"
+            )
         self.data = world.Dup()
         self.ctrl = world.Dup()
         for comm in (self.data, self.ctrl):
@@ -288,8 +296,9 @@ class MpiContext(Context):
         self._abort_req = None
         code = int.from_bytes(self._abort_buf[:4], "little")
         length = int.from_bytes(self._abort_buf[4:8], "little")
-        reason = bytes(self._abort_buf[8:8 + min(length, MAX_ABORT_REASON_BYTES)]).decode(
-            "utf-8", "replace")
+        reason = bytes(self._abort_buf[8 : 8 + min(length, MAX_ABORT_REASON_BYTES)]).decode(
+            "utf-8", "replace"
+        )
         peer = self._ranks_of.get(self._abort_status.Get_source(), -1)
         self.failure = abort_error(code, peer, reason)
         raise self.failure
@@ -298,7 +307,9 @@ class MpiContext(Context):
         raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]
         msg = code.to_bytes(4, "little") + len(raw).to_bytes(4, "little") + raw
         try:
-            self._sent_aborts.append((self.ctrl.Isend([msg, _mpi().BYTE], mpi_peer, _ABORT_TAG), msg))
+            self._sent_aborts.append(
+                (self.ctrl.Isend([msg, _mpi().BYTE], mpi_peer, _ABORT_TAG), msg)
+            )
         except Exception:  # best effort: we are failing already
             pass
 
@@ -336,8 +347,10 @@ class MpiTransport(Transport):
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         if not any(config.is_set(v) for v in _LAUNCHER_VARS):
-            return False, ("not launched by an MPI launcher (no PMI_RANK / OMPI_COMM_WORLD_RANK / "
-                           "SLURM_PROCID); start the job with mpiexec")
+            return False, (
+                "not launched by an MPI launcher (no PMI_RANK / OMPI_COMM_WORLD_RANK / "
+                "SLURM_PROCID); start the job with mpiexec"
+            )
         try:
             import mpi4py  # noqa: F401
         except ImportError:

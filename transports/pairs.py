@@ -132,8 +132,10 @@ class LazyPair:
             except DDLError as exc:
                 cause = self._ctx._first_abort
                 if cause is not None:  # the job was already failing: report the root cause
-                    exc = type(cause)(f"{cause} (afterwards rank {self.rank} could not connect "
-                                      f"to rank {self.peer}: {exc})")
+                    exc = type(cause)(
+                        f"{cause} (afterwards rank {self.rank} could not connect "
+                        f"to rank {self.peer}: {exc})"
+                    )
                 self._connect_error = exc
                 raise copy_error(exc) from None
             self._connected = True

@@ -23,12 +23,26 @@ from collections.abc import Callable
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: get an interface's IPv4 address
 _IFNAMSIZ = 16
 # Errors worth retrying while the listener may not be up yet (or a SYN got lost).
-_RETRY_ERRNOS = (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH,
-                 errno.ETIMEDOUT, errno.ECONNABORTED)
+_RETRY_ERRNOS = (
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ETIMEDOUT,
+    errno.ECONNABORTED,
+)
 # accept() errors that pass: out of descriptors or memory for a moment, or a connection that
 # was reset before we took it. The listener pauses (_ACCEPT_PAUSE_S) and goes on.
-_ACCEPT_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
-                     errno.EPROTO, errno.EPERM, errno.EINTR)
+_ACCEPT_TRANSIENT = (
+    errno.EMFILE,
+    errno.ENFILE,
+    errno.ENOBUFS,
+    errno.ENOMEM,
+    errno.ECONNABORTED,
+    errno.EPROTO,
+    errno.EPERM,
+    errno.EINTR,
+)
 _ACCEPT_PAUSE_S = 0.01
 _log = logging.getLogger("ddlcore")
 
@@ -58,9 +72,11 @@ def interface_address(ifname: str, label: str | None = None, fix: str = "") -> s
     try:
         import fcntl
     except ImportError:  # not POSIX
-        raise ValueError(f"{label}: interface lookup needs Linux (fcntl/ioctl); unset "
-                         "DDL_SOCKET_IFNAME to use the interface that reaches the master "
-                         "address") from None
+        raise ValueError(
+            f"{label}: interface lookup needs Linux (fcntl/ioctl); unset "
+            "DDL_SOCKET_IFNAME to use the interface that reaches the master "
+            "address"
+        ) from None
     raw = ifname.encode()
     if not raw or len(raw) >= _IFNAMSIZ or b"\0" in raw:
         raise ValueError(f"{label} is not a valid interface name; interfaces here: {names}{fix}")
@@ -68,10 +84,14 @@ def interface_address(ifname: str, label: str | None = None, fix: str = "") -> s
         try:
             res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", raw))
         except OSError as exc:
-            why = ("has no IPv4 address" if ifname in interface_names()
-                   else "is not a network interface of this host")
-            raise ValueError(f"{label} {why} ({exc.strerror}); interfaces here: "
-                             f"{names}{fix}") from None
+            why = (
+                "has no IPv4 address"
+                if ifname in interface_names()
+                else "is not a network interface of this host"
+            )
+            raise ValueError(
+                f"{label} {why} ({exc.strerror}); interfaces here: {names}{fix}"
+            ) from None
     return socket.inet_ntoa(res[20:24])
 
 
@@ -87,11 +107,14 @@ def rail_interfaces(ifname: str) -> tuple[str, ...]:
         return ()
     names = tuple(n.strip() for n in ifname.split(","))
     if "" in names:
-        raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r} has an empty interface name; list one "
-                         "interface per network adapter, e.g. eth0,eth1")
+        raise ValueError(
+            f"DDL_SOCKET_IFNAME={ifname!r} has an empty interface name; list one "
+            "interface per network adapter, e.g. eth0,eth1"
+        )
     if len(set(names)) != len(names):
-        raise ValueError(f"DDL_SOCKET_IFNAME={ifname!r} names an interface twice; list each "
-                         "network adapter once")
+        raise ValueError(
+            f"DDL_SOCKET_IFNAME={ifname!r} names an interface twice; list each network adapter once"
+        )
     return names
 
 
@@ -112,10 +135,12 @@ def rail_address(ifname: str, rank: int, local_rank: int) -> str | None:
     if len(rails) == 1:
         return interface_address(rails[0], f"rank {rank}: DDL_SOCKET_IFNAME={rails[0]!r}")
     return interface_address(
-        rails[rail], f"rank {rank} (local rank {local_rank}): interface {rails[rail]!r}, rail "
+        rails[rail],
+        f"rank {rank} (local rank {local_rank}): interface {rails[rail]!r}, rail "
         f"{rail} of DDL_SOCKET_IFNAME={ifname!r},",
         "; every host needs each listed interface with an IPv4 address (one subnet per rail): "
-        "list only the adapters all hosts have")
+        "list only the adapters all hosts have",
+    )
 
 
 def route_address(host: str) -> str:
@@ -239,9 +264,15 @@ class HandshakeListener:
         Prefix of the threads' names.
     """
 
-    def __init__(self, sock: socket.socket,
-                 serve: Callable[[socket.socket, tuple, float], bool], name: str,
-                 handshake_s: float, max_pending: int, max_per_source: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        serve: Callable[[socket.socket, tuple, float], bool],
+        name: str,
+        handshake_s: float,
+        max_pending: int,
+        max_per_source: int,
+    ) -> None:
         self._sock, self._serve, self._name = sock, serve, name
         self.handshake_s = handshake_s
         self.max_pending, self.max_per_source = max_pending, max(1, max_per_source)
@@ -252,12 +283,13 @@ class HandshakeListener:
         self._closed = False
         self.refused = 0  # connections dropped without being kept
         self.last_refusal = ""  # why the last one was, and where it came from
-        self._accepter = threading.Thread(target=self._accept_loop, name=f"{name}-accept",
-                                          daemon=True)
+        self._accepter = threading.Thread(
+            target=self._accept_loop, name=f"{name}-accept", daemon=True
+        )
         self._accepter.start()
 
     def refusals(self) -> str:
-        """"" when no connection was refused, else how many and the last one's reason."""
+        """ "" when no connection was refused, else how many and the last one's reason."""
         with self._lock:
             if not self.refused:
                 return ""
@@ -306,8 +338,12 @@ class HandshakeListener:
                 victim = self._victim_for(source)
                 self._pending[conn] = source
                 self._per_source[source] = self._per_source.get(source, 0) + 1
-                thread = threading.Thread(target=self._run, args=(conn, address, deadline),
-                                          name=f"{self._name}-handshake", daemon=True)
+                thread = threading.Thread(
+                    target=self._run,
+                    args=(conn, address, deadline),
+                    name=f"{self._name}-handshake",
+                    daemon=True,
+                )
                 self._threads.add(thread)
             if victim is not None:
                 _shutdown(victim)  # its thread sees the socket fail, and closes it

@@ -16,12 +16,22 @@ hd = halving_doubling
 # Reduction collectives take (rank, size, count, itemsize, chunk_bytes, topo); mdring also
 # dim_order. Broadcast takes root instead of topo; barrier only (rank, size).
 ALGORITHMS: dict[str, dict[str, Callable[..., Schedule]]] = {
-    Collective.ALLREDUCE: {ring.NAME: ring.allreduce, mdring.NAME: mdring.allreduce,
-                  hd.NAME: hd.allreduce, hd.RD_NAME: hd.allreduce_doubling},
-    Collective.REDUCE_SCATTER: {ring.NAME: ring.reduce_scatter, mdring.NAME: mdring.reduce_scatter,
-                       hd.NAME: hd.reduce_scatter},
-    Collective.ALLGATHER: {ring.NAME: ring.allgather, mdring.NAME: mdring.allgather,
-                  hd.NAME: hd.allgather},
+    Collective.ALLREDUCE: {
+        ring.NAME: ring.allreduce,
+        mdring.NAME: mdring.allreduce,
+        hd.NAME: hd.allreduce,
+        hd.RD_NAME: hd.allreduce_doubling,
+    },
+    Collective.REDUCE_SCATTER: {
+        ring.NAME: ring.reduce_scatter,
+        mdring.NAME: mdring.reduce_scatter,
+        hd.NAME: hd.reduce_scatter,
+    },
+    Collective.ALLGATHER: {
+        ring.NAME: ring.allgather,
+        mdring.NAME: mdring.allgather,
+        hd.NAME: hd.allgather,
+    },
     Collective.BROADCAST: {chain.NAME: chain.broadcast},
     Collective.BARRIER: {dissemination.NAME: dissemination.barrier},
 }

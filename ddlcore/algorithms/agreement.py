@@ -50,8 +50,9 @@ from ddlcore.collectives import Collective
 def sends_first(sched: Schedule) -> bool:
     """Whether ``sched``'s first step sends slot 0 to rank + 1 (before any wait)."""
     steps, nxt = sched.steps, (sched.rank + 1) % sched.size
-    return bool(steps) and steps[0].kind == Kind.SEND and steps[0].peer == nxt and \
-        steps[0].slot == 0
+    return (
+        bool(steps) and steps[0].kind == Kind.SEND and steps[0].peer == nxt and steps[0].slot == 0
+    )
 
 
 def waits_first(sched: Schedule) -> bool:
@@ -90,8 +91,9 @@ def dissemination_rounds(size: int) -> list[int]:
     return out
 
 
-def agreed(make: Callable[[int], Schedule], rank: int, size: int, complete: bool,
-           hello: bool | None = None) -> Schedule:
+def agreed(
+    make: Callable[[int], Schedule], rank: int, size: int, complete: bool, hello: bool | None = None
+) -> Schedule:
     """Rank ``rank``'s schedule (``make(r)`` makes rank r's) with what first contact and
     completeness need added. ``complete``: the call has completeness by nature (the same on
     every rank: a function of the call, not of one rank's part of it). ``hello``: True adds
@@ -126,12 +128,21 @@ def agreed(make: Callable[[int], Schedule], rank: int, size: int, complete: bool
         hello_out = hello_in = hello
     if not hello_out and not hello_in:
         return sched
-    rest = _shifted(sched.steps, ({(True, nxt)} if hello_out else set()) |
-                    ({(False, prv)} if hello_in else set()), 1)
-    first_recv = next((i for i, s in enumerate(rest)
-                       if s.kind == Kind.RECV or s.kind == Kind.RECV_REDUCE), len(rest))
-    steps = (([_empty(Kind.SEND, nxt, 0)] if hello_out else []) + rest[:first_recv] +
-             ([_empty(Kind.RECV, prv, 0)] if hello_in else []) + rest[first_recv:])
+    rest = _shifted(
+        sched.steps,
+        ({(True, nxt)} if hello_out else set()) | ({(False, prv)} if hello_in else set()),
+        1,
+    )
+    first_recv = next(
+        (i for i, s in enumerate(rest) if s.kind == Kind.RECV or s.kind == Kind.RECV_REDUCE),
+        len(rest),
+    )
+    steps = (
+        ([_empty(Kind.SEND, nxt, 0)] if hello_out else [])
+        + rest[:first_recv]
+        + ([_empty(Kind.RECV, prv, 0)] if hello_in else [])
+        + rest[first_recv:]
+    )
     return dataclasses.replace(sched, steps=tuple(steps))
 
 

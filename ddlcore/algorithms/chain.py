@@ -26,8 +26,9 @@ from ddlcore.collectives import Collective
 NAME = "chain"
 
 
-def broadcast(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              root: int) -> Schedule:
+def broadcast(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, root: int
+) -> Schedule:
     chunk = max(1, chunk_bytes // max(1, itemsize))
     pos = (rank - root) % size
     nxt, prv = (rank + 1) % size, (rank - 1) % size

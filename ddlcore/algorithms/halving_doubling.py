@@ -64,12 +64,17 @@ class _Fold:
         self.rounds = self.p2.bit_length() - 1
         self.rank = rank
         if rank < 2 * self.extra:
-            self.v = rank // 2 if rank % 2 else -1   # -1: folded away (hands data to rank + 1)
+            self.v = rank // 2 if rank % 2 else -1  # -1: folded away (hands data to rank + 1)
         else:
             self.v = rank - self.extra
-        self._pieces = [[(o + off, n, owner) for off, length, owner in blocks
-                         for o, n in chunks_of(0, length, nchunks_for(length, chunk))]
-                        for blocks in units]
+        self._pieces = [
+            [
+                (o + off, n, owner)
+                for off, length, owner in blocks
+                for o, n in chunks_of(0, length, nchunks_for(length, chunk))
+            ]
+            for blocks in units
+        ]
         self.stride = sum(len(p) for p in self._pieces) + 1
 
     def real(self, v: int) -> int:
@@ -83,17 +88,23 @@ class _Fold:
     def pieces(self, lo: int, hi: int) -> list[Piece]:
         return [p for v in range(lo, hi) for p in self._pieces[v]]
 
-    def sends(self, pieces: list[Piece], peer: int, phase: int, src: Buf,
-              shift: int = 0) -> list[Step]:
+    def sends(
+        self, pieces: list[Piece], peer: int, phase: int, src: Buf, shift: int = 0
+    ) -> list[Step]:
         base = phase * self.stride
-        return [Step(Kind.SEND, peer, base + i, n, src, off - shift)
-                for i, (off, n, _) in enumerate(pieces)]
+        return [
+            Step(Kind.SEND, peer, base + i, n, src, off - shift)
+            for i, (off, n, _) in enumerate(pieces)
+        ]
 
-    def recvs(self, pieces: list[Piece], peer: int, phase: int, dst: Buf,
-              shift: int = 0) -> list[Step]:
+    def recvs(
+        self, pieces: list[Piece], peer: int, phase: int, dst: Buf, shift: int = 0
+    ) -> list[Step]:
         base = phase * self.stride
-        return [Step(Kind.RECV, peer, base + i, n, dst=dst, dst_off=off - shift)
-                for i, (off, n, _) in enumerate(pieces)]
+        return [
+            Step(Kind.RECV, peer, base + i, n, dst=dst, dst_off=off - shift)
+            for i, (off, n, _) in enumerate(pieces)
+        ]
 
 
 def _units_even(count: int, parts: int) -> list[list[tuple[int, int, int]]]:
@@ -115,8 +126,9 @@ def _distances(p2: int, nearest_first: bool) -> list[int]:
     return out if nearest_first else out[::-1]
 
 
-def _halving(fold: _Fold, src: Buf, work: Buf, final_dst, first_phase: int,
-             nearest_first: bool = False) -> tuple[list[Step], int, list]:
+def _halving(
+    fold: _Fold, src: Buf, work: Buf, final_dst, first_phase: int, nearest_first: bool = False
+) -> tuple[list[Step], int, list]:
     """Recursive halving; returns the steps, the phase after, and each round's (kept range,
     given range, peer) for `_undo_halving`. Partial reductions go to ``work`` at their own
     offsets; the last round's to ``final_dst(piece)`` = (buffer, offset).
@@ -140,8 +152,9 @@ def _halving(fold: _Fold, src: Buf, work: Buf, final_dst, first_phase: int,
         for i, piece in enumerate(fold.pieces(*keep)):
             off, n, _ = piece
             buf, at = final_dst(piece) if last else (work, off)
-            steps.append(Step(Kind.RECV_REDUCE, peer, base + i, n, src, off, buf, at,
-                              finalize=last))
+            steps.append(
+                Step(Kind.RECV_REDUCE, peer, base + i, n, src, off, buf, at, finalize=last)
+            )
         rounds.append((keep, give, peer))
         src = work  # later rounds reduce what this one wrote
         lo, hi, phase = keep[0], keep[1], phase + 1
@@ -173,8 +186,9 @@ def _doubling(fold: _Fold, buf: Buf, first_phase: int) -> tuple[list[Step], int]
     return steps, phase
 
 
-def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None) -> Schedule:
+def allreduce(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
         return local_copy(Collective.ALLREDUCE, rank, count, chunk, algorithm=NAME)
@@ -189,16 +203,18 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     if fold.folds:
         steps += _recv_reduce_all(fold, everything, rank - 1, Buf.INPUT, Buf.OUTPUT)
         src = Buf.OUTPUT
-    halving, phase, rounds = _halving(fold, src, Buf.OUTPUT, lambda piece: (Buf.OUTPUT, piece[0]),
-                                      1, nearest_first=True)
+    halving, phase, rounds = _halving(
+        fold, src, Buf.OUTPUT, lambda piece: (Buf.OUTPUT, piece[0]), 1, nearest_first=True
+    )
     steps += halving + _undo_halving(fold, rounds, Buf.OUTPUT, phase)
     if fold.folds:
         steps += fold.sends(everything, rank - 1, unfold_phase, Buf.OUTPUT)
     return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
-def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                   topo: Topology | None = None) -> Schedule:
+def reduce_scatter(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     """``count`` = size * k; rank r ends with the reduced block r."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
@@ -210,8 +226,9 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     if fold.v < 0:
         steps = fold.sends(everything, rank + 1, 0, Buf.INPUT)
         steps += fold.recvs(_own(fold, rank), rank + 1, unfold_phase, Buf.OUTPUT, rank * k)
-        return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk,
-                        drop_empty(steps))
+        return Schedule(
+            Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps)
+        )
     steps = []
     src = Buf.INPUT
     if fold.folds:
@@ -227,12 +244,21 @@ def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes:
     steps += halving
     if fold.folds:
         steps += fold.sends(_own(fold, rank - 1), rank - 1, unfold_phase, Buf.SCRATCH)
-    return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps),
-                    scratch_count=count)
+    return Schedule(
+        Collective.REDUCE_SCATTER,
+        NAME,
+        rank,
+        size,
+        count,
+        chunk,
+        drop_empty(steps),
+        scratch_count=count,
+    )
 
 
-def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None) -> Schedule:
+def allgather(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     """``count`` = k; the output holds size * k elements, rank r's block at r * k."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
@@ -255,8 +281,9 @@ def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
     return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
-def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                       topo: Topology | None = None) -> Schedule:
+def allreduce_doubling(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     """``rd``: the whole vector at every distance, reduced on both sides (small messages)."""
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
@@ -270,15 +297,24 @@ def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_by
     steps = []
     src = Buf.INPUT
     if fold.folds:  # the even rank before this one is the lower: its data first
-        steps += _recv_reduce_all(fold, everything, rank - 1, Buf.INPUT, Buf.OUTPUT,
-                                  staged_first=True)
+        steps += _recv_reduce_all(
+            fold, everything, rank - 1, Buf.INPUT, Buf.OUTPUT, staged_first=True
+        )
         src = Buf.OUTPUT
     d, phase, v = 1, 1, fold.v
     while d < fold.p2:
         peer = fold.real(v ^ d)
         steps += fold.sends(everything, peer, phase, src)
-        steps += _recv_reduce_all(fold, everything, peer, src, Buf.OUTPUT, phase=phase,
-                                  staged_first=(v ^ d) < v, finalize=2 * d == fold.p2)
+        steps += _recv_reduce_all(
+            fold,
+            everything,
+            peer,
+            src,
+            Buf.OUTPUT,
+            phase=phase,
+            staged_first=(v ^ d) < v,
+            finalize=2 * d == fold.p2,
+        )
         src, d, phase = Buf.OUTPUT, d * 2, phase + 1
     if fold.folds:
         steps += fold.sends(everything, rank - 1, unfold_phase, Buf.OUTPUT)
@@ -288,8 +324,9 @@ def allreduce_doubling(rank: int, size: int, count: int, itemsize: int, chunk_by
 def _folded_away(fold: _Fold, everything: list[Piece], unfold_phase: int) -> list[Step]:
     """An allreduce on an even rank the fold leaves out: its whole input to the odd rank after
     it, the whole result back at the unfold."""
-    return (fold.sends(everything, fold.rank + 1, 0, Buf.INPUT)
-            + fold.recvs(everything, fold.rank + 1, unfold_phase, Buf.OUTPUT))
+    return fold.sends(everything, fold.rank + 1, 0, Buf.INPUT) + fold.recvs(
+        everything, fold.rank + 1, unfold_phase, Buf.OUTPUT
+    )
 
 
 def _own(fold: _Fold, rank: int) -> list[Piece]:
@@ -298,9 +335,29 @@ def _own(fold: _Fold, rank: int) -> list[Piece]:
     return [p for p in fold.pieces(v, v + 1) if p[2] == rank]
 
 
-def _recv_reduce_all(fold: _Fold, pieces: list[Piece], peer: int, src: Buf, dst: Buf,
-                     phase: int = 0, staged_first: bool = False,
-                     finalize: bool = False) -> list[Step]:
+def _recv_reduce_all(
+    fold: _Fold,
+    pieces: list[Piece],
+    peer: int,
+    src: Buf,
+    dst: Buf,
+    phase: int = 0,
+    staged_first: bool = False,
+    finalize: bool = False,
+) -> list[Step]:
     base = phase * fold.stride
-    return [Step(Kind.RECV_REDUCE, peer, base + i, n, src, off, dst, off, finalize=finalize,
-                 staged_first=staged_first) for i, (off, n, _) in enumerate(pieces)]
+    return [
+        Step(
+            Kind.RECV_REDUCE,
+            peer,
+            base + i,
+            n,
+            src,
+            off,
+            dst,
+            off,
+            finalize=finalize,
+            staged_first=staged_first,
+        )
+        for i, (off, n, _) in enumerate(pieces)
+    ]

@@ -86,8 +86,9 @@ def active_dims(topo: Topology, dim_order: Sequence[int] | None = None) -> tuple
     """The dimensions the phases run along, in order; dimensions of size 1 have no ring."""
     order = tuple(range(len(topo.dims))) if dim_order is None else tuple(dim_order)
     if sorted(order) != list(range(len(topo.dims))):
-        raise ValueError(f"dim_order {order} is not a permutation of the box's "
-                         f"{len(topo.dims)} dimensions")
+        raise ValueError(
+            f"dim_order {order} is not a permutation of the box's {len(topo.dims)} dimensions"
+        )
     return tuple(j for j in order if topo.dims[j] > 1)
 
 
@@ -114,26 +115,42 @@ def _block_index(topo: Topology, rank: int, dims: Sequence[int]) -> int:
     return index
 
 
-def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None, dim_order: Sequence[int] | None = None,
-              segments: int = 1) -> Schedule:
+def allreduce(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology | None = None,
+    dim_order: Sequence[int] | None = None,
+    segments: int = 1,
+) -> Schedule:
     """``segments`` > 1: pipelined across the dimensions in that many segments (`_pipelined`)."""
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return ring.ring_over(Collective.ALLREDUCE, topo.order, rank, count, itemsize,
-                              chunk_bytes, NAME)
+        return ring.ring_over(
+            Collective.ALLREDUCE, topo.order, rank, count, itemsize, chunk_bytes, NAME
+        )
     return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo, dims, segments)
 
 
-def allreduce_across_hosts(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                           topo: Topology, dim_order: Sequence[int] | None = None) -> Schedule:
+def allreduce_across_hosts(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology,
+    dim_order: Sequence[int] | None = None,
+) -> Schedule:
     """The phases along the dimensions that leave the host, on ``count`` elements: the middle
     of an allreduce whose host dimensions run through shared memory (``ddlcore.hostcoll``'s
     part reduce-scatter before it and part allgather after it). The rings keep this rank's
     host coordinates, so each carries the part this rank reduced inside its host."""
-    return _allreduce_along(rank, size, count, itemsize, chunk_bytes, topo,
-                            _net_dims(topo, dim_order))
+    return _allreduce_along(
+        rank, size, count, itemsize, chunk_bytes, topo, _net_dims(topo, dim_order)
+    )
 
 
 def _net_dims(topo: Topology, dim_order: Sequence[int] | None) -> tuple[int, ...]:
@@ -151,26 +168,47 @@ def host_staged_blocks(topo: Topology, dim_order: Sequence[int] | None = None) -
     is what its network phases carry."""
     dims, per_node = _net_dims(topo, dim_order), topo.ranks_per_node
     nets = topo.size // per_node
-    return [topo.position(r) % per_node * nets + _block_index(topo, r, dims)
-            for r in range(topo.size)]
+    return [
+        topo.position(r) % per_node * nets + _block_index(topo, r, dims) for r in range(topo.size)
+    ]
 
 
-def reduce_scatter_across_hosts(rank: int, size: int, count: int, itemsize: int,
-                                chunk_bytes: int, topo: Topology,
-                                dim_order: Sequence[int] | None = None) -> Schedule:
+def reduce_scatter_across_hosts(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology,
+    dim_order: Sequence[int] | None = None,
+) -> Schedule:
     """The network dimensions' reduce-scatter of a reduce-scatter whose host dimensions ran on
     the boards: the input is this rank's part (``count`` = H x k elements, H blocks in the
     order of `host_staged_blocks`), summed over the host; the rings reduce it across hosts and
     this rank's own block (k elements) ends in the output (divided there, for avg)."""
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
-    steps = _reduce_scatter_phases(topo, rank, _net_dims(topo, dim_order), count, chunk,
-                                   Buf.INPUT)
-    return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps),
-                    scratch_count=count)
+    steps = _reduce_scatter_phases(topo, rank, _net_dims(topo, dim_order), count, chunk, Buf.INPUT)
+    return Schedule(
+        Collective.REDUCE_SCATTER,
+        NAME,
+        rank,
+        size,
+        count,
+        chunk,
+        drop_empty(steps),
+        scratch_count=count,
+    )
 
 
-def allgather_across_hosts(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                           topo: Topology, dim_order: Sequence[int] | None = None) -> Schedule:
+def allgather_across_hosts(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology,
+    dim_order: Sequence[int] | None = None,
+) -> Schedule:
     """The network dimensions' allgather of an allgather whose host dimensions run on the
     boards after it: this rank's ``count`` = k input elements go to its place in the output,
     which holds H x k elements (this rank's part, in the order of `host_staged_blocks`), and
@@ -178,14 +216,25 @@ def allgather_across_hosts(rank: int, size: int, count: int, itemsize: int, chun
     dims = _net_dims(topo, dim_order)
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     total = count * (size // topo.ranks_per_node)
-    steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT,
-                  _block_index(topo, rank, dims) * count)]
+    steps = [
+        Step(
+            Kind.COPY,
+            -1,
+            0,
+            count,
+            Buf.INPUT,
+            0,
+            Buf.OUTPUT,
+            _block_index(topo, rank, dims) * count,
+        )
+    ]
     steps += _allgather_phases(topo, rank, dims, total, chunk, Buf.OUTPUT)
     return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
-def _reduce_scatter_phases(topo: Topology, rank: int, dims: Sequence[int], count: int,
-                           chunk: int, first_src: Buf) -> list[Step]:
+def _reduce_scatter_phases(
+    topo: Topology, rank: int, dims: Sequence[int], count: int, chunk: int, first_src: Buf
+) -> list[Step]:
     """Reduce-scatter rings along ``dims`` on ``count`` elements in phase order: partial sums
     in the scratch buffer (the first phase takes this rank's contribution from ``first_src``),
     this rank's final block into the output."""
@@ -196,16 +245,26 @@ def _reduce_scatter_phases(topo: Topology, rank: int, dims: Sequence[int], count
         last = i == len(phases) - 1
         nchunks = nchunks_for(segs[0][1], chunk)
         d = len(members)
-        steps += ring.ring_phase(members, pos, segs, nchunks, d - 1, 0,
-                                 rs_src=first_src if i == 0 else Buf.SCRATCH,
-                                 rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0) if last else None,
-                                 finalize=last, slot_base=slot)
+        steps += ring.ring_phase(
+            members,
+            pos,
+            segs,
+            nchunks,
+            d - 1,
+            0,
+            rs_src=first_src if i == 0 else Buf.SCRATCH,
+            rs_dst=Buf.SCRATCH,
+            final=(Buf.OUTPUT, 0) if last else None,
+            finalize=last,
+            slot_base=slot,
+        )
         slot += ring.span_slots(d - 1, 0, nchunks)
     return steps
 
 
-def _allgather_phases(topo: Topology, rank: int, dims: Sequence[int], total: int, chunk: int,
-                      buf: Buf) -> list[Step]:
+def _allgather_phases(
+    topo: Topology, rank: int, dims: Sequence[int], total: int, chunk: int, buf: Buf
+) -> list[Step]:
     """Allgather rings along ``dims`` in reverse, in place in ``buf`` (``total`` elements in
     phase order, this rank's block already at its place); slots as in allreduce."""
     steps: list[Step] = []
@@ -215,13 +274,15 @@ def _allgather_phases(topo: Topology, rank: int, dims: Sequence[int], total: int
         plans.append((members, pos, segs, nchunks, slot))
         slot += ring.span_slots(0, len(members) - 1, nchunks)
     for members, pos, segs, nchunks, base in reversed(plans):
-        steps += ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1, ag_buf=buf,
-                                 slot_base=base)
+        steps += ring.ring_phase(
+            members, pos, segs, nchunks, 0, len(members) - 1, ag_buf=buf, slot_base=base
+        )
     return steps
 
 
-def _allreduce_phases(rank: int, count: int, chunk: int, topo: Topology,
-                      dims: Sequence[int]) -> list[list[Step]]:
+def _allreduce_phases(
+    rank: int, count: int, chunk: int, topo: Topology, dims: Sequence[int]
+) -> list[list[Step]]:
     """The allreduce's phases in order, each a list of steps: the reduce-scatters along
     ``dims[:-1]``, the last dimension's reduce-scatter and allgather as one ring program, then
     the allgathers in reverse."""
@@ -234,30 +295,51 @@ def _allreduce_phases(rank: int, count: int, chunk: int, topo: Topology,
         last = i == len(phases) - 1
         nchunks = nchunks_for(segs[0][1], chunk)
         d = len(members)
-        out.append(ring.ring_phase(members, pos, segs, nchunks, d - 1, d - 1 if last else 0,
-                                   rs_src=Buf.INPUT if i == 0 else Buf.OUTPUT,
-                                   finalize=last, slot_base=slot))
+        out.append(
+            ring.ring_phase(
+                members,
+                pos,
+                segs,
+                nchunks,
+                d - 1,
+                d - 1 if last else 0,
+                rs_src=Buf.INPUT if i == 0 else Buf.OUTPUT,
+                finalize=last,
+                slot_base=slot,
+            )
+        )
         plans.append((members, pos, segs, nchunks, slot + ring.span_slots(d - 1, 0, nchunks)))
         slot += ring.span_slots(d - 1, d - 1, nchunks)
     for members, pos, segs, nchunks, ag_slot in reversed(plans[:-1]):
-        out.append(ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1,
-                                   slot_base=ag_slot))
+        out.append(
+            ring.ring_phase(members, pos, segs, nchunks, 0, len(members) - 1, slot_base=ag_slot)
+        )
     return out
 
 
-def _allreduce_along(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                     topo: Topology, dims: Sequence[int], segments: int = 1) -> Schedule:
+def _allreduce_along(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology,
+    dims: Sequence[int],
+    segments: int = 1,
+) -> Schedule:
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     if segments > 1 and count >= segments:
         steps, parts = _pipelined(rank, count, chunk, topo, dims, segments)
-        return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps),
-                        parts=parts)
+        return Schedule(
+            Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps), parts=parts
+        )
     steps = [s for phase in _allreduce_phases(rank, count, chunk, topo, dims) for s in phase]
     return Schedule(Collective.ALLREDUCE, NAME, rank, size, count, chunk, drop_empty(steps))
 
 
-def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence[int],
-               segments: int) -> tuple[list[Step], tuple[Part, ...]]:
+def _pipelined(
+    rank: int, count: int, chunk: int, topo: Topology, dims: Sequence[int], segments: int
+) -> tuple[list[Step], tuple[Part, ...]]:
     """The allreduce in ``segments`` contiguous segments, each run through every phase, with
     the phases of different segments overlapping: phase i of segment s is a part on a stream
     of its link, after phase i-1 of segment s: a host dimension's (`channels` streams, segment
@@ -299,42 +381,84 @@ def _pipelined(rank: int, count: int, chunk: int, topo: Topology, dims: Sequence
 def _moved(st: Step, offset: int, slot_base: int) -> Step:
     """``st`` of a segment's schedule, placed at element ``offset`` of the whole buffers, its
     slot after the earlier segments' (an allreduce uses the input and output only)."""
-    return dataclasses.replace(st, src_off=st.src_off + offset, dst_off=st.dst_off + offset,
-                               slot=st.slot + slot_base if st.kind != Kind.COPY else st.slot)
+    return dataclasses.replace(
+        st,
+        src_off=st.src_off + offset,
+        dst_off=st.dst_off + offset,
+        slot=st.slot + slot_base if st.kind != Kind.COPY else st.slot,
+    )
 
 
-def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                   topo: Topology | None = None, dim_order: Sequence[int] | None = None) -> Schedule:
+def reduce_scatter(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology | None = None,
+    dim_order: Sequence[int] | None = None,
+) -> Schedule:
     """``count`` = size * k; rank r ends with the reduced block r (k elements)."""
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return ring.ring_over(Collective.REDUCE_SCATTER, topo.order, rank, count, itemsize,
-                              chunk_bytes, NAME)
+        return ring.ring_over(
+            Collective.REDUCE_SCATTER, topo.order, rank, count, itemsize, chunk_bytes, NAME
+        )
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     k = count // size
     # Blocks into scratch in phase order: phase j's segments are then contiguous.
-    steps = [Step(Kind.COPY, -1, 0, k, Buf.INPUT, r * k, Buf.SCRATCH,
-                  _block_index(topo, r, dims) * k) for r in range(size)]
+    steps = [
+        Step(Kind.COPY, -1, 0, k, Buf.INPUT, r * k, Buf.SCRATCH, _block_index(topo, r, dims) * k)
+        for r in range(size)
+    ]
     steps += _reduce_scatter_phases(topo, rank, dims, count, chunk, Buf.SCRATCH)
-    return Schedule(Collective.REDUCE_SCATTER, NAME, rank, size, count, chunk, drop_empty(steps),
-                    scratch_count=count)
+    return Schedule(
+        Collective.REDUCE_SCATTER,
+        NAME,
+        rank,
+        size,
+        count,
+        chunk,
+        drop_empty(steps),
+        scratch_count=count,
+    )
 
 
-def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None, dim_order: Sequence[int] | None = None) -> Schedule:
+def allgather(
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    topo: Topology | None = None,
+    dim_order: Sequence[int] | None = None,
+) -> Schedule:
     """``count`` = k; the output holds size * k elements, rank r's block at r * k."""
     topo = topo or flat(size)
     dims = active_dims(topo, dim_order)
     if len(dims) <= 1:
-        return ring.ring_over(Collective.ALLGATHER, topo.order, rank, count, itemsize,
-                              chunk_bytes, NAME)
+        return ring.ring_over(
+            Collective.ALLGATHER, topo.order, rank, count, itemsize, chunk_bytes, NAME
+        )
     chunk = ring.chunk_elems(chunk_bytes, itemsize)
     total = size * count
     mine = _block_index(topo, rank, dims) * count
     steps = [Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.SCRATCH, mine)]
     steps += _allgather_phases(topo, rank, dims, total, chunk, Buf.SCRATCH)
-    steps += [Step(Kind.COPY, -1, 0, count, Buf.SCRATCH, _block_index(topo, r, dims) * count,
-                   Buf.OUTPUT, r * count) for r in range(size)]
-    return Schedule(Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps),
-                    scratch_count=total)
+    steps += [
+        Step(
+            Kind.COPY,
+            -1,
+            0,
+            count,
+            Buf.SCRATCH,
+            _block_index(topo, r, dims) * count,
+            Buf.OUTPUT,
+            r * count,
+        )
+        for r in range(size)
+    ]
+    return Schedule(
+        Collective.ALLGATHER, NAME, rank, size, count, chunk, drop_empty(steps), scratch_count=total
+    )

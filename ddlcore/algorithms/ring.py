@@ -52,11 +52,22 @@ from ddlcore.topology import Topology
 NAME = "ring"
 
 
-def ring_phase(ring: Sequence[int], pos: int, segs: Sequence[tuple[int, int]], nchunks: int,
-               rs_steps: int, ag_steps: int, *, rs_src: Buf = Buf.INPUT, rs_dst: Buf = Buf.OUTPUT,
-               final: tuple[Buf, int] | None = None, finalize: bool = True,
-               ag_buf: Buf = Buf.OUTPUT, ag_first_src: tuple[Buf, int] | None = None,
-               slot_base: int = 0) -> list[Step]:
+def ring_phase(
+    ring: Sequence[int],
+    pos: int,
+    segs: Sequence[tuple[int, int]],
+    nchunks: int,
+    rs_steps: int,
+    ag_steps: int,
+    *,
+    rs_src: Buf = Buf.INPUT,
+    rs_dst: Buf = Buf.OUTPUT,
+    final: tuple[Buf, int] | None = None,
+    finalize: bool = True,
+    ag_buf: Buf = Buf.OUTPUT,
+    ag_first_src: tuple[Buf, int] | None = None,
+    slot_base: int = 0,
+) -> list[Step]:
     """Steps of the member at ``pos`` of ``ring`` for ``rs_steps`` reduce-scatter then
     ``ag_steps`` allgather steps over the segments ``segs`` (one per ring position).
 
@@ -98,16 +109,31 @@ def ring_phase(ring: Sequence[int], pos: int, segs: Sequence[tuple[int, int]], n
         off, cnt = chunked[pos][c]
         if ag_first_src is None:
             return Step(Kind.SEND, nxt, slot_base + c, cnt, ag_buf, off)
-        return Step(Kind.SEND, nxt, slot_base + c, cnt, ag_first_src[0],
-                    ag_first_src[1] + off - segs[pos][0])
+        return Step(
+            Kind.SEND,
+            nxt,
+            slot_base + c,
+            cnt,
+            ag_first_src[0],
+            ag_first_src[1] + off - segs[pos][0],
+        )
 
     def unit(g: int, c: int) -> list[Step]:
         slot = slot_base + g * nchunks + c
         buf, off, cnt = recv_place(g, c)
         if g < rs_steps:
             in_off = chunked[rs_seg(g, False)][c][0]
-            op = Step(Kind.RECV_REDUCE, prv, slot, cnt, rs_src, in_off, buf, off,
-                      finalize=finalize and g == rs_steps - 1)
+            op = Step(
+                Kind.RECV_REDUCE,
+                prv,
+                slot,
+                cnt,
+                rs_src,
+                in_off,
+                buf,
+                off,
+                finalize=finalize and g == rs_steps - 1,
+            )
         else:
             op = Step(Kind.RECV, prv, slot, cnt, dst=buf, dst_off=off)
         out = [op]
@@ -135,34 +161,46 @@ def chunk_elems(chunk_bytes: int, itemsize: int) -> int:
     return max(1, chunk_bytes // max(1, itemsize))
 
 
-def local_copy(collective: str, rank: int, count: int, chunk: int, dst_off: int = 0,
-               algorithm: str = NAME) -> Schedule:
+def local_copy(
+    collective: str, rank: int, count: int, chunk: int, dst_off: int = 0, algorithm: str = NAME
+) -> Schedule:
     """A world of one: the result is the input (every algorithm's schedule for size 1)."""
     copy = (Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, dst_off),)
     return Schedule(collective, algorithm, rank, 1, count, chunk, drop_empty(copy))
 
 
-def allreduce(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None) -> Schedule:
+def allreduce(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     """The ring in rank order; ``topo`` (the registry's signature) does not change it."""
     return ring_over(Collective.ALLREDUCE, tuple(range(size)), rank, count, itemsize, chunk_bytes)
 
 
-def reduce_scatter(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-                   topo: Topology | None = None) -> Schedule:
+def reduce_scatter(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     """``count`` is the input length (size * k); rank r's output is the reduced segment r."""
-    return ring_over(Collective.REDUCE_SCATTER, tuple(range(size)), rank, count, itemsize,
-                     chunk_bytes)
+    return ring_over(
+        Collective.REDUCE_SCATTER, tuple(range(size)), rank, count, itemsize, chunk_bytes
+    )
 
 
-def allgather(rank: int, size: int, count: int, itemsize: int, chunk_bytes: int,
-              topo: Topology | None = None) -> Schedule:
+def allgather(
+    rank: int, size: int, count: int, itemsize: int, chunk_bytes: int, topo: Topology | None = None
+) -> Schedule:
     """``count`` is the input length k; the output holds size * k elements, rank i's at i*k."""
     return ring_over(Collective.ALLGATHER, tuple(range(size)), rank, count, itemsize, chunk_bytes)
 
 
-def ring_over(collective: str, order: Sequence[int], rank: int, count: int, itemsize: int,
-              chunk_bytes: int, algorithm: str = NAME) -> Schedule:
+def ring_over(
+    collective: str,
+    order: Sequence[int],
+    rank: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    algorithm: str = NAME,
+) -> Schedule:
     """``collective`` as one ring through the ranks in ``order`` (``order[p]`` at ring position
     p, a permutation of the ranks): rank order for `allreduce` and co., a topology's box order
     for mdring on a one-dimensional box. Blocks stay at their RANK's offset in reduce-scatter's
@@ -170,8 +208,14 @@ def ring_over(collective: str, order: Sequence[int], rank: int, count: int, item
     size = len(order)
     chunk = chunk_elems(chunk_bytes, itemsize)
     if size == 1:
-        return local_copy(collective, rank, count, chunk,
-                          rank * count if collective == Collective.ALLGATHER else 0, algorithm)
+        return local_copy(
+            collective,
+            rank,
+            count,
+            chunk,
+            rank * count if collective == Collective.ALLGATHER else 0,
+            algorithm,
+        )
     pos = rank if order[rank] == rank else list(order).index(rank)
     if collective == Collective.ALLREDUCE:
         segs = split(count, size)
@@ -182,10 +226,19 @@ def ring_over(collective: str, order: Sequence[int], rank: int, count: int, item
         seg_len = count // size
         segs = [(r * seg_len, seg_len) for r in order]  # position p ends with rank order[p]'s block
         nchunks = nchunks_for(seg_len, chunk)
-        steps = ring_phase(order, pos, segs, nchunks, size - 1, 0, rs_dst=Buf.SCRATCH,
-                           final=(Buf.OUTPUT, 0))
-        return Schedule(collective, algorithm, rank, size, count, chunk, drop_empty(steps),
-                        scratch_count=count if size > 2 else 0)
+        steps = ring_phase(
+            order, pos, segs, nchunks, size - 1, 0, rs_dst=Buf.SCRATCH, final=(Buf.OUTPUT, 0)
+        )
+        return Schedule(
+            collective,
+            algorithm,
+            rank,
+            size,
+            count,
+            chunk,
+            drop_empty(steps),
+            scratch_count=count if size > 2 else 0,
+        )
     if collective != Collective.ALLGATHER:
         raise ValueError(f"no ring for {collective!r}")
     own = Step(Kind.COPY, -1, 0, count, Buf.INPUT, 0, Buf.OUTPUT, rank * count)

@@ -66,7 +66,7 @@ class Step:
     dst_off: int = 0
     finalize: bool = False
     staged_first: bool = False
-    part: int = 0     # index into `Schedule.parts` (0 where the schedule has none)
+    part: int = 0  # index into `Schedule.parts` (0 where the schedule has none)
 
     def describe(self) -> str:
         if self.kind == Kind.SEND:
@@ -74,9 +74,13 @@ class Step:
         if self.kind == Kind.RECV:
             return f"recv      rank {self.peer} -> {self.dst.name}[{self.dst_off}:+{self.count}] (slot {self.slot})"
         if self.kind == Kind.RECV_REDUCE:
-            fin = (" final" if self.finalize else "") + (" (staged first)" if self.staged_first else "")
-            return (f"recv-red  rank {self.peer} (+) {self.src.name}[{self.src_off}:+{self.count}] -> "
-                    f"{self.dst.name}[{self.dst_off}]{fin} (slot {self.slot})")
+            fin = (" final" if self.finalize else "") + (
+                " (staged first)" if self.staged_first else ""
+            )
+            return (
+                f"recv-red  rank {self.peer} (+) {self.src.name}[{self.src_off}:+{self.count}] -> "
+                f"{self.dst.name}[{self.dst_off}]{fin} (slot {self.slot})"
+            )
         return f"copy      {self.src.name}[{self.src_off}:+{self.count}] -> {self.dst.name}[{self.dst_off}]"
 
 
@@ -96,11 +100,11 @@ class Schedule:
     algorithm: str
     rank: int
     size: int
-    count: int          # elements of the collective's input on this rank
-    chunk_count: int    # elements per pipeline chunk
+    count: int  # elements of the collective's input on this rank
+    chunk_count: int  # elements per pipeline chunk
     steps: tuple[Step, ...]
     scratch_count: int = 0
-    parts: tuple[Part, ...] = ()   # empty: one stream, the steps in order
+    parts: tuple[Part, ...] = ()  # empty: one stream, the steps in order
 
     def messages(self) -> int:
         return sum(1 for s in self.steps if s.kind == Kind.SEND)
@@ -124,11 +128,14 @@ class Schedule:
         return out
 
     def __str__(self) -> str:
-        head = (f"{self.collective} via {self.algorithm}: rank {self.rank}/{self.size}, "
-                f"{self.count} elements, chunks of {self.chunk_count}, {len(self.steps)} steps")
+        head = (
+            f"{self.collective} via {self.algorithm}: rank {self.rank}/{self.size}, "
+            f"{self.count} elements, chunks of {self.chunk_count}, {len(self.steps)} steps"
+        )
         if not self.parts:
-            return "\n".join([head] + [f"  {i:4d} {s.describe()}"
-                                       for i, s in enumerate(self.steps)])
+            return "\n".join(
+                [head] + [f"  {i:4d} {s.describe()}" for i, s in enumerate(self.steps)]
+            )
         lines = [head + f" in {len(self.parts)} parts on {len(self.streams())} streams"]
         for i, s in enumerate(self.steps):
             part = self.parts[s.part]
@@ -152,8 +159,10 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
 def chunks_of(offset: int, length: int, nchunks: int) -> list[tuple[int, int]]:
     """Chunk ``c`` of a segment: a proportional slice, so segments of unequal length still have
     the same number of chunks (some may be empty)."""
-    return [(offset + length * c // nchunks, length * (c + 1) // nchunks - length * c // nchunks)
-            for c in range(nchunks)]
+    return [
+        (offset + length * c // nchunks, length * (c + 1) // nchunks - length * c // nchunks)
+        for c in range(nchunks)
+    ]
 
 
 def nchunks_for(longest: int, chunk_count: int) -> int:

@@ -22,5 +22,13 @@ from ddlcore.paths.schedule import SchedulePath
 # In the order the communicator asks them.
 PATHS = (BoardsPath, HostStagedPath, DevicePath, SchedulePath)
 
-__all__ = ["PATHS", "BoardsPath", "Context", "DevicePath", "HostStagedPath", "Path", "Plan",
-           "SchedulePath"]
+__all__ = [
+    "PATHS",
+    "BoardsPath",
+    "Context",
+    "DevicePath",
+    "HostStagedPath",
+    "Path",
+    "Plan",
+    "SchedulePath",
+]

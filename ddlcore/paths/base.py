@@ -101,11 +101,20 @@ class Context:
     def choose(self, collective: Collective, nbytes: int) -> tuning.Choice:
         """The tuner's choice for ``nbytes`` of input (the cost model reads an allgather's
         output)."""
-        boards = self.node is not None and collective in HOST_STAGED and \
-            self.node.mode(board_bytes(collective, nbytes, self.topology)) != hostcoll.SYNC_ONLY
-        return tuning.choose(collective, self.topology,
-                             tuning.model_bytes(collective, nbytes, self.size), self.algo,
-                             self.chunk_bytes, boards, self.segments)
+        boards = (
+            self.node is not None
+            and collective in HOST_STAGED
+            and self.node.mode(board_bytes(collective, nbytes, self.topology)) != hostcoll.SYNC_ONLY
+        )
+        return tuning.choose(
+            collective,
+            self.topology,
+            tuning.model_bytes(collective, nbytes, self.size),
+            self.algo,
+            self.chunk_bytes,
+            boards,
+            self.segments,
+        )
 
     def scratch_region(self, nbytes: int) -> engine.Region:
         """A schedule's scratch buffer on host memory (kept, grown, for later calls)."""
@@ -152,14 +161,17 @@ def check_word(call: Call, kind: BoardKind | None = None) -> int:
     different collectives find out (``kind``: the board call's, where not the call's)."""
     code = int(call.inp.code) if call.inp is not None else 255
     op = int(call.op) if call.op is not None else 255
-    raw = struct.pack("<BBBqq", kind or BoardKind.of(call.collective), code, op, call.count,
-                      call.root)
+    raw = struct.pack(
+        "<BBBqq", kind or BoardKind.of(call.collective), code, op, call.count, call.root
+    )
     return zlib.crc32(raw) | 1
 
 
-_HOW = {hostcoll.SLOTS: "through the shared slots",
-        hostcoll.DIRECT: "reading and writing the peers' buffers",
-        hostcoll.SYNC_ONLY: "agreement only (the schedules run it)"}
+_HOW = {
+    hostcoll.SLOTS: "through the shared slots",
+    hostcoll.DIRECT: "reading and writing the peers' buffers",
+    hostcoll.SYNC_ONLY: "agreement only (the schedules run it)",
+}
 
 
 class PathBase:
@@ -170,7 +182,7 @@ class PathBase:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self._busy = False       # a call in progress (it stays set once one failed)
+        self._busy = False  # a call in progress (it stays set once one failed)
         self._on_boards = False  # ... and it is on the boards now
 
     def run(self, plan: Plan, call: Call, seq: int) -> None:
@@ -194,10 +206,21 @@ class PathBase:
         pass
 
     # --- steps ----------------------------------------------------------------------------------
-    def on_boards(self, boards: HostCollectives, call: Call, seq: int,
-                  host_in: np.ndarray | None, host_out: np.ndarray | None, itemsize: int,
-                  mode: int, *, kind: BoardKind | None = None, divisor: int = 0,
-                  segment: tuple[int, int] | None = None, own_buffers: bool = False) -> None:
+    def on_boards(
+        self,
+        boards: HostCollectives,
+        call: Call,
+        seq: int,
+        host_in: np.ndarray | None,
+        host_out: np.ndarray | None,
+        itemsize: int,
+        mode: int,
+        *,
+        kind: BoardKind | None = None,
+        divisor: int = 0,
+        segment: tuple[int, int] | None = None,
+        own_buffers: bool = False,
+    ) -> None:
         """Run ``kind`` (default: the call's collective) of ``call`` through ``boards``; on the
         elements ``segment`` = (offset, count) of the buffers only, when given;
         ``own_buffers``: the buffers are ``host_in`` and ``host_out`` (the path's), not the
@@ -215,40 +238,85 @@ class PathBase:
             inp, out = inp + offset * itemsize, out + offset * itemsize
         if self.ctx.debug:
             part = "" if kind.phase is None else f", {kind.phase}"
-            log.debug("rank %d: %s%s via %s, %s", self.ctx.rank, label(call, seq), part,
-                      hostcoll.NAME, _HOW[mode])
-        boards.run(BoardCall(kind, inp, out, count, itemsize,
-                             int(call.inp.code) if call.inp is not None else 0,
-                             int(Op.SUM if op is None or op == Op.AVG else op),
-                             check_word(call, kind), lambda: label(call, seq), mode, divisor,
-                             call.root, (host_in, host_out)))
+            log.debug(
+                "rank %d: %s%s via %s, %s",
+                self.ctx.rank,
+                label(call, seq),
+                part,
+                hostcoll.NAME,
+                _HOW[mode],
+            )
+        boards.run(
+            BoardCall(
+                kind,
+                inp,
+                out,
+                count,
+                itemsize,
+                int(call.inp.code) if call.inp is not None else 0,
+                int(Op.SUM if op is None or op == Op.AVG else op),
+                check_word(call, kind),
+                lambda: label(call, seq),
+                mode,
+                divisor,
+                call.root,
+                (host_in, host_out),
+            )
+        )
 
-    def agree_first(self, plan: Plan, call: Call, seq: int, host_in: np.ndarray | None = None,
-                    host_out: np.ndarray | None = None) -> None:
+    def agree_first(
+        self,
+        plan: Plan,
+        call: Call,
+        seq: int,
+        host_in: np.ndarray | None = None,
+        host_out: np.ndarray | None = None,
+    ) -> None:
         """Before a path over the links: compare the call with this host's other ranks at one
         sync point of the boards (where there are boards: so ranks of one host that disagree
         never take different paths)."""
         ctx = self.ctx
         if plan.mode == hostcoll.SYNC_ONLY:
             assert ctx.host is not None
-            self.on_boards(ctx.host, call, seq, host_in, host_out, plan.itemsize, plan.mode,
-                           divisor=ctx.size if call.op == Op.AVG else 0)
+            self.on_boards(
+                ctx.host,
+                call,
+                seq,
+                host_in,
+                host_out,
+                plan.itemsize,
+                plan.mode,
+                divisor=ctx.size if call.op == Op.AVG else 0,
+            )
         elif ctx.node is not None:
             self.on_boards(ctx.node, call, seq, None, None, plan.itemsize, hostcoll.SYNC_ONLY)
         self._on_boards = False
 
-    def on_links(self, call: Call, seq: int, planned: tuple[tuning.Choice, Schedule],
-                 host_in: np.ndarray | None, host_out: np.ndarray | None, itemsize: int,
-                 timeout: float | None = None) -> None:
+    def on_links(
+        self,
+        call: Call,
+        seq: int,
+        planned: tuple[tuning.Choice, Schedule],
+        host_in: np.ndarray | None,
+        host_out: np.ndarray | None,
+        itemsize: int,
+        timeout: float | None = None,
+    ) -> None:
         """Run ``planned``'s schedule of ``call`` on host memory over the links."""
         self._on_boards = False
         ctx = self.ctx
         name = label(call, seq)
         choice, sched = planned
         if ctx.debug:
-            log.debug("rank %d: %s via %s, box %s, %d steps, %d messages out", ctx.rank, name,
-                      choice.describe(), ctx.topology.shape, len(sched.steps),
-                      sched.messages())
+            log.debug(
+                "rank %d: %s via %s, box %s, %d steps, %d messages out",
+                ctx.rank,
+                name,
+                choice.describe(),
+                ctx.topology.shape,
+                len(sched.steps),
+                sched.messages(),
+            )
         empty = engine.Region(0, memoryview(bytearray()))
         buffers = {
             Buf.INPUT: engine.Region.of(host_in) if host_in is not None else empty,
@@ -256,22 +324,37 @@ class PathBase:
         }
         if sched.scratch_count:
             buffers[Buf.SCRATCH] = ctx.scratch_region(sched.scratch_count * itemsize)
-        coll = engine.Collective(seq & 0x7FFFFFFF, check_word(call), itemsize,
-                                 int(call.inp.code) if call.inp is not None else 0,
-                                 call.op, name)
-        engine.run(sched, coll, buffers, ctx.links, ctx.staging, ctx.depth,
-                   ctx.timeout if timeout is None else timeout)
+        coll = engine.Collective(
+            seq & 0x7FFFFFFF,
+            check_word(call),
+            itemsize,
+            int(call.inp.code) if call.inp is not None else 0,
+            call.op,
+            name,
+        )
+        engine.run(
+            sched,
+            coll,
+            buffers,
+            ctx.links,
+            ctx.staging,
+            ctx.depth,
+            ctx.timeout if timeout is None else timeout,
+        )
 
-    def in_host_memory(self, call: Call,
-                       run: Callable[[np.ndarray | None, np.ndarray | None], None]) -> None:
+    def in_host_memory(
+        self, call: Call, run: Callable[[np.ndarray | None, np.ndarray | None], None]
+    ) -> None:
         """``run(host_in, host_out)`` on host memory: the call's own buffers, or for device
         buffers pinned copies (the input downloaded first, the result uploaded after), in
         the buffers' GPU context (with the caller on the legacy default stream, no ready
         event, only that context's legacy stream orders the download after its kernels)."""
         inp = call.inp
         if inp is None or inp.memory != MemoryKind.CUDA:
-            run(inp.array if inp is not None else None,
-                call.out.array if call.out is not None else None)
+            run(
+                inp.array if inp is not None else None,
+                call.out.array if call.out is not None else None,
+            )
             return
         assert call.out is not None
         with device.on_device(inp.device):

@@ -33,7 +33,6 @@ class BoardsPath(PathBase):
         divisor = self.ctx.size if call.op == Op.AVG else 0
 
         def run(host_in: np.ndarray | None, host_out: np.ndarray | None) -> None:
-            self.on_boards(host, call, seq, host_in, host_out, plan.itemsize, mode,
-                           divisor=divisor)
+            self.on_boards(host, call, seq, host_in, host_out, plan.itemsize, mode, divisor=divisor)
 
         self.in_host_memory(call, run)

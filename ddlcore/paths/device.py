@@ -44,27 +44,44 @@ class DevicePath(PathBase):
         choice, sched = self.schedule(call.collective, call.count, itemsize, call.root)
         if ctx.debug:
             peers = sorted({st.peer for st in sched.steps if st.peer >= 0})
-            direct = [p for p in peers if ctx.links is not None and
-                      getattr(ctx.links.pair(p), "device_memory", False)]
-            how = ("device memory straight to and from " + ", ".join(f"rank {p}" for p in direct)
-                   if direct else "through pinned host slots")
+            direct = [
+                p
+                for p in peers
+                if ctx.links is not None and getattr(ctx.links.pair(p), "device_memory", False)
+            ]
+            how = (
+                "device memory straight to and from " + ", ".join(f"rank {p}" for p in direct)
+                if direct
+                else "through pinned host slots"
+            )
             if direct and len(direct) < len(peers):
                 how += ", the others through pinned host slots"
-            log.debug("rank %d: %s via %s on CUDA streams (%s), box %s, %d steps, %d messages "
-                      "out", ctx.rank, name, choice.describe(), how, ctx.topology.shape,
-                      len(sched.steps), sched.messages())
+            log.debug(
+                "rank %d: %s via %s on CUDA streams (%s), box %s, %d steps, %d messages out",
+                ctx.rank,
+                name,
+                choice.describe(),
+                how,
+                ctx.topology.shape,
+                len(sched.steps),
+                sched.messages(),
+            )
         # The executor's thread has no current CUDA context: streams, slots and kernels must be
         # on the buffers' GPU, not on whichever Numba would make current (GPU 0).
         with device.on_device(call.inp.device):
             slots = self._slots(call.inp.device)
-            buffers = {Buf.INPUT: device.region_of(call.inp.array),
-                       Buf.OUTPUT: device.region_of(call.out.array)}
+            buffers = {
+                Buf.INPUT: device.region_of(call.inp.array),
+                Buf.OUTPUT: device.region_of(call.out.array),
+            }
             if sched.scratch_count:
                 buffers[Buf.SCRATCH] = slots.scratch(sched.scratch_count * itemsize)
-            coll = engine.Collective(seq & 0x7FFFFFFF, check_word(call), itemsize,
-                                     int(call.inp.code), call.op, name)
-            device_engine.run(sched, coll, buffers, ctx.links, slots, ctx.depth, ctx.timeout,
-                              call.ready)
+            coll = engine.Collective(
+                seq & 0x7FFFFFFF, check_word(call), itemsize, int(call.inp.code), call.op, name
+            )
+            device_engine.run(
+                sched, coll, buffers, ctx.links, slots, ctx.depth, ctx.timeout, call.ready
+            )
 
     def _slots(self, device_id: int) -> device_engine.DeviceSlots:
         """Streams and staging slots of GPU ``device_id`` (made in its context)."""

@@ -89,24 +89,41 @@ class HostStagedPath(PathBase):
             return None
         mode = ctx.node.mode(board_bytes(collective, nbytes, ctx.topology))
         choice = ctx.choose(collective, nbytes)
-        if mode == hostcoll.SYNC_ONLY or choice.algorithm != mdring.NAME or \
-                not tuning.host_first(ctx.topology, choice.dim_order):
+        if (
+            mode == hostcoll.SYNC_ONLY
+            or choice.algorithm != mdring.NAME
+            or not tuning.host_first(ctx.topology, choice.dim_order)
+        ):
             return None
         return dataclasses.replace(choice, host_path=hostcoll.NAME)
 
-    def _across(self, collective: Collective, count: int, itemsize: int, choice: tuning.Choice,
-                first: bool = True, call_count: int = 1) -> tuple[tuning.Choice, Schedule]:
+    def _across(
+        self,
+        collective: Collective,
+        count: int,
+        itemsize: int,
+        choice: tuning.Choice,
+        first: bool = True,
+        call_count: int = 1,
+    ) -> tuple[tuning.Choice, Schedule]:
         """The rings across hosts on ``count`` elements; ``first``: the call's first network
         phase (it makes first contact, see `agreement`); ``call_count``: the call's element
         count (an empty call adds the agreement's rounds)."""
         ctx = self.ctx
-        make = {Collective.ALLREDUCE: mdring.allreduce_across_hosts,
-                Collective.REDUCE_SCATTER: mdring.reduce_scatter_across_hosts,
-                Collective.ALLGATHER: mdring.allgather_across_hosts}[collective]
+        make = {
+            Collective.ALLREDUCE: mdring.allreduce_across_hosts,
+            Collective.REDUCE_SCATTER: mdring.reduce_scatter_across_hosts,
+            Collective.ALLGATHER: mdring.allgather_across_hosts,
+        }[collective]
         return choice, agreement.agreed(
-            lambda r: make(r, ctx.size, count, itemsize, choice.chunk_bytes, ctx.topology,
-                           choice.dim_order),
-            ctx.rank, ctx.size, call_count > 0, first)
+            lambda r: make(
+                r, ctx.size, count, itemsize, choice.chunk_bytes, ctx.topology, choice.dim_order
+            ),
+            ctx.rank,
+            ctx.size,
+            call_count > 0,
+            first,
+        )
 
     def stage_buffer(self, name: str, nbytes: int) -> np.ndarray:
         """``nbytes`` of host memory kept for this path (``name`` tells apart the buffers one
@@ -132,8 +149,15 @@ class HostStagedPath(PathBase):
         self._stage.clear()
 
 
-def allreduce(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | None,
-              host_out: np.ndarray, itemsize: int, choice: tuning.Choice) -> None:
+def allreduce(
+    path: HostStagedPath,
+    call: Call,
+    seq: int,
+    host_in: np.ndarray | None,
+    host_out: np.ndarray,
+    itemsize: int,
+    choice: tuning.Choice,
+) -> None:
     """Allreduce as mdring whose host dimensions run through this host's boards: each local
     rank reduces its part of the host's inputs (boards), the rings across hosts allreduce
     that part (schedules over the network links), then the local ranks copy each other's
@@ -143,8 +167,17 @@ def allreduce(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | 
     flat_out = host_out.reshape(-1)
 
     def on_boards(kind: BoardKind, s: int) -> None:  # the host phases of segment s
-        path.on_boards(node, call, seq, host_in, host_out, itemsize,
-                       node.mode(segments[s][1] * itemsize), kind=kind, segment=segments[s])
+        path.on_boards(
+            node,
+            call,
+            seq,
+            host_in,
+            host_out,
+            itemsize,
+            node.mode(segments[s][1] * itemsize),
+            kind=kind,
+            segment=segments[s],
+        )
 
     reduce_scatter = functools.partial(on_boards, BoardKind.HOST_REDUCE_SCATTER)
     allgather = functools.partial(on_boards, BoardKind.HOST_ALLGATHER)
@@ -154,11 +187,16 @@ def allreduce(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | 
     def across(s: int) -> None:
         start, count = segments[s]
         off, length = split(count, node.size)[node.rank]
-        part = flat_out[start + off:start + off + length]
-        path.on_links(call, seq,
-                      path.across(Collective.ALLREDUCE, length, itemsize, choice, s == 0,
-                                  call.count),
-                      part, part, itemsize, max(0.0, deadline - time.monotonic()))
+        part = flat_out[start + off : start + off + length]
+        path.on_links(
+            call,
+            seq,
+            path.across(Collective.ALLREDUCE, length, itemsize, choice, s == 0, call.count),
+            part,
+            part,
+            itemsize,
+            max(0.0, deadline - time.monotonic()),
+        )
 
     if len(segments) == 1:
         reduce_scatter(0)
@@ -175,8 +213,16 @@ def allreduce(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | 
     # Segment s crosses the network while the boards reduce s+1 and spread s-1. Every
     # segment's rings use the call's tags: a pair's messages with one tag are matched in
     # order, and this rank starts segment s+1's rings only after s's.
-    pipeline.run(len(segments), reduce_scatter, across, allgather, abort, ctx.timeout,
-                 f"ddlcore-rank{ctx.rank}-network", f"rank {ctx.rank}: {label(call, seq)}")
+    pipeline.run(
+        len(segments),
+        reduce_scatter,
+        across,
+        allgather,
+        abort,
+        ctx.timeout,
+        f"ddlcore-rank{ctx.rank}-network",
+        f"rank {ctx.rank}: {label(call, seq)}",
+    )
 
 
 @dataclass(frozen=True)
@@ -199,8 +245,9 @@ def _arrangement(topo: Topology, dim_order: tuple[int, ...] | None) -> _Arrangem
     per_node, nets = topo.ranks_per_node, topo.size // topo.ranks_per_node
     at = sorted(range(topo.size), key=blocks.__getitem__)  # the rank at each place
     firsts = tuple(at[q] for q in range(nets))
-    if all(at[lpos * nets + q] == firsts[q] + lpos for q in range(nets)
-           for lpos in range(per_node)):
+    if all(
+        at[lpos * nets + q] == firsts[q] + lpos for q in range(nets) for lpos in range(per_node)
+    ):
         return _Arrangement(groups=firsts, blocks=tuple(blocks))
     return _Arrangement(blocks=tuple(blocks))
 
@@ -214,8 +261,9 @@ def _per_position(how: _Arrangement, nets: int, nbytes: int) -> tuple[int, ...] 
     return None
 
 
-def _copy_blocks(src: np.ndarray, dst: np.ndarray, places: tuple[int, ...],
-                 to_places: bool) -> None:
+def _copy_blocks(
+    src: np.ndarray, dst: np.ndarray, places: tuple[int, ...], to_places: bool
+) -> None:
     """Block r of ``src`` to place ``places[r]`` of ``dst`` (``to_places``), or back. Row by
     row: np.take with out= moved ~4x slower than memcpy here."""
     size = len(places)
@@ -228,8 +276,15 @@ def _copy_blocks(src: np.ndarray, dst: np.ndarray, places: tuple[int, ...],
             b[r] = a[place]
 
 
-def reduce_scatter(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | None,
-                   host_out: np.ndarray, itemsize: int, choice: tuning.Choice) -> None:
+def reduce_scatter(
+    path: HostStagedPath,
+    call: Call,
+    seq: int,
+    host_in: np.ndarray | None,
+    host_out: np.ndarray,
+    itemsize: int,
+    choice: tuning.Choice,
+) -> None:
     """Reduce-scatter: the boards reduce-scatter the blocks among the host's ranks (local rank
     l keeps, summed over this host, the blocks of the ranks at host position l), the rings
     reduce-scatter those across hosts (each rank keeps its own)."""
@@ -243,24 +298,51 @@ def reduce_scatter(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarr
         flat = host_in.reshape(-1)  # network position q's blocks lie together in the input
         mode = node.mode(node.size * k * itemsize)
         for q, first in enumerate(groups):
-            path.on_boards(node, call, seq, flat[first * k:(first + node.size) * k],
-                           part[q * k:(q + 1) * k], itemsize, mode, segment=(0, node.size * k),
-                           own_buffers=True)
+            path.on_boards(
+                node,
+                call,
+                seq,
+                flat[first * k : (first + node.size) * k],
+                part[q * k : (q + 1) * k],
+                itemsize,
+                mode,
+                segment=(0, node.size * k),
+                own_buffers=True,
+            )
     else:
         stage = host_in
         if how.blocks is not None:
             stage = path.stage_buffer("stage", host_in.nbytes).view(host_in.dtype)
             _copy_blocks(host_in, stage, how.blocks, to_places=True)
-        path.on_boards(node, call, seq, stage, part, itemsize, node.mode(call.count * itemsize),
-                       own_buffers=True)
-    path.on_links(call, seq,
-                  path.across(Collective.REDUCE_SCATTER, nets * k, itemsize, choice, True,
-                              call.count),
-                  part, host_out, itemsize)
+        path.on_boards(
+            node,
+            call,
+            seq,
+            stage,
+            part,
+            itemsize,
+            node.mode(call.count * itemsize),
+            own_buffers=True,
+        )
+    path.on_links(
+        call,
+        seq,
+        path.across(Collective.REDUCE_SCATTER, nets * k, itemsize, choice, True, call.count),
+        part,
+        host_out,
+        itemsize,
+    )
 
 
-def allgather(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | None,
-              host_out: np.ndarray, itemsize: int, choice: tuning.Choice) -> None:
+def allgather(
+    path: HostStagedPath,
+    call: Call,
+    seq: int,
+    host_in: np.ndarray | None,
+    host_out: np.ndarray,
+    itemsize: int,
+    choice: tuning.Choice,
+) -> None:
     """Allgather: the rings allgather the blocks of the ranks at this host position across
     hosts, then the boards allgather those parts among the host's ranks, in rank order."""
     node, ctx = path.node, path.ctx
@@ -269,27 +351,52 @@ def allgather(path: HostStagedPath, call: Call, seq: int, host_in: np.ndarray | 
     part = path.stage_buffer("part", nets * k * itemsize).view(host_in.dtype)
     # compared on this host before the network phase
     path.on_boards(node, call, seq, None, None, itemsize, hostcoll.SYNC_ONLY)
-    path.on_links(call, seq,
-                  path.across(Collective.ALLGATHER, k, itemsize, choice, True, call.count),
-                  host_in, part, itemsize)
+    path.on_links(
+        call,
+        seq,
+        path.across(Collective.ALLGATHER, k, itemsize, choice, True, call.count),
+        host_in,
+        part,
+        itemsize,
+    )
     how = _arrangement(ctx.topology, choice.dim_order)
     groups = _per_position(how, nets, host_out.nbytes)
     if groups is not None:
         flat = host_out.reshape(-1)
         mode = node.mode(k * itemsize)
         for q, first in enumerate(groups):
-            path.on_boards(node, call, seq, part[q * k:(q + 1) * k],
-                           flat[first * k:(first + node.size) * k], itemsize, mode,
-                           segment=(0, k), own_buffers=True)
+            path.on_boards(
+                node,
+                call,
+                seq,
+                part[q * k : (q + 1) * k],
+                flat[first * k : (first + node.size) * k],
+                itemsize,
+                mode,
+                segment=(0, k),
+                own_buffers=True,
+            )
         return
     stage = host_out
     if how.blocks is not None:
         stage = path.stage_buffer("stage", host_out.nbytes).view(host_out.dtype)
-    path.on_boards(node, call, seq, part, stage, itemsize, node.mode(nets * k * itemsize),
-                   segment=(0, nets * k), own_buffers=True)
+    path.on_boards(
+        node,
+        call,
+        seq,
+        part,
+        stage,
+        itemsize,
+        node.mode(nets * k * itemsize),
+        segment=(0, nets * k),
+        own_buffers=True,
+    )
     if how.blocks is not None:
         _copy_blocks(stage, host_out, how.blocks, to_places=False)
 
 
-RUN = {Collective.ALLREDUCE: allreduce, Collective.REDUCE_SCATTER: reduce_scatter,
-       Collective.ALLGATHER: allgather}
+RUN = {
+    Collective.ALLREDUCE: allreduce,
+    Collective.REDUCE_SCATTER: reduce_scatter,
+    Collective.ALLGATHER: allgather,
+}

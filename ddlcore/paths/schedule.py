@@ -17,8 +17,16 @@ from ddlcore.paths.base import Context, PathBase, Plan
 NAME = "schedule"
 
 
-def make_schedule(collective: Collective, choice: tuning.Choice, rank: int, size: int,
-                  count: int, itemsize: int, root: int, topo: topology.Topology) -> Schedule:
+def make_schedule(
+    collective: Collective,
+    choice: tuning.Choice,
+    rank: int,
+    size: int,
+    count: int,
+    itemsize: int,
+    root: int,
+    topo: topology.Topology,
+) -> Schedule:
     """``choice``'s schedule of ``collective`` for ``rank`` of ``size``."""
     make = ALGORITHMS[collective][choice.algorithm]
     if collective == Collective.BARRIER:
@@ -26,24 +34,39 @@ def make_schedule(collective: Collective, choice: tuning.Choice, rank: int, size
     if collective == Collective.BROADCAST:
         return make(rank, size, count, itemsize, choice.chunk_bytes, root)
     if choice.segments > 1:
-        return make(rank, size, count, itemsize, choice.chunk_bytes, topo,
-                    dim_order=choice.dim_order, segments=choice.segments)
+        return make(
+            rank,
+            size,
+            count,
+            itemsize,
+            choice.chunk_bytes,
+            topo,
+            dim_order=choice.dim_order,
+            segments=choice.segments,
+        )
     if choice.dim_order is not None:
-        return make(rank, size, count, itemsize, choice.chunk_bytes, topo,
-                    dim_order=choice.dim_order)
+        return make(
+            rank, size, count, itemsize, choice.chunk_bytes, topo, dim_order=choice.dim_order
+        )
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
 
 
 def schedules(ctx: Context) -> functools._lru_cache_wrapper[tuple[tuning.Choice, Schedule]]:
     """``(collective, count, itemsize, root) -> (choice, schedule)``, the recent kept: schedules
     are pure functions of the call's shape on a fixed topology."""
-    def build(collective: Collective, count: int, itemsize: int,
-              root: int) -> tuple[tuning.Choice, Schedule]:
+
+    def build(
+        collective: Collective, count: int, itemsize: int, root: int
+    ) -> tuple[tuning.Choice, Schedule]:
         choice = ctx.choose(collective, count * itemsize)
         return choice, agreement.agreed(
-            lambda r: make_schedule(collective, choice, r, ctx.size, count, itemsize, root,
-                                    ctx.topology),
-            ctx.rank, ctx.size, agreement.natural_completeness(collective, count))
+            lambda r: make_schedule(
+                collective, choice, r, ctx.size, count, itemsize, root, ctx.topology
+            ),
+            ctx.rank,
+            ctx.size,
+            agreement.natural_completeness(collective, count),
+        )
 
     return functools.lru_cache(maxsize=256)(build)
 
@@ -65,9 +88,14 @@ class SchedulePath(PathBase):
     def _run(self, plan: Plan, call: Call, seq: int) -> None:
         def run(host_in: np.ndarray | None, host_out: np.ndarray | None) -> None:
             self.agree_first(plan, call, seq, host_in, host_out)
-            self.on_links(call, seq,
-                          self.schedule(call.collective, call.count, plan.itemsize, call.root),
-                          host_in, host_out, plan.itemsize)
+            self.on_links(
+                call,
+                seq,
+                self.schedule(call.collective, call.count, plan.itemsize, call.root),
+                host_in,
+                host_out,
+                plan.itemsize,
+            )
 
         self.in_host_memory(call, run)
 

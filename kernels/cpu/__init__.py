@@ -13,5 +13,13 @@ from ddlcore.kernels.cpu._reduce import (
     reduce_into,
 )
 
-__all__ = ["array_address", "arrays_between", "avg_finalize", "copy_bytes", "pack", "reduce_copy", "reduce_into",
-           "unpack"]
+__all__ = [
+    "array_address",
+    "arrays_between",
+    "avg_finalize",
+    "copy_bytes",
+    "pack",
+    "reduce_copy",
+    "reduce_into",
+    "unpack",
+]

@@ -16,11 +16,29 @@ from ddlcore.kernels.cuda.widen import narrow_copy, reduce_widen, widen_copy
 
 def describe() -> str:
     """One line for ``python -m ddlcore info``."""
-    return (f"Numba CUDA: reduce-copy sum/prod/min/max and avg scale for "
-            f"{', '.join(KERNEL_DTYPES)}; float32 accumulation of float16/bfloat16; "
-            "one-launch pack/unpack of K tensors with cast and scale")
+    return (
+        f"Numba CUDA: reduce-copy sum/prod/min/max and avg scale for "
+        f"{', '.join(KERNEL_DTYPES)}; float32 accumulation of float16/bfloat16; "
+        "one-launch pack/unpack of K tensors with cast and scale"
+    )
 
 
-__all__ = ["DTYPES", "KERNEL_DTYPES", "avg_scale", "compile_all_ptx", "describe", "launch_config",
-           "narrow_copy", "pack", "pack_addresses", "ptxas_usage", "reduce_copy", "reduce_into",
-           "reduce_widen", "unpack", "unpack_addresses", "unusable_reason", "widen_copy"]
+__all__ = [
+    "DTYPES",
+    "KERNEL_DTYPES",
+    "avg_scale",
+    "compile_all_ptx",
+    "describe",
+    "launch_config",
+    "narrow_copy",
+    "pack",
+    "pack_addresses",
+    "ptxas_usage",
+    "reduce_copy",
+    "reduce_into",
+    "reduce_widen",
+    "unpack",
+    "unpack_addresses",
+    "unusable_reason",
+    "widen_copy",
+]

@@ -48,8 +48,9 @@ def combine(op: Op, dtype: np.dtype) -> str:
     """``r = x OP y`` for elements of ``dtype`` (half types combine in float32)."""
     key = (Op(op), np.dtype(dtype).kind == "f" or dtype == BFLOAT16)
     if key not in COMBINE:
-        raise ValueError(f"op={op!r} is not an element-wise reduction "
-                         "(avg is sum, then a division)")
+        raise ValueError(
+            f"op={op!r} is not an element-wise reduction (avg is sum, then a division)"
+        )
     return COMBINE[key]
 
 
@@ -74,8 +75,9 @@ def narrow(dtype: np.dtype, value: str, target: str) -> str:
     """Statements setting ``target`` to ``value`` (a float32 or float64 variable) rounded once to
     ``dtype``; float64 -> bfloat16 goes through float32, as ml_dtypes does."""
     if dtype == BFLOAT16:
-        return (f"{value}_f32 = np.float32({value})\n"
-                + _NARROW_BFLOAT16.format(value=f"{value}_f32", target=target))
+        return f"{value}_f32 = np.float32({value})\n" + _NARROW_BFLOAT16.format(
+            value=f"{value}_f32", target=target
+        )
     if np.dtype(dtype).kind == "f":
         return f"{target} = np.{np.dtype(dtype).name}({value})"
     return f"{target} = {value}"

@@ -85,8 +85,12 @@ def cast_ranges_kernel(table, k, total, scale, scaled):
 """
 
 _FLOATS = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
-_BITS: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16),
-                              4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_BITS: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
 
 
 @functools.cache
@@ -94,8 +98,13 @@ def copy_ranges_kernel(itemsize: int) -> Any:
     """Copy K ranges of ``itemsize``-byte elements, bit for bit (see the module doc)."""
     load, store = pointer_access(_BITS[itemsize])
     source = fill(_COPY_RANGES_SOURCE, find_range=_FIND_RANGE)
-    return build_kernel(source, "copy_ranges_kernel", f"copy_ranges_kernel {itemsize} bytes",
-                        load_src=load, store_dst=store)
+    return build_kernel(
+        source,
+        "copy_ranges_kernel",
+        f"copy_ranges_kernel {itemsize} bytes",
+        load_src=load,
+        store_dst=store,
+    )
 
 
 @functools.cache
@@ -104,27 +113,38 @@ def cast_ranges_kernel(src_dtype: str, dst_dtype: str) -> Any:
     KERNEL_DTYPES), multiplied by ``scale`` when ``scaled``; one rounding."""
     src, dst = as_kernel_dtype(src_dtype, "src_dtype"), as_kernel_dtype(dst_dtype, "dst_dtype")
     work = elements.work_type(src, dst)
-    source = fill(_CAST_RANGES_SOURCE, find_range=_FIND_RANGE, work=work,
-                  widen=elements.widen(src, "load_src(table[t], index)", work),
-                  narrow=elements.narrow(dst, "x", "out"))
-    return build_kernel(source, "cast_ranges_kernel",
-                        f"cast_ranges_kernel {src.name} -> {dst.name}",
-                        load_src=pointer_access(src)[0], store_dst=pointer_access(dst)[1])
+    source = fill(
+        _CAST_RANGES_SOURCE,
+        find_range=_FIND_RANGE,
+        work=work,
+        widen=elements.widen(src, "load_src(table[t], index)", work),
+        narrow=elements.narrow(dst, "x", "out"),
+    )
+    return build_kernel(
+        source,
+        "cast_ranges_kernel",
+        f"cast_ranges_kernel {src.name} -> {dst.name}",
+        load_src=pointer_access(src)[0],
+        store_dst=pointer_access(dst)[1],
+    )
 
 
-def _kernel_for(src: np.dtype, dst: np.dtype, scale: float | None
-                ) -> tuple[Any, tuple[Any, ...]]:
+def _kernel_for(src: np.dtype, dst: np.dtype, scale: float | None) -> tuple[Any, tuple[Any, ...]]:
     """The kernel moving ``src`` elements to ``dst`` ones and its arguments after (table, k,
     total); TypeError for what no kernel does."""
     if src == dst and scale is None:
         return copy_ranges_kernel(src.itemsize), ()
     if src in _FLOATS and dst in _FLOATS:
-        return cast_ranges_kernel(src.name, dst.name), (1.0 if scale is None else scale,
-                                                        scale is not None)
+        return cast_ranges_kernel(src.name, dst.name), (
+            1.0 if scale is None else scale,
+            scale is not None,
+        )
     if src == dst:
         raise TypeError(f"scale={scale!r} needs floating-point data, not {src.name}")
-    raise TypeError(f"cannot cast {src.name} to {dst.name}: the pack kernels cast only between "
-                    "float16, bfloat16, float32 and float64")
+    raise TypeError(
+        f"cannot cast {src.name} to {dst.name}: the pack kernels cast only between "
+        "float16, bfloat16, float32 and float64"
+    )
 
 
 # --- the address table ---------------------------------------------------------------------
@@ -161,12 +181,17 @@ def _upload(table: np.ndarray, stream: Any) -> Any:
             _TABLES.pop(next(iter(_TABLES)))
         grown = max(table.size, 2 * (0 if buffer is None else buffer.size), 1024)
         buffer = _TABLES[key] = cuda.device_array(grown, np.int64)
-    buffer[:table.size].copy_to_device(table, stream=stream)
+    buffer[: table.size].copy_to_device(table, stream=stream)
     return buffer
 
 
-def _launch(srcs: np.ndarray, dsts: np.ndarray, starts: np.ndarray,
-            kernel: tuple[Any, tuple[Any, ...]], stream: Any) -> None:
+def _launch(
+    srcs: np.ndarray,
+    dsts: np.ndarray,
+    starts: np.ndarray,
+    kernel: tuple[Any, tuple[Any, ...]],
+    stream: Any,
+) -> None:
     """One launch copying range t: ``starts[t+1] - starts[t]`` elements from ``srcs[t]`` to
     ``dsts[t]`` (the module doc's table); ``kernel`` as `_kernel_for` returns it."""
     k, total = len(srcs), int(starts[-1])
@@ -196,6 +221,7 @@ def _scale(scale: Any) -> float | None:
 
 # --- intake of device arrays ---------------------------------------------------------------
 
+
 def _array_info(obj: Any, name: str, writable: bool) -> tuple[int, int, np.dtype]:
     """(address, element count, dtype) of a C-contiguous device array: anything with
     ``__cuda_array_interface__``, or a simulator device array (host memory)."""
@@ -203,8 +229,10 @@ def _array_info(obj: Any, name: str, writable: bool) -> tuple[int, int, np.dtype
     if iface is None and type(obj).__module__.startswith("numba.cuda.simulator"):
         iface = obj.__array_interface__
     if iface is None:
-        raise TypeError(f"{name} is a {type(obj).__name__}, not a device array "
-                        "(anything with __cuda_array_interface__)")
+        raise TypeError(
+            f"{name} is a {type(obj).__name__}, not a device array "
+            "(anything with __cuda_array_interface__)"
+        )
     dtype = np.dtype(iface["typestr"])
     shape = tuple(iface["shape"])
     count = int(np.prod(shape, dtype=np.int64))
@@ -214,8 +242,7 @@ def _array_info(obj: Any, name: str, writable: bool) -> tuple[int, int, np.dtype
         for extent in reversed(shape):
             expected.append(step)
             step *= extent
-        if any(s != e for s, e, x in zip(strides, reversed(expected), shape, strict=True)
-               if x > 1):
+        if any(s != e for s, e, x in zip(strides, reversed(expected), shape, strict=True) if x > 1):
             raise ValueError(f"{name} is not C-contiguous")
     address, readonly = iface["data"]
     if writable and readonly:
@@ -223,12 +250,14 @@ def _array_info(obj: Any, name: str, writable: bool) -> tuple[int, int, np.dtype
     return int(address or 0), count, dtype
 
 
-def _intake(flat: Any, tensors: Sequence[Any], dtype: Any, flat_dtype: Any, to_flat: bool
-            ) -> tuple[int, np.dtype, np.ndarray, np.ndarray, np.dtype]:
+def _intake(
+    flat: Any, tensors: Sequence[Any], dtype: Any, flat_dtype: Any, to_flat: bool
+) -> tuple[int, np.dtype, np.ndarray, np.ndarray, np.dtype]:
     """Checked (flat address, flat element type, tensor addresses, counts, tensor type)."""
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
-        raise TypeError(f"tensors must be a sequence of device arrays, not "
-                        f"{type(tensors).__name__}")
+        raise TypeError(
+            f"tensors must be a sequence of device arrays, not {type(tensors).__name__}"
+        )
     flat_address, flat_count, flat_stored = _array_info(flat, "flat", writable=to_flat)
     flat_type = element_dtype(flat_stored, flat_dtype, "flat", "flat_dtype")
     addresses = np.empty(len(tensors), np.int64)
@@ -239,10 +268,17 @@ def _intake(flat: Any, tensors: Sequence[Any], dtype: Any, flat_dtype: Any, to_f
         if first is None:
             first = stored
         elif stored != first:
-            raise TypeError(f"tensors[{i}] has dtype {stored}, tensors[0] {first}: one call "
-                            "takes tensors of one dtype")
-    tensor_type = (element_dtype(first, dtype, "tensors[0]") if first is not None
-                   else flat_type if dtype is None else as_kernel_dtype(dtype, "dtype"))
+            raise TypeError(
+                f"tensors[{i}] has dtype {stored}, tensors[0] {first}: one call "
+                "takes tensors of one dtype"
+            )
+    tensor_type = (
+        element_dtype(first, dtype, "tensors[0]")
+        if first is not None
+        else flat_type
+        if dtype is None
+        else as_kernel_dtype(dtype, "dtype")
+    )
     total = int(counts.sum())
     if flat_count < total:
         raise ValueError(f"flat holds {flat_count} elements, the tensors {total}")
@@ -251,8 +287,16 @@ def _intake(flat: Any, tensors: Sequence[Any], dtype: Any, flat_dtype: Any, to_f
 
 # --- public API ----------------------------------------------------------------------------
 
-def pack(flat: Any, tensors: Sequence[Any], scale: float | None = None, stream: Any = 0, *,
-         dtype: Any = None, flat_dtype: Any = None) -> None:
+
+def pack(
+    flat: Any,
+    tensors: Sequence[Any],
+    scale: float | None = None,
+    stream: Any = 0,
+    *,
+    dtype: Any = None,
+    flat_dtype: Any = None,
+) -> None:
     """Copy ``tensors`` one after another into ``flat``, cast to ``flat``'s element type and
     multiplied by ``scale`` on the way, in one kernel launch.
 
@@ -279,25 +323,40 @@ def pack(flat: Any, tensors: Sequence[Any], scale: float | None = None, stream: 
     ValueError
         A non-contiguous array, ``flat`` too small or read-only.
     """
-    address, flat_type, addresses, counts, tensor_type = _intake(flat, tensors, dtype,
-                                                                 flat_dtype, True)
+    address, flat_type, addresses, counts, tensor_type = _intake(
+        flat, tensors, dtype, flat_dtype, True
+    )
     pack_addresses(address, addresses, counts, tensor_type, scale, stream, flat_dtype=flat_type)
 
 
-def unpack(flat: Any, tensors: Sequence[Any], scale: float | None = None, stream: Any = 0, *,
-           dtype: Any = None, flat_dtype: Any = None) -> None:
+def unpack(
+    flat: Any,
+    tensors: Sequence[Any],
+    scale: float | None = None,
+    stream: Any = 0,
+    *,
+    dtype: Any = None,
+    flat_dtype: Any = None,
+) -> None:
     """The inverse of `pack`: split ``flat`` into ``tensors`` (written in place), cast to the
     tensors' element type and multiplied by ``scale`` on the way, in one kernel launch.
     Arguments and errors as in `pack` (here the tensors must be writable)."""
-    address, flat_type, addresses, counts, tensor_type = _intake(flat, tensors, dtype,
-                                                                 flat_dtype, False)
-    unpack_addresses(address, addresses, counts, tensor_type, scale, stream,
-                     flat_dtype=flat_type)
+    address, flat_type, addresses, counts, tensor_type = _intake(
+        flat, tensors, dtype, flat_dtype, False
+    )
+    unpack_addresses(address, addresses, counts, tensor_type, scale, stream, flat_dtype=flat_type)
 
 
-def pack_addresses(flat_address: int, addresses: Any, counts: Any, dtype: Any,
-                   scale: float | None = None, stream: Any = 0, *, flat_dtype: Any = None
-                   ) -> None:
+def pack_addresses(
+    flat_address: int,
+    addresses: Any,
+    counts: Any,
+    dtype: Any,
+    scale: float | None = None,
+    stream: Any = 0,
+    *,
+    flat_dtype: Any = None,
+) -> None:
     """`pack` for callers that hold device addresses (e.g. ``torch.Tensor.data_ptr()``):
     range t is ``counts[t]`` elements of type ``dtype`` at ``addresses[t]``; ``flat_address``
     holds elements of ``flat_dtype`` (default ``dtype``). Nothing checks that the memory is
@@ -305,15 +364,30 @@ def pack_addresses(flat_address: int, addresses: Any, counts: Any, dtype: Any,
     _addresses_launch(flat_address, addresses, counts, dtype, flat_dtype, scale, stream, True)
 
 
-def unpack_addresses(flat_address: int, addresses: Any, counts: Any, dtype: Any,
-                     scale: float | None = None, stream: Any = 0, *, flat_dtype: Any = None
-                     ) -> None:
+def unpack_addresses(
+    flat_address: int,
+    addresses: Any,
+    counts: Any,
+    dtype: Any,
+    scale: float | None = None,
+    stream: Any = 0,
+    *,
+    flat_dtype: Any = None,
+) -> None:
     """`unpack` for callers that hold device addresses (see `pack_addresses`)."""
     _addresses_launch(flat_address, addresses, counts, dtype, flat_dtype, scale, stream, False)
 
 
-def _addresses_launch(flat_address: int, addresses: Any, counts: Any, dtype: Any,
-                      flat_dtype: Any, scale: Any, stream: Any, to_flat: bool) -> None:
+def _addresses_launch(
+    flat_address: int,
+    addresses: Any,
+    counts: Any,
+    dtype: Any,
+    flat_dtype: Any,
+    scale: Any,
+    stream: Any,
+    to_flat: bool,
+) -> None:
     tensor_type = as_kernel_dtype(dtype, "dtype")
     flat_type = tensor_type if flat_dtype is None else as_kernel_dtype(flat_dtype, "flat_dtype")
     tensor_addresses = np.asarray(addresses, dtype=np.uint64).reshape(-1).view(np.int64)
@@ -323,8 +397,11 @@ def _addresses_launch(flat_address: int, addresses: Any, counts: Any, dtype: Any
     if sizes.size and sizes.min() < 0:
         raise ValueError("counts must not be negative")
     factor = _scale(scale)
-    kernel = (_kernel_for(tensor_type, flat_type, factor) if to_flat
-              else _kernel_for(flat_type, tensor_type, factor))
+    kernel = (
+        _kernel_for(tensor_type, flat_type, factor)
+        if to_flat
+        else _kernel_for(flat_type, tensor_type, factor)
+    )
     starts = _starts(sizes)
     flat_points = np.int64(flat_address) + starts[:-1] * flat_type.itemsize
     if to_flat:

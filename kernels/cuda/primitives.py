@@ -47,6 +47,7 @@ def pointer_access(dtype: np.dtype) -> tuple[Callable[..., Any], Callable[..., A
 
 # --- simulator: host memory, plain Python --------------------------------------------------
 
+
 @functools.cache
 def _host_bit_casts() -> dict[str, Callable[..., Any]]:
     def float32_bits(value: Any) -> Any:
@@ -73,6 +74,7 @@ def _host_pointer_access(stored: str) -> tuple[Callable[..., Any], Callable[...,
 
 
 # --- GPU: Numba intrinsics -----------------------------------------------------------------
+
 
 def _numba_types() -> Any:
     """``numba.cuda.types`` (typed Any: its attributes are made at run time)."""

@@ -30,27 +30,39 @@ def signatures() -> dict[str, tuple[Any, str]]:
         arr = _array(dt)
         for op in reduce.OPS:
             out[f"reduce_copy_{op.name.lower()}_{dt.name}"] = (
-                reduce.reduce_copy_kernel(op, dt.name).py_func, f"void({arr}, {arr}, {arr}, int64)")
-        out[f"avg_scale_{dt.name}"] = (reduce.avg_scale_kernel(dt.name).py_func,
-                                       f"void({arr}, int64, int64)")
+                reduce.reduce_copy_kernel(op, dt.name).py_func,
+                f"void({arr}, {arr}, {arr}, int64)",
+            )
+        out[f"avg_scale_{dt.name}"] = (
+            reduce.avg_scale_kernel(dt.name).py_func,
+            f"void({arr}, int64, int64)",
+        )
     for dt in HALF_DTYPES:
         arr = _array(dt)
-        out[f"widen_copy_{dt.name}"] = (widen.widen_copy_kernel(dt.name).py_func,
-                                        f"void(float32[::1], {arr}, int64)")
+        out[f"widen_copy_{dt.name}"] = (
+            widen.widen_copy_kernel(dt.name).py_func,
+            f"void(float32[::1], {arr}, int64)",
+        )
         for op in reduce.OPS:
             out[f"reduce_widen_{op.name.lower()}_{dt.name}"] = (
                 widen.reduce_widen_kernel(op, dt.name).py_func,
-                f"void(float32[::1], float32[::1], {arr}, int64)")
-        out[f"narrow_copy_{dt.name}"] = (widen.narrow_copy_kernel(dt.name).py_func,
-                                         f"void({arr}, float32[::1], int64, int64)")
+                f"void(float32[::1], float32[::1], {arr}, int64)",
+            )
+        out[f"narrow_copy_{dt.name}"] = (
+            widen.narrow_copy_kernel(dt.name).py_func,
+            f"void({arr}, float32[::1], int64, int64)",
+        )
     for itemsize in (1, 2, 4, 8):
-        out[f"copy_ranges_{itemsize * 8}bit"] = (packing.copy_ranges_kernel(itemsize).py_func,
-                                                 "void(int64[::1], int64, int64)")
+        out[f"copy_ranges_{itemsize * 8}bit"] = (
+            packing.copy_ranges_kernel(itemsize).py_func,
+            "void(int64[::1], int64, int64)",
+        )
     for src in _FLOATS:
         for dst in _FLOATS:
             out[f"cast_ranges_{src.name}_to_{dst.name}"] = (
                 packing.cast_ranges_kernel(src.name, dst.name).py_func,
-                "void(int64[::1], int64, int64, float64, boolean)")
+                "void(int64[::1], int64, int64, float64, boolean)",
+            )
     return out
 
 
@@ -72,12 +84,18 @@ def ptxas_usage(ptx: dict[str, str], cc: tuple[int, int]) -> dict[str, dict[str,
             path = os.path.join(tmp, f"{name}.ptx")
             with open(path, "w") as f:
                 f.write(text)
-            run = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", "-o", os.devnull, path],
-                                 capture_output=True, text=True, check=True)
+            run = subprocess.run(
+                [ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", "-o", os.devnull, path],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             report = run.stdout + run.stderr
             registers = re.search(r"Used (\d+) registers", report)
             spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-            usage[name] = {"registers": int(registers.group(1)) if registers else 0,
-                           "spill_stores": int(spills.group(1)) if spills else 0,
-                           "spill_loads": int(spills.group(2)) if spills else 0}
+            usage[name] = {
+                "registers": int(registers.group(1)) if registers else 0,
+                "spill_stores": int(spills.group(1)) if spills else 0,
+                "spill_loads": int(spills.group(2)) if spills else 0,
+            }
     return usage

@@ -73,9 +73,13 @@ def reduce_copy_kernel(op: Op, dtype: str) -> Any:
     uint16); dst may be a or b. float16 and bfloat16 are combined in float32."""
     dt = as_kernel_dtype(dtype, "dtype")
     work = "np.float32" if dt in HALF_DTYPES else ""
-    source = fill(_REDUCE_COPY_SOURCE, widen_a=elements.widen(dt, "a[i]", work),
-                  widen_b=elements.widen(dt, "b[i]", work), combine=elements.combine(op, dt),
-                  narrow=elements.narrow(dt, "r", "out"))
+    source = fill(
+        _REDUCE_COPY_SOURCE,
+        widen_a=elements.widen(dt, "a[i]", work),
+        widen_b=elements.widen(dt, "b[i]", work),
+        combine=elements.combine(op, dt),
+        narrow=elements.narrow(dt, "r", "out"),
+    )
     return build_kernel(source, "reduce_copy_kernel", f"reduce_copy_kernel {op!r} {dt.name}")
 
 
@@ -87,13 +91,18 @@ def avg_scale_kernel(dtype: str) -> Any:
     if dt.kind in "iu":
         return build_kernel(_AVG_SCALE_INT_SOURCE, "avg_scale_kernel", f"avg_scale_kernel {dt}")
     work = "np.float64" if dt == elements.F64 else "np.float32"
-    source = fill(_AVG_SCALE_FLOAT_SOURCE, work=work, widen=elements.widen(dt, "dst[i]", work),
-                  narrow=elements.narrow(dt, "r", "out"))
+    source = fill(
+        _AVG_SCALE_FLOAT_SOURCE,
+        work=work,
+        widen=elements.widen(dt, "dst[i]", work),
+        narrow=elements.narrow(dt, "r", "out"),
+    )
     return build_kernel(source, "avg_scale_kernel", f"avg_scale_kernel {dt.name}")
 
 
-def reduce_copy(dst: Any, a: Any, b: Any, op: Op | str = Op.SUM, stream: Any = 0,
-                dtype: Any = None) -> None:
+def reduce_copy(
+    dst: Any, a: Any, b: Any, op: Op | str = Op.SUM, stream: Any = 0, dtype: Any = None
+) -> None:
     """``dst = a OP b`` element-wise on device arrays of one dtype and size (dst may be a or b).
 
     Parameters
@@ -129,8 +138,9 @@ def reduce_copy(dst: Any, a: Any, b: Any, op: Op | str = Op.SUM, stream: Any = 0
     kernel[blocks, threads, stream](*(as_storage(x, dt).reshape(n) for x in (dst, a, b)), n)
 
 
-def reduce_into(dst: Any, src: Any, op: Op | str = Op.SUM, stream: Any = 0,
-                dtype: Any = None) -> None:
+def reduce_into(
+    dst: Any, src: Any, op: Op | str = Op.SUM, stream: Any = 0, dtype: Any = None
+) -> None:
     """``dst = dst OP src`` (see `reduce_copy`)."""
     reduce_copy(dst, dst, src, op, stream, dtype)
 

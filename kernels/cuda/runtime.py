@@ -26,8 +26,9 @@ SIMULATOR_MAX_BLOCKS = 2
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # The element types every kernel takes, by name; bfloat16's device arrays hold its bit patterns.
 KERNEL_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
-DTYPES: tuple[np.dtype, ...] = tuple(BFLOAT16 if n == "bfloat16" else np.dtype(n)
-                                     for n in KERNEL_DTYPES)
+DTYPES: tuple[np.dtype, ...] = tuple(
+    BFLOAT16 if n == "bfloat16" else np.dtype(n) for n in KERNEL_DTYPES
+)
 HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 # Device arrays that may hold bfloat16 bit patterns (ml_dtypes' own dtype, where an array has it).
 _BFLOAT16_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16), BFLOAT16)
@@ -67,8 +68,11 @@ def unusable_reason() -> str | None:
         return None
     except Exception as exc:  # CudaSupportError (no driver, no device) and the like
         words = " ".join(str(exc).split())
-        for noise in ("Error at driver init:", "Ensure that a compatible NVIDIA driver is "
-                      "installed and available on your system path."):
+        for noise in (
+            "Error at driver init:",
+            "Ensure that a compatible NVIDIA driver is "
+            "installed and available on your system path.",
+        ):
             words = words.replace(noise, "")
         words = words.strip(" :") or type(exc).__name__
         return f"no usable GPU: {words}"
@@ -76,8 +80,9 @@ def unusable_reason() -> str | None:
 
 def launch_config(n: int) -> tuple[int, int]:
     """(blocks, threads) for a grid-stride loop over n elements: one launch covers any n."""
-    threads, max_blocks = ((SIMULATOR_THREADS, SIMULATOR_MAX_BLOCKS) if simulated()
-                           else (THREADS, MAX_BLOCKS))
+    threads, max_blocks = (
+        (SIMULATOR_THREADS, SIMULATOR_MAX_BLOCKS) if simulated() else (THREADS, MAX_BLOCKS)
+    )
     return max(1, min(max_blocks, -(-n // threads))), threads
 
 
@@ -93,8 +98,9 @@ def as_kernel_dtype(dtype: Any, name: str) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"{name}={dtype!r} is not a dtype; the CUDA kernels take "
-                        f"{dtype_names()}") from None
+        raise TypeError(
+            f"{name}={dtype!r} is not a dtype; the CUDA kernels take {dtype_names()}"
+        ) from None
     if dt not in DTYPES:
         raise TypeError(f"{name}={dt} is not a dtype the CUDA kernels take ({dtype_names()})")
     return dt
@@ -110,14 +116,19 @@ def element_dtype(stored: Any, marker: Any, name: str, marker_name: str = "dtype
         if wanted == BFLOAT16 and stored in _BFLOAT16_CARRIERS:
             return BFLOAT16
         if wanted != stored:
-            raise TypeError(f"{marker_name}={wanted.name} does not describe {name}, which holds "
-                            f"{stored}" + (" (bfloat16 lives in uint16 or int16 arrays)"
-                                           if wanted == BFLOAT16 else ""))
+            raise TypeError(
+                f"{marker_name}={wanted.name} does not describe {name}, which holds "
+                f"{stored}"
+                + (" (bfloat16 lives in uint16 or int16 arrays)" if wanted == BFLOAT16 else "")
+            )
         return wanted
     if stored in DTYPES:
         return stored
-    hint = (f"; if it holds bfloat16 bit patterns, pass {marker_name}='bfloat16'"
-            if stored in _BFLOAT16_CARRIERS else "")
+    hint = (
+        f"; if it holds bfloat16 bit patterns, pass {marker_name}='bfloat16'"
+        if stored in _BFLOAT16_CARRIERS
+        else ""
+    )
     raise TypeError(f"{name} has dtype {stored}; the CUDA kernels take {dtype_names()}{hint}")
 
 
@@ -141,9 +152,8 @@ def fill(template: str, **parts: str) -> str:
     for line in template.splitlines():
         key = line.strip()
         if key.startswith("{") and key.endswith("}") and key[1:-1] in parts:
-            indent = line[:len(line) - len(line.lstrip())]
+            indent = line[: len(line) - len(line.lstrip())]
             lines.extend(indent + part for part in parts[key[1:-1]].splitlines())
         else:
             lines.append(line.format(**parts))
     return "\n".join(lines) + "\n"
-

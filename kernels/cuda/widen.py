@@ -85,8 +85,11 @@ def widen_copy_kernel(dtype: str) -> Any:
 def reduce_widen_kernel(op: Op, dtype: str) -> Any:
     """``dst_f32[i] = acc_f32[i] OP float32(src[i])`` for a half ``dtype``; dst may be acc."""
     dt = _half(dtype)
-    source = fill(_REDUCE_WIDEN_SOURCE, widen=elements.widen(dt, "src[i]", "np.float32"),
-                  combine=elements.combine(op, elements.F32))
+    source = fill(
+        _REDUCE_WIDEN_SOURCE,
+        widen=elements.widen(dt, "src[i]", "np.float32"),
+        combine=elements.combine(op, elements.F32),
+    )
     return build_kernel(source, "reduce_widen_kernel", f"reduce_widen_kernel {op!r} {dt.name}")
 
 
@@ -106,8 +109,10 @@ def _float32(arr: Any, name: str) -> None:
 def _half_of(arr: Any, dtype: Any, name: str) -> np.dtype:
     dt = element_dtype(arr.dtype, dtype, name)
     if dt not in HALF_DTYPES:
-        raise TypeError(f"{name} holds {dt.name}; the widening kernels take float16 and bfloat16 "
-                        "(bfloat16 as uint16/int16 with dtype='bfloat16')")
+        raise TypeError(
+            f"{name} holds {dt.name}; the widening kernels take float16 and bfloat16 "
+            "(bfloat16 as uint16/int16 with dtype='bfloat16')"
+        )
     return dt
 
 
@@ -144,12 +149,14 @@ def widen_copy(dst: Any, src: Any, stream: Any = 0, dtype: Any = None) -> None:
     n = _same_size(dst=dst, src=src)
     if n:
         blocks, threads = launch_config(n)
-        widen_copy_kernel(dt.name)[blocks, threads, stream](dst.reshape(n),
-                                                            as_storage(src, dt).reshape(n), n)
+        widen_copy_kernel(dt.name)[blocks, threads, stream](
+            dst.reshape(n), as_storage(src, dt).reshape(n), n
+        )
 
 
-def reduce_widen(dst: Any, acc: Any, src: Any, op: Op | str = Op.SUM, stream: Any = 0,
-                 dtype: Any = None) -> None:
+def reduce_widen(
+    dst: Any, acc: Any, src: Any, op: Op | str = Op.SUM, stream: Any = 0, dtype: Any = None
+) -> None:
     """``dst = acc OP float32(src)``: fold half-precision ``src`` into a float32 accumulator
     (``dst`` may be ``acc``). ``op``: "sum", "prod", "min", "max" ("avg" is "sum"; divide in
     `narrow_copy`). Other arguments and errors as in `widen_copy`."""
@@ -161,12 +168,12 @@ def reduce_widen(dst: Any, acc: Any, src: Any, op: Op | str = Op.SUM, stream: An
     kernel = reduce_widen_kernel(Op.SUM if rop == Op.AVG else rop, dt.name)
     if n:
         blocks, threads = launch_config(n)
-        kernel[blocks, threads, stream](dst.reshape(n), acc.reshape(n),
-                                        as_storage(src, dt).reshape(n), n)
+        kernel[blocks, threads, stream](
+            dst.reshape(n), acc.reshape(n), as_storage(src, dt).reshape(n), n
+        )
 
 
-def narrow_copy(dst: Any, src: Any, divisor: int = 1, stream: Any = 0,
-                dtype: Any = None) -> None:
+def narrow_copy(dst: Any, src: Any, divisor: int = 1, stream: Any = 0, dtype: Any = None) -> None:
     """``dst = half(src / divisor)``: finish a float32 accumulation, rounding once to ``dst``'s
     half type (float16, or bfloat16 in a uint16/int16 array with ``dtype="bfloat16"``).
     ``divisor`` (>= 1) is avg's count; the division is in float32. Errors as in `widen_copy`,
@@ -178,5 +185,6 @@ def narrow_copy(dst: Any, src: Any, divisor: int = 1, stream: Any = 0,
     n = _same_size(dst=dst, src=src)
     if n:
         blocks, threads = launch_config(n)
-        narrow_copy_kernel(dt.name)[blocks, threads, stream](as_storage(dst, dt).reshape(n),
-                                                             src.reshape(n), divisor, n)
+        narrow_copy_kernel(dt.name)[blocks, threads, stream](
+            as_storage(dst, dt).reshape(n), src.reshape(n), divisor, n
+        )

@@ -14,8 +14,16 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int32,
-          np.int64]
+DTYPES = [
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    np.float64,
+    np.int8,
+    np.uint8,
+    np.int32,
+    np.int64,
+]
 OPS = ["sum", "avg", "prod", "min", "max"]
 # 0, 1, primes, counts not divisible by 2, 3 or 4, and (with small chunks) many chunks.
 COUNTS = [0, 1, 2, 3, 5, 7, 13, 31, 101, 1009, 4099, 65537]
@@ -55,8 +63,9 @@ def check_close(got: np.ndarray, want: np.ndarray, dtype, op: str, size: int, wh
         ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
     if not ok:
         bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))[:5]
-        raise AssertionError(f"{what}: wrong at {bad.tolist()}: got {got.ravel()[bad]}, "
-                             f"want {want.ravel()[bad]}")
+        raise AssertionError(
+            f"{what}: wrong at {bad.tolist()}: got {got.ravel()[bad]}, want {want.ravel()[bad]}"
+        )
 
 
 def allreduce_both_ways(comm, dtype, count: int, op: str) -> str:
@@ -93,8 +102,9 @@ def _cases(collective: str, counts: list[int], thin: bool):
                 yield dtype, count, op
 
 
-def run_matrix(rank: int, size: int, collective: str | Sequence[str], seed: int = 0,
-               thin: bool = False) -> dict[str, str]:
+def run_matrix(
+    rank: int, size: int, collective: str | Sequence[str], seed: int = 0, thin: bool = False
+) -> dict[str, str]:
     """Run each collective named over dtype x op x count (the thin slice if ``thin``) in one
     communicator; return {case: digest of this rank's result}."""
     from ddlcore.kernels import reference
@@ -103,8 +113,9 @@ def run_matrix(rank: int, size: int, collective: str | Sequence[str], seed: int 
 
     digests: dict[str, str] = {}
     collectives = [collective] if isinstance(collective, str) else list(collective)
-    counts = [int(c) for c in os.environ.get("MATRIX_COUNTS", "").split(",") if c] or \
-        (THIN_COUNTS if thin else COUNTS)
+    counts = [int(c) for c in os.environ.get("MATRIX_COUNTS", "").split(",") if c] or (
+        THIN_COUNTS if thin else COUNTS
+    )
     with ddlcore.init() as comm:
         assert (comm.rank, comm.size) == (rank, size)
         for collective in collectives:
@@ -118,7 +129,7 @@ def run_matrix(rank: int, size: int, collective: str | Sequence[str], seed: int 
                     want = reference.reduce_ref(xs, op)
                 elif collective == "reduce_scatter":
                     got = comm.reduce_scatter(x, op=op)
-                    want = reference.reduce_ref(xs, op)[rank * count:(rank + 1) * count]
+                    want = reference.reduce_ref(xs, op)[rank * count : (rank + 1) * count]
                 elif collective == "allgather":
                     got = comm.allgather(x)
                     want = np.concatenate(xs)

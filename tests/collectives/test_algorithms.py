@@ -64,29 +64,48 @@ CASES = [_case(a, b, nprocs=BOXES[b]) for a in ALGOS for b in BOXES if b != "4x2
 @pytest.mark.parametrize("algo,box", CASES)
 def test_algorithm_on_box(algo, box):
     nprocs = BOXES[box]
-    env = {"DDL_ALGO": algo, "DDL_TOPOLOGY": box, "DDL_TRANSPORT": "shm",
-           "DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60", "MATRIX_COUNTS": COUNTS}
+    env = {
+        "DDL_ALGO": algo,
+        "DDL_TOPOLOGY": box,
+        "DDL_TRANSPORT": "shm",
+        "DDL_CHUNK_BYTES": "256",
+        "DDL_TIMEOUT": "60",
+        "MATRIX_COUNTS": COUNTS,
+    }
     results = run_ranks(_run_all, nprocs, _collectives(algo), env=env, timeout=300)
     digests0, chosen = results[0]
     assert set(chosen.values()) == {algo}, chosen
     assert len(digests0) > 100
     for rank in range(1, nprocs):
         digests = results[rank][0]
-        differ = [case for case in digests0 if not case.startswith("reduce_scatter")
-                  and digests[case] != digests0[case]]
+        differ = [
+            case
+            for case in digests0
+            if not case.startswith("reduce_scatter") and digests[case] != digests0[case]
+        ]
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"
 
 
-@pytest.mark.parametrize("box,transport", [_case(b, t, nprocs=BOXES[b]) for b, t in
-                                           [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"),
-                                            ("2x2", "tcp")]])
+@pytest.mark.parametrize(
+    "box,transport",
+    [
+        _case(b, t, nprocs=BOXES[b])
+        for b, t in [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"), ("2x2", "tcp")]
+    ],
+)
 def test_mdring_pipelined_across_dimensions(box, transport):
     """mdring's allreduce in segments whose phases overlap (one engine thread per stream):
     the matrix against NumPy, identical on every rank, on boxes of two and three dimensions."""
     nprocs = BOXES[box]
-    env = {"DDL_ALGO": "mdring", "DDL_TOPOLOGY": box, "DDL_TRANSPORT": transport,
-           "DDL_SEGMENTS": "3", "DDL_CHUNK_BYTES": "256", "DDL_TIMEOUT": "60",
-           "MATRIX_COUNTS": COUNTS}
+    env = {
+        "DDL_ALGO": "mdring",
+        "DDL_TOPOLOGY": box,
+        "DDL_TRANSPORT": transport,
+        "DDL_SEGMENTS": "3",
+        "DDL_CHUNK_BYTES": "256",
+        "DDL_TIMEOUT": "60",
+        "MATRIX_COUNTS": COUNTS,
+    }
     results = run_ranks(_run_pipelined, nprocs, env=env, timeout=300)
     digests0, choice = results[0]
     assert choice.algorithm == "mdring" and choice.segments == 3, choice

@@ -17,8 +17,9 @@ def _out_and_shapes(rank, size):
 
     with ddlcore.init() as comm:
         x = np.arange(6 * size, dtype=np.float32).reshape(2 * size, 3) + rank
-        total = sum(np.arange(6 * size, dtype=np.float32).reshape(2 * size, 3) + r
-                    for r in range(size))
+        total = sum(
+            np.arange(6 * size, dtype=np.float32).reshape(2 * size, 3) + r for r in range(size)
+        )
         y = comm.allreduce(x)
         assert y.shape == x.shape and y is not x
         np.testing.assert_array_equal(y, total)
@@ -30,7 +31,7 @@ def _out_and_shapes(rank, size):
         np.testing.assert_array_equal(z, x - rank + size - 1)
         rs = comm.reduce_scatter(x)
         assert rs.shape == (2, 3)
-        np.testing.assert_array_equal(rs, total[2 * rank:2 * rank + 2])
+        np.testing.assert_array_equal(rs, total[2 * rank : 2 * rank + 2])
         flat = np.ones(size * 5, np.int32)
         assert comm.reduce_scatter(flat).shape == (5,)
         ag = comm.allgather(np.full((2, 2), rank, np.int64))
@@ -68,7 +69,9 @@ def _async(rank, size):
         h = comm.allreduce_async(np.full(1000, rank, np.int64))
         h.add_done_callback(lambda hd: (seen.append(("early", int(hd.wait(0)[0]))), called.set()))
         h.wait()
-        assert called.wait(30)  # callbacks run right after waiters are woken, like concurrent.futures
+        assert called.wait(
+            30
+        )  # callbacks run right after waiters are woken, like concurrent.futures
         h.add_done_callback(lambda hd: seen.append(("late", int(hd.wait(0)[-1]))))
         total = sum(range(size))
         assert seen == [("early", total), ("late", total)], seen
@@ -185,4 +188,9 @@ def _single(rank, size):
 
 
 def test_world_of_one_without_launcher():
-    run_ranks(_single, 1, env={v: None for v in ("DDL_RANK", "DDL_SIZE", "DDL_MASTER_ADDR", "DDL_MASTER_PORT")}, timeout=60)
+    run_ranks(
+        _single,
+        1,
+        env={v: None for v in ("DDL_RANK", "DDL_SIZE", "DDL_MASTER_ADDR", "DDL_MASTER_PORT")},
+        timeout=60,
+    )

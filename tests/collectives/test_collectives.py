@@ -47,16 +47,26 @@ FULL_TIMEOUT_S = 560
 def _check_world(transport: str, nprocs: int, thin: bool) -> None:
     env = {**SMALL_CHUNKS, "DDL_TRANSPORT": transport}
     _transport_ready(transport)
-    results = run_ranks(matrix.run_matrix, nprocs, matrix.COLLECTIVES, 0, thin, env=env,
-                        timeout=240 if thin else FULL_TIMEOUT_S,
-                        launcher="mpiexec" if transport == "mpi" else "spawn")
+    results = run_ranks(
+        matrix.run_matrix,
+        nprocs,
+        matrix.COLLECTIVES,
+        0,
+        thin,
+        env=env,
+        timeout=240 if thin else FULL_TIMEOUT_S,
+        launcher="mpiexec" if transport == "mpi" else "spawn",
+    )
     for collective in matrix.COLLECTIVES:
         cases = [case for case in results[0] if case.startswith(collective + " ")]
         assert len(cases) > (20 if thin else 50), f"{collective}: only {len(cases)} cases ran"
     for rank in range(1, nprocs):
         # reduce_scatter: each rank holds a different block, each checked against the oracle
-        differ = [case for case in results[0] if not case.startswith("reduce_scatter")
-                  and results[rank][case] != results[0][case]]
+        differ = [
+            case
+            for case in results[0]
+            if not case.startswith("reduce_scatter") and results[rank][case] != results[0][case]
+        ]
         assert not differ, f"rank {rank} differs from rank 0 in {differ[:5]}"
 
 

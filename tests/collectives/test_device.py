@@ -12,8 +12,16 @@ import pytest
 from tests.harness import require, run_ranks
 
 SIM = {"NUMBA_ENABLE_CUDASIM": "1"}
-DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8, np.int32,
-          np.int64]
+DTYPES = [
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    np.float64,
+    np.int8,
+    np.uint8,
+    np.int32,
+    np.int64,
+]
 COUNTS = [0, 1, 7, 1001]
 
 
@@ -40,17 +48,32 @@ def _device_collectives(rank, size, engine_expected=None, direct=False):
                     d = cuda.to_device(xs[rank])
                     got = comm.allreduce(d, op=op)
                     assert type(got) is type(d), type(got)
-                    check_close(got.copy_to_host(), reference.reduce_ref(xs, op), dtype, op, size,
-                                f"allreduce {np.dtype(dtype)} {op} {count}")
+                    check_close(
+                        got.copy_to_host(),
+                        reference.reduce_ref(xs, op),
+                        dtype,
+                        op,
+                        size,
+                        f"allreduce {np.dtype(dtype)} {op} {count}",
+                    )
                     comm.allreduce(d, op=op, out=d)  # in place on the device
-                    check_close(d.copy_to_host(), reference.reduce_ref(xs, op), dtype, op, size,
-                                "in place")
+                    check_close(
+                        d.copy_to_host(), reference.reduce_ref(xs, op), dtype, op, size, "in place"
+                    )
                 xs = [random_input(dtype, count * size, r, 8, "sum") for r in range(size)]
                 rs = comm.reduce_scatter(cuda.to_device(xs[rank]))
-                check_close(rs.copy_to_host(), reference.reduce_ref(xs, "sum")[rank * count:(rank + 1) * count],
-                            dtype, "sum", size, "reduce_scatter")
+                check_close(
+                    rs.copy_to_host(),
+                    reference.reduce_ref(xs, "sum")[rank * count : (rank + 1) * count],
+                    dtype,
+                    "sum",
+                    size,
+                    "reduce_scatter",
+                )
                 ag = comm.allgather(cuda.to_device(xs[rank][:count]))
-                np.testing.assert_array_equal(ag.copy_to_host(), np.concatenate([x[:count] for x in xs]))
+                np.testing.assert_array_equal(
+                    ag.copy_to_host(), np.concatenate([x[:count] for x in xs])
+                )
                 b = cuda.to_device(xs[rank][:count])
                 assert comm.broadcast(b, root=size - 1) is b
                 np.testing.assert_array_equal(b.copy_to_host(), xs[size - 1][:count])
@@ -75,19 +98,38 @@ def test_device_arrays_on_the_simulator(nprocs):
     run_ranks(_device_collectives, nprocs, env=SIM, timeout=240)
 
 
-@pytest.mark.parametrize("nprocs,algo,transport", [(2, "ring", "tcp"), (3, "ring", "shm"),
-                                                   (3, "rhd", "tcp"), (3, "ring", "ucx"),
-                                                   (2, "rhd", "mpi")])
+@pytest.mark.parametrize(
+    "nprocs,algo,transport",
+    [
+        (2, "ring", "tcp"),
+        (3, "ring", "shm"),
+        (3, "rhd", "tcp"),
+        (3, "ring", "ucx"),
+        (2, "rhd", "mpi"),
+    ],
+)
 def test_device_arrays_through_the_stream_engine(nprocs, algo, transport):
     """A schedule algorithm: chunks pipelined over (simulated) CUDA streams, small chunks so
     every size above a few elements takes many. Over ucx and mpi with DDL_GPU_DIRECT=on the
     transports take the device arrays' memory directly."""
     require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
     direct = transport in ("ucx", "mpi")
-    env = dict(SIM, DDL_ALGO=algo, DDL_TRANSPORT=transport, DDL_CHUNK_BYTES="256",
-               DDL_GPU_DIRECT="on" if direct else "off")
-    run_ranks(_device_collectives, nprocs, True, direct, env=env, timeout=240,
-              launcher="mpiexec" if transport == "mpi" else "spawn")
+    env = dict(
+        SIM,
+        DDL_ALGO=algo,
+        DDL_TRANSPORT=transport,
+        DDL_CHUNK_BYTES="256",
+        DDL_GPU_DIRECT="on" if direct else "off",
+    )
+    run_ranks(
+        _device_collectives,
+        nprocs,
+        True,
+        direct,
+        env=env,
+        timeout=240,
+        launcher="mpiexec" if transport == "mpi" else "spawn",
+    )
 
 
 def _gpu_present() -> bool:
@@ -130,8 +172,9 @@ def _frameworks(rank, size):
     return seen
 
 
-@pytest.mark.parametrize("nprocs,algo,transport", [(1, "", ""), (2, "", ""), (2, "ring", "tcp"),
-                                                   (2, "ring", "ucx")])
+@pytest.mark.parametrize(
+    "nprocs,algo,transport", [(1, "", ""), (2, "", ""), (2, "ring", "tcp"), (2, "ring", "ucx")]
+)
 def test_device_arrays_on_a_gpu(nprocs, algo, transport):
     """On a real GPU: the board path (default on one host), the stream engine (ring) staging
     through pinned memory (tcp), and UCX moving device memory itself (DDL_GPU_DIRECT=auto:
@@ -141,8 +184,14 @@ def test_device_arrays_on_a_gpu(nprocs, algo, transport):
     if not _gpu_present():
         pytest.skip("needs a real GPU (the simulator test covers CI)")
     env = {"DDL_ALGO": algo, "DDL_TRANSPORT": transport} if algo else {}
-    run_ranks(_device_collectives, nprocs, bool(algo) if nprocs > 1 else None,
-              transport == "ucx", env=env, timeout=300)
+    run_ranks(
+        _device_collectives,
+        nprocs,
+        bool(algo) if nprocs > 1 else None,
+        transport == "ucx",
+        env=env,
+        timeout=300,
+    )
     print(run_ranks(_frameworks, nprocs, env=env, timeout=300))
 
 
@@ -155,16 +204,33 @@ def test_debug_log_says_whether_device_memory_goes_straight_to_the_transport(tmp
 
     require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
     script = tmp_path / "one_call.py"
-    script.write_text("import numpy as np\nfrom numba import cuda\nimport ddlcore\n"
-                      "with ddlcore.init() as comm:\n"
-                      "    comm.allreduce(cuda.to_device(np.ones(1000, np.float32)))\n")
+    script.write_text(
+        "import numpy as np\nfrom numba import cuda\nimport ddlcore\n"
+        "with ddlcore.init() as comm:\n"
+        "    comm.allreduce(cuda.to_device(np.ones(1000, np.float32)))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
     env.update(SIM, DDL_DEBUG="1", DDL_ALGO="ring", DDL_GPU_DIRECT="on")
-    for transport, want in (("ucx", "(device memory straight to and from rank 1)"),
-                            ("tcp", "(through pinned host slots)")):
-        res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2",
-                              "--transport", transport, str(script)],
-                             capture_output=True, text=True, timeout=120, env=env)
+    for transport, want in (
+        ("ucx", "(device memory straight to and from rank 1)"),
+        ("tcp", "(through pinned host slots)"),
+    ):
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ddlcore.launcher",
+                "-np",
+                "2",
+                "--transport",
+                transport,
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert res.returncode == 0, res.stderr
         assert "on CUDA streams " + want in res.stderr, res.stderr
 
@@ -194,6 +260,7 @@ def _streams_and_context_body(rank, size):
         def run(*args, **kwargs):
             staged.append((name, list(entered)))
             return method(*args, **kwargs)
+
         return run
 
     ready = device.ready_event

@@ -60,9 +60,13 @@ class DeferredStreams:
                 pass
 
     def _step(self) -> bool:
-        ready = [s for s in self.streams
-                 if s.queue and (s.queue[0][1] is None or s.queue[0][1].fired)
-                 and not (self.legacy and s is not self.user and self.user.queue)]
+        ready = [
+            s
+            for s in self.streams
+            if s.queue
+            and (s.queue[0][1] is None or s.queue[0][1].fired)
+            and not (self.legacy and s is not self.user and self.user.queue)
+        ]
         if not ready:
             return False
         stream = ready[int(self.rng.integers(len(ready)))]
@@ -119,21 +123,33 @@ class DeferredStreams:
         self._enqueue(stream, functools.partial(_put, dst.array, off, host))
 
     def copy(self, dst, dst_off, src, src_off, nbytes, stream) -> None:
-        self._enqueue(stream, functools.partial(_move, dst.array, dst_off, src.array, src_off,
-                                                nbytes))
+        self._enqueue(
+            stream, functools.partial(_move, dst.array, dst_off, src.array, src_off, nbytes)
+        )
 
     def reduce(self, dst, dst_off, a, a_off, b, b_off, count, code, op, stream) -> None:
         from ddlcore import kernels
 
-        self._enqueue(stream, functools.partial(kernels.reduce_copy, dst.ptr + dst_off,
-                                                a.ptr + a_off, b.ptr + b_off, count, int(code),
-                                                int(op)))
+        self._enqueue(
+            stream,
+            functools.partial(
+                kernels.reduce_copy,
+                dst.ptr + dst_off,
+                a.ptr + a_off,
+                b.ptr + b_off,
+                count,
+                int(code),
+                int(op),
+            ),
+        )
 
     def scale(self, dst, off, count, code, divisor, stream) -> None:
         from ddlcore import kernels
 
-        self._enqueue(stream, functools.partial(kernels.avg_finalize, dst.ptr + off, count,
-                                                int(code), divisor))
+        self._enqueue(
+            stream,
+            functools.partial(kernels.avg_finalize, dst.ptr + off, count, int(code), divisor),
+        )
 
     def pinned(self, nbytes: int) -> np.ndarray:
         return np.full(nbytes, 0xAB, np.uint8)  # garbage, so a read before the write shows
@@ -162,15 +178,15 @@ def _upload(view, data):
 
 
 def _copy(host, array, off, n):
-    host[:] = array[off:off + n]
+    host[:] = array[off : off + n]
 
 
 def _put(array, off, host):
-    array[off:off + host.size] = host
+    array[off : off + host.size] = host
 
 
 def _move(dst, dst_off, src, src_off, n):
-    dst[dst_off:dst_off + n] = src[src_off:src_off + n].copy()
+    dst[dst_off : dst_off + n] = src[src_off : src_off + n].copy()
 
 
 def _region(array: np.ndarray):
@@ -202,65 +218,119 @@ def _orderings(rank, size, algos, depth, seed):
         ops = DeferredStreams([seed, rank])
         slots = device_engine.DeviceSlots(ops)
         for algo in algos:
-            collectives = ["allreduce"] if algo == "rd" else \
-                ["allreduce", "reduce_scatter", "allgather", "broadcast"]
+            collectives = (
+                ["allreduce"]
+                if algo == "rd"
+                else ["allreduce", "reduce_scatter", "allgather", "broadcast"]
+            )
             for collective in collectives:
                 if collective == "broadcast" and algo != "ring":
                     continue
                 for dtype in DTYPES:
                     dt = np.dtype(dtype)
                     for count in COUNTS:
-                        for op in (OPS if collective in ("allreduce", "reduce_scatter") else [None]):
+                        for op in OPS if collective in ("allreduce", "reduce_scatter") else [None]:
                             n_in = count * size if collective == "reduce_scatter" else count
-                            n_out = {"reduce_scatter": count,
-                                     "allgather": count * size}.get(collective, count)
+                            n_out = {"reduce_scatter": count, "allgather": count * size}.get(
+                                collective, count
+                            )
                             x = random_input(dt, n_in, rank, seed, op or "sum")
                             # the cost model reads nccl-tests' size: an allgather's output
-                            choice = tuning.choose(collective, comm.topology,
-                                                   max(n_in, n_out) * dt.itemsize, algo, 64,
-                                                   False)
-                            sched = make_schedule(collective, choice, rank, size, n_in,
-                                                   dt.itemsize, size - 1, comm.topology)
+                            choice = tuning.choose(
+                                collective,
+                                comm.topology,
+                                max(n_in, n_out) * dt.itemsize,
+                                algo,
+                                64,
+                                False,
+                            )
+                            sched = make_schedule(
+                                collective,
+                                choice,
+                                rank,
+                                size,
+                                n_in,
+                                dt.itemsize,
+                                size - 1,
+                                comm.topology,
+                            )
                             rop = as_op(op) if op else None
-                            places = {"allreduce": [False, True],
-                                      "broadcast": [True]}.get(collective, [False])
+                            places = {"allreduce": [False, True], "broadcast": [True]}.get(
+                                collective, [False]
+                            )
                             for in_place in places:
                                 outs = []
                                 for on_device in (False, True):
                                     seq += 1
                                     inp = x.copy()
                                     out = inp if in_place else np.full(n_out, 7, dt)
-                                    coll = engine.Collective(seq, 12345, dt.itemsize,
-                                                             int(dtype_code(dt)), rop,
-                                                             f"{collective} {algo}")
+                                    coll = engine.Collective(
+                                        seq,
+                                        12345,
+                                        dt.itemsize,
+                                        int(dtype_code(dt)),
+                                        rop,
+                                        f"{collective} {algo}",
+                                    )
                                     if on_device:
                                         # the caller's stream writes the input late: the
                                         # collective must wait for it (``ready``)
                                         inp.view(np.uint8)[:] = 0xEE
-                                        ops._enqueue(ops.user, functools.partial(
-                                            _put, inp.view(np.uint8), 0, x.view(np.uint8)))
+                                        ops._enqueue(
+                                            ops.user,
+                                            functools.partial(
+                                                _put, inp.view(np.uint8), 0, x.view(np.uint8)
+                                            ),
+                                        )
                                         bufs = {Buf.INPUT: _region(inp), Buf.OUTPUT: _region(out)}
                                         if sched.scratch_count:
                                             bufs[Buf.SCRATCH] = slots.scratch(
-                                                sched.scratch_count * dt.itemsize)
-                                        device_engine.run(sched, coll, bufs, comm._links, slots,
-                                                          depth, 30.0, ops.record(ops.user))
-                                        assert not ops.work_left(), \
+                                                sched.scratch_count * dt.itemsize
+                                            )
+                                        device_engine.run(
+                                            sched,
+                                            coll,
+                                            bufs,
+                                            comm._links,
+                                            slots,
+                                            depth,
+                                            30.0,
+                                            ops.record(ops.user),
+                                        )
+                                        assert not ops.work_left(), (
                                             "work left queued after the collective returned"
+                                        )
                                     else:
-                                        bufs = {Buf.INPUT: engine.Region.of(inp),
-                                                Buf.OUTPUT: engine.Region.of(out)}
+                                        bufs = {
+                                            Buf.INPUT: engine.Region.of(inp),
+                                            Buf.OUTPUT: engine.Region.of(out),
+                                        }
                                         if sched.scratch_count:
                                             bufs[Buf.SCRATCH] = comm._ctx.scratch_region(
-                                                sched.scratch_count * dt.itemsize)
-                                        engine.run(sched, coll, bufs, comm._links, comm._ctx.staging,
-                                                   depth, 30.0)
+                                                sched.scratch_count * dt.itemsize
+                                            )
+                                        engine.run(
+                                            sched,
+                                            coll,
+                                            bufs,
+                                            comm._links,
+                                            comm._ctx.staging,
+                                            depth,
+                                            30.0,
+                                        )
                                     outs.append(out.view(np.uint8).copy())
                                     if not in_place and not on_device:
-                                        assert np.array_equal(inp.view(np.uint8),
-                                                              x.view(np.uint8)), "input written"
-                                assert np.array_equal(outs[0], outs[1]), \
-                                    (algo, collective, dt.name, count, op, in_place)
+                                        assert np.array_equal(
+                                            inp.view(np.uint8), x.view(np.uint8)
+                                        ), "input written"
+                                assert np.array_equal(outs[0], outs[1]), (
+                                    algo,
+                                    collective,
+                                    dt.name,
+                                    count,
+                                    op,
+                                    in_place,
+                                )
                                 checked += 1
         comm.barrier()
         direct = sum(bool(comm._links.pair(p).device_memory) for p in range(size) if p != rank)
@@ -270,16 +340,20 @@ def _orderings(rank, size, algos, depth, seed):
 # (ranks, box, transport, DDL_GPU_DIRECT, algorithms, pipeline depth). Direct transports
 # (ucx, mpi with DDL_GPU_DIRECT=on) read and write the "device" buffers on their own threads;
 # "ucx+shm" is two hosts (DDL_HOST_ID): shm pairs stage within a host, ucx pairs go direct across.
-@pytest.mark.parametrize("nprocs,box,transport,direct,algos,depth", [
-    (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1),
-    (3, "", "tcp", "off", ["ring", "rhd", "rd"], 3),
-    (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2),
-    (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2),
-    (4, "2x2", "ucx+shm", "on", ["mdring", "rhd"], 3),
-    (2, "", "mpi", "on", ["ring", "rhd"], 1),
-])
-def test_device_engine_matches_host_engine_under_reordering(nprocs, box, transport, direct,
-                                                            algos, depth):
+@pytest.mark.parametrize(
+    "nprocs,box,transport,direct,algos,depth",
+    [
+        (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1),
+        (3, "", "tcp", "off", ["ring", "rhd", "rd"], 3),
+        (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2),
+        (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2),
+        (4, "2x2", "ucx+shm", "on", ["mdring", "rhd"], 3),
+        (2, "", "mpi", "on", ["ring", "rhd"], 1),
+    ],
+)
+def test_device_engine_matches_host_engine_under_reordering(
+    nprocs, box, transport, direct, algos, depth
+):
     env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60", "DDL_GPU_DIRECT": direct}
     rank_envs = None
     if transport == "ucx+shm":
@@ -287,9 +361,17 @@ def test_device_engine_matches_host_engine_under_reordering(nprocs, box, transpo
         rank_envs = {r: {"DDL_HOST_ID": f"host{r // 2}"} for r in range(nprocs)}
     if box:
         env["DDL_TOPOLOGY"] = box
-    results = run_ranks(_orderings, nprocs, algos, depth, 11, env=env, timeout=280,
-                        rank_envs=rank_envs,
-                        launcher="mpiexec" if transport == "mpi" else "spawn")
+    results = run_ranks(
+        _orderings,
+        nprocs,
+        algos,
+        depth,
+        11,
+        env=env,
+        timeout=280,
+        rank_envs=rank_envs,
+        launcher="mpiexec" if transport == "mpi" else "spawn",
+    )
     for checked, ran, views, direct_pairs in results:
         assert checked > 100 and ran > 1000, (checked, ran)
         if direct == "off":
@@ -321,18 +403,27 @@ def _swaps(rank, size, seed, n):
             receive = trial % 2 == 0
             # send our output span, then overwrite it at once: with the peer's input (which
             # may have arrived already) or with a local copy of our input
-            overwrite = (Step(Kind.RECV, peer, 1, n, dst=Buf.OUTPUT) if receive else
-                         Step(Kind.COPY, -1, 0, n, src=Buf.INPUT, dst=Buf.OUTPUT))
-            steps = (Step(Kind.SEND, peer, 1, n, src=Buf.INPUT),
-                     Step(Kind.SEND, peer, 0, n, src=Buf.OUTPUT), overwrite,
-                     Step(Kind.RECV, peer, 0, n, dst=Buf.SCRATCH))
+            overwrite = (
+                Step(Kind.RECV, peer, 1, n, dst=Buf.OUTPUT)
+                if receive
+                else Step(Kind.COPY, -1, 0, n, src=Buf.INPUT, dst=Buf.OUTPUT)
+            )
+            steps = (
+                Step(Kind.SEND, peer, 1, n, src=Buf.INPUT),
+                Step(Kind.SEND, peer, 0, n, src=Buf.OUTPUT),
+                overwrite,
+                Step(Kind.RECV, peer, 0, n, dst=Buf.SCRATCH),
+            )
             sched = Schedule("swap", "hand-made", rank, 2, n, n, steps, scratch_count=n)
             out = mine.copy()
-            bufs = {Buf.INPUT: _region(fresh), Buf.OUTPUT: _region(out),
-                    Buf.SCRATCH: slots.scratch(n * 8)}
+            bufs = {
+                Buf.INPUT: _region(fresh),
+                Buf.OUTPUT: _region(out),
+                Buf.SCRATCH: slots.scratch(n * 8),
+            }
             coll = engine.Collective(trial + 1, 7, 8, int(DType.FLOAT64), None, "swap")
             device_engine.run(sched, coll, bufs, comm._links, slots, 2, 30.0)
-            got = slots.scratch(n * 8).array[:n * 8].view(np.float64)
+            got = slots.scratch(n * 8).array[: n * 8].view(np.float64)
             assert np.array_equal(got, theirs), f"trial {trial}: the peer's span was overwritten"
             want = np.arange(n, dtype=np.float64) + 1000 * peer if receive else fresh
             assert np.array_equal(out, want), trial
@@ -343,8 +434,14 @@ def _swaps(rank, size, seed, n):
 @pytest.mark.parametrize("transport,direct,n", [("tcp", "off", 1000), ("ucx", "on", 1 << 16)])
 def test_device_engine_orders_writes_after_pending_downloads(transport, direct, n):
     """Staged: the overwrite waits for the download; direct: for the send reading the span."""
-    run_ranks(_swaps, 2, 5, n, env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60",
-                                 "DDL_GPU_DIRECT": direct}, timeout=120)
+    run_ranks(
+        _swaps,
+        2,
+        5,
+        n,
+        env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60", "DDL_GPU_DIRECT": direct},
+        timeout=120,
+    )
 
 
 def _legacy_stream(rank, size, seed):
@@ -369,19 +466,35 @@ def _legacy_stream(rank, size, seed):
                 x = random_input(np.float32, n, rank, trial, "sum")
                 inp = np.full(n, -1e30, np.float32)  # stale until the caller's kernel runs
                 out = np.zeros(n, np.float32)
-                ops._enqueue(ops.user, functools.partial(_put, inp.view(np.uint8), 0,
-                                                         x.view(np.uint8)))
-                coll = engine.Collective(2 * trial + 1 + 100 * (algo == "rhd"), 5, 4,
-                                         int(DType.FLOAT32), None, algo)
-                device_engine.run(sched, coll, {Buf.INPUT: _region(inp),
-                                                Buf.OUTPUT: _region(out)},
-                                  comm._links, slots, 2, 30.0, None)
+                ops._enqueue(
+                    ops.user, functools.partial(_put, inp.view(np.uint8), 0, x.view(np.uint8))
+                )
+                coll = engine.Collective(
+                    2 * trial + 1 + 100 * (algo == "rhd"), 5, 4, int(DType.FLOAT32), None, algo
+                )
+                device_engine.run(
+                    sched,
+                    coll,
+                    {Buf.INPUT: _region(inp), Buf.OUTPUT: _region(out)},
+                    comm._links,
+                    slots,
+                    2,
+                    30.0,
+                    None,
+                )
                 want = np.zeros(n, np.float32)
-                coll = engine.Collective(2 * trial + 2 + 100 * (algo == "rhd"), 5, 4,
-                                         int(DType.FLOAT32), None, algo)
-                engine.run(sched, coll, {Buf.INPUT: engine.Region.of(x),
-                                         Buf.OUTPUT: engine.Region.of(want)},
-                           comm._links, comm._ctx.staging, 2, 30.0)
+                coll = engine.Collective(
+                    2 * trial + 2 + 100 * (algo == "rhd"), 5, 4, int(DType.FLOAT32), None, algo
+                )
+                engine.run(
+                    sched,
+                    coll,
+                    {Buf.INPUT: engine.Region.of(x), Buf.OUTPUT: engine.Region.of(want)},
+                    comm._links,
+                    comm._ctx.staging,
+                    2,
+                    30.0,
+                )
                 assert np.array_equal(out, want), (algo, trial)
         comm.barrier()
     return ops.views
@@ -389,8 +502,13 @@ def _legacy_stream(rank, size, seed):
 
 @pytest.mark.parametrize("transport,direct", [("tcp", "off"), ("ucx", "on")])
 def test_device_engine_waits_for_the_legacy_default_stream(transport, direct):
-    views = run_ranks(_legacy_stream, 2, 7, env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60",
-                                                 "DDL_GPU_DIRECT": direct}, timeout=120)
+    views = run_ranks(
+        _legacy_stream,
+        2,
+        7,
+        env={"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60", "DDL_GPU_DIRECT": direct},
+        timeout=120,
+    )
     assert all((v > 0) == (direct == "on") for v in views), views
 
 
@@ -416,12 +534,25 @@ def _bursts(rank, size, algo):
             out = np.empty_like(x)
             coll = engine.Collective(seq, 99, 4, int(DType.FLOAT32), None, "burst")
             if on_device:
-                device_engine.run(sched, coll, {Buf.INPUT: _region(x), Buf.OUTPUT: _region(out)},
-                                  comm._links, slots, 2, 20.0)
+                device_engine.run(
+                    sched,
+                    coll,
+                    {Buf.INPUT: _region(x), Buf.OUTPUT: _region(out)},
+                    comm._links,
+                    slots,
+                    2,
+                    20.0,
+                )
             else:
-                engine.run(sched, coll, {Buf.INPUT: engine.Region.of(x),
-                                         Buf.OUTPUT: engine.Region.of(out)},
-                           comm._links, comm._ctx.staging, 2, 20.0)
+                engine.run(
+                    sched,
+                    coll,
+                    {Buf.INPUT: engine.Region.of(x), Buf.OUTPUT: engine.Region.of(out)},
+                    comm._links,
+                    comm._ctx.staging,
+                    2,
+                    20.0,
+                )
             outs.append(out)
         assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
         comm.barrier()
@@ -433,7 +564,13 @@ def test_device_engine_never_waits_for_a_send_to_free_a_slot(algo, transport):
     """Over MPI a large send completes only once the peer posts the receive: waiting on one for
     its slot deadlocked rhd until DDL_TIMEOUT."""
     env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "30"}
-    nslots = run_ranks(_bursts, 2, algo, env=env, timeout=120,
-                       launcher="mpiexec" if transport == "mpi" else "spawn")
+    nslots = run_ranks(
+        _bursts,
+        2,
+        algo,
+        env=env,
+        timeout=120,
+        launcher="mpiexec" if transport == "mpi" else "spawn",
+    )
     if algo == "rhd":
         assert min(nslots) > 2, nslots  # it took more send slots than the two it started with

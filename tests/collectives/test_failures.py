@@ -35,15 +35,27 @@ def _killed_mid_collective(rank, size, victim):
 
 
 # mdring pipelined across a 2x2 box: the engine runs each stream on a thread of its own.
-PIPELINED = {"DDL_ALGO": "mdring", "DDL_TOPOLOGY": "2x2", "DDL_SEGMENTS": "4",
-             "DDL_TRANSPORT": "tcp"}
+PIPELINED = {
+    "DDL_ALGO": "mdring",
+    "DDL_TOPOLOGY": "2x2",
+    "DDL_SEGMENTS": "4",
+    "DDL_TRANSPORT": "tcp",
+}
 
 
-@pytest.mark.parametrize("nprocs,victim,extra", [(2, 1, {}), (3, 1, {}), (4, 2, {}),
-                                                 (4, 2, PIPELINED), (4, 1, PIPELINED)])
+@pytest.mark.parametrize(
+    "nprocs,victim,extra",
+    [(2, 1, {}), (3, 1, {}), (4, 2, {}), (4, 2, PIPELINED), (4, 1, PIPELINED)],
+)
 def test_killed_rank_fails_every_survivor_fast(nprocs, victim, extra):
-    results = run_ranks(_killed_mid_collective, nprocs, victim, may_die={victim},
-                        env={"DDL_TIMEOUT": str(TIMEOUT_S), **extra}, timeout=90)
+    results = run_ranks(
+        _killed_mid_collective,
+        nprocs,
+        victim,
+        may_die={victim},
+        env={"DDL_TIMEOUT": str(TIMEOUT_S), **extra},
+        timeout=90,
+    )
     for rank, res in enumerate(results):
         if rank == victim:
             continue
@@ -66,8 +78,11 @@ def _mismatched(rank, size, kind):
     elif kind == "op":
         call = lambda: comm.allreduce(np.ones(1000, np.float32), op="max" if rank else "sum")  # noqa: E731
     else:  # different collectives
-        call = (lambda: comm.allgather(np.ones(1000, np.float32))) if rank else \
-            (lambda: comm.allreduce(np.ones(1000 * size, np.float32)))
+        call = (
+            (lambda: comm.allgather(np.ones(1000, np.float32)))
+            if rank
+            else (lambda: comm.allreduce(np.ones(1000 * size, np.float32)))
+        )
     t0 = time.monotonic()
     try:
         call()
@@ -168,8 +183,14 @@ def _relayed(rank, size, victim):
 def test_relayed_failure_names_its_origin_once(algo):
     # Some survivors see rank 1 die, the others hear it from them: all must blame rank 1, and say
     # the collective and the cause once each.
-    results = run_ranks(_relayed, 4, 1, may_die={1}, timeout=90,
-                        env={"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo})
+    results = run_ranks(
+        _relayed,
+        4,
+        1,
+        may_die={1},
+        timeout=90,
+        env={"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo},
+    )
     for rank, res in enumerate(results):
         if rank == 1:
             continue

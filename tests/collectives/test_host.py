@@ -34,8 +34,16 @@ def _boundaries(rank, size):
         assert comm._host is not None and comm._host.direct
         for dtype in (np.float32, np.int64, np.float16):
             isz = np.dtype(dtype).itemsize
-            counts = sorted({SMALL_MAX // isz - 1, SMALL_MAX // isz, SMALL_MAX // isz + 1,
-                             size * CHUNK // isz + 3, 3 * size * CHUNK // isz - 1, 1_000_003})
+            counts = sorted(
+                {
+                    SMALL_MAX // isz - 1,
+                    SMALL_MAX // isz,
+                    SMALL_MAX // isz + 1,
+                    size * CHUNK // isz + 3,
+                    3 * size * CHUNK // isz - 1,
+                    1_000_003,
+                }
+            )
             for count in counts:
                 for op in matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
@@ -43,7 +51,7 @@ def _boundaries(rank, size):
                 k = count // size
                 xs = [matrix.random_input(dtype, k * size, r, count, "sum") for r in range(size)]
                 got = comm.reduce_scatter(xs[rank])
-                want = reference.reduce_ref(xs, "sum")[rank * k:(rank + 1) * k]
+                want = reference.reduce_ref(xs, "sum")[rank * k : (rank + 1) * k]
                 matrix.check_close(got, want, dtype, "sum", size, f"reduce_scatter {count}")
                 got = comm.allgather(xs[rank][:k])
                 np.testing.assert_array_equal(got, np.concatenate([x[:k] for x in xs]))
@@ -72,7 +80,8 @@ def _same_as_schedules(rank, size):
                 for dtype, op in ((np.int32, "sum"), (np.float32, "max"), (np.int64, "prod")):
                     x = matrix.random_input(dtype, count, rank, 7, op)
                     out[(algo, count, np.dtype(dtype).name, op)] = matrix.digest(
-                        comm.allreduce(x, op=op))
+                        comm.allreduce(x, op=op)
+                    )
     return out
 
 
@@ -144,8 +153,9 @@ def _dies(rank, size, victim, nbytes):
 
 @pytest.mark.parametrize("nbytes", [4096, 4 << 20])
 def test_dead_rank_is_named_within_milliseconds(nbytes):
-    results = run_ranks(_dies, 3, 1, nbytes, may_die={1},
-                        env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=60)
+    results = run_ranks(
+        _dies, 3, 1, nbytes, may_die={1}, env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=60
+    )
     for rank in (0, 2):
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (elapsed, message)
@@ -171,8 +181,9 @@ def _silent(rank, size, done):
 
 def test_silent_rank_times_out_with_its_name():
     results = run_ranks(_silent, 2, event(), timeout=60)
-    assert "rank 1 did not reach sync point" in results[0] and "DDL_TIMEOUT=1" in results[0], \
+    assert "rank 1 did not reach sync point" in results[0] and "DDL_TIMEOUT=1" in results[0], (
         results[0]
+    )
 
 
 def _sizes_across_paths(rank, size):
@@ -195,8 +206,7 @@ def _sizes_across_paths(rank, size):
 def test_a_size_mismatch_across_the_paths_fails_at_once():
     for message, elapsed in run_ranks(_sizes_across_paths, 2, timeout=60):
         assert elapsed < TIMEOUT_S / 2, (elapsed, message)
-        assert "allreduce of 1000 elements" in message and "allreduce of 262144" in message, \
-            message
+        assert "allreduce of 1000 elements" in message and "allreduce of 262144" in message, message
 
 
 def _reduce_scatter_into_own_block(rank, size):
@@ -209,9 +219,9 @@ def _reduce_scatter_into_own_block(rank, size):
         for k in (5, 300_001):
             xs = [matrix.random_input(np.float32, k * size, r, k, "sum") for r in range(size)]
             x = xs[rank].copy()
-            block = x[rank * k:(rank + 1) * k]
+            block = x[rank * k : (rank + 1) * k]
             comm.reduce_scatter(x, out=block)
-            want = reference.reduce_ref(xs, "sum")[rank * k:(rank + 1) * k]
+            want = reference.reduce_ref(xs, "sum")[rank * k : (rank + 1) * k]
             matrix.check_close(block, want, np.float32, "sum", size, f"rank {rank} k={k}")
     return True
 

@@ -49,10 +49,11 @@ def _matrix(rank, size):
         k = 1001
         xs = [matrix.random_input(np.float32, k * size, r, k, "sum") for r in range(size)]
         got = comm.reduce_scatter(xs[rank])
-        want = reference.reduce_ref(xs, "sum")[rank * k:(rank + 1) * k]
+        want = reference.reduce_ref(xs, "sum")[rank * k : (rank + 1) * k]
         matrix.check_close(got, want, np.float32, "sum", size, "reduce_scatter")
-        np.testing.assert_array_equal(comm.allgather(xs[rank][:k]),
-                                      np.concatenate([x[:k] for x in xs]))
+        np.testing.assert_array_equal(
+            comm.allgather(xs[rank][:k]), np.concatenate([x[:k] for x in xs])
+        )
     return digests
 
 
@@ -68,12 +69,15 @@ def _rs_ag_matrix(rank, size):
     taken = []
     for name, real in list(host_staged.RUN.items()):
         host_staged.RUN[name] = lambda *a, _real=real, _name=name, **kw: (
-            taken.append(_name), _real(*a, **kw))[1]
+            taken.append(_name),
+            _real(*a, **kw),
+        )[1]
     digests = {}
     with ddlcore.init() as comm:
         for collective in ("reduce_scatter", "allgather"):
-            choice = comm.describe(collective, (size if collective == "reduce_scatter" else 1)
-                                   * (4 << 20))
+            choice = comm.describe(
+                collective, (size if collective == "reduce_scatter" else 1) * (4 << 20)
+            )
             assert choice.algorithm == "mdring" and choice.host_path == "direct", choice
         for dtype in matrix.DTYPES:
             isz = np.dtype(dtype).itemsize
@@ -83,7 +87,7 @@ def _rs_ag_matrix(rank, size):
                     xs = [matrix.random_input(dtype, size * k, r, k, op) for r in range(size)]
                     x = xs[rank].copy()
                     got = comm.reduce_scatter(x, op=op)
-                    want = reference.reduce_ref(xs, op)[rank * k:(rank + 1) * k]
+                    want = reference.reduce_ref(xs, op)[rank * k : (rank + 1) * k]
                     matrix.check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
                     np.testing.assert_array_equal(x, xs[rank])
                     digests[case] = matrix.digest(got)
@@ -91,8 +95,9 @@ def _rs_ag_matrix(rank, size):
                 xs = [matrix.random_input(dtype, k, r, k + 1, "sum") for r in range(size)]
                 out = np.empty(size * k, dtype)
                 assert comm.allgather(xs[rank], out=out) is out
-                np.testing.assert_array_equal(out.view(np.uint8),
-                                              np.concatenate(xs).view(np.uint8), err_msg=case)
+                np.testing.assert_array_equal(
+                    out.view(np.uint8), np.concatenate(xs).view(np.uint8), err_msg=case
+                )
     assert "reduce_scatter" in taken and "allgather" in taken, taken
     return digests
 
@@ -102,8 +107,13 @@ def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts):
     """Cyclic placement (abab: the blocks are already in host-staged order), host by host
     (aaabbb, aabbcc: a board call per host) and neither (abba: the blocks copied through a
     staging buffer); 2 and 3 hosts."""
-    results = run_ranks(_rs_ag_matrix, len(hosts), rank_envs=_hosts(*hosts),
-                        env={**SLOW_NET, "DDL_ALGO": "mdring"}, timeout=300)
+    results = run_ranks(
+        _rs_ag_matrix,
+        len(hosts),
+        rank_envs=_hosts(*hosts),
+        env={**SLOW_NET, "DDL_ALGO": "mdring"},
+        timeout=300,
+    )
     for rank in range(1, len(hosts)):
         same = {c for c, d in results[rank].items() if c.startswith("allgather")}
         assert {c: results[rank][c] for c in same} == {c: results[0][c] for c in same}
@@ -114,8 +124,7 @@ def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts):
     """2 x 2, 3 ranks x 2 hosts, 2 ranks x 3 hosts, placed cyclically (abab, abcabc: each
     host's boards hold ranks that are not neighbours in rank order) or host by host: results
     are right and the same bits on every rank."""
-    results = run_ranks(_matrix, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET,
-                        timeout=300)
+    results = run_ranks(_matrix, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET, timeout=300)
     for rank in range(1, len(hosts)):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"
 
@@ -177,9 +186,15 @@ def _racked_rs_ag(rank, size):
         for k in (0, 7, 30011):
             for op in ("sum", "avg"):
                 xs = [matrix.random_input(np.float32, size * k, r, k, op) for r in range(size)]
-                want = reference.reduce_ref(xs, op)[rank * k:(rank + 1) * k]
-                matrix.check_close(comm.reduce_scatter(xs[rank], op=op), want, np.float32, op,
-                                   size, f"reduce_scatter {op} k={k}")
+                want = reference.reduce_ref(xs, op)[rank * k : (rank + 1) * k]
+                matrix.check_close(
+                    comm.reduce_scatter(xs[rank], op=op),
+                    want,
+                    np.float32,
+                    op,
+                    size,
+                    f"reduce_scatter {op} k={k}",
+                )
             got = comm.allgather(xs[rank][:k])
             np.testing.assert_array_equal(got, np.concatenate([x[:k] for x in xs]))
 
@@ -189,15 +204,24 @@ def test_reduce_scatter_and_allgather_across_hosts_and_racks():
     then rack) do not follow rank order; each network position's board call still finds the
     blocks of its ranks."""
     envs = {r: {"DDL_HOST_ID": "abcd"[r // 2], "DDL_RACK_ID": "xy"[r // 4]} for r in range(8)}
-    run_ranks(_racked_rs_ag, 8, rank_envs=envs, timeout=300,
-              env={"DDL_LINK_BW": "5e9,1e8,5e7", "DDL_LINK_LAT": "1e-6,1e-3,2e-3",
-                   "DDL_ALGO": "mdring"})
+    run_ranks(
+        _racked_rs_ag,
+        8,
+        rank_envs=envs,
+        timeout=300,
+        env={"DDL_LINK_BW": "5e9,1e8,5e7", "DDL_LINK_LAT": "1e-6,1e-3,2e-3", "DDL_ALGO": "mdring"},
+    )
 
 
 @pytest.mark.parametrize("hosts", ["abab", "aaabbb"])
 def test_segments_pipelined_across_the_network(hosts):
-    results = run_ranks(_segmented, len(hosts), rank_envs=_hosts(*hosts),
-                        env={**SLOW_NET, "DDL_ALGO": "mdring"}, timeout=300)
+    results = run_ranks(
+        _segmented,
+        len(hosts),
+        rank_envs=_hosts(*hosts),
+        env={**SLOW_NET, "DDL_ALGO": "mdring"},
+        timeout=300,
+    )
     for rank in range(1, len(hosts)):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"
 
@@ -230,8 +254,15 @@ def _dies_mid_pipeline(rank, size, victim):
 def test_a_rank_dying_mid_pipeline_fails_every_survivor_quickly():
     """Rank 1 exits while segments are on the boards and on the network at once: both threads
     of every survivor stop and the call fails, naming the call, long before DDL_TIMEOUT."""
-    results = run_ranks(_dies_mid_pipeline, 4, 1, may_die={1}, rank_envs=_hosts(*"abab"),
-                        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    results = run_ranks(
+        _dies_mid_pipeline,
+        4,
+        1,
+        may_die={1},
+        rank_envs=_hosts(*"abab"),
+        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)},
+        timeout=120,
+    )
     for rank in (0, 2, 3):
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
@@ -252,18 +283,25 @@ def _direct_reads_on_one_host_only(rank, size):
         xs = [np.arange(k * size, dtype=np.float32) % 97 * (r + 1) for r in range(size)]
         total = sum(xs)
         np.testing.assert_array_equal(comm.allreduce(xs[rank]), total)
-        np.testing.assert_array_equal(comm.reduce_scatter(xs[rank]),
-                                      total[rank * k:(rank + 1) * k])
-        np.testing.assert_array_equal(comm.allgather(xs[rank][:k]),
-                                      np.concatenate([x[:k] for x in xs]))
+        np.testing.assert_array_equal(
+            comm.reduce_scatter(xs[rank]), total[rank * k : (rank + 1) * k]
+        )
+        np.testing.assert_array_equal(
+            comm.allgather(xs[rank][:k]), np.concatenate([x[:k] for x in xs])
+        )
 
 
 def test_direct_reads_are_agreed_across_hosts():
     """Host b cannot read its ranks' memory directly, host a can: every host then leaves
     large calls to the schedules (host a alone on the host-staged path, whose allreduce
     segments are not the schedule's messages, used to wait out DDL_TIMEOUT)."""
-    run_ranks(_direct_reads_on_one_host_only, 4, rank_envs=_hosts(*"aabb"), timeout=120,
-              env={**SLOW_NET, "DDL_ALGO": "mdring", "DDL_TIMEOUT": str(TIMEOUT_S)})
+    run_ranks(
+        _direct_reads_on_one_host_only,
+        4,
+        rank_envs=_hosts(*"aabb"),
+        timeout=120,
+        env={**SLOW_NET, "DDL_ALGO": "mdring", "DDL_TIMEOUT": str(TIMEOUT_S)},
+    )
 
 
 def _choices(rank, size):
@@ -275,22 +313,34 @@ def _choices(rank, size):
         gather = comm.describe("allgather", 1 << 20)
         # the cost model reads an allgather's output: 1 MB in from each rank is size MB out
         from ddlcore import config, tuning
-        model = tuning.choose("allgather", comm.topology, size << 20, config.get("DDL_ALGO"),
-                              1 << 20, host_path=comm._node is not None)
+
+        model = tuning.choose(
+            "allgather",
+            comm.topology,
+            size << 20,
+            config.get("DDL_ALGO"),
+            1 << 20,
+            host_path=comm._node is not None,
+        )
         assert (gather.algorithm, gather.predicted_s) == (model.algorithm, model.predicted_s)
-        return (comm._node is not None, comm.describe("allreduce", 1 << 20).describe(),
-                (gather.algorithm, gather.host_path))
+        return (
+            comm._node is not None,
+            comm.describe("allreduce", 1 << 20).describe(),
+            (gather.algorithm, gather.host_path),
+        )
 
 
 def test_forced_ring_leaves_the_boards_out():
-    for has_node, text, _ in run_ranks(_choices, 4, rank_envs=_hosts(*"abab"),
-                                       env={**SLOW_NET, "DDL_ALGO": "ring"}, timeout=90):
+    for has_node, text, _ in run_ranks(
+        _choices, 4, rank_envs=_hosts(*"abab"), env={**SLOW_NET, "DDL_ALGO": "ring"}, timeout=90
+    ):
         assert not has_node and text.startswith("ring"), text
 
 
 def test_the_choice_names_the_host_path():
-    for has_node, text, other in run_ranks(_choices, 4, rank_envs=_hosts(*"abab"),
-                                           env=SLOW_NET, timeout=90):
+    for has_node, text, other in run_ranks(
+        _choices, 4, rank_envs=_hosts(*"abab"), env=SLOW_NET, timeout=90
+    ):
         assert has_node and "host dimensions through shared memory (direct)" in text, text
         # reduce_scatter and allgather take it too, where the cost model picks mdring
         assert other[1] == ("direct" if other[0] == "mdring" else ""), other
@@ -303,7 +353,7 @@ def _without_direct_reads(rank, size):
     hostcoll._cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
     with ddlcore.init() as comm:
         assert comm.describe("allreduce", SMALL_MAX).host_path == "direct"  # the slots
-        assert comm.describe("allreduce", 1 << 20).host_path == ""          # the schedule
+        assert comm.describe("allreduce", 1 << 20).host_path == ""  # the schedule
         for n in (SMALL_MAX // 8, 300_007):
             x = np.arange(n, dtype=np.float64) * (rank + 1)
             np.testing.assert_array_equal(comm.allreduce(x), np.arange(n) * 10.0)
@@ -312,8 +362,15 @@ def _without_direct_reads(rank, size):
 
 def test_without_direct_reads_large_messages_take_the_whole_schedule():
     # mdring named: at 128 KB the cost model weighs it within 2% of recursive doubling
-    assert all(run_ranks(_without_direct_reads, 4, rank_envs=_hosts(*"abab"),
-                         env={**SLOW_NET, "DDL_ALGO": "mdring"}, timeout=90))
+    assert all(
+        run_ranks(
+            _without_direct_reads,
+            4,
+            rank_envs=_hosts(*"abab"),
+            env={**SLOW_NET, "DDL_ALGO": "mdring"},
+            timeout=90,
+        )
+    )
 
 
 def _dies_in(rank, size, victim, collective):
@@ -342,9 +399,16 @@ def _dies_in(rank, size, victim, collective):
 def test_a_dead_rank_fails_the_host_staged_reduce_scatter_and_allgather(collective):
     """Rank 1 exits in the middle of a loop of host-staged calls (boards, rings): every
     survivor's call fails, naming itself and the call, long before DDL_TIMEOUT."""
-    results = run_ranks(_dies_in, 4, 1, collective, may_die={1}, rank_envs=_hosts(*"aabb"),
-                        env={**SLOW_NET, "DDL_ALGO": "mdring", "DDL_TIMEOUT": str(TIMEOUT_S)},
-                        timeout=120)
+    results = run_ranks(
+        _dies_in,
+        4,
+        1,
+        collective,
+        may_die={1},
+        rank_envs=_hosts(*"aabb"),
+        env={**SLOW_NET, "DDL_ALGO": "mdring", "DDL_TIMEOUT": str(TIMEOUT_S)},
+        timeout=120,
+    )
     for rank in (0, 2, 3):
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
@@ -355,8 +419,16 @@ def test_a_dead_rank_fails_the_host_staged_reduce_scatter_and_allgather(collecti
 def test_a_dead_rank_fails_every_survivor_quickly(nbytes):
     """Its host neighbour sees it on the boards, the other host through TCP or through the
     abort notes passed on between the paths: nobody waits out DDL_TIMEOUT."""
-    results = run_ranks(_dies, 4, 1, nbytes, may_die={1}, rank_envs=_hosts(*"abab"),
-                        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+    results = run_ranks(
+        _dies,
+        4,
+        1,
+        nbytes,
+        may_die={1},
+        rank_envs=_hosts(*"abab"),
+        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)},
+        timeout=90,
+    )
     for rank in (0, 2, 3):
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
@@ -398,8 +470,13 @@ def _interrupted(rank, size):
 
 
 def test_an_interrupt_mid_pipeline_breaks_the_communicator_and_tells_the_peers():
-    results = run_ranks(_interrupted, 4, rank_envs=_hosts(*"abab"),
-                        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    results = run_ranks(
+        _interrupted,
+        4,
+        rank_envs=_hosts(*"abab"),
+        env={**SLOW_NET, "DDL_TIMEOUT": str(TIMEOUT_S)},
+        timeout=120,
+    )
     message, _ = results[0]
     assert "failed earlier (KeyboardInterrupt)" in message, message
     for rank in (1, 2, 3):

@@ -22,8 +22,9 @@ def limit_input(dtype, count: int, rank: int) -> np.ndarray:
     info = np.iinfo(dtype)
     edges = [info.max, info.max - 1, info.min, info.min + 1, -1, 0, 1, 100, 101, 253, 254]
     edges = [v for v in edges if info.min <= v <= info.max]
-    head = np.array([edges[(j * (rank + 2) + rank) % len(edges)] for j in range(min(count, 64))],
-                    dtype)
+    head = np.array(
+        [edges[(j * (rank + 2) + rank) % len(edges)] for j in range(min(count, 64))], dtype
+    )
     rest = matrix.random_input(dtype, count - head.size, rank, 11, "avg")
     return np.concatenate([head, rest])
 
@@ -56,7 +57,7 @@ def _cases(comm, rank, size, device=False):
             if algo == "rd":
                 continue
             xs = [limit_input(dtype, count * size, r) for r in range(size)]
-            want = reference.avg_ref(xs)[rank * count:(rank + 1) * count]
+            want = reference.avg_ref(xs)[rank * count : (rank + 1) * count]
             what = f"{algo} reduce_scatter {np.dtype(dtype).name} avg count={count}"
             got = from_dev(comm.reduce_scatter(to_dev(xs[rank]), op="avg"))
             np.testing.assert_array_equal(got, want, err_msg=what)
@@ -90,15 +91,25 @@ def _identical(results):
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_int_avg_over_shm_every_algorithm(nprocs):
-    results = run_ranks(_every_algorithm, nprocs, ("auto", "ring", "rhd", "rd", "mdring"),
-                        timeout=300, env={"DDL_TIMEOUT": str(TIMEOUT_S)})
+    results = run_ranks(
+        _every_algorithm,
+        nprocs,
+        ("auto", "ring", "rhd", "rd", "mdring"),
+        timeout=300,
+        env={"DDL_TIMEOUT": str(TIMEOUT_S)},
+    )
     _identical(results)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_int_avg_over_tcp(nprocs):
-    results = run_ranks(_every_algorithm, nprocs, ("ring", "rhd", "rd"), timeout=300,
-                        env={"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": str(TIMEOUT_S)})
+    results = run_ranks(
+        _every_algorithm,
+        nprocs,
+        ("ring", "rhd", "rd"),
+        timeout=300,
+        env={"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": str(TIMEOUT_S)},
+    )
     _identical(results)
 
 
@@ -114,9 +125,13 @@ def _host_staged(rank, size):
 def test_int_avg_host_staged_mdring():
     """Two "hosts" of two ranks (DDL_HOST_ID), a slow network: mdring through the boards."""
     envs = {r: {"DDL_HOST_ID": h} for r, h in enumerate("aabb")}
-    results = run_ranks(_host_staged, 4, timeout=300, rank_envs=envs,
-                        env={"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3",
-                             "DDL_TIMEOUT": str(TIMEOUT_S)})
+    results = run_ranks(
+        _host_staged,
+        4,
+        timeout=300,
+        rank_envs=envs,
+        env={"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3", "DDL_TIMEOUT": str(TIMEOUT_S)},
+    )
     _identical(results)
 
 
@@ -133,6 +148,11 @@ def test_int_avg_device_arrays_on_the_simulator(nprocs, algo):
         import numba.cuda  # noqa: F401
     except ImportError:
         require(False, "numba-cuda not installed (pip install 'ddlcore[cuda]')")
-    results = run_ranks(_on_device, nprocs, algo, timeout=300,
-                        env={"NUMBA_ENABLE_CUDASIM": "1", "DDL_TIMEOUT": str(TIMEOUT_S)})
+    results = run_ranks(
+        _on_device,
+        nprocs,
+        algo,
+        timeout=300,
+        env={"NUMBA_ENABLE_CUDASIM": "1", "DDL_TIMEOUT": str(TIMEOUT_S)},
+    )
     _identical(results)

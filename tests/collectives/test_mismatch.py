@@ -23,35 +23,69 @@ TIMEOUT_S = 20.0
 # differs: "last" or "middle"). A call is (collective, count, dtype, op, root).
 F32, I32 = "float32", "int32"
 CASES = [
-    ("broadcast root", ("broadcast", 1000, F32, None, 0), ("broadcast", 1000, F32, None, 1),
-     "middle"),
-    ("broadcast root, root calls another", ("broadcast", 1000, F32, None, 0),
-     ("broadcast", 1000, F32, None, 1), "first"),
+    (
+        "broadcast root",
+        ("broadcast", 1000, F32, None, 0),
+        ("broadcast", 1000, F32, None, 1),
+        "middle",
+    ),
+    (
+        "broadcast root, root calls another",
+        ("broadcast", 1000, F32, None, 0),
+        ("broadcast", 1000, F32, None, 1),
+        "first",
+    ),
     ("count", ("allreduce", 1000, F32, "sum", 0), ("allreduce", 1003, F32, "sum", 0), "last"),
     ("count 0", ("allreduce", 5, F32, "sum", 0), ("allreduce", 0, F32, "sum", 0), "middle"),
     ("count 1", ("allreduce", 1, F32, "sum", 0), ("allreduce", 2, F32, "sum", 0), "last"),
     ("dtype", ("allreduce", 1000, F32, "sum", 0), ("allreduce", 1000, I32, "sum", 0), "last"),
     ("op", ("allreduce", 1000, F32, "sum", 0), ("allreduce", 1000, F32, "max", 0), "middle"),
-    ("allreduce vs allgather", ("allreduce", 999, F32, "sum", 0),
-     ("allgather", 333, F32, None, 0), "last"),
-    ("allreduce vs broadcast", ("allreduce", 1000, F32, "sum", 0),
-     ("broadcast", 1000, F32, None, 0), "middle"),
-    ("allreduce vs barrier", ("allreduce", 1000, F32, "sum", 0), ("barrier", 0, F32, None, 0),
-     "last"),
-    ("reduce_scatter vs allreduce", ("reduce_scatter", 996, F32, "sum", 0),
-     ("allreduce", 996, F32, "sum", 0), "first"),
-    ("reduce_scatter count", ("reduce_scatter", 996, F32, "sum", 0),
-     ("reduce_scatter", 1008, F32, "sum", 0), "middle"),
-    ("allgather dtype", ("allgather", 100, F32, None, 0), ("allgather", 100, I32, None, 0),
-     "last"),
-    ("broadcast count", ("broadcast", 70, F32, None, 0), ("broadcast", 77, F32, None, 0),
-     "last"),
+    (
+        "allreduce vs allgather",
+        ("allreduce", 999, F32, "sum", 0),
+        ("allgather", 333, F32, None, 0),
+        "last",
+    ),
+    (
+        "allreduce vs broadcast",
+        ("allreduce", 1000, F32, "sum", 0),
+        ("broadcast", 1000, F32, None, 0),
+        "middle",
+    ),
+    (
+        "allreduce vs barrier",
+        ("allreduce", 1000, F32, "sum", 0),
+        ("barrier", 0, F32, None, 0),
+        "last",
+    ),
+    (
+        "reduce_scatter vs allreduce",
+        ("reduce_scatter", 996, F32, "sum", 0),
+        ("allreduce", 996, F32, "sum", 0),
+        "first",
+    ),
+    (
+        "reduce_scatter count",
+        ("reduce_scatter", 996, F32, "sum", 0),
+        ("reduce_scatter", 1008, F32, "sum", 0),
+        "middle",
+    ),
+    ("allgather dtype", ("allgather", 100, F32, None, 0), ("allgather", 100, I32, None, 0), "last"),
+    ("broadcast count", ("broadcast", 70, F32, None, 0), ("broadcast", 77, F32, None, 0), "last"),
     # an integer avg runs as a sum of int64s (`ddlcore.int_avg`): its call still differs
-    ("int32 avg vs int64 sum", ("allreduce", 1000, I32, "avg", 0),
-     ("allreduce", 1000, "int64", "sum", 0), "last"),
+    (
+        "int32 avg vs int64 sum",
+        ("allreduce", 1000, I32, "avg", 0),
+        ("allreduce", 1000, "int64", "sum", 0),
+        "last",
+    ),
     # 8.4 MB: the host-staged allreduce runs in pipelined segments (`host_staged`)
-    ("count, pipelined", ("allreduce", 2_100_000, F32, "sum", 0),
-     ("allreduce", 2_100_001, F32, "sum", 0), "middle"),
+    (
+        "count, pipelined",
+        ("allreduce", 2_100_000, F32, "sum", 0),
+        ("allreduce", 2_100_001, F32, "sum", 0),
+        "middle",
+    ),
 ]
 
 
@@ -112,26 +146,55 @@ def _check(results, names) -> None:
 ALL = [c[0] for c in CASES if c[0] != "count, pipelined"]
 # Each world runs every case once; the algorithms are forced (DDL_ALGO) or the cost model's.
 WORLDS = [
-    ("shm", "auto", 2), ("shm", "auto", 3),            # the boards (one host)
-    ("shm", "ring", 2), ("shm", "ring", 3),            # schedules over the shm transport
-    ("shm", "rhd", 3), ("shm", "rd", 4),
-    ("tcp", "auto", 2), ("tcp", "auto", 3), ("tcp", "ring", 3), ("tcp", "mdring", 3),
-    ("tcp", "rhd", 2), ("tcp", "rhd", 3), ("tcp", "rd", 3), ("tcp", "rd", 4),
-    pytest.param("ucx", "auto", 3, marks=pytest.mark.xfail(strict=False, reason=(
-        "known gap, seen once in CI: the detecting rank closes its UCX endpoints before its "
-        "abort reaches a peer whose send to it is in flight; that peer gets PeerFailureError "
-        "'connection lost (UCX: Endpoint timeout)' instead of the mismatch"))),
-    ("mpi", "auto", 2), ("mpi", "ring", 3),
+    ("shm", "auto", 2),
+    ("shm", "auto", 3),  # the boards (one host)
+    ("shm", "ring", 2),
+    ("shm", "ring", 3),  # schedules over the shm transport
+    ("shm", "rhd", 3),
+    ("shm", "rd", 4),
+    ("tcp", "auto", 2),
+    ("tcp", "auto", 3),
+    ("tcp", "ring", 3),
+    ("tcp", "mdring", 3),
+    ("tcp", "rhd", 2),
+    ("tcp", "rhd", 3),
+    ("tcp", "rd", 3),
+    ("tcp", "rd", 4),
+    pytest.param(
+        "ucx",
+        "auto",
+        3,
+        marks=pytest.mark.xfail(
+            strict=False,
+            reason=(
+                "known gap, seen once in CI: the detecting rank closes its UCX endpoints before its "
+                "abort reaches a peer whose send to it is in flight; that peer gets PeerFailureError "
+                "'connection lost (UCX: Endpoint timeout)' instead of the mismatch"
+            ),
+        ),
+    ),
+    ("mpi", "auto", 2),
+    ("mpi", "ring", 3),
 ]
 
 
 @pytest.mark.parametrize("transport,algo,nprocs", WORLDS)
 def test_mismatch_raises_on_every_rank(transport, algo, nprocs):
     _transport_ready(transport)
-    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_CHUNK_BYTES": "1024",
-           "DDL_TRANSPORT": transport}
-    results = run_ranks(_mismatch_cases, nprocs, ALL, env=env, timeout=240,
-                        launcher="mpiexec" if transport == "mpi" else "spawn")
+    env = {
+        "DDL_TIMEOUT": str(TIMEOUT_S),
+        "DDL_ALGO": algo,
+        "DDL_CHUNK_BYTES": "1024",
+        "DDL_TRANSPORT": transport,
+    }
+    results = run_ranks(
+        _mismatch_cases,
+        nprocs,
+        ALL,
+        env=env,
+        timeout=240,
+        launcher="mpiexec" if transport == "mpi" else "spawn",
+    )
     _check(results, ALL)
 
 
@@ -154,10 +217,14 @@ def _pattern_case(rank, size, pattern, call_a, call_b):
 
 # Several ranks on each side: the rank that detects the mismatch aborts only its own pairs, so
 # ranks blocked on one another elsewhere learn of it from the ranks that pass it on (`links`).
-_LATE = pytest.mark.xfail(strict=False, reason=(
-    "known gap: a rank whose first step connects lazily to a rank that already failed and "
-    "closed its context, before any abort reached it, gets PeerFailureError 'could not "
-    "connect' / 'shared memory is gone': nothing tells it why that rank left"))
+_LATE = pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "known gap: a rank whose first step connects lazily to a rank that already failed and "
+        "closed its context, before any abort reached it, gets PeerFailureError 'could not "
+        "connect' / 'shared memory is gone': nothing tells it why that rank left"
+    ),
+)
 _AAABBB = ("AAABBB", ("allreduce", 1, F32, "sum", 0), ("broadcast", 1, F32, None, 0))
 PATTERN_WORLDS = [
     ("tcp", "auto", "AABB", ("barrier", 0, F32, None, 0), ("allreduce", 60000, F32, "sum", 0)),
@@ -171,8 +238,7 @@ PATTERN_WORLDS = [
 def test_mismatch_of_groups_raises_on_every_rank(transport, algo, pattern, call_a, call_b):
     _transport_ready(transport)
     env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_TRANSPORT": transport}
-    results = run_ranks(_pattern_case, len(pattern), pattern, call_a, call_b, env=env,
-                        timeout=120)
+    results = run_ranks(_pattern_case, len(pattern), pattern, call_a, call_b, env=env, timeout=120)
     _check(results, [pattern])
 
 
@@ -180,18 +246,31 @@ def _hosts(*names):
     return {r: {"DDL_HOST_ID": h} for r, h in enumerate(names)}
 
 
-HOST_CASES = ["broadcast root", "count", "count 0", "op", "allreduce vs allgather",
-              "reduce_scatter count", "count, pipelined"]
+HOST_CASES = [
+    "broadcast root",
+    "count",
+    "count 0",
+    "op",
+    "allreduce vs allgather",
+    "reduce_scatter count",
+    "count, pipelined",
+]
 
 
 @pytest.mark.parametrize("algo", ["auto", "mdring"])
 def test_mismatch_across_hosts(algo):
     """Two "hosts" of two ranks (DDL_HOST_ID): the boards within each, tcp between them,
     mdring's host-staged path or the schedules."""
-    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp",
-           "DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"}
-    results = run_ranks(_mismatch_cases, 4, HOST_CASES, env=env, timeout=240,
-                        rank_envs=_hosts("a", "a", "b", "b"))
+    env = {
+        "DDL_TIMEOUT": str(TIMEOUT_S),
+        "DDL_ALGO": algo,
+        "DDL_TRANSPORT": "auto:tcp",
+        "DDL_LINK_BW": "5e9,1e8",
+        "DDL_LINK_LAT": "1e-6,1e-3",
+    }
+    results = run_ranks(
+        _mismatch_cases, 4, HOST_CASES, env=env, timeout=240, rank_envs=_hosts("a", "a", "b", "b")
+    )
     _check(results, HOST_CASES)
 
 
@@ -201,7 +280,7 @@ def _symbolic_worlds():
     for size in (2, 3, 4, 5, 8):
         for collective, algos in ALGORITHMS.items():
             for name in algos:
-                for count in ((0,) if collective == "barrier" else (0, 1, 2, 7, 1000)):
+                for count in (0,) if collective == "barrier" else (0, 1, 2, 7, 1000):
                     yield size, collective, name, count
 
 

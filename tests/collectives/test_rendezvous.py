@@ -21,8 +21,17 @@ def _torchrun_style(rank, size):
 
 def test_torchrun_variables():
     port = free_port()
-    ddl_vars = {v: None for v in ("DDL_RANK", "DDL_SIZE", "DDL_LOCAL_RANK", "DDL_LOCAL_SIZE",
-                                  "DDL_MASTER_ADDR", "DDL_MASTER_PORT")}
+    ddl_vars = {
+        v: None
+        for v in (
+            "DDL_RANK",
+            "DDL_SIZE",
+            "DDL_LOCAL_RANK",
+            "DDL_LOCAL_SIZE",
+            "DDL_MASTER_ADDR",
+            "DDL_MASTER_PORT",
+        )
+    }
     per_rank = {r: {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(3)}
     env = {**ddl_vars, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     assert run_ranks(_torchrun_style, 3, env=env, rank_envs=per_rank, timeout=60) == [[6]] * 3
@@ -46,25 +55,39 @@ def test_missing_rank_is_reported_with_counts():
 
 def test_debug_logs_algorithm_box_and_chunking(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text("import numpy as np, ddlcore\n"
-                      "with ddlcore.init() as comm:\n"
-                      "    comm.allreduce(np.ones(1000, np.float32))\n")
+    script.write_text(
+        "import numpy as np, ddlcore\n"
+        "with ddlcore.init() as comm:\n"
+        "    comm.allreduce(np.ones(1000, np.float32))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
     env.update({"DDL_DEBUG": "1", "DDL_CHUNK_BYTES": "1K"})
-    res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
-                         capture_output=True, text=True, timeout=60, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     # Both ranks on this host over shm: the host collectives take it, through the shared slots.
-    assert "allreduce #0 (1000 x float32, sum) via direct, through the shared slots" in res.stderr, \
-        res.stderr
+    assert (
+        "allreduce #0 (1000 x float32, sum) via direct, through the shared slots" in res.stderr
+    ), res.stderr
     assert "transports ['shm']" in res.stderr  # auto: shared memory between ranks of one host
     # Over TCP the schedules run: 4 KB on two ranks, the cost model takes recursive doubling.
     env["DDL_TRANSPORT"] = "tcp"
-    res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
-                         capture_output=True, text=True, timeout=60, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddlcore.launcher", "-np", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
-    assert "allreduce #0 (1000 x float32, sum) via rd, chunks of 1024 B, predicted" in res.stderr, \
+    assert "allreduce #0 (1000 x float32, sum) via rd, chunks of 1024 B, predicted" in res.stderr, (
         res.stderr
+    )
     assert "box 2," in res.stderr
 
 
@@ -76,7 +99,11 @@ def test_a_process_without_a_launcher_is_told_it_is_alone():
     env["DDL_DEBUG"] = "1"
     done = subprocess.run(
         [sys.executable, "-c", "import ddlcore; c = ddlcore.init(); print(c.rank, c.size)"],
-        env=env, capture_output=True, text=True, timeout=120)
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "1"]
     assert "no launcher variables are set" in done.stderr

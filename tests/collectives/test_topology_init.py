@@ -16,11 +16,20 @@ def _topology(rank, size):
     with ddlcore.init() as comm:
         x = np.random.default_rng(rank).standard_normal(10_007).astype(np.float32)
         y = comm.allreduce(x)
-        xs = [np.random.default_rng(r).standard_normal(10_007).astype(np.float32) for r in range(size)]
+        xs = [
+            np.random.default_rng(r).standard_normal(10_007).astype(np.float32) for r in range(size)
+        ]
         np.testing.assert_allclose(y, np.sum(xs, axis=0), rtol=1e-4, atol=1e-4)
         t = comm.topology
-        return (t.dims, t.order, t.levels, t.bw, t.lat, t.note,
-                comm.describe("allreduce", 64 << 20).algorithm)
+        return (
+            t.dims,
+            t.order,
+            t.levels,
+            t.bw,
+            t.lat,
+            t.note,
+            comm.describe("allreduce", 64 << 20).algorithm,
+        )
 
 
 def _hosts(*names):
@@ -28,8 +37,13 @@ def _hosts(*names):
 
 
 def test_interleaved_hosts_make_a_box_in_host_order():
-    res = run_ranks(_topology, 4, rank_envs=_hosts("a", "b", "a", "b"),
-                    env={"DDL_LINK_BW": "5e9,1e8"}, timeout=90)
+    res = run_ranks(
+        _topology,
+        4,
+        rank_envs=_hosts("a", "b", "a", "b"),
+        env={"DDL_LINK_BW": "5e9,1e8"},
+        timeout=90,
+    )
     assert len(set(res)) == 1, "ranks disagree on the topology"
     dims, order, levels, bw, _, note, algo = res[0]
     assert dims == (2, 2) and order == (0, 2, 1, 3) and levels == ("host", "network")
@@ -54,8 +68,16 @@ def _expect_split_error(rank, size, answered):
 
 
 def test_given_box_that_splits_a_host_is_an_error_on_every_rank():
-    assert all(run_ranks(_expect_split_error, 4, barrier(4), rank_envs=_hosts("a", "a", "b", "b"),
-                         env={"DDL_TOPOLOGY": "4x1", "DDL_TIMEOUT": "20"}, timeout=60))
+    assert all(
+        run_ranks(
+            _expect_split_error,
+            4,
+            barrier(4),
+            rank_envs=_hosts("a", "a", "b", "b"),
+            env={"DDL_TOPOLOGY": "4x1", "DDL_TIMEOUT": "20"},
+            timeout=60,
+        )
+    )
 
 
 def test_probe_measures_links_and_every_rank_reads_the_same():
@@ -92,8 +114,9 @@ def _cyclic_collectives(rank, size, hosts):
         assert topo.dims == (size // hosts, hosts), topo.dims
         assert topo.order == tuple(sorted(range(size), key=lambda r: (r % hosts, r)))
         assert comm.nhosts == hosts and comm.local_rank == rank // hosts
-        assert {q for q, t in comm.transports.items() if t == "shm"} == \
-            {q for q in range(size) if q % hosts == rank % hosts and q != rank}
+        assert {q for q, t in comm.transports.items() if t == "shm"} == {
+            q for q in range(size) if q % hosts == rank % hosts and q != rank
+        }
         choice, sched = comm._schedule_path.schedule("allreduce", 100_000, 4, 0)
         peers = {s.peer for s in sched.steps if s.kind != Kind.COPY}
         if algo == "ring":
@@ -103,8 +126,9 @@ def _cyclic_collectives(rank, size, hosts):
             large = comm.describe("allreduce", 16 << 20)
             if algo in ("mdring", "auto"):
                 assert large.algorithm == "mdring" and large.host_path == "direct", large
-                assert comm._node is not None and comm._node.ranks == \
-                    tuple(range(rank % hosts, size, hosts))
+                assert comm._node is not None and comm._node.ranks == tuple(
+                    range(rank % hosts, size, hosts)
+                )
         for dtype in (np.float32, np.int64):
             name = np.dtype(dtype).name
             for count in CYCLIC_COUNTS:
@@ -114,7 +138,7 @@ def _cyclic_collectives(rank, size, hosts):
                 for op in ("sum", "max"):
                     xs = [matrix.random_input(dtype, count * size, r, 7, op) for r in range(size)]
                     got = comm.reduce_scatter(xs[rank], op=op)
-                    want = reference.reduce_ref(xs, op)[rank * count:(rank + 1) * count]
+                    want = reference.reduce_ref(xs, op)[rank * count : (rank + 1) * count]
                     case = f"reduce_scatter {name} {op} count={count}"
                     matrix.check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
                 xs = [matrix.random_input(dtype, count, r, 11, "sum") for r in range(size)]
@@ -135,8 +159,13 @@ def test_cyclic_placement_every_collective_and_algorithm(per_host, hosts, algo):
     the hosts through a permutation of the ranks, the ring stays in rank order, results are
     right and bit-identical on every rank."""
     size = per_host * hosts
-    results = run_ranks(_cyclic_collectives, size, hosts,
-                        rank_envs=_hosts(*(f"h{r % hosts}" for r in range(size))),
-                        env={**SLOW_NET, "DDL_ALGO": algo, "DDL_TIMEOUT": "60"}, timeout=300)
+    results = run_ranks(
+        _cyclic_collectives,
+        size,
+        hosts,
+        rank_envs=_hosts(*(f"h{r % hosts}" for r in range(size))),
+        env={**SLOW_NET, "DDL_ALGO": algo, "DDL_TIMEOUT": "60"},
+        timeout=300,
+    )
     for rank in range(1, size):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"

@@ -16,19 +16,31 @@ from tests.harness import require
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _run(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], timeout: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "PMI_", "OMPI_"))}
     full_env.update(env or {})
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=full_env)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env
+    )
 
 
 def test_info_prints_versions_transports_kernels_and_config():
     res = _run([sys.executable, "-m", "ddlcore", "info", "--np", "4"])
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    for word in ("ddlcore", "numpy", "kernels:", "transports:", "tcp", "available",
-                 "DDL_TIMEOUT", "allreduce", "ring"):
+    for word in (
+        "ddlcore",
+        "numpy",
+        "kernels:",
+        "transports:",
+        "tcp",
+        "available",
+        "DDL_TIMEOUT",
+        "allreduce",
+        "ring",
+    ):
         assert word in out, f"{word!r} missing from:\n{out}"
     assert "NOT BUILT" not in out
 
@@ -41,9 +53,32 @@ def test_info_rejects_bad_environment_with_the_variable_name():
 
 def test_bench_under_ddlrun(tmp_path):
     out = tmp_path / "rows.json"
-    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", sys.executable, "-m",
-                "ddlcore.bench", "-b", "1K", "-e", "64K", "-f", "4", "-n", "3", "-w", "1",
-                "--json", str(out), "--csv", str(tmp_path / "rows.csv")])
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "ddlcore.launcher",
+            "-np",
+            "2",
+            sys.executable,
+            "-m",
+            "ddlcore.bench",
+            "-b",
+            "1K",
+            "-e",
+            "64K",
+            "-f",
+            "4",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--json",
+            str(out),
+            "--csv",
+            str(tmp_path / "rows.csv"),
+        ]
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Avg bus bandwidth" in res.stdout and "OK" in res.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -54,23 +89,69 @@ def test_bench_under_ddlrun(tmp_path):
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "broadcast"])
 def test_bench_other_collectives(collective):
-    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", "3", sys.executable, "-m",
-                "ddlcore.bench", "-C", collective, "-b", "3K", "-e", "12K", "-f", "2", "-n", "2",
-                "-w", "1", "-d", "int32"])
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "ddlcore.launcher",
+            "-np",
+            "3",
+            sys.executable,
+            "-m",
+            "ddlcore.bench",
+            "-C",
+            collective,
+            "-b",
+            "3K",
+            "-e",
+            "12K",
+            "-f",
+            "2",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-d",
+            "int32",
+        ]
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Out of bounds values : 0 OK" in res.stdout
 
 
 def test_bench_beside_mpi_and_gloo_under_mpiexec():
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
+        "mpiexec"
+    )
     require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
     try:
         import mpi4py  # noqa: F401
         import torch  # noqa: F401
     except ImportError as exc:
         require(False, f"mpi4py and torch are needed to compare: {exc}")
-    res = _run([mpiexec, "-n", "2", sys.executable, "-m", "ddlcore.bench", "-b", "4K", "-e",
-                "64K", "-f", "4", "-n", "3", "-w", "1", "--compare", "mpi,gloo"], timeout=180)
+    res = _run(
+        [
+            mpiexec,
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "ddlcore.bench",
+            "-b",
+            "4K",
+            "-e",
+            "64K",
+            "-f",
+            "4",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--compare",
+            "mpi,gloo",
+        ],
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "mpi:busbw" in res.stdout and "gloo:busbw" in res.stdout
     assert "Avg bus bandwidth mpi" in res.stdout and "Avg bus bandwidth gloo" in res.stdout
@@ -81,9 +162,31 @@ def test_bench_on_device_memory_with_the_simulator():
         import numba.cuda  # noqa: F401
     except ImportError:
         require(False, "numba-cuda not installed (pip install 'ddlcore[cuda]')")
-    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", "2", sys.executable, "-m",
-                "ddlcore.bench", "-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
-                "--memory", "cuda"], env={"NUMBA_ENABLE_CUDASIM": "1"})
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "ddlcore.launcher",
+            "-np",
+            "2",
+            sys.executable,
+            "-m",
+            "ddlcore.bench",
+            "-b",
+            "1K",
+            "-e",
+            "16K",
+            "-f",
+            "4",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--memory",
+            "cuda",
+        ],
+        env={"NUMBA_ENABLE_CUDASIM": "1"},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "cuda memory" in res.stdout and "Out of bounds values : 0 OK" in res.stdout
 
@@ -96,9 +199,23 @@ def test_gpu_kernel_benchmark_runs_on_the_simulator(tmp_path):
     except ImportError:
         require(False, "numba-cuda not installed (pip install 'ddlcore[cuda]')")
     out = tmp_path / "bench_cuda.json"
-    res = _run([sys.executable, "benchmarks/bench_cuda.py", "--mib", "0.002", "--reps", "1",
-                "--tensors", "5", "--tensor-kib", "1", "--json", str(out)],
-               env={"NUMBA_ENABLE_CUDASIM": "1"})
+    res = _run(
+        [
+            sys.executable,
+            "benchmarks/bench_cuda.py",
+            "--mib",
+            "0.002",
+            "--reps",
+            "1",
+            "--tensors",
+            "5",
+            "--tensor-kib",
+            "1",
+            "--json",
+            str(out),
+        ],
+        env={"NUMBA_ENABLE_CUDASIM": "1"},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Numba CUDA simulator" in res.stdout and "5 separate copies" in res.stdout
     rows = json.loads(out.read_text())
@@ -106,14 +223,44 @@ def test_gpu_kernel_benchmark_runs_on_the_simulator(tmp_path):
     assert "fused pack (addresses)" in rows["pack"]
 
 
-@pytest.mark.parametrize("nprocs,collective,dtype", [(2, "allreduce", "int8"),
-                                                     (3, "allreduce", "int64"),
-                                                     (3, "reduce_scatter", "uint8"),
-                                                     (2, "reduce_scatter", "int32")])
+@pytest.mark.parametrize(
+    "nprocs,collective,dtype",
+    [
+        (2, "allreduce", "int8"),
+        (3, "allreduce", "int64"),
+        (3, "reduce_scatter", "uint8"),
+        (2, "reduce_scatter", "int32"),
+    ],
+)
 def test_bench_checks_integer_avg_as_the_floor_of_the_mean(nprocs, collective, dtype):
-    res = _run([sys.executable, "-m", "ddlcore.launcher", "-np", str(nprocs), sys.executable,
-                "-m", "ddlcore.bench", "-C", collective, "-o", "avg", "-d", dtype, "-b", "3K",
-                "-e", "300K", "-f", "10", "-n", "2", "-w", "1"])
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "ddlcore.launcher",
+            "-np",
+            str(nprocs),
+            sys.executable,
+            "-m",
+            "ddlcore.bench",
+            "-C",
+            collective,
+            "-o",
+            "avg",
+            "-d",
+            dtype,
+            "-b",
+            "3K",
+            "-e",
+            "300K",
+            "-f",
+            "10",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ]
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Out of bounds values : 0 OK" in res.stdout
 
@@ -134,6 +281,7 @@ def test_bench_times_in_place_without_resetting_inside_the_loop():
 
             def counted(reset=reset, resets=resets):
                 resets.append(reset())
+
             bench._time(comm, run, 3, 7, counted)
             assert len(resets) == 1, collective
             result()[...] = -5.0  # not the input: a run that reset it would put case.x back
@@ -144,6 +292,7 @@ def test_bench_times_in_place_without_resetting_inside_the_loop():
 def test_bench_without_a_gpu_says_so_in_one_line():
     try:
         from ddlcore.kernels.cuda import unusable_reason
+
         reason = unusable_reason()
     except ImportError:
         reason = "numba-cuda not installed"
@@ -169,27 +318,43 @@ def _real_choices(rank, size):
     with ddlcore.init() as comm:
         host = "shm" if set(comm.transports.values()) <= {"shm"} else None
         if comm.nhosts > 1:  # the transport two ranks of one host talk
-            local = [p for p in range(size) if p != rank and
-                     comm.peers[p].host_id == comm.peers[rank].host_id]
+            local = [
+                p
+                for p in range(size)
+                if p != rank and comm.peers[p].host_id == comm.peers[rank].host_id
+            ]
             host = comm.transports[local[0]] if local else None
         real, planned = {}, {}
         for coll in ALGORITHMS:
             for nbytes in SIZES:
                 real[f"{coll} {nbytes}"] = comm.describe(coll, nbytes).describe()
                 planned[f"{coll} {nbytes}"] = job_choice(
-                    coll, comm.topology, nbytes, config.get("DDL_ALGO"),
-                    config.get("DDL_CHUNK_BYTES"), host,
-                    None if comm._host is None and comm._node is None else
-                    (comm._host or comm._node).direct).describe()
+                    coll,
+                    comm.topology,
+                    nbytes,
+                    config.get("DDL_ALGO"),
+                    config.get("DDL_CHUNK_BYTES"),
+                    host,
+                    None
+                    if comm._host is None and comm._node is None
+                    else (comm._host or comm._node).direct,
+                ).describe()
         return real, planned
 
 
-@pytest.mark.parametrize("nprocs,env,rank_envs", [
-    (3, {}, None),
-    (2, {"DDL_ALGO": "rhd"}, None),
-    (4, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"},
-     {r: {"DDL_HOST_ID": h} for r, h in enumerate("aabb")}),
-], ids=["one-host", "one-host-rhd", "two-hosts"])
+@pytest.mark.parametrize(
+    "nprocs,env,rank_envs",
+    [
+        (3, {}, None),
+        (2, {"DDL_ALGO": "rhd"}, None),
+        (
+            4,
+            {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"},
+            {r: {"DDL_HOST_ID": h} for r, h in enumerate("aabb")},
+        ),
+    ],
+    ids=["one-host", "one-host-rhd", "two-hosts"],
+)
 def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
     from tests.harness import run_ranks
 
@@ -198,8 +363,19 @@ def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
         assert real == planned
     if rank_envs is None:  # info itself, on the same shape, prints the same lines
         for nbytes in (1000, 16_000_000):
-            res = _run([sys.executable, "-m", "ddlcore", "info", "--np", str(nprocs), "--bytes",
-                        str(nbytes)], env=env)
+            res = _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ddlcore",
+                    "info",
+                    "--np",
+                    str(nprocs),
+                    "--bytes",
+                    str(nbytes),
+                ],
+                env=env,
+            )
             assert res.returncode == 0, res.stderr
             for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"):
                 line = f"  {coll:15s} {results[0][0][f'{coll} {nbytes}']}"
@@ -209,10 +385,24 @@ def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
 def test_p2p_benchmark_under_mpiexec_runs_and_says_what_it_skips():
     """The README's command: every transport named that can run is measured; one that cannot
     (ucx beside the MPICH wheel's own UCX) is skipped with the reason, as info reports it."""
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
+        "mpiexec"
+    )
     require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
-    res = _run([mpiexec, "-n", "2", sys.executable, "benchmarks/p2p.py", "--transport",
-                "shm,tcp,ucx,mpi", "--max", "64"], timeout=180)
+    res = _run(
+        [
+            mpiexec,
+            "-n",
+            "2",
+            sys.executable,
+            "benchmarks/p2p.py",
+            "--transport",
+            "shm,tcp,ucx,mpi",
+            "--max",
+            "64",
+        ],
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "shm us" in res.stdout and "mpi4py us" in res.stdout
     info = _run([mpiexec, "-n", "1", sys.executable, "-m", "ddlcore", "info"], timeout=120)
@@ -231,10 +421,11 @@ def test_info_says_when_the_cuda_kernels_cannot_run_and_why():
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  cuda "))
-    said = " ".join(lines[at:at + 2])
+    said = " ".join(lines[at : at + 2])
     if reason is None:
         assert "cannot run here" not in said and "not available" not in said, said
     else:
         assert reason in said and ("cannot run here" in said or "not available" in said), said
     assert "Cython" in res.stdout and "not available" not in next(
-        line for line in lines if line.strip().startswith("Cython"))
+        line for line in lines if line.strip().startswith("Cython")
+    )

@@ -26,15 +26,33 @@ def test_convergence_benchmark_small_sweep(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
     # a narrow MLP and 8 epochs: each run is mostly start-up; 0.90 is reached by epoch 5 of 8
     # (final accuracy 0.94), so the target holds with a margin
-    cmd = [sys.executable, str(SCRIPT), "--nps", "1,2", "--backends", "ddlcore,gloo",
-           "--epochs", "8", "--hidden", "256", "--target", "0.90", "--run-timeout", "120",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--nps",
+        "1,2",
+        "--backends",
+        "ddlcore,gloo",
+        "--epochs",
+        "8",
+        "--hidden",
+        "256",
+        "--target",
+        "0.90",
+        "--run-timeout",
+        "120",
+        "--json",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
 
     runs = json.loads(out.read_text())["runs"]
     assert sorted((r["backend"], r["np"]) for r in runs) == [
-        ("ddlcore", 2), ("gloo", 2), ("single", 1)]
+        ("ddlcore", 2),
+        ("gloo", 2),
+        ("single", 1),
+    ]
     for r in runs:
         assert r["reached"], r
         assert len(r["history"]) == 8
@@ -56,6 +74,11 @@ def test_convergence_benchmark_on_cuda_says_when_there_is_no_gpu():
         import pytest
 
         pytest.skip("a GPU is here: `python benchmarks/convergence.py --device cuda` runs it")
-    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda"], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert res.returncode == 2 and "--device cuda: torch sees no GPU here" in res.stderr

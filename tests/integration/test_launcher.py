@@ -48,16 +48,20 @@ def test_ranks_get_their_variables_and_prefixed_output():
     lines = sorted(res.stdout.splitlines())
     assert len(lines) == 3
     for rank, line in enumerate(lines):
-        assert line.startswith(f"[{rank}] DDL_RANK={rank} DDL_SIZE=3 DDL_LOCAL_RANK={rank} "
-                               "DDL_LOCAL_SIZE=3 DDL_MASTER_ADDR=127.0.0.1 DDL_MASTER_PORT="), line
+        assert line.startswith(
+            f"[{rank}] DDL_RANK={rank} DDL_SIZE=3 DDL_LOCAL_RANK={rank} "
+            "DDL_LOCAL_SIZE=3 DDL_MASTER_ADDR=127.0.0.1 DDL_MASTER_PORT="
+        ), line
         assert "DDL_TRANSPORT=tcp DDL_TIMEOUT=30" in line
     ports = {line.split("DDL_MASTER_PORT=")[1].split()[0] for line in lines}
     assert len(ports) == 1 and ports != {"-"}
 
 
 def test_ranks_get_torchruns_variables_with_a_port_of_torchs_own():
-    code = ("import os; print(' '.join(os.environ[n] for n in ['RANK', 'WORLD_SIZE', "
-            "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'DDL_MASTER_PORT']))")
+    code = (
+        "import os; print(' '.join(os.environ[n] for n in ['RANK', 'WORLD_SIZE', "
+        "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'DDL_MASTER_PORT']))"
+    )
     for extra in ([], ["--master-port", str(free_port())]):
         res = _run(["-np", "2", *extra, sys.executable, "-c", code])
         assert res.returncode == 0, res.stderr
@@ -92,10 +96,13 @@ def test_failing_rank_stops_the_others(tmp_path, mode, code, word):
 def _start_sleepers(tmp_path, *ignored: str, preexec_fn=None) -> subprocess.Popen:
     """ddlrun with 2 sleeping ranks (ignoring the signals named), once both are up."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    proc = subprocess.Popen(DDLRUN + ["-np", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path),
-                                      *ignored],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        DDLRUN + ["-np", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path), *ignored],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=preexec_fn,
+    )
     deadline = time.monotonic() + 30
     while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -116,8 +123,9 @@ def test_sigterm_to_ddlrun_stops_every_rank(tmp_path):
 
 def test_sigint_stops_the_ranks_although_ddlrun_started_with_sigint_ignored(tmp_path):
     # As a background job of a script (``ddlrun ... &``) starts: SIGINT ignored, inherited.
-    proc = _start_sleepers(tmp_path,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = _start_sleepers(
+        tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGINT, err
@@ -142,16 +150,17 @@ def test_second_sigint_escalates_to_sigterm_then_sigkill(tmp_path):
 @pytest.mark.parametrize("mode,code", [("raise", 1), ("exit", 7)])
 def test_the_rank_that_failed_first_is_named(mode, code):
     # The other ranks fail with a PeerFailureError naming rank 1, and often exit first.
-    res = _run(["-np", "3", "--timeout", "30", str(SCRIPTS / "fail_in_with.py"), mode],
-               timeout=120)
+    res = _run(["-np", "3", "--timeout", "30", str(SCRIPTS / "fail_in_with.py"), mode], timeout=120)
     ddlrun_lines = [line for line in res.stderr.splitlines() if line.startswith("ddlrun:")]
     assert res.returncode == code, res.stderr
-    assert ddlrun_lines and ddlrun_lines[0].startswith(f"ddlrun: rank 1 exited with code {code};"), \
-        res.stderr
+    assert ddlrun_lines and ddlrun_lines[0].startswith(
+        f"ddlrun: rank 1 exited with code {code};"
+    ), res.stderr
 
 
-def _job_with_exits(directory: pathlib.Path, exits: dict[int, tuple[float, int]],
-                    origins: dict[int, int]) -> launcher.LocalJob:
+def _job_with_exits(
+    directory: pathlib.Path, exits: dict[int, tuple[float, int]], origins: dict[int, int]
+) -> launcher.LocalJob:
     """A LocalJob of 4 ranks as `LocalJob.wait` sees it: exit times and codes, and the origins
     the failed ranks recorded (what `launcher.record_failure` writes)."""
     directory.mkdir()
@@ -164,8 +173,9 @@ def _job_with_exits(directory: pathlib.Path, exits: dict[int, tuple[float, int]]
 
 def test_ranks_that_all_failed_before_ddlrun_looked_fail_the_job(tmp_path):
     # On a loaded machine every rank may be gone by ddlrun's first look: still a failed job.
-    job = launcher.LocalJob([sys.executable, "-c", "raise SystemExit(5)"], 3, {}, False,
-                            str(tmp_path))
+    job = launcher.LocalJob(
+        [sys.executable, "-c", "raise SystemExit(5)"], 3, {}, False, str(tmp_path)
+    )
     for proc in job.procs:
         proc.wait(60)
     assert job.wait(None) == 5
@@ -206,16 +216,27 @@ def test_each_job_gets_a_fresh_secret_never_on_a_command_line():
 
 def test_a_secret_the_user_set_is_kept(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    res = subprocess.run(DDLRUN + ["-np", "1", str(SCRIPTS / "show_secret.py")], env={
-        **env, "DDL_SECRET": "the-users-own-secret"}, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        DDLRUN + ["-np", "1", str(SCRIPTS / "show_secret.py")],
+        env={**env, "DDL_SECRET": "the-users-own-secret"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     import hashlib
+
     want = hashlib.sha256(b"the-users-own-secret").hexdigest()[:16]
     assert f"secret={want} len=20 on_cmdline=False" in res.stdout, res.stdout + res.stderr
     secret_file = tmp_path / "secret"
     secret_file.write_text("from a file\n")
     secret_file.chmod(0o600)
-    res = subprocess.run(DDLRUN + ["-np", "1", str(SCRIPTS / "show_secret.py")], env={
-        **env, "DDL_SECRET_FILE": str(secret_file)}, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        DDLRUN + ["-np", "1", str(SCRIPTS / "show_secret.py")],
+        env={**env, "DDL_SECRET_FILE": str(secret_file)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert f"secret=- len=0 on_cmdline=False file={secret_file}" in res.stdout, res.stdout
 
 
@@ -241,13 +262,16 @@ def _error_line(res: subprocess.CompletedProcess) -> str:
 def test_mistakes_get_one_line_from_ddlrun_before_spawning(tmp_path):
     assert "no program given" in _error_line(_run(["-np", "2"]))
     assert "--topology 3x3 holds 9 ranks, but -np is 4" in _error_line(
-        _run(["-np", "4", "--topology", "3x3", str(SCRIPTS / "show_env.py")]))
+        _run(["-np", "4", "--topology", "3x3", str(SCRIPTS / "show_env.py")])
+    )
     missing = tmp_path / "nope.py"
     assert f"no such script: {missing}" in _error_line(_run(["-np", "3", str(missing)]))
     assert "no module named 'no_such_module_here'" in _error_line(
-        _run(["-np", "2", "-m", "no_such_module_here"]))
+        _run(["-np", "2", "-m", "no_such_module_here"])
+    )
     assert "command not found: no-such-command-here" in _error_line(
-        _run(["-np", "2", "no-such-command-here"]))
+        _run(["-np", "2", "no-such-command-here"])
+    )
     usage = _run(["-np", "2"]).stderr
     assert "args" not in usage.replace("[args...]", ""), usage
 
@@ -261,12 +285,32 @@ def test_module_mode_and_program_flags_pass_through():
 
 
 def test_mpiexec_command():
-    argv = launcher.mpiexec_command("mpiexec", 8, "h1:4,h2:4", {"DDL_TRANSPORT": "tcp"},
-                                    ["python", "prog.py", "--lr", "0.1"])
-    assert argv == ["mpiexec", "-n", "8", "-hosts", "h1:4,h2:4", "-genv", "DDL_TRANSPORT", "tcp",
-                    "python", "prog.py", "--lr", "0.1"]
-    assert launcher.mpiexec_command("mpiexec", 2, "h1:2", {}, ["prog"], prefix=True) == \
-        ["mpiexec", "-n", "2", "-hosts", "h1:2", "-prepend-rank", "prog"]
+    argv = launcher.mpiexec_command(
+        "mpiexec", 8, "h1:4,h2:4", {"DDL_TRANSPORT": "tcp"}, ["python", "prog.py", "--lr", "0.1"]
+    )
+    assert argv == [
+        "mpiexec",
+        "-n",
+        "8",
+        "-hosts",
+        "h1:4,h2:4",
+        "-genv",
+        "DDL_TRANSPORT",
+        "tcp",
+        "python",
+        "prog.py",
+        "--lr",
+        "0.1",
+    ]
+    assert launcher.mpiexec_command("mpiexec", 2, "h1:2", {}, ["prog"], prefix=True) == [
+        "mpiexec",
+        "-n",
+        "2",
+        "-hosts",
+        "h1:2",
+        "-prepend-rank",
+        "prog",
+    ]
     with pytest.raises(ValueError, match="fewer than"):
         launcher.mpiexec_command("mpiexec", 9, "h1:4,h2:4", {}, ["prog"])
     with pytest.raises(ValueError, match="host"):
@@ -274,8 +318,12 @@ def test_mpiexec_command():
 
 
 def test_hosts_mode_hands_off_to_mpiexec():
-    require(launcher.find_mpiexec() is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
-    res = _run(["-np", "2", "--hosts", "localhost:2", "--timeout", "30", str(SCRIPTS / "show_env.py")])
+    require(
+        launcher.find_mpiexec() is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')"
+    )
+    res = _run(
+        ["-np", "2", "--hosts", "localhost:2", "--timeout", "30", str(SCRIPTS / "show_env.py")]
+    )
     assert res.returncode == 0, res.stderr
     ranks = sorted(re.findall(r"PMI_RANK=(\d+)", res.stdout))
     assert ranks == ["0", "1"], (res.stdout, res.stderr)
@@ -293,7 +341,8 @@ def _allreduce_script(tmp_path: pathlib.Path) -> pathlib.Path:
         "    y = comm.allreduce(np.full(10, comm.rank + 1.0))\n"
         "    line = f'sum {y[0]} {comm.rank} {comm.size} {comm.local_rank}\\n'\n"
         "    sys.stdout.write(line)  # one write: mpiexec may interleave a line's pieces\n"
-        "    sys.stdout.flush()\n")
+        "    sys.stdout.flush()\n"
+    )
     return script
 
 
@@ -301,18 +350,35 @@ def test_allreduce_job_under_ddlrun_and_mpiexec(tmp_path):
     script = _allreduce_script(tmp_path)
     res = _run(["-np", "3", str(script)])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert sorted(line.split("sum ")[1] for line in res.stdout.splitlines()) == \
-        ["6.0 0 3 0", "6.0 1 3 1", "6.0 2 3 2"]
-    require(launcher.find_mpiexec() is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
+    assert sorted(line.split("sum ")[1] for line in res.stdout.splitlines()) == [
+        "6.0 0 3 0",
+        "6.0 1 3 1",
+        "6.0 2 3 2",
+    ]
+    require(
+        launcher.find_mpiexec() is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')"
+    )
     res = _run(["-np", "2", "--hosts", "localhost:2", str(script)])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert sorted(line.split("sum ")[1] for line in res.stdout.splitlines()) == \
-        ["3.0 0 2 0", "3.0 1 2 1"]
+    assert sorted(line.split("sum ")[1] for line in res.stdout.splitlines()) == [
+        "3.0 0 2 0",
+        "3.0 1 2 1",
+    ]
 
 
 def test_no_shared_memory_left_when_ranks_die(tmp_path):
-    res = _run(["-np", "3", "--transport", "shm", "--timeout", "20",
-                str(SCRIPTS / "shm_then_die.py"), str(tmp_path)])
+    res = _run(
+        [
+            "-np",
+            "3",
+            "--transport",
+            "shm",
+            "--timeout",
+            "20",
+            str(SCRIPTS / "shm_then_die.py"),
+            str(tmp_path),
+        ]
+    )
     assert res.returncode == 128 + signal.SIGKILL, res.stderr
     assert "ddlrun: rank 1 exited with SIGKILL" in res.stderr, res.stderr  # not a survivor
     made = [n for f in tmp_path.glob("*.shm") for n in f.read_text().split()]

@@ -24,9 +24,11 @@ from tests.harness import require, run_like_torchrun
 README = pathlib.Path(__file__).parents[2] / "README.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 DDLRUN = [sys.executable, "-m", "ddlcore.launcher"]
-_LAUNCHER_VARS = re.compile(r"(DDL_|TORCHELASTIC_|PMI_|OMPI_|SLURM_|MPI_LOCAL)|"
-                            r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
-                            r"MASTER_ADDR|MASTER_PORT)$")
+_LAUNCHER_VARS = re.compile(
+    r"(DDL_|TORCHELASTIC_|PMI_|OMPI_|SLURM_|MPI_LOCAL)|"
+    r"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
+    r"MASTER_ADDR|MASTER_PORT)$"
+)
 
 # The README's DDP-hook recipe, made a whole program: DDP's gradients averaged by ddlcore's hook
 # are checked against the mean of every rank's own gradient, computed here without communication,
@@ -93,8 +95,10 @@ sys.stdout.write(f"allreduce ok: rank {comm.rank} of {comm.size}, attempt {attem
 
 @pytest.fixture(autouse=True)
 def _needs_torch():
-    require(importlib.util.find_spec("torch") is not None,
-            "torch is not installed (pip install 'ddlcore[torch]'): no torchrun")
+    require(
+        importlib.util.find_spec("torch") is not None,
+        "torch is not installed (pip install 'ddlcore[torch]'): no torchrun",
+    )
 
 
 def _env() -> dict[str, str]:
@@ -113,7 +117,7 @@ def _launch(argv: list[str], cwd: pathlib.Path) -> str:
 def _quick_start() -> str:
     """The README's quick-start program, as a user copies it."""
     text = README.read_text()
-    section = text[text.index("## Quick start"):]
+    section = text[text.index("## Quick start") :]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -125,15 +129,18 @@ def test_readme_quick_start_under_torchrun(tmp_path):
     # Lines, not split at newlines: torchrun's ranks share one pipe, and print() writes a line
     # and its newline apart, so one rank's line can land between another's and its newline.
     lines = sorted(re.findall(r"rank \d of \d: sum .*?avg \d", out))
-    assert lines == [f"rank {r} of 2: sum 1, reduce_scatter [2. 2. 2. 2.], allgather [0 1], "
-                     "avg 1" for r in range(2)], out
+    assert lines == [
+        f"rank {r} of 2: sum 1, reduce_scatter [2. 2. 2. 2.], allgather [0 1], avg 1"
+        for r in range(2)
+    ], out
 
 
 def test_allreduce_under_torchrun_and_its_restart(tmp_path):
     (tmp_path / "job.py").write_text(ALLREDUCE_SCRIPT)
     out = _launch(TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "1", "job.py"], tmp_path)
-    assert sorted(re.findall(r"allreduce ok: rank \d of \d, attempt \d", out)) == \
-        [f"allreduce ok: rank {r} of 2, attempt 1" for r in range(2)], out
+    assert sorted(re.findall(r"allreduce ok: rank \d of \d, attempt \d", out)) == [
+        f"allreduce ok: rank {r} of 2, attempt 1" for r in range(2)
+    ], out
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ddlrun"])
@@ -146,15 +153,20 @@ def test_readme_ddp_hook_recipe(tmp_path, launcher):
     else:
         command = "ddlrun -np 4 python train.py"
         argv = DDLRUN + ["-np", "2", "train.py"]
-    recipe = readme[readme.index("An existing DDP script"):readme.index("A single-process script")]
+    recipe = readme[
+        readme.index("An existing DDP script") : readme.index("A single-process script")
+    ]
     assert command in recipe, f"the README's DDP recipe no longer says {command!r}"
-    for line in ("dist.init_process_group(\"gloo\")", "comm = ddlcore.init()",
-                 "model.register_comm_hook(comm, allreduce_hook)"):
+    for line in (
+        'dist.init_process_group("gloo")',
+        "comm = ddlcore.init()",
+        "model.register_comm_hook(comm, allreduce_hook)",
+    ):
         assert line in recipe and line in DDP_SCRIPT, line
     out = _launch(argv, tmp_path)
-    assert sorted(re.findall(r"ddp ok: rank \d of \d, gloo sum \d+", out)) == \
-        [f"ddp ok: rank {r} of 2, gloo sum 3" for r in range(2)], out
-
+    assert sorted(re.findall(r"ddp ok: rank \d of \d, gloo sum \d+", out)) == [
+        f"ddp ok: rank {r} of 2, gloo sum 3" for r in range(2)
+    ], out
 
 
 def test_ddp_hook_recipe_started_by_hand(tmp_path):

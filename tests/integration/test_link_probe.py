@@ -35,8 +35,9 @@ with ddlcore.init() as comm:
 
 @pytest.fixture(scope="module")
 def netns():
-    spec = importlib.util.spec_from_file_location("netns_testbed",
-                                                  ROOT / "benchmarks" / "netns_testbed.py")
+    spec = importlib.util.spec_from_file_location(
+        "netns_testbed", ROOT / "benchmarks" / "netns_testbed.py"
+    )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("netns_testbed", module)  # dataclasses look their module up by name
@@ -48,8 +49,14 @@ def netns():
 
 def _job(netns, placement, env=None):
     with netns.Testbed(HOSTS, rate="1gbit") as tb:
-        ranks = tb.run_job(RANKS_PER_HOST, ["-c", _WORKER], timeout=40, placement=placement,
-                           ddl_timeout=20, env=env)
+        ranks = tb.run_job(
+            RANKS_PER_HOST,
+            ["-c", _WORKER],
+            timeout=40,
+            placement=placement,
+            ddl_timeout=20,
+            env=env,
+        )
         rows = [json.loads(r.output().strip().splitlines()[-1]) for r in ranks]
     assert tb.leftovers() == []
     return rows
@@ -61,8 +68,9 @@ def test_two_hosts_probe_and_auto_goes_host_first(netns, placement):
     first = rows[0]
     for row in rows:
         assert row["ok"], row
-        assert {k: v for k, v in row.items() if k not in ("rank", "ok")} == \
-            {k: v for k, v in first.items() if k not in ("rank", "ok")}, "ranks disagree"
+        assert {k: v for k, v in row.items() if k not in ("rank", "ok")} == {
+            k: v for k, v in first.items() if k not in ("rank", "ok")
+        }, "ranks disagree"
     assert first["levels"] == ["host", "network"]
     host_bw, net_bw = first["bw"]
     # The network measured, not its default: the shaped link's 125 MB/s. The in-host link keeps
@@ -93,9 +101,12 @@ def _peer_dies_in_the_probe(rank, size):
         probe._ping_pong = lambda *args: os._exit(3)
     start = time.monotonic()
     over = ", over tcp" if rank == 0 else ""
-    with pytest.raises(DDLError, match=rf"rank {rank}: the link probe of dimension 1 \(network: "
-                                       rf"rank 0 with rank 2{over}\) failed: .*rank 2.*"
-                                       "DDL_LINK_PROBE=0 skips it"):
+    with pytest.raises(
+        DDLError,
+        match=rf"rank {rank}: the link probe of dimension 1 \(network: "
+        rf"rank 0 with rank 2{over}\) failed: .*rank 2.*"
+        "DDL_LINK_PROBE=0 skips it",
+    ):
         ddlcore.init()
     took = time.monotonic() - start
     if rank == 0:  # its process serves the store: let the others' last replies go out first
@@ -107,7 +118,12 @@ def test_a_peer_lost_in_the_probe_is_an_error_on_every_rank_in_time():
     """No netns needed: hosts a, a, b, b told apart by DDL_HOST_ID, tcp between them."""
     from tests.harness import run_ranks
 
-    took = run_ranks(_peer_dies_in_the_probe, 4, may_die=[2], timeout=60,
-                     rank_envs={r: {"DDL_HOST_ID": "ab"[r // 2]} for r in range(4)},
-                     env={"DDL_TRANSPORT": "auto:tcp", "DDL_TIMEOUT": "10"})
+    took = run_ranks(
+        _peer_dies_in_the_probe,
+        4,
+        may_die=[2],
+        timeout=60,
+        rank_envs={r: {"DDL_HOST_ID": "ab"[r // 2]} for r in range(4)},
+        env={"DDL_TRANSPORT": "auto:tcp", "DDL_TIMEOUT": "10"},
+    )
     assert [r for r, t in enumerate(took) if t is not None and t < 12] == [0, 1, 3], took

@@ -46,11 +46,18 @@ def netns():
 def test_collectives_across_namespaces(netns, algo):
     # Unshaped: this checks correctness; speed is the benchmark's business.
     with netns.Testbed(HOSTS) as tb:
-        ranks = tb.run_job(RANKS_PER_HOST, [str(WORKER), str(RANKS_PER_HOST)], timeout=45,
-                           env={"DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp"}, ddl_timeout=30)
+        ranks = tb.run_job(
+            RANKS_PER_HOST,
+            [str(WORKER), str(RANKS_PER_HOST)],
+            timeout=45,
+            env={"DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp"},
+            ddl_timeout=30,
+        )
         lines = sorted(r.output().strip() for r in ranks)
-    assert lines == [f"rank {r} on host {r // RANKS_PER_HOST}: {algo} ok, transports "
-                     "['shm', 'tcp']" for r in range(HOSTS * RANKS_PER_HOST)], lines
+    assert lines == [
+        f"rank {r} on host {r // RANKS_PER_HOST}: {algo} ok, transports ['shm', 'tcp']"
+        for r in range(HOSTS * RANKS_PER_HOST)
+    ], lines
     assert tb.leftovers() == []
 
 
@@ -58,8 +65,9 @@ def test_failing_rank_stops_the_job_and_nothing_is_left(netns, tmp_path):
     # Rank 1 fails at once; the others would sleep far past the job's timeout.
     code = "import os, sys, time; os.environ['DDL_RANK'] == '1' and sys.exit(3); time.sleep(60)"
     with netns.Testbed(HOSTS, rate="1gbit", workdir=str(tmp_path)) as tb:
-        with pytest.raises(netns.JobFailed,
-                           match=r"ranks \[1\] failed; ranks \[0, 2, 3\] still running") as info:
+        with pytest.raises(
+            netns.JobFailed, match=r"ranks \[1\] failed; ranks \[0, 2, 3\] still running"
+        ) as info:
             tb.run_job(RANKS_PER_HOST, ["-c", code], timeout=30)
     assert "rank 1 (host 0, exit 3)" in str(info.value)
     assert tb.leftovers() == []
@@ -67,8 +75,9 @@ def test_failing_rank_stops_the_job_and_nothing_is_left(netns, tmp_path):
 
 def test_job_timeout_kills_every_rank(netns, tmp_path):
     with netns.Testbed(HOSTS, workdir=str(tmp_path)) as tb:
-        with pytest.raises(netns.JobFailed,
-                           match=r"^ranks \[0, 1\] still running after the job's 1 s"):
+        with pytest.raises(
+            netns.JobFailed, match=r"^ranks \[0, 1\] still running after the job's 1 s"
+        ):
             tb.run_job(1, ["-c", "import time; time.sleep(60)"], timeout=1)
         assert all(r.proc.poll() is not None for r in tb.ranks)
     assert tb.leftovers() == []
@@ -80,8 +89,12 @@ def test_placements_deal_ranks_to_hosts():
     assert [tb.host_of(r, 2, 3, "cyclic") for r in range(6)] == [0, 1, 2, 0, 1, 2]
     assert tb.box_order(2, 3, "cyclic") == [0, 3, 1, 4, 2, 5]
     # The rank-order ring leaves each host once (block) or from every rank on it (cyclic).
-    assert [tb.ring_flows(m, h, "block") for m, h in [(2, 2), (2, 3), (4, 2), (4, 1)]] == \
-        [1, 1, 1, 0]
+    assert [tb.ring_flows(m, h, "block") for m, h in [(2, 2), (2, 3), (4, 2), (4, 1)]] == [
+        1,
+        1,
+        1,
+        0,
+    ]
     assert [tb.ring_flows(m, h, "cyclic") for m, h in [(2, 2), (2, 3), (4, 2)]] == [2, 2, 4]
     with pytest.raises(ValueError, match="placement 'round'"):
         tb.host_of(0, 2, 2, "round")
@@ -98,26 +111,44 @@ def test_cyclic_placement_across_namespaces(netns, algo, tmp_path):
     """Rank r in namespace r % 2: the box follows the namespaces (order 0, 2, 1, 3), shm among
     the ranks of one, tcp across, and the testbed's worker gets exact sums."""
     out = tmp_path / "rows.json"
-    argv = [str(ROOT / "benchmarks" / "netns_testbed.py"), "--rank-worker", "4,4000012", "2",
-            "1", str(out)]
+    argv = [
+        str(ROOT / "benchmarks" / "netns_testbed.py"),
+        "--rank-worker",
+        "4,4000012",
+        "2",
+        "1",
+        str(out),
+    ]
     with netns.Testbed(HOSTS) as tb:
-        ranks = tb.run_job(RANKS_PER_HOST, argv, timeout=60, placement="cyclic", ddl_timeout=30,
-                           env={"DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp"})
+        ranks = tb.run_job(
+            RANKS_PER_HOST,
+            argv,
+            timeout=60,
+            placement="cyclic",
+            ddl_timeout=30,
+            env={"DDL_ALGO": algo, "DDL_TRANSPORT": "auto:tcp"},
+        )
         assert [r.host for r in ranks] == [r % HOSTS for r in range(HOSTS * RANKS_PER_HOST)]
     assert tb.leftovers() == []
     got = json.loads(out.read_text())
     assert got["order"] == [0, 2, 1, 3] and got["box"] == "2x2" and got["nhosts"] == HOSTS
     assert got["transports"] == ["shm", "tcp"]
     assert [row["wrong"] for row in got["rows"]] == [0, 0]
-    assert got["algorithm"] == algo if algo != "auto" else \
-        got["algorithm"] in ALGORITHMS["allreduce"]
+    assert (
+        got["algorithm"] == algo if algo != "auto" else got["algorithm"] in ALGORITHMS["allreduce"]
+    )
 
 
 def _tx_bytes(ns: str, dev: str) -> int:
     import subprocess
 
-    out = subprocess.run(["ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev],
-                         capture_output=True, text=True, check=True, timeout=10).stdout
+    out = subprocess.run(
+        ["ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    ).stdout
     return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
 
@@ -127,15 +158,25 @@ def test_two_adapters_per_host_both_carry_traffic(netns, tmp_path):
     every host carry about half of the job's bytes, and the topology knows 2 adapters."""
     nbytes, iters = 4 << 20, 2
     out = tmp_path / "rows.json"
-    argv = [str(ROOT / "benchmarks" / "netns_testbed.py"), "--rank-worker", str(nbytes),
-            str(iters), "1", str(out)]
+    argv = [
+        str(ROOT / "benchmarks" / "netns_testbed.py"),
+        "--rank-worker",
+        str(nbytes),
+        str(iters),
+        "1",
+        str(out),
+    ]
     with netns.Testbed(HOSTS, adapters=2) as tb:
         assert tb.ifnames == ["eth0", "eth1"]
         before = {(h, d): _tx_bytes(tb.namespace(h), d) for h in range(HOSTS) for d in tb.ifnames}
         # No link probe: its messages cross rail 0 alone; the counters weigh the collective.
-        tb.run_job(RANKS_PER_HOST, argv, timeout=60, ddl_timeout=30,
-                   env={"DDL_ALGO": "mdring", "DDL_TRANSPORT": "auto:tcp",
-                        "DDL_LINK_PROBE": "0"})
+        tb.run_job(
+            RANKS_PER_HOST,
+            argv,
+            timeout=60,
+            ddl_timeout=30,
+            env={"DDL_ALGO": "mdring", "DDL_TRANSPORT": "auto:tcp", "DDL_LINK_PROBE": "0"},
+        )
         sent = {k: _tx_bytes(tb.namespace(k[0]), k[1]) - v for k, v in before.items()}
     assert tb.leftovers() == []
     got = json.loads(out.read_text())
@@ -149,9 +190,12 @@ def test_two_adapters_per_host_both_carry_traffic(netns, tmp_path):
 
 def test_simulator_column_counts_the_adapters():
     tb = _testbed()
-    one, two = (tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=a)
-                for a in (1, 2))
+    one, two = (
+        tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=a) for a in (1, 2)
+    )
     assert two == pytest.approx(one / 2, rel=0.1)
     # --transport tcp: the host level is TCP loopback, slower than the boards' shm
-    assert tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=2,
-                        host_transport="tcp") > two
+    assert (
+        tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=2, host_transport="tcp")
+        > two
+    )

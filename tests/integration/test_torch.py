@@ -46,18 +46,25 @@ def run_ranks(fn, nprocs: int, *args, timeout: float = 120.0):
 
 def _require_device(device: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("needs a real GPU (CPU tensors are tested on every run; the GPU path "
-                    "itself is covered in CI by tests/collectives/test_device.py under the "
-                    "simulator)")
+        pytest.skip(
+            "needs a real GPU (CPU tensors are tested on every run; the GPU path "
+            "itself is covered in CI by tests/collectives/test_device.py under the "
+            "simulator)"
+        )
 
 
 # --- a small model, its data, and the single-process reference -----------------------------------
 
+
 def _model(seed: int = 0, width: int = 16):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(),
-                                torch.nn.Linear(width, width), torch.nn.Tanh(),
-                                torch.nn.Linear(width, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 3),
+    )
     model.unused = torch.nn.Parameter(torch.ones(5))  # never in the loss: its grad stays None
     return model
 
@@ -82,8 +89,9 @@ def _gpu(device: str, rank: int) -> str:
     return "cpu" if device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"
 
 
-def _train(model, opt, rank: int, size: int, passes: int = 1, device: str = "cpu",
-           on: str | None = None) -> None:
+def _train(
+    model, opt, rank: int, size: int, passes: int = 1, device: str = "cpu", on: str | None = None
+) -> None:
     """STEPS steps on this rank's shard; ``passes`` micro-batches accumulate per step. ``device``
     as `_gpu` takes it ("cuda-side-stream": every step on a stream of its own, non-blocking like
     torch's pool streams); ``on`` overrides the GPU."""
@@ -119,14 +127,16 @@ def _reference(kind: str, passes: int = 1) -> dict[str, np.ndarray]:
     return _params(model)
 
 
-def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float,
-                  atol: float) -> None:
+def _assert_close(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float, atol: float
+) -> None:
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
 
 
 # --- DistributedOptimizer ------------------------------------------------------------------------
+
 
 def _optimizer_body(rank, size, kind, compression, passes, device="cpu"):
     torch.set_num_threads(1)
@@ -136,9 +146,14 @@ def _optimizer_body(rank, size, kind, compression, passes, device="cpu"):
     with ddlcore.init() as comm:
         model = _model(seed=rank).to(_gpu(device, rank))  # differs per rank until the broadcast
         broadcast_parameters(model, comm)
-        opt = DistributedOptimizer(_optimizer(kind, model.parameters()), comm,
-                                   model.named_parameters(), fusion_bytes=300,
-                                   compression=compression, backward_passes_per_step=passes)
+        opt = DistributedOptimizer(
+            _optimizer(kind, model.parameters()),
+            comm,
+            model.named_parameters(),
+            fusion_bytes=300,
+            compression=compression,
+            backward_passes_per_step=passes,
+        )
         assert isinstance(opt, type(_optimizer(kind, [torch.zeros(1, requires_grad=True)])))
         assert len(opt._ddl.buckets) >= 3  # 300-byte buckets: several per backward
         _train(model, opt, rank, size, passes, device)
@@ -171,6 +186,7 @@ def test_distributed_optimizer_compressed(compression):
 
 # --- DDP communication hooks ---------------------------------------------------------------------
 
+
 def _ddp_body(rank, size, hook_name, port, device="cpu"):
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -179,8 +195,9 @@ def _ddp_body(rank, size, hook_name, port, device="cpu"):
     import ddlcore
     from ddlcore.integrations import torch as ddl_torch
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
     try:
         with ddlcore.init() as comm:
             model = _model(seed=0)
@@ -198,7 +215,9 @@ def _ddp_body(rank, size, hook_name, port, device="cpu"):
 
             comm.allreduce_async = counted
             _train(ddp, _optimizer("sgd", ddp.parameters()), rank, size, device=device)
-            assert len(calls) >= STEPS, f"{len(calls)} allreduces in {STEPS} steps: DDP bypassed the hook"
+            assert len(calls) >= STEPS, (
+                f"{len(calls)} allreduces in {STEPS} steps: DDP bypassed the hook"
+            )
             return _params(model)
     finally:
         dist.destroy_process_group()
@@ -225,6 +244,7 @@ def test_ddp_compression_hooks(hook_name):
 
 
 # --- overlap: buckets are reduced while backward is still running --------------------------------
+
 
 def _overlap_body(rank, size, port):
     torch.set_num_threads(1)
@@ -257,15 +277,17 @@ def _overlap_body(rank, size, port):
         events: list[str] = []
         record_launches(comm, events)
         model = deep_model()
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), comm,
-                                   fusion_bytes=300_000)
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), comm, fusion_bytes=300_000
+        )
         record_backward_end(model, events)
         model(torch.randn(8, 256)).sum().backward()
         order["optimizer"] = list(events)
         opt.step()
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+        )
         try:
             events.clear()
             model = deep_model()
@@ -288,10 +310,11 @@ def test_buckets_are_reduced_during_backward():
             # first ones started before the first layer's gradient exists
             assert events.count("allreduce") >= 3, (who, events)
             assert "backward_end" in events, (who, events)
-            assert events[:events.index("backward_end")].count("allreduce") >= 2, (who, events)
+            assert events[: events.index("backward_end")].count("allreduce") >= 2, (who, events)
 
 
 # --- broadcasts ----------------------------------------------------------------------------------
+
 
 def _optimizer_state_body(rank, size, device="cpu"):
     torch.set_num_threads(1)
@@ -306,8 +329,11 @@ def _optimizer_state_body(rank, size, device="cpu"):
         broadcast_parameters(model.state_dict(), comm)
         broadcast_optimizer_state(opt, comm)
         sd = opt.state_dict()
-        state = {(i, k): (v.double().cpu().numpy().copy() if torch.is_tensor(v) else v)
-                 for i, entry in sd["state"].items() for k, v in entry.items()}
+        state = {
+            (i, k): (v.double().cpu().numpy().copy() if torch.is_tensor(v) else v)
+            for i, entry in sd["state"].items()
+            for k, v in entry.items()
+        }
         groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
         return _params(model), state, groups
 
@@ -328,6 +354,7 @@ def test_broadcast_parameters_and_optimizer_state(device):
 
 
 # --- misuse --------------------------------------------------------------------------------------
+
 
 def _misuse_body(rank, size):
     torch.set_num_threads(1)
@@ -353,8 +380,9 @@ def _misuse_body(rank, size):
 
         # the same model, initialised differently and never broadcast: the first step refuses
         model = _model(seed=rank)
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                   model.named_parameters())
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), comm, model.named_parameters()
+        )
         before = _params(model)
         try:
             _train(model, opt, rank, size)
@@ -372,8 +400,9 @@ def _misuse_body(rank, size):
         except ValueError as exc:
             messages["twice"] = str(exc)
         try:
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                 compression="int4")
+            DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), comm, compression="int4"
+            )
         except ValueError as exc:
             messages["compression"] = str(exc)
         try:
@@ -389,7 +418,9 @@ def test_misuse_fails_on_every_rank_with_a_clear_message():
         assert f"rank {size - 1} has" in messages["model"] and "same model" in messages["model"]
         assert f"rank {size - 1} has" in messages["broadcast"]
         assert "broadcast_parameters(model, comm)" in messages["params"]
-        assert "rank 1's parameters differ" in messages["params"] and "0.weight" in messages["params"]
+        assert (
+            "rank 1's parameters differ" in messages["params"] and "0.weight" in messages["params"]
+        )
         assert messages["untouched"] and messages["trained"]
         assert "already a DistributedOptimizer" in messages["twice"]
         assert "compression='int4'" in messages["compression"]
@@ -398,10 +429,12 @@ def test_misuse_fails_on_every_rank_with_a_clear_message():
 
 # --- the training loop's hazards -----------------------------------------------------------------
 
+
 def _two_heads(seed: int = 0):
     torch.manual_seed(seed)
-    return torch.nn.ModuleDict({"body": torch.nn.Linear(6, 8), "a": torch.nn.Linear(8, 3),
-                                "b": torch.nn.Linear(8, 3)})
+    return torch.nn.ModuleDict(
+        {"body": torch.nn.Linear(6, 8), "a": torch.nn.Linear(8, 3), "b": torch.nn.Linear(8, 3)}
+    )
 
 
 def _local_loss(model, x, y, rank: int, step: int):
@@ -423,8 +456,15 @@ def _hazards_reference(size: int) -> dict[str, np.ndarray]:
     k = GLOBAL_BATCH // size
     for step in range(STEPS):
         opt.zero_grad()
-        total = sum(_local_loss(model, x[step, 0, r * k:(r + 1) * k], y[step, 0, r * k:(r + 1) * k],
-                                r, step) for r in range(size)) / size
+        total = (
+            sum(
+                _local_loss(
+                    model, x[step, 0, r * k : (r + 1) * k], y[step, 0, r * k : (r + 1) * k], r, step
+                )
+                for r in range(size)
+            )
+            / size
+        )
         total.backward()
         opt.step()
         sched.step()
@@ -505,8 +545,9 @@ def _add_group_and_closure_body(rank, size):
         sgd = _params(model)
 
         model = _model()
-        opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4),
-                                   comm, fusion_bytes=256)
+        opt = DistributedOptimizer(
+            torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), comm, fusion_bytes=256
+        )
         x, y = _data()
         shard = slice(rank * GLOBAL_BATCH // size, (rank + 1) * GLOBAL_BATCH // size)
 
@@ -550,8 +591,13 @@ def _sum_compressed_body(rank, size):
 
     with ddlcore.init() as comm:
         model = _model()
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1 / size), comm,
-                                   fusion_bytes=300, compression="fp16", op="sum")
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1 / size),
+            comm,
+            fusion_bytes=300,
+            compression="fp16",
+            op="sum",
+        )
         _train(model, opt, rank, size)
         return _params(model)
 
@@ -575,8 +621,9 @@ def _odd_buffers_body(rank, size):
         model.register_buffer("mask", torch.arange(7) % (rank + 2) == 0)
         model.register_buffer("counts", torch.arange(5, dtype=torch.int16) * (rank + 1))
         model.register_buffer("phase", torch.full((3,), complex(rank, -rank)))
-        model.register_buffer("strided", torch.arange(12.0).reshape(3, 4).t() * (rank + 1),
-                              persistent=True)
+        model.register_buffer(
+            "strided", torch.arange(12.0).reshape(3, 4).t() * (rank + 1), persistent=True
+        )
         broadcast_parameters(model, comm)
         out["buffers"] = {k: v.clone().numpy() for k, v in model.named_buffers()}
         out["strided_contiguous"] = model.strided.is_contiguous()
@@ -596,8 +643,10 @@ def test_broadcast_any_dtype_and_a_root_side_error_reaches_every_rank():
             np.testing.assert_array_equal(out["buffers"][name], value, err_msg=name)
         assert not out["strided_contiguous"]
     np.testing.assert_array_equal(results[1]["buffers"]["mask"], np.arange(7) % 2 == 0)
-    assert "float32" in results[0]["error"] and "cannot be sent without pickling" in \
-        results[0]["error"]
+    assert (
+        "float32" in results[0]["error"]
+        and "cannot be sent without pickling" in results[0]["error"]
+    )
     for out in results[1:]:
         assert "rank 0's optimizer state cannot be sent" in out["error"]
 
@@ -606,6 +655,7 @@ def test_broadcast_any_dtype_and_a_root_side_error_reaches_every_rank():
 # The same bodies as above on CUDA tensors, rank r on GPU r (all on GPU 0 with a single one):
 # the stream ordering of the packing kernels, the collectives' ready events, DDP's futures of
 # CUDA tensors, and training on a non-blocking side stream.
+
 
 @pytest.mark.parametrize("device", ["cuda", "cuda-side-stream"])
 @pytest.mark.parametrize("nprocs,compression", [(1, None), (2, None), (2, "fp16"), (2, "bf16")])
@@ -618,13 +668,15 @@ def test_distributed_optimizer_on_cuda_tensors(nprocs, compression, device):
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda-side-stream"])
-@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_allreduce_hook",
-                                       "bf16_allreduce_hook"])
+@pytest.mark.parametrize(
+    "hook_name", ["allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook"]
+)
 def test_ddp_hooks_on_cuda_tensors(hook_name, device):
     _require_device(device)
     want = _reference_without_unused()
     atol = {"allreduce_hook": 1e-5, "fp16_allreduce_hook": 2e-3, "bf16_allreduce_hook": 2e-2}
     got = run_ranks(_ddp_body, 2, hook_name, free_port(), device, timeout=180)
     for g in got:
-        _assert_close(g, want, rtol=1e-4 if hook_name == "allreduce_hook" else 0,
-                      atol=atol[hook_name])
+        _assert_close(
+            g, want, rtol=1e-4 if hook_name == "allreduce_hook" else 0, atol=atol[hook_name]
+        )

@@ -61,8 +61,10 @@ sys.exit("the allreduce did not fail")
 
 @pytest.fixture(autouse=True)
 def _needs_torch():
-    require(importlib.util.find_spec("torch") is not None,
-            "torch is not installed (pip install 'ddlcore[torch]')")
+    require(
+        importlib.util.find_spec("torch") is not None,
+        "torch is not installed (pip install 'ddlcore[torch]')",
+    )
 
 
 def _run(argv: list[str], cwd: pathlib.Path) -> str:
@@ -73,12 +75,20 @@ def _run(argv: list[str], cwd: pathlib.Path) -> str:
 
 def test_entry_point_registers_the_backend_at_import_torch(tmp_path):
     points = importlib.metadata.entry_points(group="torch.backends")
-    assert any(p.name == "ddl" and p.value.startswith("ddlcore.") for p in points), \
+    assert any(p.name == "ddl" and p.value.startswith("ddlcore.") for p in points), (
         "ddlcore's torch.backends entry point is not installed: pip install -e . again"
+    )
     # Cheap: what torch imports for it is the backend module, not the engine, not the kernels.
-    out = _run([sys.executable, "-c", "import sys, torch.distributed as dist; "
-                "print(dist.Backend.DDL, dist.Backend.backend_capability['ddl']); "
-                "print(sorted(m for m in sys.modules if m.startswith('ddlcore.')))"], tmp_path)
+    out = _run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch.distributed as dist; "
+            "print(dist.Backend.DDL, dist.Backend.backend_capability['ddl']); "
+            "print(sorted(m for m in sys.modules if m.startswith('ddlcore.')))",
+        ],
+        tmp_path,
+    )
     registered, imported = out.splitlines()
     assert registered == "ddl ['cpu', 'cuda']", out
     assert "ddlcore.integrations.torch.backend" in imported, out
@@ -110,8 +120,9 @@ def test_collectives_and_ddp_on_ddl(tmp_path, launcher):
     else:
         argv = DDLRUN + ["-np", "2", str(script)]
     out = _run(argv, tmp_path)
-    assert sorted(re.findall(r"torch backend ok: rank \d of \d", out)) == \
-        [f"torch backend ok: rank {r} of 2" for r in range(2)], out
+    assert sorted(re.findall(r"torch backend ok: rank \d of \d", out)) == [
+        f"torch backend ok: rank {r} of 2" for r in range(2)
+    ], out
 
 
 # Under an MPI launcher torch reads no PMI_* variable: the script hands rank and size over.
@@ -136,16 +147,35 @@ def test_under_mpiexec(tmp_path):
     mpiexec = mpiexec_path()
     require(mpiexec is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
     (tmp_path / "job.py").write_text(MPI_SCRIPT)
-    out = _run([mpiexec, "-n", "2", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT",
-                str(free_port()), sys.executable, "job.py"], tmp_path)
-    assert sorted(re.findall(r"mpiexec ok: .*", out)) == \
-        [f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)], out
+    out = _run(
+        [
+            mpiexec,
+            "-n",
+            "2",
+            "-genv",
+            "MASTER_ADDR",
+            "127.0.0.1",
+            "-genv",
+            "MASTER_PORT",
+            str(free_port()),
+            sys.executable,
+            "job.py",
+        ],
+        tmp_path,
+    )
+    assert sorted(re.findall(r"mpiexec ok: .*", out)) == [
+        f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)
+    ], out
 
 
-@pytest.mark.parametrize(("how", "cause", "words"), [
-    ("exit", "PeerFailureError", r"rank 1 \(pid \d+\) exited"),
-    ("silent", "DDLTimeoutError", r"rank 1 did not reach .* within .*=3 s"),
-], ids=["peer-exits", "peer-silent"])
+@pytest.mark.parametrize(
+    ("how", "cause", "words"),
+    [
+        ("exit", "PeerFailureError", r"rank 1 \(pid \d+\) exited"),
+        ("silent", "DDLTimeoutError", r"rank 1 did not reach .* within .*=3 s"),
+    ],
+    ids=["peer-exits", "peer-silent"],
+)
 def test_a_failed_peer_is_a_dist_backend_error(tmp_path, how, cause, words):
     """Started by hand (torch's variables, no agent): the surviving rank's allreduce raises
     DistBackendError with ddlcore's error as its cause and its message, within the process

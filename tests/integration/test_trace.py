@@ -70,8 +70,14 @@ def _behind(rank: int, size: int, how: str):
 
 def _trace(directory: str, *extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    res = subprocess.run([sys.executable, "-m", "ddlcore.trace", directory, *extra],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddlcore.trace", directory, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
 
@@ -89,12 +95,16 @@ def _check_errors(results, directory: str, kinds: tuple[str, ...]) -> None:
         assert os.path.exists(path)
 
 
-@pytest.mark.parametrize("how,transport", [("sleeps", "auto"), ("leaves", "auto"),
-                                           ("leaves", "tcp")])
+@pytest.mark.parametrize(
+    "how,transport", [("sleeps", "auto"), ("leaves", "auto"), ("leaves", "tcp")]
+)
 def test_trace_names_the_rank_behind(tmp_path, how, transport):
     directory = str(tmp_path / "flight")
-    env = {"DDL_FLIGHT_RECORDER": directory, "DDL_TIMEOUT": str(TIMEOUT_S),
-           "DDL_TRANSPORT": transport}
+    env = {
+        "DDL_FLIGHT_RECORDER": directory,
+        "DDL_TIMEOUT": str(TIMEOUT_S),
+        "DDL_TRANSPORT": transport,
+    }
     results = run_ranks(_behind, 3, how, env=env, timeout=120)
     _check_errors(results, directory, ("DDLTimeoutError", "PeerFailureError"))
     seq = results[0][2]
@@ -102,12 +112,15 @@ def test_trace_names_the_rank_behind(tmp_path, how, transport):
     out = _trace(directory)
     verdict = out.split("verdict:")[1].split("ranks:")[0]
     if how == "leaves":
-        assert f"rank {ODD} is behind: it never started allreduce #{seq} (4099 x float32, " \
-            "sum), which ranks 0, 1 started" in verdict, out
+        assert (
+            f"rank {ODD} is behind: it never started allreduce #{seq} (4099 x float32, "
+            "sum), which ranks 0, 1 started" in verdict
+        ), out
         assert "closed its communicator" in verdict, out
     else:  # it started the allreduce only after the others had given up on it
-        assert f"rank {ODD} is behind: it started allreduce #{seq} (4099 x float32, sum)" \
-            in verdict, out
+        assert (
+            f"rank {ODD} is behind: it started allreduce #{seq} (4099 x float32, sum)" in verdict
+        ), out
         assert "after ranks 0, 1" in verdict, out
     assert "left no record" not in out
     table = _trace(directory, "--table", "--rank", str(ODD), "--last", "3")
@@ -122,8 +135,10 @@ def test_trace_names_the_rank_that_called_another_collective(tmp_path):
     _check_errors(results, directory, ("CollectiveMismatchError", "PeerFailureError"))
     seq = results[0][2]
     out = _trace(directory)
-    assert f"collective #{seq}: rank {ODD} called broadcast (4099 x float32, root 0) where " \
-        "ranks 0, 1 called allreduce (4099 x float32, sum)" in out, out
+    assert (
+        f"collective #{seq}: rank {ODD} called broadcast (4099 x float32, root 0) where "
+        "ranks 0, 1 called allreduce (4099 x float32, sum)" in out
+    ), out
 
 
 _BUSY_ELSEWHERE = """
@@ -148,11 +163,19 @@ def test_trace_under_ddlrun_names_the_rank_it_stopped(tmp_path):
     script.write_text(_BUSY_ELSEWHERE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
     env.update(DDL_FLIGHT_RECORDER=directory, DDL_TIMEOUT=str(TIMEOUT_S))
-    res = subprocess.run([sys.executable, "-m", "ddlcore.launcher", "-np", "3", str(script)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddlcore.launcher", "-np", "3", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert res.returncode != 0, res.stderr
     assert f"flight record: {os.path.join(directory, 'rank0.json')}" in res.stderr, res.stderr
     out = _trace(directory)
-    assert "rank 2 is behind: it never started allreduce #4 (4099 x float32, sum), which " \
-        "ranks 0, 1 started; its last collective was barrier #3" in out, out
+    assert (
+        "rank 2 is behind: it never started allreduce #4 (4099 x float32, sum), which "
+        "ranks 0, 1 started; its last collective was barrier #3" in out
+    ), out
     assert "it was stopped by SIGTERM" in out, out

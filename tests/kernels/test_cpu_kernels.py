@@ -61,8 +61,9 @@ def test_reduce_into_and_aliasing(dtype, op):
     kernels.reduce_into(dst.ctypes.data, b.ctypes.data, dst.size, dtype_code(a.dtype), op)
     assert same_bits(dst, want)
     second = b.copy()  # dst aliasing the right operand
-    kernels.reduce_copy(second.ctypes.data, a.ctypes.data, second.ctypes.data, a.size,
-                        dtype_code(a.dtype), op)
+    kernels.reduce_copy(
+        second.ctypes.data, a.ctypes.data, second.ctypes.data, a.size, dtype_code(a.dtype), op
+    )
     assert same_bits(second, want)
 
 
@@ -77,10 +78,13 @@ def test_avg_finalize(dtype, divisor):
 
 
 def test_avg_of_ints_rounds_down():
-    got = kernels.reduce_arrays(np.array([-7, 7, -1, 5], np.int32), np.array([0, 0, 0, 0], np.int32),
-                                "avg", divisor=2)
+    got = kernels.reduce_arrays(
+        np.array([-7, 7, -1, 5], np.int32), np.array([0, 0, 0, 0], np.int32), "avg", divisor=2
+    )
     assert got.tolist() == [-4, 3, -1, 2]
-    assert reference.avg_ref([np.array([-7, 7], np.int64), np.array([0, 0], np.int64)]).tolist() == [-4, 3]
+    assert reference.avg_ref(
+        [np.array([-7, 7], np.int64), np.array([0, 0], np.int64)]
+    ).tolist() == [-4, 3]
     total = np.array([-7, 7, -1, 5, -6], np.int32)
     kernels.avg_finalize(total.ctypes.data, total.size, dtype_code(total.dtype), 2)
     assert total.tolist() == [-4, 3, -1, 2, -3]
@@ -88,12 +92,25 @@ def test_avg_of_ints_rounds_down():
 
 # (a, b, floor of their mean) at the limits of each integer type: a sum in the type would wrap
 INT_LIMITS = [
-    (np.int8, [100, 127, -128, -128, 127, -1], [101, 127, -128, -127, -128, 0], [100, 127, -128, -128, -1, -1]),
+    (
+        np.int8,
+        [100, 127, -128, -128, 127, -1],
+        [101, 127, -128, -127, -128, 0],
+        [100, 127, -128, -128, -1, -1],
+    ),
     (np.uint8, [253, 255, 0, 255], [254, 255, 1, 0], [253, 255, 0, 127]),
-    (np.int32, [2**31 - 1, -2**31, -2**31, 2**31 - 2], [2**31 - 1, -2**31, 2**31 - 1, 2**31 - 1],
-     [2**31 - 1, -2**31, -1, 2**31 - 2]),
-    (np.int64, [2**63 - 1, -2**63, -2**63, 2**63 - 2, -3], [2**63 - 1, -2**63, 2**63 - 1, 2**63 - 1, 0],
-     [2**63 - 1, -2**63, -1, 2**63 - 2, -2]),
+    (
+        np.int32,
+        [2**31 - 1, -(2**31), -(2**31), 2**31 - 2],
+        [2**31 - 1, -(2**31), 2**31 - 1, 2**31 - 1],
+        [2**31 - 1, -(2**31), -1, 2**31 - 2],
+    ),
+    (
+        np.int64,
+        [2**63 - 1, -(2**63), -(2**63), 2**63 - 2, -3],
+        [2**63 - 1, -(2**63), 2**63 - 1, 2**63 - 1, 0],
+        [2**63 - 1, -(2**63), -1, 2**63 - 2, -2],
+    ),
 ]
 
 
@@ -123,13 +140,32 @@ def test_half_precision_rounding_edges(dtype, float16_path):
     NaN payloads may be quieted and min/max of -0 and +0 may return either zero (NumPy's float16
     and ml_dtypes' bfloat16 disagree there themselves; the kernel keeps the left operand)."""
     every = np.arange(1 << 16, dtype=np.uint16).view(dtype)
-    for other in [0.0, -0.0, 1.0, -1.0, 3.0e-5, 6.1e-5, 65504.0, 0.3333, np.inf, np.nan, 1e-7, 2.0 ** -24]:
+    for other in [
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        3.0e-5,
+        6.1e-5,
+        65504.0,
+        0.3333,
+        np.inf,
+        np.nan,
+        1e-7,
+        2.0**-24,
+    ]:
         rhs = np.full(every.shape, other, np.float32).astype(dtype)
         for op in OPS:
             want = reference.reduce_ref([every, rhs], op)
             got = np.empty_like(every)
-            kernels.reduce_copy(got.ctypes.data, every.ctypes.data, rhs.ctypes.data, every.size,
-                                dtype_code(every.dtype), op)
+            kernels.reduce_copy(
+                got.ctypes.data,
+                every.ctypes.data,
+                rhs.ctypes.data,
+                every.size,
+                dtype_code(every.dtype),
+                op,
+            )
             nan = np.isnan(want.astype(np.float32))
             assert np.array_equal(np.isnan(got.astype(np.float32)), nan), (op, other)
             zero = want.astype(np.float32) == 0
@@ -151,8 +187,9 @@ def test_unknown_codes_are_rejected():
 def test_pack_unpack_round_trip(k):
     rng = np.random.default_rng(k)
     dtypes = SUPPORTED_DTYPES
-    arrays = [rand(dtypes[i % len(dtypes)], int(rng.integers(0, 50)) if i % 7 else 0, i)
-              for i in range(k)]
+    arrays = [
+        rand(dtypes[i % len(dtypes)], int(rng.integers(0, 50)) if i % 7 else 0, i) for i in range(k)
+    ]
     flat = kernels.pack_arrays(arrays)
     assert same_bits(flat, reference.pack_ref(arrays))
     outs = [np.empty_like(a) for a in arrays]

@@ -36,14 +36,20 @@ def _alive(pid: int) -> bool:
 
 
 def _segments_of(pids: set[int]) -> list[str]:
-    return [n for n in os.listdir(shm.SHM_DIR)
-            if n.startswith(shm.PREFIX) and n.split("-")[1] in {str(p) for p in pids}]
+    return [
+        n
+        for n in os.listdir(shm.SHM_DIR)
+        if n.startswith(shm.PREFIX) and n.split("-")[1] in {str(p) for p in pids}
+    ]
 
 
 def test_ranks_die_when_ddlrun_is_killed(tmp_path):
-    proc = subprocess.Popen(DDLRUN + ["-np", "3", str(SCRIPTS / "sleeper.py"), str(tmp_path)],
-                            env=_clean_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        DDLRUN + ["-np", "3", str(SCRIPTS / "sleeper.py"), str(tmp_path)],
+        env=_clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -57,26 +63,39 @@ def test_ranks_die_when_ddlrun_is_killed(tmp_path):
     assert not [p for p in pids if _alive(p)], "ranks outlived ddlrun's SIGKILL by 5 s"
 
 
-def _plain_env_job(script: pathlib.Path, nprocs: int, outdir: pathlib.Path,
-                   env: dict[str, str], *args: str) -> list[subprocess.Popen]:
+def _plain_env_job(
+    script: pathlib.Path, nprocs: int, outdir: pathlib.Path, env: dict[str, str], *args: str
+) -> list[subprocess.Popen]:
     """The ranks started by hand (as any launcher would), not by ddlrun."""
     port = str(free_port())
     procs = []
     for rank in range(nprocs):
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(outdir), *args],
-            env={**_clean_env(), **env, "DDL_RANK": str(rank), "DDL_SIZE": str(nprocs),
-                 "DDL_LOCAL_RANK": str(rank), "DDL_LOCAL_SIZE": str(nprocs),
-                 "DDL_MASTER_ADDR": "127.0.0.1", "DDL_MASTER_PORT": port,
-                 "DDL_TIMEOUT": "30"},
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(outdir), *args],
+                env={
+                    **_clean_env(),
+                    **env,
+                    "DDL_RANK": str(rank),
+                    "DDL_SIZE": str(nprocs),
+                    "DDL_LOCAL_RANK": str(rank),
+                    "DDL_LOCAL_SIZE": str(nprocs),
+                    "DDL_MASTER_ADDR": "127.0.0.1",
+                    "DDL_MASTER_PORT": port,
+                    "DDL_TIMEOUT": "30",
+                },
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
     return procs
 
 
 @pytest.mark.parametrize("algo", ["auto", "ring"])  # host collectives' boards; shm schedules
 def test_killed_rank_leaves_no_segment_under_a_plain_env_launch(tmp_path, algo):
-    procs = _plain_env_job(SCRIPTS / "shm_then_die.py", 3, tmp_path,
-                           {"DDL_TRANSPORT": "shm", "DDL_ALGO": algo})
+    procs = _plain_env_job(
+        SCRIPTS / "shm_then_die.py", 3, tmp_path, {"DDL_TRANSPORT": "shm", "DDL_ALGO": algo}
+    )
     try:
         outs = [p.communicate(timeout=120)[1].decode() for p in procs]
     finally:
@@ -94,8 +113,9 @@ def test_killed_rank_leaves_no_segment_under_a_plain_env_launch(tmp_path, algo):
 
 def test_segments_of_a_job_killed_whole_go_at_the_next_init(tmp_path):
     # An MPI launcher or srun kills every rank at once: nobody survives to clean up.
-    procs = _plain_env_job(SCRIPTS / "shm_then_die.py", 2, tmp_path, {"DDL_TRANSPORT": "shm"},
-                           "all")
+    procs = _plain_env_job(
+        SCRIPTS / "shm_then_die.py", 2, tmp_path, {"DDL_TRANSPORT": "shm"}, "all"
+    )
     for p in procs:
         p.communicate(timeout=120)
     pids = {p.pid for p in procs}
@@ -103,11 +123,20 @@ def test_segments_of_a_job_killed_whole_go_at_the_next_init(tmp_path):
     assert len(_segments_of(pids)) >= 2
     time.sleep(shm._ORPHAN_MIN_AGE_S + 0.1)
     # The next job on this host: any context creation first removes orphans.
-    live = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\n"
-        "from ddlcore.transports.shm import create_segment\n"
-        "create_segment(f'ddl-{os.getpid()}-live-r0', 8192, 4096, 'a live segment')\n"
-        "print(flush=True); time.sleep(30)\n")], stdout=subprocess.PIPE, env=_clean_env())
+    live = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, sys, time\n"
+                "from ddlcore.transports.shm import create_segment\n"
+                "create_segment(f'ddl-{os.getpid()}-live-r0', 8192, 4096, 'a live segment')\n"
+                "print(flush=True); time.sleep(30)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        env=_clean_env(),
+    )
     try:
         live.stdout.readline()
         assert not _segments_of(pids), _segments_of(pids)
@@ -129,4 +158,4 @@ def test_a_reused_pid_does_not_keep_a_segment():
     boot = shm._boot_time()
     assert shm._owner_gone(os.getpid(), time.time() - 3600, boot)
     assert not shm._owner_gone(os.getpid(), time.time(), boot)
-    assert shm._owner_gone(2 ** 22 + 1, time.time(), boot)  # above pid_max: no such process
+    assert shm._owner_gone(2**22 + 1, time.time(), boot)  # above pid_max: no such process

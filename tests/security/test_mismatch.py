@@ -35,8 +35,17 @@ def test_broadcast_with_two_roots(transport, algo):
 
 
 # Each differs on one rank of three: count, an empty call, dtype, op, root, kind.
-ALLREDUCES = ["count", "count 0", "count 1", "dtype", "op", "allreduce vs allgather",
-              "allreduce vs broadcast", "allreduce vs barrier", "broadcast root"]
+ALLREDUCES = [
+    "count",
+    "count 0",
+    "count 1",
+    "dtype",
+    "op",
+    "allreduce vs allgather",
+    "allreduce vs broadcast",
+    "allreduce vs barrier",
+    "broadcast root",
+]
 
 
 @pytest.mark.parametrize("algo", ["auto", "ring"])

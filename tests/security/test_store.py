@@ -48,9 +48,13 @@ class ServerProcess:
     def __init__(self, *limits: str) -> None:
         self.secret = new_secret()
         self.key = JobKey(self.secret.encode(), "job")
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, self.secret, *limits],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, self.secret, *limits],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.port = int(self.proc.stdout.readline())
 
     def status(self, field: str) -> int:
@@ -121,22 +125,34 @@ def _hung_up(sock: socket.socket, timeout: float = 10.0) -> bool:
 
 # --- without the secret, nothing ---------------------------------------------------------------
 
+
 def test_a_stranger_cannot_read_overwrite_or_delete_keys():
     secret = new_secret().encode()
     with StoreServer("127.0.0.1", 0, job_key=JobKey(secret, "job")) as server:
-        owner = StoreClient("127.0.0.1", server.port, 5.0, rank=0, size=2,
-                            job_key=JobKey(secret, "job"))
+        owner = StoreClient(
+            "127.0.0.1", server.port, 5.0, rank=0, size=2, job_key=JobKey(secret, "job")
+        )
         owner.set("g0/peer/0", b"the real record")
         # Requests without a handshake: the first 8 bytes are not a hello, so hang up.
-        for frame in (_request(wire.GET, b"g0/peer/0"), _request(wire.SET, b"g0/peer/0", b"x"),
-                      _request(wire.DELETE, b"g0/peer/0"), _request(wire.ADD, b"n", arg=5)):
+        for frame in (
+            _request(wire.GET, b"g0/peer/0"),
+            _request(wire.SET, b"g0/peer/0", b"x"),
+            _request(wire.DELETE, b"g0/peer/0"),
+            _request(wire.ADD, b"n", arg=5),
+        ):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
                 raw.sendall(frame)
                 assert _hung_up(raw)
         # A handshake with another secret: refused, and the client says what to set.
         with pytest.raises(StoreAuthenticationError) as info:
-            StoreClient("127.0.0.1", server.port, 5.0, rank=1, size=2,
-                        job_key=JobKey(b"guessed", "job", "DDL_SECRET"))
+            StoreClient(
+                "127.0.0.1",
+                server.port,
+                5.0,
+                rank=1,
+                size=2,
+                job_key=JobKey(b"guessed", "job", "DDL_SECRET"),
+            )
         message = str(info.value)
         assert "rank 1" in message and "DDL_SECRET" in message and "DDL_SECRET_FILE" in message
         assert f"127.0.0.1:{server.port}" in message
@@ -162,8 +178,14 @@ def test_a_store_that_cannot_prove_the_key_is_refused_by_the_client():
     impostor) cannot prove the key: the rank says so instead of talking to it."""
     with StoreServer("127.0.0.1", 0, job_key=JobKey(b"impostor", "job")) as impostor:
         with pytest.raises(StoreAuthenticationError, match="could not prove"):
-            StoreClient("127.0.0.1", impostor.port, 5.0, rank=2, size=4,
-                        job_key=JobKey(b"the job's secret", "job", "DDL_SECRET_FILE=/x"))
+            StoreClient(
+                "127.0.0.1",
+                impostor.port,
+                5.0,
+                rank=2,
+                size=4,
+                job_key=JobKey(b"the job's secret", "job", "DDL_SECRET_FILE=/x"),
+            )
 
 
 def _allreduce_job(rank, size, flag):
@@ -190,8 +212,9 @@ def test_a_fake_rank_joining_first_is_refused_and_the_job_stays_exact(tmp_path):
             # Take rank 1's place with a guessed secret, as soon as rank 0's store listens.
             fake = None
             try:
-                fake = StoreClient("127.0.0.1", port, 30.0, rank=1, size=2,
-                                   job_key=JobKey(b"guessed", str(port)))
+                fake = StoreClient(
+                    "127.0.0.1", port, 30.0, rank=1, size=2, job_key=JobKey(b"guessed", str(port))
+                )
             except StoreAuthenticationError as exc:
                 outcome["refused"] = str(exc)
             if fake is not None:
@@ -207,18 +230,26 @@ def test_a_fake_rank_joining_first_is_refused_and_the_job_stays_exact(tmp_path):
     thread = threading.Thread(target=stranger)
     thread.start()
     try:
-        results = run_ranks(_allreduce_job, 2, flag, timeout=120,
-                            env={"DDL_SECRET": secret, "DDL_MASTER_PORT": str(port)})
+        results = run_ranks(
+            _allreduce_job,
+            2,
+            flag,
+            timeout=120,
+            env={"DDL_SECRET": secret, "DDL_MASTER_PORT": str(port)},
+        )
     finally:
         thread.join(60)
     assert "refused" in outcome and outcome["raw hung up"], outcome
     for i, n in enumerate((1, 7, 1009, 65537)):
-        expected = (np.random.default_rng([0, n]).standard_normal(n) +
-                    np.random.default_rng([1, n]).standard_normal(n)).tobytes()
+        expected = (
+            np.random.default_rng([0, n]).standard_normal(n)
+            + np.random.default_rng([1, n]).standard_normal(n)
+        ).tobytes()
         assert results[0][i] == expected and results[1][i] == expected, n
 
 
 # --- bounded -----------------------------------------------------------------------------------
+
 
 def test_an_announced_64_mib_value_allocates_nothing(server_process):
     srv = server_process
@@ -228,8 +259,11 @@ def test_an_announced_64_mib_value_allocates_nothing(server_process):
         # Authenticated (the worst case: a stranger does not get past the hello): a header
         # announcing 64 MiB, then a few bytes, then nothing.
         sock = _authenticated_socket(srv.port, srv.key)
-        sock.sendall(wire.REQUEST.pack(wire.MAGIC, wire.SET, 0, 1, wire.MAX_VALUE_BYTES, 0, 0)
-                     + b"k" + os.urandom(1000))
+        sock.sendall(
+            wire.REQUEST.pack(wire.MAGIC, wire.SET, 0, 1, wire.MAX_VALUE_BYTES, 0, 0)
+            + b"k"
+            + os.urandom(1000)
+        )
         socks.append(sock)
         stranger = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
         # Without the handshake: the same header is not a hello, and is dropped unread.
@@ -288,8 +322,10 @@ def test_connection_caps_hold_and_a_real_client_still_gets_in():
     secret = new_secret().encode()
     key = JobKey(secret, "job")
     with StoreServer("127.0.0.1", 0, job_key=key, max_connections=16) as server:
-        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
-                for _ in range(3 * MAX_PENDING_PER_SOURCE)]
+        idle = [
+            socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            for _ in range(3 * MAX_PENDING_PER_SOURCE)
+        ]
         _settle(lambda: server.stats()["connections"], 16)
         stats = server.stats()
         assert stats["pending"] <= 16 and stats["connections"] <= 16, stats
@@ -338,6 +374,7 @@ def test_a_store_out_of_fds_sheds_strangers_and_keeps_serving():
 def test_values_are_freed_when_read_by_all_or_when_the_job_leaves():
     key = JobKey(b"s", "job")
     with StoreServer("127.0.0.1", 0, job_key=key) as server:
+
         def client(rank):
             return StoreClient("127.0.0.1", server.port, 5.0, rank=rank, size=3, job_key=key)
 
@@ -396,7 +433,7 @@ def test_slow_and_idle_connections_do_not_delay_init(tmp_path):
             for entry in list(socks):  # slow: the next byte of a valid hello, now and then
                 try:
                     if entry[1] < len(hello) - 1:
-                        entry[0].send(hello[entry[1]:entry[1] + 1])
+                        entry[0].send(hello[entry[1] : entry[1] + 1])
                         entry[1] += 1
                 except OSError:
                     socks.remove(entry)
@@ -411,19 +448,27 @@ def test_slow_and_idle_connections_do_not_delay_init(tmp_path):
     for t in crowds:
         t.start()
     try:
-        results = run_ranks(_allreduce_job, 2, str(flag), timeout=120,
-                            env={"DDL_SECRET": new_secret(), "DDL_MASTER_PORT": str(port)})
+        results = run_ranks(
+            _allreduce_job,
+            2,
+            str(flag),
+            timeout=120,
+            env={"DDL_SECRET": new_secret(), "DDL_MASTER_PORT": str(port)},
+        )
     finally:
         stop.set()
         for t in crowds:
             t.join(10)
     assert opened[0] > 3 * MAX_PENDING_PER_SOURCE
-    expected = (np.random.default_rng([0, 1009]).standard_normal(1009) +
-                np.random.default_rng([1, 1009]).standard_normal(1009)).tobytes()
+    expected = (
+        np.random.default_rng([0, 1009]).standard_normal(1009)
+        + np.random.default_rng([1, 1009]).standard_normal(1009)
+    ).tobytes()
     assert results[0][2] == expected == results[1][2]
 
 
 # --- MPI: the secret comes from rank 0, over MPI -----------------------------------------------
+
 
 def _mpi_job(rank, size):
     import ddlcore
@@ -436,15 +481,26 @@ def _mpi_job(rank, size):
         return comm.allreduce(x).tobytes()
 
 
-_MPI_ENV = {v: None for v in ("DDL_SIZE", "DDL_MASTER_ADDR", "DDL_MASTER_PORT", "DDL_LOCAL_SIZE",
-                              "DDL_SECRET", "DDL_SECRET_FILE")}
+_MPI_ENV = {
+    v: None
+    for v in (
+        "DDL_SIZE",
+        "DDL_MASTER_ADDR",
+        "DDL_MASTER_PORT",
+        "DDL_LOCAL_SIZE",
+        "DDL_SECRET",
+        "DDL_SECRET_FILE",
+    )
+}
 
 
 def test_mpiexec_job_without_a_secret_gets_one_from_rank_0():
     require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
     results = run_ranks(_mpi_job, 2, launcher="mpiexec", env=_MPI_ENV, timeout=120)
-    expected = (np.random.default_rng([0, 7]).standard_normal(1009) +
-                np.random.default_rng([1, 7]).standard_normal(1009)).tobytes()
+    expected = (
+        np.random.default_rng([0, 7]).standard_normal(1009)
+        + np.random.default_rng([1, 7]).standard_normal(1009)
+    ).tobytes()
     assert results == [expected, expected]
 
 
@@ -465,12 +521,14 @@ def test_mpiexec_ranks_that_disagree_on_the_secret_all_fail_at_once(case, tmp_pa
     read its DDL_SECRET_FILE) fail together at init, saying why: nobody waits out the timeout,
     nobody silently drops its own secret."""
     require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
-    rank_envs = {"rank 0 only": {0: {"DDL_SECRET": new_secret()}},
-                 "rank 1 only": {1: {"DDL_SECRET": new_secret()}},
-                 "rank 0's file unreadable": {0: {"DDL_SECRET_FILE": str(tmp_path / "none")}},
-                 }[case]
-    results = run_ranks(_mpi_init_error, 2, launcher="mpiexec", env=_MPI_ENV,
-                        rank_envs=rank_envs, timeout=120)
+    rank_envs = {
+        "rank 0 only": {0: {"DDL_SECRET": new_secret()}},
+        "rank 1 only": {1: {"DDL_SECRET": new_secret()}},
+        "rank 0's file unreadable": {0: {"DDL_SECRET_FILE": str(tmp_path / "none")}},
+    }[case]
+    results = run_ranks(
+        _mpi_init_error, 2, launcher="mpiexec", env=_MPI_ENV, rank_envs=rank_envs, timeout=120
+    )
     for rank, (message, elapsed) in enumerate(results):
         assert elapsed < 15, (rank, message, elapsed)
         if case == "rank 0's file unreadable":

@@ -38,8 +38,12 @@ def _status(field: str) -> int:
 
 
 def _usage() -> dict[str, int]:
-    return {"rss_kb": _status("VmRSS"), "threads": threading.active_count(),
-            "os_threads": _status("Threads"), "fds": len(os.listdir("/proc/self/fd"))}
+    return {
+        "rss_kb": _status("VmRSS"),
+        "threads": threading.active_count(),
+        "os_threads": _status("Threads"),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
 
 
 def _expected(i: int, size: int) -> bytes:
@@ -93,13 +97,19 @@ def _fuzz_job(rank, size, workdir):
     after = _usage()
     if rank == 0:  # the store lets go of the stranger's connections as it notices them close
         settle = time.monotonic() + 15
-        while (after["fds"] > baseline["fds"] or after["threads"] > baseline["threads"]) \
-                and time.monotonic() < settle:
+        while (
+            after["fds"] > baseline["fds"] or after["threads"] > baseline["threads"]
+        ) and time.monotonic() < settle:
             time.sleep(0.1)
             after = _usage()
     comm.close()
-    return {"wrong": wrong, "rounds": rounds, "reinits": reinits, "baseline": baseline,
-            "after": after}
+    return {
+        "wrong": wrong,
+        "rounds": rounds,
+        "reinits": reinits,
+        "baseline": baseline,
+        "after": after,
+    }
 
 
 def _malformed_frames(rng: random.Random) -> list[tuple[bytes, bool]]:
@@ -123,16 +133,25 @@ def _malformed_frames(rng: random.Random) -> list[tuple[bytes, bool]]:
             out.append((frames[rng.randrange(len(frames))], True))
         elif kind == 2:  # a valid hello, then a made-up proof (and a request after it)
             claim = b"ddl-store rank=1 size=2"
-            out.append((_HELLO.pack(_AUTH_MAGIC, 1, len(claim)) + os.urandom(32) + claim +
-                        os.urandom(32) + wire.REQUEST.pack(wire.MAGIC, wire.SET, 0, 1, 1, 0, 0) +
-                        b"kv", True))
+            out.append(
+                (
+                    _HELLO.pack(_AUTH_MAGIC, 1, len(claim))
+                    + os.urandom(32)
+                    + claim
+                    + os.urandom(32)
+                    + wire.REQUEST.pack(wire.MAGIC, wire.SET, 0, 1, 1, 0, 0)
+                    + b"kv",
+                    True,
+                )
+            )
         elif kind == 3:  # a hello cut short
             whole = hello_head + os.urandom(32)
-            out.append((whole[:rng.randrange(1, len(whole))], False))
+            out.append((whole[: rng.randrange(1, len(whole))], False))
         else:  # a valid header with a random claim length and random bytes after it
             n = rng.randrange(0, MAX_CLAIM_BYTES + 1)
-            out.append((_HELLO.pack(_AUTH_MAGIC, 1, n) + os.urandom(rng.randrange(0, 32 + n + 40)),
-                        False))
+            out.append(
+                (_HELLO.pack(_AUTH_MAGIC, 1, n) + os.urandom(rng.randrange(0, 32 + n + 40)), False)
+            )
     return out
 
 
@@ -154,7 +173,7 @@ def _stranger(port: int, workdir: str, report: dict) -> None:
             try:
                 if sock is None:
                     sock, pos = socket.create_connection(("127.0.0.1", port), timeout=5), 0
-                sock.send(hello[pos:pos + 1])
+                sock.send(hello[pos : pos + 1])
                 slow_sent[0] += 1
                 pos = min(pos + 1, len(hello) - 1)
             except OSError:
@@ -208,8 +227,13 @@ def test_store_fuzz_while_a_job_runs(tmp_path):
     stranger = threading.Thread(target=_stranger, args=(port, workdir, report))
     stranger.start()
     try:
-        results = run_ranks(_fuzz_job, 2, workdir, timeout=240,
-                            env={"DDL_SECRET": new_secret(), "DDL_MASTER_PORT": str(port)})
+        results = run_ranks(
+            _fuzz_job,
+            2,
+            workdir,
+            timeout=240,
+            env={"DDL_SECRET": new_secret(), "DDL_MASTER_PORT": str(port)},
+        )
     finally:
         stranger.join(120)
     assert report.get("sent", 0) >= MALFORMED and report["idle"] == IDLE, report

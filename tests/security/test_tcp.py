@@ -68,8 +68,10 @@ def _allreduce(pair, rank: int, step: int, timeout: float) -> None:
     got = theirs + mine if rank == 1 else mine + theirs  # the same order on both ranks
     want = _data(0, step) + _data(1, step)
     if not np.array_equal(got, want):
-        raise AssertionError(f"rank {rank}: step {step}: the sum differs from NumPy's "
-                             f"({int(np.sum(got != want))} of {want.size} elements)")
+        raise AssertionError(
+            f"rank {rank}: step {step}: the sum differs from NumPy's "
+            f"({int(np.sum(got != want))} of {want.size} elements)"
+        )
 
 
 def _go_on(pair, rank: int, mine: bool, timeout: float) -> bool:
@@ -87,8 +89,9 @@ def _resources() -> tuple[int, int, int]:
     return len(os.listdir("/proc/self/fd")), threading.active_count(), rss
 
 
-def job(rank: int, size: int, workdir: str, steps: int, timeout: float,
-        watch: bool = False) -> dict:
+def job(
+    rank: int, size: int, workdir: str, steps: int, timeout: float, watch: bool = False
+) -> dict:
     """Publish the listener's port, wait for the stranger's "go" (rank 0 connects only then), run
     ``steps`` checked allreduces and, while ``watch``, keep going until the stranger is done;
     then wait for fds and threads to come back to where they were before the attack."""
@@ -108,8 +111,9 @@ def job(rank: int, size: int, workdir: str, steps: int, timeout: float,
                 step += 1
             before = _resources()
             _publish(workdir, f"ready{rank}", "")
-        while _go_on(pair, rank, step < steps or (watch and not Path(workdir, "done").exists()),
-                     timeout):
+        while _go_on(
+            pair, rank, step < steps or (watch and not Path(workdir, "done").exists()), timeout
+        ):
             _allreduce(pair, rank, step, timeout)
             step += 1
         out["steps"] = step
@@ -117,8 +121,7 @@ def job(rank: int, size: int, workdir: str, steps: int, timeout: float,
             deadline = time.monotonic() + 15.0  # the stranger's sockets close: handshakes end
             while True:
                 after = _resources()
-                if (after[0] <= before[0] and after[1] <= before[1]) or \
-                        time.monotonic() > deadline:
+                if (after[0] <= before[0] and after[1] <= before[1]) or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
             out["before"], out["after"] = before, after
@@ -132,8 +135,14 @@ def job(rank: int, size: int, workdir: str, steps: int, timeout: float,
 class Job:
     """The two-rank job running on a thread of this process; its ranks' listener addresses."""
 
-    def __init__(self, tmp_path: Path, steps: int, timeout: float, watch: bool = False,
-                 env: dict | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        steps: int,
+        timeout: float,
+        watch: bool = False,
+        env: dict | None = None,
+    ) -> None:
         self.workdir = str(tmp_path)
         self.secret = secrets.token_hex(16)
         self.results: list | None = None
@@ -142,8 +151,9 @@ class Job:
 
         def run() -> None:
             try:
-                self.results = run_ranks(job, 2, self.workdir, steps, timeout, watch,
-                                         timeout=JOB_TIMEOUT_S, env=job_env)
+                self.results = run_ranks(
+                    job, 2, self.workdir, steps, timeout, watch, timeout=JOB_TIMEOUT_S, env=job_env
+                )
             except BaseException as exc:  # reported by finish()
                 self.error = exc
 
@@ -201,13 +211,13 @@ def prove_with(addr: tuple[str, int], claim: bytes, proof_for) -> bytes:
         sock.sendall(hello)
         challenge = recv_all(sock, _CHALLENGE_BYTES)
         assert len(challenge) == _CHALLENGE_BYTES, challenge
-        nonce_a = challenge[8:8 + auth.NONCE_BYTES]
+        nonce_a = challenge[8 : 8 + auth.NONCE_BYTES]
         sock.sendall(proof_for(nonce_c, nonce_a))
         return recv_all(sock, _VERDICT.size + 12)
 
 
 def assert_refused(verdict: bytes) -> None:
-    assert verdict[:_VERDICT.size] == _VERDICT.pack(auth._MAGIC, _REFUSED), verdict
+    assert verdict[: _VERDICT.size] == _VERDICT.pack(auth._MAGIC, _REFUSED), verdict
     assert len(verdict) == _VERDICT.size, "the listener answered after refusing"
 
 
@@ -247,8 +257,7 @@ def test_stranger_claiming_a_rank_before_the_real_peer_is_refused(tmp_path):
     claim = tcp_claim(0, 1)
     # Without the secret: a proof made with another key, and one of random bytes.
     wrong = auth.JobKey(b"not the job's secret", str(jb.master_port))
-    assert_refused(prove_with(victim, claim,
-                              lambda nc, na: wrong._mac(b"connect", claim, nc, na)))
+    assert_refused(prove_with(victim, claim, lambda nc, na: wrong._mac(b"connect", claim, nc, na)))
     assert_refused(prove_with(victim, claim, lambda nc, na: secrets.token_bytes(32)))
     # Replayed: the hello and proof of a real handshake sniffed earlier (made with the job's
     # key against the challenge of that time) do not answer today's challenge.
@@ -333,7 +342,7 @@ def _malformed(rng: np.random.Generator, i: int) -> bytes:
     if kind == 0:
         return rng.bytes(int(rng.integers(1, 200)))
     if kind == 1:
-        return hello[:int(rng.integers(1, len(hello)))]
+        return hello[: int(rng.integers(1, len(hello)))]
     if kind == 2:  # a claim length over the cap
         return _AUTH_HELLO.pack(auth._MAGIC, auth.PROTOCOL_VERSION, 0xFFFF) + rng.bytes(40)
     if kind == 3:  # the right hello, then a wrong proof
@@ -383,8 +392,10 @@ def test_fuzz_idle_and_slow_connections_while_the_job_runs(tmp_path):
     results = jb.finish()
     for rank, r in enumerate(results):
         (fds0, threads0, rss0), (fds1, threads1, rss1) = r["before"], r["after"]
-        print(f"rank {rank}: {r['steps']} allreduces; fds {fds0} -> {fds1}, threads "
-              f"{threads0} -> {threads1}, RSS {rss0 >> 20} -> {rss1 >> 20} MB; {r['refusals']}")
+        print(
+            f"rank {rank}: {r['steps']} allreduces; fds {fds0} -> {fds1}, threads "
+            f"{threads0} -> {threads1}, RSS {rss0 >> 20} -> {rss1 >> 20} MB; {r['refusals']}"
+        )
         assert fds1 <= fds0 and threads1 <= threads0, r
         assert rss1 - rss0 < 20 << 20, r
         assert r["refusals"], r
@@ -407,14 +418,20 @@ def test_ranks_holding_different_secrets_are_told_so():
         stores[0].job_key = auth.JobKey(b"one secret", "job", "DDL_SECRET")
         stores[1].job_key = auth.JobKey(b"another secret", "job", "DDL_SECRET")
         contexts = [TcpTransport().create_context(r, 2, stores[r], 5.0) for r in (1, 0)]
-        with pytest.raises(auth.AuthenticationError, match="rank 0 could not connect to rank 1"
-                           r".*could not prove it holds this job's secret"):
+        with pytest.raises(
+            auth.AuthenticationError,
+            match="rank 0 could not connect to rank 1"
+            r".*could not prove it holds this job's secret",
+        ):
             contexts[1].pair(1)
         buf = bytearray(4)
         req = contexts[0].pair(0).irecv(memoryview(buf), 3)
-        with pytest.raises(DDLTimeoutError, match=r"rank 0 has not connected to rank 1 yet; "
-                           r"rank 1's listener: 1 connection\(s\) refused, the last from "
-                           r"127\.0\.0\.1:\d+: ConnectionResetError"):
+        with pytest.raises(
+            DDLTimeoutError,
+            match=r"rank 0 has not connected to rank 1 yet; "
+            r"rank 1's listener: 1 connection\(s\) refused, the last from "
+            r"127\.0\.0\.1:\d+: ConnectionResetError",
+        ):
             req.wait(0.5)
     finally:
         for ctx in contexts:
@@ -454,8 +471,10 @@ def test_a_stranger_holds_at_most_a_fixed_number_of_handshakes_of_a_large_job():
             s = socket.create_connection((host, int(port)), timeout=5.0)
             socks.append(s)
         deadline = time.monotonic() + 10.0
-        while ctx._handshakes.refused < 2 * tcp._MAX_PENDING_PER_SOURCE and \
-                time.monotonic() < deadline:
+        while (
+            ctx._handshakes.refused < 2 * tcp._MAX_PENDING_PER_SOURCE
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         assert ctx._handshakes.pending() <= tcp._MAX_PENDING_PER_SOURCE
         assert threading.active_count() - threads <= tcp._MAX_PENDING_PER_SOURCE + 1

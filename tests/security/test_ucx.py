@@ -44,8 +44,7 @@ def stranger(workdir: str, victim: int, claimed: int) -> None:
     lib, Array = ucx._import_ucxx()
     context = lib.UCXContext(ucx.ucx_options(), ucx._features(lib))
     worker = lib.UCXWorker(context)
-    address = lib.UCXAddress.create_from_buffer(bytes.fromhex(_wait_for(workdir,
-                                                                       f"addr{victim}")))
+    address = lib.UCXAddress.create_from_buffer(bytes.fromhex(_wait_for(workdir, f"addr{victim}")))
     ep = worker.create_endpoint_from_worker_address(address, True)
     ctrl = lib.UCXXTag(ucx._ucx_tag(ucx._CTRL_KIND, claimed, 0))
     header = ucx._HEADER
@@ -72,18 +71,32 @@ def stranger(workdir: str, victim: int, claimed: int) -> None:
             # protocol 2's header (no token) with the job's tag and size
             send(header.pack(kind, 2, 0, 7, n, k) + garbage, ctrl)
             # protocol 3's, with a random token
-            send(os.urandom(ucx._TOKEN_BYTES) +
-                 header.pack(kind, ucx.PROTOCOL_VERSION, 0, 7, n, k) + garbage, ctrl)
+            send(
+                os.urandom(ucx._TOKEN_BYTES)
+                + header.pack(kind, ucx.PROTOCOL_VERSION, 0, 7, n, k)
+                + garbage,
+                ctrl,
+            )
             if not eager:  # the payload on the tag protocol 2 would have used, and a random one
-                send(os.urandom(n), lib.UCXXTag(ucx._ucx_tag(ucx._PAYLOAD_KIND, claimed, k)),
-                     wait=False)
-                send(os.urandom(n), lib.UCXXTag(int.from_bytes(os.urandom(8), "little") |
-                                                (ucx._PAYLOAD_KIND << ucx._KIND_SHIFT)),
-                     wait=False)
+                send(
+                    os.urandom(n),
+                    lib.UCXXTag(ucx._ucx_tag(ucx._PAYLOAD_KIND, claimed, k)),
+                    wait=False,
+                )
+                send(
+                    os.urandom(n),
+                    lib.UCXXTag(
+                        int.from_bytes(os.urandom(8), "little")
+                        | (ucx._PAYLOAD_KIND << ucx._KIND_SHIFT)
+                    ),
+                    wait=False,
+                )
             if k % 50 == 0:
                 reason = b"a stranger says stop"
-                for body in (header.pack(ucx._ABORT, ucx.PROTOCOL_VERSION, 0, 0, len(reason), 0)
-                             + reason, header.pack(ucx._CLOSE, ucx.PROTOCOL_VERSION, 0, 0, 0, 0)):
+                for body in (
+                    header.pack(ucx._ABORT, ucx.PROTOCOL_VERSION, 0, 0, len(reason), 0) + reason,
+                    header.pack(ucx._CLOSE, ucx.PROTOCOL_VERSION, 0, 0, 0, 0),
+                ):
                     send(body, ctrl)
                     send(os.urandom(ucx._TOKEN_BYTES) + body, ctrl)
                 send(os.urandom(20_000), ctrl)  # over the control cap
@@ -111,8 +124,7 @@ def test_stranger_at_the_ucx_worker_is_not_heard(tmp_path):
     def attack() -> None:
         nonlocal proc
         _wait_for(workdir, "addr1")
-        proc = mp.get_context("spawn").Process(target=stranger, args=(workdir, 1, 0),
-                                                daemon=True)
+        proc = mp.get_context("spawn").Process(target=stranger, args=(workdir, 1, 0), daemon=True)
         proc.start()
 
     attacker = threading.Thread(target=attack, daemon=True)
@@ -129,4 +141,3 @@ def test_stranger_at_the_ucx_worker_is_not_heard(tmp_path):
     print(f"forged control messages dropped by the victim: {results[1]['forged']}")
     assert results[1]["forged"] >= 2 * 800, results  # each DATA pair at least
     assert results[0]["forged"] == 0, results
-

@@ -77,8 +77,9 @@ class RankEnv:
 
     def context(self, namespace: str = "conf") -> Context:
         store = PrefixStore(self.client, f"{namespace}/")
-        ctx = transport_class(self.transport)().create_context(self.rank, self.size, store,
-                                                               self.timeout)
+        ctx = transport_class(self.transport)().create_context(
+            self.rank, self.size, store, self.timeout
+        )
         self.contexts.append(ctx)
         return ctx
 
@@ -117,8 +118,10 @@ def expect(buf: np.ndarray, src: int, tag: int, seq: int) -> None:
     want = payload(src, tag, seq, buf.nbytes)
     if not np.array_equal(buf, want):
         got = struct.unpack("<QQ", buf[:16].tobytes()) if buf.nbytes >= 16 else "?"
-        raise AssertionError(f"message {seq} of tag {tag} from rank {src} ({buf.nbytes} bytes) "
-                             f"has the wrong content; its header says (tag, seq) = {got}")
+        raise AssertionError(
+            f"message {seq} of tag {tag} from rank {src} ({buf.nbytes} bytes) "
+            f"has the wrong content; its header says (tag, seq) = {got}"
+        )
 
 
 def wait_all(reqs, timeout: float = TIMEOUT_S) -> None:
@@ -140,8 +143,9 @@ def ordering_same_tag(rank: int, size: int, transport: str, count: int = 600) ->
         tag = 3
         if rank == 0:
             env.barrier("posted")
-            wait_all([pair.isend(memoryview(payload(0, tag, i, _size_of(i))), tag)
-                      for i in range(count)])
+            wait_all(
+                [pair.isend(memoryview(payload(0, tag, i, _size_of(i))), tag) for i in range(count)]
+            )
             env.barrier("sent")
         else:
             half = count // 2
@@ -171,7 +175,9 @@ def interleaved_tags(rank: int, size: int, transport: str, per_tag: int = 100) -
                     reqs.append(pair.isend(memoryview(payload(0, tag, i, _size_of(i + tag))), tag))
             wait_all(reqs)
         else:
-            bufs = {(t, i): np.empty(_size_of(i + t), np.uint8) for t in tags for i in range(per_tag)}
+            bufs = {
+                (t, i): np.empty(_size_of(i + t), np.uint8) for t in tags for i in range(per_tag)
+            }
             reqs = [pair.irecv(memoryview(bufs[tags[-1], i]), tags[-1]) for i in range(per_tag)]
             env.barrier("posted")
             for tag in reversed(tags[:-1]):
@@ -188,8 +194,10 @@ def many_outstanding(rank: int, size: int, transport: str, count: int = 1000) ->
         pair = env.context().pair(peer)
         bufs = [np.empty(256, np.uint8) for _ in range(count)]
         recvs = [pair.irecv(memoryview(bufs[i]), i % 10) for i in range(count)]
-        sends = [pair.isend(memoryview(payload(rank, i % 10, i // 10, 256)), i % 10)
-                 for i in range(count)]
+        sends = [
+            pair.isend(memoryview(payload(rank, i % 10, i // 10, 256)), i % 10)
+            for i in range(count)
+        ]
         wait_all(sends + recvs)
         for i, buf in enumerate(bufs):
             expect(buf, peer, i % 10, i // 10)
@@ -202,8 +210,12 @@ def zero_bytes(rank: int, size: int, transport: str) -> None:
         pair = env.context().pair(1 - rank)
         sizes = [0, 5, 0, 0, 3, 0]
         if rank == 0:
-            wait_all([pair.isend(memoryview(payload(0, 9, i, n)), 9, check=0xC0FFEE)
-                      for i, n in enumerate(sizes)])
+            wait_all(
+                [
+                    pair.isend(memoryview(payload(0, 9, i, n)), 9, check=0xC0FFEE)
+                    for i, n in enumerate(sizes)
+                ]
+            )
             pair.isend(memoryview(b""), 10).wait(TIMEOUT_S)
             env.barrier("sent")
         else:
@@ -306,8 +318,9 @@ def both_directions(rank: int, size: int, transport: str, nbytes: int = 32 << 20
 
         def chatter() -> None:
             try:
-                reqs = [pair.isend(memoryview(payload(rank, 7, i, _size_of(i))), 7)
-                        for i in range(300)]
+                reqs = [
+                    pair.isend(memoryview(payload(rank, 7, i, _size_of(i))), 7) for i in range(300)
+                ]
                 wait_all(reqs)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the rank below
                 errors.append(exc)
@@ -335,8 +348,12 @@ def all_pairs(rank: int, size: int, transport: str, rounds: int = 3) -> None:
         for r in range(rounds):
             inbox = {p: np.empty(1000 + 10 * p, np.uint8) for p in peers}
             recvs = [ctx.pair(p).irecv(memoryview(inbox[p]), p * size + rank) for p in peers]
-            sends = [ctx.pair(p).isend(memoryview(payload(rank, rank * size + p, r, 1000 + 10 * rank)),
-                                       rank * size + p) for p in peers]
+            sends = [
+                ctx.pair(p).isend(
+                    memoryview(payload(rank, rank * size + p, r, 1000 + 10 * rank)), rank * size + p
+                )
+                for p in peers
+            ]
             wait_all(recvs + sends)
             for p in peers:
                 expect(inbox[p], p, p * size + rank, r)
@@ -350,8 +367,12 @@ def sends_do_not_wait_for_the_receiver(rank: int, size: int, transport: str) -> 
         ctx = env.context()
         msg = {2: np.arange(100, dtype=np.uint8), 1: np.arange(50, dtype=np.uint8)}
         if rank == 2:
-            wait_all([ctx.pair(1).isend(memoryview(msg[2]), 21),
-                      ctx.pair(0).isend(memoryview(msg[2]), 20)])
+            wait_all(
+                [
+                    ctx.pair(1).isend(memoryview(msg[2]), 21),
+                    ctx.pair(0).isend(memoryview(msg[2]), 20),
+                ]
+            )
         elif rank == 1:
             send = ctx.pair(0).isend(memoryview(msg[1]), 10)
             got = np.empty(100, np.uint8)
@@ -365,8 +386,9 @@ def sends_do_not_wait_for_the_receiver(rank: int, size: int, transport: str) -> 
             assert np.array_equal(got2, msg[2]) and np.array_equal(got1, msg[1])
 
 
-def concurrent_waiters(rank: int, size: int, transport: str, nthreads: int = 4,
-                       rounds: int = 20) -> None:
+def concurrent_waiters(
+    rank: int, size: int, transport: str, nthreads: int = 4, rounds: int = 20
+) -> None:
     """Several threads of rank 1 wait at once on receives from rank 0 (one tag each, so on one
     channel or several), while rank 0 sends the tags in an order that differs every round: every
     receive completes with its own bytes. A transport whose waiters read the socket themselves
@@ -379,8 +401,14 @@ def concurrent_waiters(rank: int, size: int, transport: str, nthreads: int = 4,
             order = rng.permutation(nthreads)
             if rank == 0:
                 env.barrier(f"posted{r}")
-                wait_all([pair.isend(memoryview(payload(0, int(t), r, _size_of(int(t) + r))),
-                                     100 + int(t)) for t in order])
+                wait_all(
+                    [
+                        pair.isend(
+                            memoryview(payload(0, int(t), r, _size_of(int(t) + r))), 100 + int(t)
+                        )
+                        for t in order
+                    ]
+                )
                 continue
             errors: list[BaseException] = []
 
@@ -430,8 +458,9 @@ def _connected_pair(ctx: Context, rank: int) -> Any:
     return pair
 
 
-def _failed_by_another_thread(ctx: Context, req: Any, how: str,
-                              delay_s: float) -> tuple[str, float]:
+def _failed_by_another_thread(
+    ctx: Context, req: Any, how: str, delay_s: float
+) -> tuple[str, float]:
     """Wait on ``req`` while another thread of this rank, ``delay_s`` later, aborts ``ctx``
     (``how`` "abort") or closes it: the wait must end with that failure, not its timeout.
     Returns the error's message and the seconds from the failure to the end of the wait."""
@@ -467,8 +496,14 @@ def mismatches(rank: int, size: int, transport: str) -> list[str]:
         pair = env.context().pair(1 - rank)
         if rank == 0:
             env.barrier("posted")
-            for tag, n, check in [(5, 100, 0), (6, 100, 0xAAAA), (7, 64, 0), (8, 100, 0xBBBB),
-                                  (9, 32, 0x1234), (11, 10, 0x77)]:
+            for tag, n, check in [
+                (5, 100, 0),
+                (6, 100, 0xAAAA),
+                (7, 64, 0),
+                (8, 100, 0xBBBB),
+                (9, 32, 0x1234),
+                (11, 10, 0x77),
+            ]:
                 pair.isend(memoryview(payload(0, tag, 0, n)), tag, check=check).wait(TIMEOUT_S)
             env.barrier("sent")
             return []
@@ -542,8 +577,10 @@ def killed_peer(rank: int, size: int, transport: str, victim: int) -> tuple[str,
             os._exit(17)
         first = 0 if victim else 1
         big = np.empty(nbytes, np.uint8)
-        reqs = [ctx.pair(victim).irecv(memoryview(big if rank == first else bytearray(8)), 50),
-                ctx.pair(victim).irecv(memoryview(bytearray(8)), 51)]  # never sent
+        reqs = [
+            ctx.pair(victim).irecv(memoryview(big if rank == first else bytearray(8)), 50),
+            ctx.pair(victim).irecv(memoryview(bytearray(8)), 51),
+        ]  # never sent
         t0 = time.monotonic()
         failure = None
         for req in reqs:
@@ -567,15 +604,20 @@ def killed_peer(rank: int, size: int, transport: str, victim: int) -> tuple[str,
 def all_pairs_round(ctx: Context, rank: int, size: int, peers: list[int], seq: int = 0) -> None:
     inbox = {p: np.empty(64, np.uint8) for p in peers}
     recvs = [ctx.pair(p).irecv(memoryview(inbox[p]), 1000 + seq) for p in peers]
-    sends = [ctx.pair(p).isend(memoryview(payload(rank, 1000 + seq, 0, 64)), 1000 + seq)
-             for p in peers]
+    sends = [
+        ctx.pair(p).isend(memoryview(payload(rank, 1000 + seq, 0, 64)), 1000 + seq) for p in peers
+    ]
     wait_all(recvs + sends)
     for p in peers:
         expect(inbox[p], p, 1000 + seq, 0)
 
 
-ABORT_CODES = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError,
-               ABORT_PEER_FAILURE: PeerFailureError, ABORT_OTHER: PeerFailureError}
+ABORT_CODES = {
+    ABORT_MISMATCH: CollectiveMismatchError,
+    ABORT_TIMEOUT: DDLTimeoutError,
+    ABORT_PEER_FAILURE: PeerFailureError,
+    ABORT_OTHER: PeerFailureError,
+}
 
 
 def abort_propagation(rank: int, size: int, transport: str) -> list[tuple[str, str, float]]:
@@ -588,7 +630,8 @@ def abort_propagation(rank: int, size: int, transport: str) -> list[tuple[str, s
             ctx = env.context(f"abort{code}")
             pair = ctx.pair(1 - rank)
             reason = f"collective #{code} went wrong: ünïcödé" + (
-                "x" * MAX_ABORT_REASON_BYTES if code == ABORT_OTHER else "")
+                "x" * MAX_ABORT_REASON_BYTES if code == ABORT_OTHER else ""
+            )
             if rank == 0:
                 mine = pair.irecv(memoryview(bytearray(8)), 77)
                 env.barrier(f"posted{code}")
@@ -734,8 +777,11 @@ def _transport_fds() -> set[str]:
 def _shm_segments() -> set[str]:
     """Shared-memory segments this process owns (their names carry its pid)."""
     prefix = f"ddl-{os.getpid()}-"
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} \
-        if os.path.isdir("/dev/shm") else set()
+    return (
+        {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+        if os.path.isdir("/dev/shm")
+        else set()
+    )
 
 
 def resources_released(rank: int, size: int, transport: str) -> tuple[int, int, int]:
@@ -844,7 +890,9 @@ def _tcp_write_raw(pair: Any, data: bytes) -> None:
             ch.scond.notify()
 
 
-def tcp_peer_stalls_mid_frame(rank: int, size: int, stall_s: float = 2.5) -> list[tuple[str, float]]:
+def tcp_peer_stalls_mid_frame(
+    rank: int, size: int, stall_s: float = 2.5
+) -> list[tuple[str, float]]:
     """Rank 0 sends the header and 10 bytes of a 1000-byte message, then nothing for
     ``stall_s``, then the rest. Rank 1, whose waiting thread is reading that frame, still gets
     its timeout at its deadline; a retried wait completes with the whole message. Then rank 0

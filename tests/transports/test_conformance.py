@@ -40,8 +40,9 @@ def test_zero_byte_messages(transport):
 
 def test_256_mb_message(transport):
     nbytes = 256 << 20
-    (_, crc0), (elapsed, crc1) = run_ranks(conf.large_message, 2, transport, nbytes,
-                                           timeout=JOB_TIMEOUT_S)
+    (_, crc0), (elapsed, crc1) = run_ranks(
+        conf.large_message, 2, transport, nbytes, timeout=JOB_TIMEOUT_S
+    )
     assert crc0 == crc1
     # No speed check: that is the benchmarks' business, and a loaded machine is slow. The
     # receiver's wait has a deadline (conformance.LARGE_TIMEOUT_S), so a stall still fails.
@@ -72,8 +73,13 @@ def test_two_channels(transport):
 
 @pytest.mark.parametrize("nchannels", ["1", "2"])
 def test_concurrent_waiters_on_one_pair(transport, nchannels):
-    run_ranks(conf.concurrent_waiters, 2, transport, timeout=JOB_TIMEOUT_S,
-              env={"DDL_NCHANNELS": nchannels})
+    run_ranks(
+        conf.concurrent_waiters,
+        2,
+        transport,
+        timeout=JOB_TIMEOUT_S,
+        env={"DDL_NCHANNELS": nchannels},
+    )
 
 
 def test_a_failure_wakes_a_waiting_thread(transport):
@@ -99,8 +105,9 @@ def test_size_and_check_mismatch(transport):
 
 def test_timeout_names_ranks_tag_and_wait(transport):
     wait_s = 1.0
-    _, connected, unconnected = run_ranks(conf.timeouts, 3, transport, wait_s,
-                                          timeout=JOB_TIMEOUT_S)
+    _, connected, unconnected = run_ranks(
+        conf.timeouts, 3, transport, wait_s, timeout=JOB_TIMEOUT_S
+    )
     assert len(connected) == 2 and len(unconnected) == 1
     for message, elapsed in connected + unconnected:
         assert wait_s * 0.9 <= elapsed < wait_s + 1.0, (elapsed, message)
@@ -113,8 +120,9 @@ def test_timeout_names_ranks_tag_and_wait(transport):
 
 @pytest.mark.parametrize("nprocs,victim", [(2, 1), (3, 1), (3, 0)])
 def test_killed_peer_fails_survivors_fast(transport, nprocs, victim):
-    results = run_ranks(conf.killed_peer, nprocs, transport, victim, may_die={victim},
-                        timeout=JOB_TIMEOUT_S)
+    results = run_ranks(
+        conf.killed_peer, nprocs, transport, victim, may_die={victim}, timeout=JOB_TIMEOUT_S
+    )
     for rank, result in enumerate(results):
         if rank == victim:
             continue
@@ -139,8 +147,13 @@ def test_bad_arguments(transport):
 
 @pytest.mark.parametrize("nchannels", ["1", "2"])
 def test_close_releases_threads_and_sockets(transport, nchannels):
-    results = run_ranks(conf.resources_released, 3, transport, timeout=JOB_TIMEOUT_S,
-                        env={"DDL_NCHANNELS": nchannels})
+    results = run_ranks(
+        conf.resources_released,
+        3,
+        transport,
+        timeout=JOB_TIMEOUT_S,
+        env={"DDL_NCHANNELS": nchannels},
+    )
     for threads_open, sockets_open, segments_open in results:
         # The check looked at something: each transport's resources were there while open.
         assert threads_open > 0 or transport not in ("tcp", "shm")
@@ -208,20 +221,26 @@ def test_tcp_bad_socket_ifname_names_the_variable():
 
 
 def test_tcp_nchannels_must_agree():
-    messages = run_ranks(conf.tcp_nchannels_mismatch, 2, timeout=JOB_TIMEOUT_S,
-                         rank_envs={0: {"DDL_NCHANNELS": "1"}, 1: {"DDL_NCHANNELS": "2"}})
+    messages = run_ranks(
+        conf.tcp_nchannels_mismatch,
+        2,
+        timeout=JOB_TIMEOUT_S,
+        rank_envs={0: {"DDL_NCHANNELS": "1"}, 1: {"DDL_NCHANNELS": "2"}},
+    )
     for message in messages:
         assert "DDL_NCHANNELS=1" in message and "DDL_NCHANNELS=2" in message, message
 
 
-@pytest.mark.parametrize("name,direct", [("tcp", "on"), ("shm", "on"), ("ucx", "on"),
-                                         ("ucx", "off")])
+@pytest.mark.parametrize(
+    "name,direct", [("tcp", "on"), ("shm", "on"), ("ucx", "on"), ("ucx", "off")]
+)
 def test_device_views(name, direct):
     """DDL_GPU_DIRECT=on: ucx pairs carry DeviceViews (host memory behind them here); tcp and
     shm never do, whatever it says. off: ucx pairs refuse them too."""
     require(*conf.transport_class(name).is_available())
-    results = run_ranks(conf.device_views, 2, name, timeout=JOB_TIMEOUT_S,
-                        env={"DDL_GPU_DIRECT": direct})
+    results = run_ranks(
+        conf.device_views, 2, name, timeout=JOB_TIMEOUT_S, env={"DDL_GPU_DIRECT": direct}
+    )
     takes = {flag for flag, _, _ in results}
     assert takes == {direct == "on" and name == "ucx"}, takes
     if name == "ucx" and direct == "on":

@@ -34,9 +34,11 @@ def _needs_mpi():
     require(mpiexec_path() is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
 
 
-@pytest.mark.parametrize("check", [conf.many_outstanding, conf.zero_bytes, conf.both_directions,
-                                   conf.bad_arguments],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "check",
+    [conf.many_outstanding, conf.zero_bytes, conf.both_directions, conf.bad_arguments],
+    ids=lambda f: f.__name__,
+)
 def test_two_rank_checks(check):
     _mpi(check, 2)
 
@@ -108,8 +110,9 @@ def _thread_levels(rank, size, transport, level):
 
 @pytest.mark.parametrize("level", ["serialized", "multiple"])
 def test_thread_level_below_multiple_makes_the_transport_unavailable(level):
-    for before, after, multiple, init in _mpi(_thread_levels, 2, level,
-                                              env={"DDL_TRANSPORT": "mpi"}):
+    for before, after, multiple, init in _mpi(
+        _thread_levels, 2, level, env={"DDL_TRANSPORT": "mpi"}
+    ):
         if level == "multiple":
             assert before == after == (True, "") and multiple and init == "ok"
             continue
@@ -139,6 +142,7 @@ def test_a_thread_level_known_only_after_mpi_init():
         assert outcome.startswith("TransportUnavailableError: DDL_TRANSPORT=mpi cannot run here")
         assert "MPI_THREAD_SERIALIZED" in outcome
     hosts = {r: {"DDL_HOST_ID": f"host{r}"} for r in range(2)}
-    for outcome, pair in _mpi(_init_with, 2, env={**low, "DDL_TRANSPORT": "auto:mpi,tcp"},
-                              rank_envs=hosts):
+    for outcome, pair in _mpi(
+        _init_with, 2, env={**low, "DDL_TRANSPORT": "auto:mpi,tcp"}, rank_envs=hosts
+    ):
         assert (outcome, pair) == ("ok", "TcpPair")

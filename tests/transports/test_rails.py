@@ -41,16 +41,21 @@ def test_local_rank_takes_its_rail_mod_the_count():
         with pytest.raises(ValueError) as info:
             rail_address("lo,nosuchif0", 7, local)
         text = str(info.value)
-        assert f"rank 7 (local rank {local}): interface 'nosuchif0', rail 1 of " \
-               "DDL_SOCKET_IFNAME='lo,nosuchif0'" in text, text
+        assert (
+            f"rank 7 (local rank {local}): interface 'nosuchif0', rail 1 of "
+            "DDL_SOCKET_IFNAME='lo,nosuchif0'" in text
+        ), text
         assert "is not a network interface of this host" in text and "interfaces here:" in text
         assert "list only the adapters all hosts have" in text
 
 
 def test_one_name_is_every_local_ranks():
     assert {rail_address("lo", 4, local) for local in range(3)} == {"127.0.0.1"}
-    with pytest.raises(ValueError, match=r"^rank 4: DDL_SOCKET_IFNAME='nosuchif0' is not a "
-                                         r"network interface of this host .*interfaces here"):
+    with pytest.raises(
+        ValueError,
+        match=r"^rank 4: DDL_SOCKET_IFNAME='nosuchif0' is not a "
+        r"network interface of this host .*interfaces here",
+    ):
         rail_address("nosuchif0", 4, 3)
 
 
@@ -70,7 +75,7 @@ def _context(ifname: str, local_rank: int) -> TcpContext:
 
 
 def test_tcp_context_listens_on_its_rail():
-    assert _context("lo", 1).address == "127.0.0.1"    # one name: every local rank's
+    assert _context("lo", 1).address == "127.0.0.1"  # one name: every local rank's
     assert _context("lo,nosuchif0", 2).address == "127.0.0.1"
     with pytest.raises(ValueError, match=r"rank 0 \(local rank 1\): interface 'nosuchif0'"):
         _context("lo,nosuchif0", 1)
@@ -83,7 +88,7 @@ def test_ucx_local_rank_takes_its_net_device():
     assert net_device_rails(env) == ("mlx5_0:1", "mlx5_1:1")
     assert [ucx_options(env, i)["NET_DEVICES"] for i in range(4)] == ["mlx5_0:1", "mlx5_1:1"] * 2
     for one in ({}, {"UCX_NET_DEVICES": "all"}, {"UCX_NET_DEVICES": "mlx5_0:1"}):
-        assert "NET_DEVICES" not in ucx_options(one, 1)   # UCX's own choice, or the user's one
+        assert "NET_DEVICES" not in ucx_options(one, 1)  # UCX's own choice, or the user's one
 
 
 def test_ucx_context_is_given_its_rails_device():
@@ -140,10 +145,13 @@ def test_each_rank_listens_on_its_rails_address(tmp_path):
         subprocess.run(ip + ["link", "set", "lo", "up"], check=True)
         for rail in (0, 1):
             # a veth pair with both ends here: an interface with an address (no dummy module)
-            subprocess.run(ip + ["link", "add", f"rail{rail}", "type", "veth", "peer", "name",
-                                 f"rail{rail}p"], check=True)
-            subprocess.run(ip + ["addr", "add", f"10.214.{rail}.1/24", "dev", f"rail{rail}"],
-                           check=True)
+            subprocess.run(
+                ip + ["link", "add", f"rail{rail}", "type", "veth", "peer", "name", f"rail{rail}p"],
+                check=True,
+            )
+            subprocess.run(
+                ip + ["addr", "add", f"10.214.{rail}.1/24", "dev", f"rail{rail}"], check=True
+            )
             for dev in (f"rail{rail}", f"rail{rail}p"):
                 subprocess.run(ip + ["link", "set", dev, "up"], check=True)
         script = tmp_path / "rank.py"
@@ -179,8 +187,13 @@ def _run_pair(ns: str, script, tmp_path) -> list[str]:
             if p.returncode:
                 print(out, file=sys.stderr)
     """)
-    res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
-                         capture_output=True, text=True, timeout=60, cwd=os.getcwd())
+    res = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.getcwd(),
+    )
     lines = res.stdout.splitlines()
     assert res.returncode == 0 and len(lines) == 2, res.stdout + res.stderr
     assert all(line.startswith("0|") for line in lines), res.stdout + res.stderr

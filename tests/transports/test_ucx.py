@@ -28,8 +28,13 @@ def ucx():
 
 def _python(code: str, env: dict[str, str]) -> str:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, text=True,
-                         capture_output=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -46,16 +51,20 @@ def test_user_ucx_variables_win_over_our_defaults():
 
 
 def test_import_touches_neither_ucxx_nor_the_environment():
-    code = ("import os, sys; before = dict(os.environ); import ddlcore.transports.ucx; "
-            "print('ucxx' in sys.modules, dict(os.environ) == before)")
+    code = (
+        "import os, sys; before = dict(os.environ); import ddlcore.transports.ucx; "
+        "print('ucxx' in sys.modules, dict(os.environ) == before)"
+    )
     assert _python(code, {}) == "False True"
 
 
 def test_ucxx_import_leaves_the_environment_as_the_user_set_it(ucx):
     # ucxx's __init__ sets UCX_RNDV_THRESH, UCX_MEMTYPE_CACHE, ... when unset; we put them back.
-    code = ("import os; from ddlcore.transports.ucx import UcxTransport; "
-            "ok = UcxTransport.is_available()[0]; "
-            "print(ok, sorted(k + '=' + v for k, v in os.environ.items() if k.startswith('UCX_')))")
+    code = (
+        "import os; from ddlcore.transports.ucx import UcxTransport; "
+        "ok = UcxTransport.is_available()[0]; "
+        "print(ok, sorted(k + '=' + v for k, v in os.environ.items() if k.startswith('UCX_')))"
+    )
     assert _python(code, {}) == "True []"
     assert _python(code, {"UCX_RNDV_THRESH": "16384"}) == "True ['UCX_RNDV_THRESH=16384']"
 
@@ -122,9 +131,11 @@ def test_refuses_to_load_beside_the_mpich_wheels_own_ucx():
         import mpi4py  # noqa: F401
     except ImportError:
         require(False, "mpi4py is not installed (pip install 'ddlcore[mpi]')")
-    code = ("from mpi4py import MPI\n"
-            "from ddlcore.transports.ucx import UcxTransport\n"
-            "print(UcxTransport.is_available())\n")
+    code = (
+        "from mpi4py import MPI\n"
+        "from ddlcore.transports.ucx import UcxTransport\n"
+        "print(UcxTransport.is_available())\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDL_", "PMI_"))}
     from importlib import metadata
 
@@ -134,8 +145,10 @@ def test_refuses_to_load_beside_the_mpich_wheels_own_ucx():
         bundled = False
     if not bundled:
         pytest.skip("this MPI does not bundle its own UCX: nothing to clash with")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
     assert res.returncode == 0, res.stderr
-    assert "(False," in res.stdout and "own UCX" in res.stdout and "DDL_TRANSPORT=mpi" in \
-        res.stdout, res.stdout
+    assert (
+        "(False," in res.stdout and "own UCX" in res.stdout and "DDL_TRANSPORT=mpi" in res.stdout
+    ), res.stdout

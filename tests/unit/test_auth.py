@@ -34,8 +34,9 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def _handshake(connector: JobKey, acceptor: JobKey, claim: bytes = b"rank 3",
-               timeout: float = 5.0) -> tuple[object, object]:
+def _handshake(
+    connector: JobKey, acceptor: JobKey, claim: bytes = b"rank 3", timeout: float = 5.0
+) -> tuple[object, object]:
     """Run both ends on a socket pair; returns (connect's outcome, accept's outcome)."""
     a, b = _pair()
     outcome: dict[str, object] = {}
@@ -67,14 +68,18 @@ def test_the_right_key_passes_and_the_claim_arrives():
     assert connected is None and claim == b""
 
 
-@pytest.mark.parametrize("acceptor_secret, acceptor_job", [
-    (b"another secret", "5000"),   # a stranger, or a rank given another secret
-    (None, "5001"),                # the same secret, another job (port)
-])
+@pytest.mark.parametrize(
+    "acceptor_secret, acceptor_job",
+    [
+        (b"another secret", "5000"),  # a stranger, or a rank given another secret
+        (None, "5001"),  # the same secret, another job (port)
+    ],
+)
 def test_a_wrong_key_is_refused_on_both_ends(acceptor_secret, acceptor_job):
     secret = new_secret().encode()
-    connected, accepted = _handshake(JobKey(secret, "5000", "DDL_SECRET"),
-                                     JobKey(acceptor_secret or secret, acceptor_job))
+    connected, accepted = _handshake(
+        JobKey(secret, "5000", "DDL_SECRET"), JobKey(acceptor_secret or secret, acceptor_job)
+    )
     # The connector finds that the acceptor cannot prove the key; the acceptor sees no proof.
     assert isinstance(connected, AuthenticationError), connected
     assert "DDL_SECRET" in str(connected)
@@ -148,12 +153,15 @@ def test_a_tampered_claim_is_refused():
         s.close()
 
 
-@pytest.mark.parametrize("hello", [
-    b"GET / HTTP/1.1\r\n",                                        # not our protocol
-    _HELLO.pack(_MAGIC, 99, 0),                                   # unknown version
-    _HELLO.pack(_MAGIC, 1, MAX_CLAIM_BYTES + 1),                  # claim too long
-    _HELLO.pack(0x12345678, 1, 4),                                # wrong magic
-])
+@pytest.mark.parametrize(
+    "hello",
+    [
+        b"GET / HTTP/1.1\r\n",  # not our protocol
+        _HELLO.pack(_MAGIC, 99, 0),  # unknown version
+        _HELLO.pack(_MAGIC, 1, MAX_CLAIM_BYTES + 1),  # claim too long
+        _HELLO.pack(0x12345678, 1, 4),  # wrong magic
+    ],
+)
 def test_malformed_hellos_are_refused_from_their_first_8_bytes(hello):
     key = JobKey(b"s", "1")
     acceptor = key.acceptor()
@@ -211,6 +219,7 @@ def test_the_key_is_never_printed():
 
 # --- where the secret comes from ---------------------------------------------------------------
 
+
 def _clean_env(tmp_path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
@@ -227,8 +236,11 @@ def _secret_file(tmp_path, content: bytes, mode: int = 0o600):
 
 def test_secret_precedence_env_then_file_then_per_user(tmp_path):
     path = _secret_file(tmp_path, b"from-file\n")
-    with patch.dict(os.environ, _clean_env(tmp_path, DDL_SECRET="from-env",
-                                           DDL_SECRET_FILE=str(path)), clear=True):
+    with patch.dict(
+        os.environ,
+        _clean_env(tmp_path, DDL_SECRET="from-env", DDL_SECRET_FILE=str(path)),
+        clear=True,
+    ):
         assert job_secret() == (b"from-env", "DDL_SECRET")
     with patch.dict(os.environ, _clean_env(tmp_path, DDL_SECRET_FILE=str(path)), clear=True):
         assert job_secret() == (b"from-file", f"DDL_SECRET_FILE={path}")

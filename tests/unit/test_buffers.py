@@ -10,14 +10,29 @@ from ddlcore.kernels.dtypes import DType
 from ddlcore.buffers import MemoryKind, as_buffer, empty_like
 
 
-@pytest.mark.parametrize("dtype,code", [(np.float16, DType.FLOAT16), (ml_dtypes.bfloat16, DType.BFLOAT16),
-                                        (np.float32, DType.FLOAT32), (np.float64, DType.FLOAT64),
-                                        (np.int8, DType.INT8), (np.uint8, DType.UINT8),
-                                        (np.int32, DType.INT32), (np.int64, DType.INT64)])
+@pytest.mark.parametrize(
+    "dtype,code",
+    [
+        (np.float16, DType.FLOAT16),
+        (ml_dtypes.bfloat16, DType.BFLOAT16),
+        (np.float32, DType.FLOAT32),
+        (np.float64, DType.FLOAT64),
+        (np.int8, DType.INT8),
+        (np.uint8, DType.UINT8),
+        (np.int32, DType.INT32),
+        (np.int64, DType.INT64),
+    ],
+)
 def test_numpy_arrays(dtype, code):
     arr = np.arange(12).astype(dtype).reshape(3, 4)
     d = as_buffer(arr)
-    assert (d.ptr, d.nbytes, d.count, d.code, d.shape) == (arr.ctypes.data, arr.nbytes, 12, code, (3, 4))
+    assert (d.ptr, d.nbytes, d.count, d.code, d.shape) == (
+        arr.ctypes.data,
+        arr.nbytes,
+        12,
+        code,
+        (3, 4),
+    )
     assert d.memory == MemoryKind.HOST and d.device == -1 and not d.readonly
     assert bytes(d.view(1, 3)) == arr.reshape(-1)[1:3].tobytes()
 
@@ -89,8 +104,13 @@ def test_torch_bfloat16_tensors_are_viewed_without_a_copy():
 
 def test_cuda_array_without_a_usable_gpu_gets_a_clear_message():
     class DeviceArray:  # what CuPy or PyTorch would hand us, on a machine with no GPU
-        __cuda_array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (1 << 20, False),
-                                    "version": 3, "strides": None}
+        __cuda_array_interface__ = {
+            "shape": (3,),
+            "typestr": "<f4",
+            "data": (1 << 20, False),
+            "version": 3,
+            "strides": None,
+        }
 
     import ddlcore.device
 

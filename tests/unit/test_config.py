@@ -23,18 +23,30 @@ def test_defaults():
     assert config.get("DDL_RANK", env) is None
 
 
-@pytest.mark.parametrize("text,value", [("4096", 4096), ("64K", 65536), ("1M", 1 << 20),
-                                        ("2g", 2 << 30), ("1.5K", 1536), ("0", 0)])
+@pytest.mark.parametrize(
+    "text,value",
+    [("4096", 4096), ("64K", 65536), ("1M", 1 << 20), ("2g", 2 << 30), ("1.5K", 1536), ("0", 0)],
+)
 def test_sizes(text, value):
     assert config.parse_size(text) == value
 
 
-@pytest.mark.parametrize("name,bad", [("DDL_TIMEOUT", "soon"), ("DDL_TIMEOUT", "-1"),
-                                      ("DDL_CHUNK_BYTES", "1Q"), ("DDL_TOPOLOGY", "4by2"),
-                                      ("DDL_TOPOLOGY", "4x0"), ("DDL_TRANSPORT", "carrier-pigeon"),
-                                      ("DDL_TRANSPORT", "auto:tcp,ipoac"), ("DDL_DEBUG", "maybe"),
-                                      ("DDL_MASTER_PORT", "70000"), ("DDL_RANK", "-1"),
-                                      ("DDL_NCHANNELS", "0")])
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        ("DDL_TIMEOUT", "soon"),
+        ("DDL_TIMEOUT", "-1"),
+        ("DDL_CHUNK_BYTES", "1Q"),
+        ("DDL_TOPOLOGY", "4by2"),
+        ("DDL_TOPOLOGY", "4x0"),
+        ("DDL_TRANSPORT", "carrier-pigeon"),
+        ("DDL_TRANSPORT", "auto:tcp,ipoac"),
+        ("DDL_DEBUG", "maybe"),
+        ("DDL_MASTER_PORT", "70000"),
+        ("DDL_RANK", "-1"),
+        ("DDL_NCHANNELS", "0"),
+    ],
+)
 def test_invalid_values_name_the_variable(name, bad):
     with pytest.raises(ValueError, match=name):
         config.get(name, {name: bad})
@@ -79,9 +91,20 @@ def test_the_secret_is_never_shown():
     assert config.get("DDL_SECRET", {"DDL_SECRET": "abc"}) == "abc"
 
 
-@pytest.mark.parametrize("text,mode", [("auto", "auto"), (" AUTO ", "auto"), ("1", "1"),
-                                       ("true", "1"), ("yes", "1"), ("0", "0"), ("false", "0"),
-                                       ("off", "0"), ("", "0")])
+@pytest.mark.parametrize(
+    "text,mode",
+    [
+        ("auto", "auto"),
+        (" AUTO ", "auto"),
+        ("1", "1"),
+        ("true", "1"),
+        ("yes", "1"),
+        ("0", "0"),
+        ("false", "0"),
+        ("off", "0"),
+        ("", "0"),
+    ],
+)
 def test_link_probe_is_auto_on_or_off(text, mode):
     assert config.get("DDL_LINK_PROBE", {}) == "auto"
     assert config.get("DDL_LINK_PROBE", {"DDL_LINK_PROBE": text}) == mode
@@ -89,12 +112,19 @@ def test_link_probe_is_auto_on_or_off(text, mode):
         config.get("DDL_LINK_PROBE", {"DDL_LINK_PROBE": "sometimes"})
 
 
-@pytest.mark.parametrize("mode,hosts,env,probes", [
-    ("auto", 1, {}, False), ("auto", 2, {}, True), ("1", 1, {}, True), ("0", 2, {}, False),
-    # Given links win over measured ones; with both given there is nothing to measure.
-    ("auto", 2, {"DDL_LINK_BW": "5e9,1e8"}, True),
-    ("auto", 2, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6"}, False),
-    ("1", 2, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6"}, False)])
+@pytest.mark.parametrize(
+    "mode,hosts,env,probes",
+    [
+        ("auto", 1, {}, False),
+        ("auto", 2, {}, True),
+        ("1", 1, {}, True),
+        ("0", 2, {}, False),
+        # Given links win over measured ones; with both given there is nothing to measure.
+        ("auto", 2, {"DDL_LINK_BW": "5e9,1e8"}, True),
+        ("auto", 2, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6"}, False),
+        ("1", 2, {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6"}, False),
+    ],
+)
 def test_link_probe_runs_when_the_job_spans_hosts(mode, hosts, env, probes):
     from ddlcore import probe
 

@@ -52,8 +52,9 @@ def streams(monkeypatch):
     monkeypatch.setattr(device, "producer_stream", lambda obj: table.get(id(obj)))
     monkeypatch.setattr(device, "device_of", lambda obj: list(table).index(id(obj)))
     monkeypatch.setattr(device, "on_device", _entered)
-    monkeypatch.setattr(device, "_cuda", lambda: types.SimpleNamespace(
-        event=lambda timing=False: _Event()))
+    monkeypatch.setattr(
+        device, "_cuda", lambda: types.SimpleNamespace(event=lambda timing=False: _Event())
+    )
     return table
 
 

@@ -49,8 +49,9 @@ class _Links:
                 with links.lock:
                     links.pending.append(req)
                 if peer == 2:
-                    threading.Timer(0.2, req.fail,
-                                    [PeerFailureError("rank 2 died mid-message")]).start()
+                    threading.Timer(
+                        0.2, req.fail, [PeerFailureError("rank 2 died mid-message")]
+                    ).start()
                 return req
 
             def isend(self, view, tag, check):
@@ -72,16 +73,24 @@ class _Links:
 
 
 def test_the_stream_that_failed_first_is_the_one_reported():
-    steps = (Step(Kind.RECV, 1, 0, 4, dst=Buf.OUTPUT, dst_off=0, part=0),
-             Step(Kind.RECV, 2, 0, 4, dst=Buf.OUTPUT, dst_off=4, part=1))
+    steps = (
+        Step(Kind.RECV, 1, 0, 4, dst=Buf.OUTPUT, dst_off=0, part=0),
+        Step(Kind.RECV, 2, 0, 4, dst=Buf.OUTPUT, dst_off=4, part=1),
+    )
     sched = Schedule("allreduce", "mdring", 0, 3, 8, 8, steps, parts=(Part(0), Part(1)))
     out = np.zeros(8, np.float32)
     coll = engine.Collective(5, 0, 4, 0, None, "allreduce #5 (8 x float32, sum)")
     for _ in range(20):  # the woken stream may record its echo first: order must not matter
         try:
-            engine.run(sched, coll, {Buf.INPUT: engine.Region.of(out),
-                                     Buf.OUTPUT: engine.Region.of(out)},
-                       _Links(), engine.StagingPool(), 4, 10.0)
+            engine.run(
+                sched,
+                coll,
+                {Buf.INPUT: engine.Region.of(out), Buf.OUTPUT: engine.Region.of(out)},
+                _Links(),
+                engine.StagingPool(),
+                4,
+                10.0,
+            )
         except PeerFailureError as exc:
             assert "rank 2 died mid-message" in str(exc) and "step 2 of 2" in str(exc), str(exc)
         else:

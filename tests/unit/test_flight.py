@@ -15,8 +15,9 @@ from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError, PeerFailure
 RNG = np.random.default_rng(19)
 
 
-def _call(collective: str = "allreduce", count: int = 13, dtype=np.float32, op="sum",
-          root: int = 0) -> calls.Call:
+def _call(
+    collective: str = "allreduce", count: int = 13, dtype=np.float32, op="sum", root: int = 0
+) -> calls.Call:
     x = RNG.standard_normal(count).astype(dtype)
     if collective == "barrier":
         return calls.prepare("barrier", None, None, None, 0, 4)
@@ -32,8 +33,13 @@ def _done(call: calls.Call, seq: int) -> object:
 def test_ring_keeps_the_last_n_in_order():
     rec = flight.FlightRecorder(1, 4, "job", entries=5)
     run = rec.recording(_done)
-    shapes = [("allreduce", 13, np.float32), ("broadcast", 1, np.float64),
-              ("allgather", 0, np.int32), ("barrier", 0, None), ("reduce_scatter", 28, np.int8)]
+    shapes = [
+        ("allreduce", 13, np.float32),
+        ("broadcast", 1, np.float64),
+        ("allgather", 0, np.int32),
+        ("barrier", 0, None),
+        ("reduce_scatter", 28, np.int8),
+    ]
     for seq in range(12):
         coll, count, dtype = shapes[seq % len(shapes)]
         call = _call(coll, count, dtype or np.float32, root=3)
@@ -87,8 +93,12 @@ def test_failure_writes_the_record_and_names_it(tmp_path):
     doc = flight.load(str(path))
     assert doc["reason"] == "failure" and (doc["rank"], doc["size"]) == (2, 4)
     assert doc["error"]["type"] == "DDLTimeoutError" and "rank 0 silent" in doc["error"]["message"]
-    assert [(e["seq"], e["state"]) for e in doc["entries"]] == \
-        [(0, "completed"), (1, "completed"), (2, "completed"), (3, "failed")]
+    assert [(e["seq"], e["state"]) for e in doc["entries"]] == [
+        (0, "completed"),
+        (1, "completed"),
+        (2, "completed"),
+        (3, "failed"),
+    ]
     # A refused call is not a collective that ran; closing keeps the failure's record.
     assert [e["seq"] for e in rec.entries()] == [0, 1, 2, 3]
     before = path.read_text()
@@ -115,8 +125,13 @@ def test_json_round_trip_and_file_names(tmp_path):
     assert (first.comm_index, second.comm_index) == (0, 1)
     assert first.path.endswith("rank3.json") and second.path.endswith("rank3.comm1.json")
     run = first.recording(_done)
-    for seq, call in enumerate([_call("broadcast", 7, np.float64, root=2), _call("barrier"),
-                                _call("allreduce", 97, np.int64, "max")]):
+    for seq, call in enumerate(
+        [
+            _call("broadcast", 7, np.float64, root=2),
+            _call("barrier"),
+            _call("allreduce", 97, np.int64, "max"),
+        ]
+    ):
         run(call, seq)
     doc = first.document("request")
     path = first.write(doc)
@@ -125,13 +140,19 @@ def test_json_round_trip_and_file_names(tmp_path):
     assert text.count("\n") < 40 and "pickle" not in text  # one line per entry, plain JSON
 
 
-@pytest.mark.parametrize("content,why", [("[1, 2]", "not a ddlcore flight record"),
-                                         ("{not json", "not JSON"),
-                                         ('{"format": "ddlcore-flight-record", "version": 99}',
-                                          "version 99"),
-                                         ('{"format": "ddlcore-flight-record", "version": 1, '
-                                          '"rank": 0, "size": 2, "entries": [{"seq": "x"}]}',
-                                          "malformed entry")])
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        ("[1, 2]", "not a ddlcore flight record"),
+        ("{not json", "not JSON"),
+        ('{"format": "ddlcore-flight-record", "version": 99}', "version 99"),
+        (
+            '{"format": "ddlcore-flight-record", "version": 1, '
+            '"rank": 0, "size": 2, "entries": [{"seq": "x"}]}',
+            "malformed entry",
+        ),
+    ],
+)
 def test_load_rejects_what_is_not_a_record(tmp_path, content, why):
     path = tmp_path / "rank0.json"
     path.write_text(content)
@@ -168,27 +189,61 @@ def test_recording_off_through_the_environment():
 
 
 # --- trace's verdict on records made up here -------------------------------------------------
-def _record(rank: int, size: int, calls_made: list[tuple[str, str]], reason: str = "failure",
-            error: BaseException | None = None, t0: float = 1000.0,
-            starts: dict[int, float] | None = None) -> dict:
+def _record(
+    rank: int,
+    size: int,
+    calls_made: list[tuple[str, str]],
+    reason: str = "failure",
+    error: BaseException | None = None,
+    t0: float = 1000.0,
+    starts: dict[int, float] | None = None,
+) -> dict:
     """A record of ``calls_made`` = [(collective, state)...], seq 0, 1, ..., a millisecond each."""
     entries = []
     for seq, (coll, state) in enumerate(calls_made):
         start = (starts or {}).get(seq, t0 + seq * 1e-3)
-        entries.append({"seq": seq, "collective": coll, "count": 0 if coll == "barrier" else 13,
-                        "bytes": 52, "dtype": None if coll == "barrier" else "float32",
-                        "op": "sum" if coll == "allreduce" else None,
-                        "root": 0 if coll == "broadcast" else None, "memory": "host",
-                        "algorithm": "direct", "path": "boards", "start": start,
-                        "end": None if state == "started" else start + (3.0 if state == "failed"
-                                                                         else 1e-4),
-                        "state": state})
-    err = None if error is None else {"type": type(error).__name__, "message": str(error),
-                                      "peer": getattr(error, "peer", None)}
-    return {"format": flight.FORMAT, "version": flight.VERSION, "job": "h:1", "comm": 0,
-            "rank": rank, "size": size, "host": "h", "pid": 100 + rank, "created": t0 - 1,
-            "written": t0 + 10, "reason": reason, "error": err, "timeout": 3.0,
-            "entries": entries}
+        entries.append(
+            {
+                "seq": seq,
+                "collective": coll,
+                "count": 0 if coll == "barrier" else 13,
+                "bytes": 52,
+                "dtype": None if coll == "barrier" else "float32",
+                "op": "sum" if coll == "allreduce" else None,
+                "root": 0 if coll == "broadcast" else None,
+                "memory": "host",
+                "algorithm": "direct",
+                "path": "boards",
+                "start": start,
+                "end": None if state == "started" else start + (3.0 if state == "failed" else 1e-4),
+                "state": state,
+            }
+        )
+    err = (
+        None
+        if error is None
+        else {
+            "type": type(error).__name__,
+            "message": str(error),
+            "peer": getattr(error, "peer", None),
+        }
+    )
+    return {
+        "format": flight.FORMAT,
+        "version": flight.VERSION,
+        "job": "h:1",
+        "comm": 0,
+        "rank": rank,
+        "size": size,
+        "host": "h",
+        "pid": 100 + rank,
+        "created": t0 - 1,
+        "written": t0 + 10,
+        "reason": reason,
+        "error": err,
+        "timeout": 3.0,
+        "entries": entries,
+    }
 
 
 def _group(*records: dict) -> trace.Group:
@@ -204,23 +259,38 @@ OK = "completed"
 
 def test_verdict_rank_that_never_started():
     timeout = DDLTimeoutError("rank 0: allreduce #2: rank 2 silent")
-    group = _group(_record(0, 4, [("barrier", OK), ("broadcast", OK), ("allreduce", "failed")],
-                           error=timeout),
-                   _record(1, 4, [("barrier", OK), ("broadcast", OK), ("allreduce", "failed")],
-                           error=PeerFailureError("rank 1: rank 0 aborted", 0)),
-                   _record(2, 4, [("barrier", OK), ("broadcast", OK)], reason="close"),
-                   _record(3, 4, [("barrier", OK), ("broadcast", OK), ("allreduce", "failed")],
-                           error=PeerFailureError("rank 3: rank 0 aborted", 0)))
+    group = _group(
+        _record(0, 4, [("barrier", OK), ("broadcast", OK), ("allreduce", "failed")], error=timeout),
+        _record(
+            1,
+            4,
+            [("barrier", OK), ("broadcast", OK), ("allreduce", "failed")],
+            error=PeerFailureError("rank 1: rank 0 aborted", 0),
+        ),
+        _record(2, 4, [("barrier", OK), ("broadcast", OK)], reason="close"),
+        _record(
+            3,
+            4,
+            [("barrier", OK), ("broadcast", OK), ("allreduce", "failed")],
+            error=PeerFailureError("rank 3: rank 0 aborted", 0),
+        ),
+    )
     findings = trace.analyze(group)
     assert [(f.kind, f.ranks, f.seq) for f in findings] == [("behind", [2], 2)]
-    assert "rank 2 is behind: it never started allreduce #2 (13 x float32, sum), which ranks " \
+    assert (
+        "rank 2 is behind: it never started allreduce #2 (13 x float32, sum), which ranks "
         "0, 1, 3 started" in findings[0].text
+    )
     assert "broadcast #1" in findings[0].text and "closed its communicator" in findings[0].text
 
 
 def test_verdict_rank_far_behind_the_others_records():
-    ahead = _record(0, 2, [("barrier", OK)] * 40 + [("allreduce", "failed")],
-                    error=DDLTimeoutError("rank 0: allreduce #40: rank 1 silent"))
+    ahead = _record(
+        0,
+        2,
+        [("barrier", OK)] * 40 + [("allreduce", "failed")],
+        error=DDLTimeoutError("rank 0: allreduce #40: rank 1 silent"),
+    )
     ahead["entries"] = ahead["entries"][-8:]  # its ring kept 8
     group = _group(ahead, _record(1, 2, [("barrier", OK)] * 3, reason="close"))
     findings = trace.analyze(group)
@@ -230,10 +300,20 @@ def test_verdict_rank_far_behind_the_others_records():
 
 def test_verdict_rank_that_started_after_the_others_failed():
     late = {2: 1010.0}  # 10 s after the others, who failed after 3 s
-    group = _group(*[_record(r, 3, [("barrier", OK), ("barrier", OK), ("allreduce", "failed")],
-                             error=DDLTimeoutError(f"rank {r}: timed out")) for r in (0, 1)],
-                   _record(2, 3, [("barrier", OK), ("barrier", OK), ("allreduce", OK)],
-                           reason="close", starts=late))
+    group = _group(
+        *[
+            _record(
+                r,
+                3,
+                [("barrier", OK), ("barrier", OK), ("allreduce", "failed")],
+                error=DDLTimeoutError(f"rank {r}: timed out"),
+            )
+            for r in (0, 1)
+        ],
+        _record(
+            2, 3, [("barrier", OK), ("barrier", OK), ("allreduce", OK)], reason="close", starts=late
+        ),
+    )
     findings = trace.analyze(group)
     assert [(f.kind, f.ranks, f.seq) for f in findings] == [("late", [2], 2)]
     assert "rank 2 is behind: it started allreduce #2" in findings[0].text
@@ -245,10 +325,16 @@ def test_verdict_no_late_rank_after_a_quick_failure():
     dead = PeerFailureError("rank 0: rank 3 died", 3)
     first = _record(0, 4, [("barrier", OK), ("allreduce", "failed")], error=dead)
     first["entries"][-1]["end"] = first["entries"][-1]["start"] + 1e-3
-    second = _record(1, 4, [("barrier", OK), ("allreduce", "failed")], error=dead,
-                     starts={1: first["entries"][-1]["start"] + 0.1})
-    findings = trace.analyze(_group(first, second, _record(2, 4, [("barrier", OK), (
-        "allreduce", "failed")], error=dead)))
+    second = _record(
+        1,
+        4,
+        [("barrier", OK), ("allreduce", "failed")],
+        error=dead,
+        starts={1: first["entries"][-1]["start"] + 0.1},
+    )
+    findings = trace.analyze(
+        _group(first, second, _record(2, 4, [("barrier", OK), ("allreduce", "failed")], error=dead))
+    )
     assert [f.kind for f in findings] == ["failed", "missing"]
     assert findings[0].text.startswith("no rank on record was behind")
     assert findings[1].ranks == [3] and "name it as the peer that failed" in findings[1].text
@@ -256,32 +342,43 @@ def test_verdict_no_late_rank_after_a_quick_failure():
 
 @pytest.mark.parametrize("size,odd", [(4, 1), (2, 1)])
 def test_verdict_mismatch(size, odd):
-    records = [_record(r, size, [("barrier", OK), ("broadcast" if r == odd else "allreduce",
-                                                   "failed")],
-                       error=ddlcore.CollectiveMismatchError(f"rank {r}: mismatch"))
-               for r in range(size)]
+    records = [
+        _record(
+            r,
+            size,
+            [("barrier", OK), ("broadcast" if r == odd else "allreduce", "failed")],
+            error=ddlcore.CollectiveMismatchError(f"rank {r}: mismatch"),
+        )
+        for r in range(size)
+    ]
     findings = trace.analyze(_group(*records))
     assert findings[0].kind == "mismatch" and findings[0].seq == 1
     if size > 2:
         assert findings[0].ranks == [odd]
-        assert "rank 1 called broadcast (13 x float32, root 0) where ranks 0, 2, 3 called " \
+        assert (
+            "rank 1 called broadcast (13 x float32, root 0) where ranks 0, 2, 3 called "
             "allreduce (13 x float32, sum)" in findings[0].text
+        )
     else:  # two ranks: nobody to outvote
         assert "rank 0 called allreduce" in findings[0].text
         assert "rank 1 called broadcast" in findings[0].text
 
 
 def test_verdict_missing_rank_and_clean_end():
-    group = _group(_record(0, 3, [("allreduce", OK)], reason="close"),
-                   _record(1, 3, [("allreduce", OK)], reason="close"))
+    group = _group(
+        _record(0, 3, [("allreduce", OK)], reason="close"),
+        _record(1, 3, [("allreduce", OK)], reason="close"),
+    )
     kinds = {f.kind: f for f in trace.analyze(group)}
     assert kinds["completed"].text.startswith("no rank on record was behind")
     assert kinds["missing"].ranks == [2] and "rank 2 left no record" in kinds["missing"].text
 
 
 def test_report_and_table_print_every_rank():
-    group = _group(_record(0, 2, [("barrier", OK), ("allreduce", "started")], reason="request"),
-                   _record(1, 2, [("barrier", OK)], reason="close"))
+    group = _group(
+        _record(0, 2, [("barrier", OK), ("allreduce", "started")], reason="request"),
+        _record(1, 2, [("barrier", OK)], reason="close"),
+    )
     text = trace.report(group, with_tables=True, last=1)
     assert "rank 1 is behind: it never started allreduce #1" in text
     assert "/fr/rank0.json" in text and "/fr/rank1.json" in text
@@ -294,8 +391,10 @@ def test_a_sigterm_interrupting_the_write_on_its_thread_writes_the_record(tmp_pa
     rec = flight.FlightRecorder(3, 4, "job", entries=8, directory=str(tmp_path))
     import threading
 
-    rec._writing, rec._writer = ("failure", DDLTimeoutError("rank 3: timed out")), \
-        threading.get_ident()
+    rec._writing, rec._writer = (
+        ("failure", DDLTimeoutError("rank 3: timed out")),
+        threading.get_ident(),
+    )
     rec.terminated(15)
     (path,) = tmp_path.glob("rank3*.json")
     assert flight.load(str(path))["rank"] == 3

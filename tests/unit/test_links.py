@@ -29,8 +29,12 @@ class _Fake:
 
 @pytest.fixture
 def fakes(monkeypatch):
-    table = {"mpi": _Fake("mpi", True), "shm": _Fake("shm", True), "tcp": _Fake("tcp", True),
-             "ucx": _Fake("ucx", False)}
+    table = {
+        "mpi": _Fake("mpi", True),
+        "shm": _Fake("shm", True),
+        "tcp": _Fake("tcp", True),
+        "ucx": _Fake("ucx", False),
+    }
     _Fake.calls = []
     monkeypatch.setattr(transports, "names", lambda: sorted(table))
     monkeypatch.setattr(transports, "load", lambda name: table[name])
@@ -48,7 +52,9 @@ def test_auto_readies_each_transport_before_probing_the_next(fakes):
 def test_forced_transport_is_readied_or_refused_with_the_reason(fakes):
     assert links.local_transports("tcp") == ("tcp",)
     assert _Fake.calls == ["probe tcp", "prepare tcp", "probe tcp"]
-    with pytest.raises(TransportUnavailableError, match="DDL_TRANSPORT=ucx cannot run here: ucx missing"):
+    with pytest.raises(
+        TransportUnavailableError, match="DDL_TRANSPORT=ucx cannot run here: ucx missing"
+    ):
         links.local_transports("ucx")
 
 
@@ -56,7 +62,9 @@ def test_a_transport_that_cannot_run_once_started_is_dropped_or_refused(fakes):
     fakes["mpi"] = _Fake("mpi", True, ok_once_started=False)
     assert links.local_transports("auto") == ("shm", "tcp")
     fakes["mpi"] = _Fake("mpi", True, ok_once_started=False)
-    with pytest.raises(TransportUnavailableError, match="DDL_TRANSPORT=mpi cannot run here: mpi missing"):
+    with pytest.raises(
+        TransportUnavailableError, match="DDL_TRANSPORT=mpi cannot run here: mpi missing"
+    ):
         links.local_transports("mpi")
 
 

@@ -52,8 +52,20 @@ class FakeLinks:
 
 def _context(hosts: str, *, host=None, node=None, links=None, algo="auto") -> paths.Context:
     topo = topology.build(list(hosts), [""] * len(hosts), {"host": "shm", "network": "tcp"}, {})
-    return paths.Context(0, len(hosts), topo, links, 30.0, depth=4, debug=False, algo=algo,
-                         chunk_bytes=1 << 20, segments=0, host=host, node=node)
+    return paths.Context(
+        0,
+        len(hosts),
+        topo,
+        links,
+        30.0,
+        depth=4,
+        debug=False,
+        algo=algo,
+        chunk_bytes=1 << 20,
+        segments=0,
+        host=host,
+        node=node,
+    )
 
 
 def _walk(ctx: paths.Context, call: calls.Call) -> tuple[str, paths.Plan]:
@@ -69,9 +81,16 @@ def _call(collective: Collective, count: int, size: int) -> calls.Call:
     if collective == Collective.BARRIER:
         return calls.prepare(collective, None, None, None, 0, size)
     op = "sum" if collective in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER) else None
-    return calls.prepare(collective, np.ones(count * size, np.float32)[:count * size
-                         if collective == Collective.REDUCE_SCATTER else count], op, None, 0,
-                         size)
+    return calls.prepare(
+        collective,
+        np.ones(count * size, np.float32)[
+            : count * size if collective == Collective.REDUCE_SCATTER else count
+        ],
+        op,
+        None,
+        0,
+        size,
+    )
 
 
 def _on_device(call: calls.Call) -> calls.Call:
@@ -94,10 +113,14 @@ def test_one_host_runs_on_the_boards_where_they_take_the_call(collective):
     if collective != Collective.BARRIER:
         assert _walk(direct, large) == ("boards", paths.Plan(4, hostcoll.DIRECT))
         # too large for the slots, no direct reads: a schedule, after a sync point on the boards
-        assert _walk(_context("aa", host=FakeBoards(2, direct=False)), large) == \
-            ("schedule", paths.Plan(4, hostcoll.SYNC_ONLY))
-        assert _walk(_context("aa", host=FakeBoards(2, direct=False)), _on_device(large)) == \
-            ("device", paths.Plan(4, hostcoll.SYNC_ONLY))
+        assert _walk(_context("aa", host=FakeBoards(2, direct=False)), large) == (
+            "schedule",
+            paths.Plan(4, hostcoll.SYNC_ONLY),
+        )
+        assert _walk(_context("aa", host=FakeBoards(2, direct=False)), _on_device(large)) == (
+            "device",
+            paths.Plan(4, hostcoll.SYNC_ONLY),
+        )
         # device buffers the boards take are staged through host memory, on the boards
         assert _walk(direct, _on_device(large))[0] == "boards"
 

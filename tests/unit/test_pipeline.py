@@ -20,6 +20,7 @@ def _recorder():
         def run(s):
             with lock:
                 log.append(f"{name}{s}")
+
         return run
 
     return log, stage
@@ -64,11 +65,11 @@ def test_each_stage_waits_for_the_one_it_depends_on():
             time.sleep(pause)
             with lock:
                 log.append((f"{name}{s}", "end"))
+
         return run
 
     nseg = 4
-    pipeline.run(nseg, stage("F", 0.01), stage("M", 0.02), stage("L", 0.005),
-                 lambda exc: None, 5.0)
+    pipeline.run(nseg, stage("F", 0.01), stage("M", 0.02), stage("L", 0.005), lambda exc: None, 5.0)
     at = {entry: i for i, entry in enumerate(log)}
     for s in range(nseg):
         assert at[(f"F{s}", "end")] < at[(f"M{s}", "start")], log
@@ -148,5 +149,12 @@ def test_a_failing_first_aborts_and_ends_the_helper():
 def test_a_middle_that_never_ends_times_out():
     release = threading.Event()
     with pytest.raises(DDLTimeoutError, match="rank 0: allreduce #7: segment 0 of 2"):
-        pipeline.run(2, lambda s: None, lambda s: release.wait(10.0), lambda s: None,
-                     lambda exc: release.set(), 0.3, label="rank 0: allreduce #7")
+        pipeline.run(
+            2,
+            lambda s: None,
+            lambda s: release.wait(10.0),
+            lambda s: None,
+            lambda exc: release.set(),
+            0.3,
+            label="rank 0: allreduce #7",
+        )

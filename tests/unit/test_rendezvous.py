@@ -13,21 +13,43 @@ from tests.harness import free_port, require
 
 
 def test_ddlrun_variables():
-    info = detect({"DDL_RANK": "2", "DDL_SIZE": "4", "DDL_MASTER_ADDR": "10.0.0.1",
-                   "DDL_MASTER_PORT": "29500", "DDL_LOCAL_RANK": "0", "DDL_LOCAL_SIZE": "2"})
+    info = detect(
+        {
+            "DDL_RANK": "2",
+            "DDL_SIZE": "4",
+            "DDL_MASTER_ADDR": "10.0.0.1",
+            "DDL_MASTER_PORT": "29500",
+            "DDL_LOCAL_RANK": "0",
+            "DDL_LOCAL_SIZE": "2",
+        }
+    )
     assert (info.rank, info.size, info.master_addr, info.master_port) == (2, 4, "10.0.0.1", 29500)
     assert (info.source, info.local_rank, info.local_size) == ("ddlrun", 0, 2)
 
 
 def test_torchrun_variables():
-    info = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h0",
-                   "MASTER_PORT": "1234"})
-    assert (info.rank, info.size, info.master_addr, info.master_port, info.source) == \
-        (1, 2, "h0", 1234, "torchrun")
+    info = detect(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "h0",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (info.rank, info.size, info.master_addr, info.master_port, info.source) == (
+        1,
+        2,
+        "h0",
+        1234,
+        "torchrun",
+    )
 
 
 def test_mpich_variables_need_a_broadcast_address():
-    info = detect({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    info = detect(
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    )
     assert (info.rank, info.size, info.master_addr, info.source) == (3, 4, None, "mpich")
     assert (info.local_rank, info.local_size) == (1, 2)
 
@@ -38,8 +60,14 @@ def test_openmpi_and_slurm_variables():
 
 
 def test_explicit_master_beats_mpi_broadcast():
-    info = detect({"PMI_RANK": "0", "PMI_SIZE": "2", "DDL_MASTER_ADDR": "127.0.0.1",
-                   "DDL_MASTER_PORT": "5000"})
+    info = detect(
+        {
+            "PMI_RANK": "0",
+            "PMI_SIZE": "2",
+            "DDL_MASTER_ADDR": "127.0.0.1",
+            "DDL_MASTER_PORT": "5000",
+        }
+    )
     assert (info.master_addr, info.master_port) == ("127.0.0.1", 5000)
     assert resolve_master(info, {}) is info
 
@@ -74,10 +102,17 @@ def test_layout_numbers_local_ranks_per_host():
     assert lay.ranks_per_host == (3, 2)
 
 
-_TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
-             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job7",
-             "TORCHELASTIC_RESTART_COUNT": "0"}
+_TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1234",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RUN_ID": "job7",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+}
 
 
 def test_torchrun_agent_store_is_torchs_not_ours():
@@ -90,14 +125,24 @@ def test_torchrun_agent_store_is_torchs_not_ours():
 def test_ddl_master_port_wins_over_torchs():
     info = detect({**_TORCHRUN, "DDL_MASTER_PORT": "5000"})
     assert (info.master_addr, info.master_port, info.torch_store) == ("127.0.0.1", 5000, False)
-    info = detect({"DDL_RANK": "0", "DDL_SIZE": "2", "DDL_MASTER_ADDR": "10.0.0.1",
-                   "DDL_MASTER_PORT": "5000", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "6000"})
+    info = detect(
+        {
+            "DDL_RANK": "0",
+            "DDL_SIZE": "2",
+            "DDL_MASTER_ADDR": "10.0.0.1",
+            "DDL_MASTER_PORT": "5000",
+            "MASTER_ADDR": "10.0.0.2",
+            "MASTER_PORT": "6000",
+        }
+    )
     assert (info.master_addr, info.master_port) == ("10.0.0.1", 5000)
 
 
 def _torch_distributed():
-    require(importlib.util.find_spec("torch") is not None,
-            "torch is not installed (pip install 'ddlcore[torch]')")
+    require(
+        importlib.util.find_spec("torch") is not None,
+        "torch is not installed (pip install 'ddlcore[torch]')",
+    )
     import torch.distributed as dist
 
     return dist

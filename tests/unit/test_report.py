@@ -10,8 +10,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmarks_md_is_regenerated_from_the_results() -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
 
 

@@ -29,8 +29,9 @@ from ddlcore.algorithms import (
 from ddlcore.algorithms.schedule import Schedule, split
 
 
-def interpret(schedules: list[Schedule], inputs: list[np.ndarray], outputs: list[np.ndarray],
-              reduce=np.add) -> None:
+def interpret(
+    schedules: list[Schedule], inputs: list[np.ndarray], outputs: list[np.ndarray], reduce=np.add
+) -> None:
     """Run all ranks' schedules to completion, round-robin; fail on deadlock or mismatch."""
     size = len(schedules)
     queues: dict[tuple[int, int, int], deque] = {}
@@ -38,7 +39,9 @@ def interpret(schedules: list[Schedule], inputs: list[np.ndarray], outputs: list
     scratch = [np.zeros(max(s.scratch_count, 1), inputs[r].dtype) for r, s in enumerate(schedules)]
 
     def buf(rank, which):
-        return {Buf.INPUT: inputs[rank], Buf.OUTPUT: outputs[rank], Buf.SCRATCH: scratch[rank]}[which]
+        return {Buf.INPUT: inputs[rank], Buf.OUTPUT: outputs[rank], Buf.SCRATCH: scratch[rank]}[
+            which
+        ]
 
     while any(pcs[r] < len(schedules[r].steps) for r in range(size)):
         progressed = False
@@ -47,10 +50,12 @@ def interpret(schedules: list[Schedule], inputs: list[np.ndarray], outputs: list
             while pcs[r] < len(steps):
                 s = steps[pcs[r]]
                 if s.kind == Kind.SEND:
-                    data = buf(r, s.src)[s.src_off:s.src_off + s.count].copy()
+                    data = buf(r, s.src)[s.src_off : s.src_off + s.count].copy()
                     queues.setdefault((r, s.peer, s.slot), deque()).append(data)
                 elif s.kind == Kind.COPY:
-                    buf(r, s.dst)[s.dst_off:s.dst_off + s.count] = buf(r, s.src)[s.src_off:s.src_off + s.count]
+                    buf(r, s.dst)[s.dst_off : s.dst_off + s.count] = buf(r, s.src)[
+                        s.src_off : s.src_off + s.count
+                    ]
                 else:
                     q = queues.get((s.peer, r, s.slot))
                     if not q:
@@ -59,11 +64,11 @@ def interpret(schedules: list[Schedule], inputs: list[np.ndarray], outputs: list
                     assert data.size == s.count, f"rank {r} step {pcs[r]}: size mismatch"
                     dst = buf(r, s.dst)
                     if s.kind == Kind.RECV:
-                        dst[s.dst_off:s.dst_off + s.count] = data
+                        dst[s.dst_off : s.dst_off + s.count] = data
                     else:
-                        lhs = buf(r, s.src)[s.src_off:s.src_off + s.count]
+                        lhs = buf(r, s.src)[s.src_off : s.src_off + s.count]
                         pair = (data, lhs) if s.staged_first else (lhs, data)
-                        dst[s.dst_off:s.dst_off + s.count] = reduce(*pair)
+                        dst[s.dst_off : s.dst_off + s.count] = reduce(*pair)
                 pcs[r] += 1
                 progressed = True
         assert progressed, f"deadlock: program counters {pcs}"
@@ -100,7 +105,7 @@ def test_ring_reduce_scatter(size, k, chunk_elems):
     interpret(scheds, inputs, outputs)
     total = np.sum(inputs, axis=0)
     for r in range(size):
-        np.testing.assert_array_equal(outputs[r], total[r * k:(r + 1) * k])
+        np.testing.assert_array_equal(outputs[r], total[r * k : (r + 1) * k])
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -174,6 +179,7 @@ def test_schedule_prints():
 
 # --- every reduction algorithm over flat worlds and boxes ---------------------------------------
 
+
 def _box(dims, order=None):
     topo = topology.box(dims, [1e9] * len(dims), [1e-6] * len(dims))
     if order is not None:
@@ -181,10 +187,25 @@ def _box(dims, order=None):
     return topo
 
 
-BOXES = [(n,) for n in range(1, 10)] + [(2, 2), (2, 3), (3, 2), (2, 2, 2), (4, 2), (2, 4), (3, 3),
-                                        (1, 4), (4, 1), (2, 1, 3), (3, 2, 2)]
+BOXES = [(n,) for n in range(1, 10)] + [
+    (2, 2),
+    (2, 3),
+    (3, 2),
+    (2, 2, 2),
+    (4, 2),
+    (2, 4),
+    (3, 3),
+    (1, 4),
+    (4, 1),
+    (2, 1, 3),
+    (3, 2, 2),
+]
 # Ranks of a host interleaved (ranks 0, 2 on one host, 1, 3 on the other).
-ODD_ORDERS = [((2, 2), (0, 2, 1, 3)), ((2, 3), (5, 0, 3, 1, 4, 2)), ((2, 2, 2), (7, 6, 5, 4, 3, 2, 1, 0))]
+ODD_ORDERS = [
+    ((2, 2), (0, 2, 1, 3)),
+    ((2, 3), (5, 0, 3, 1, 4, 2)),
+    ((2, 2, 2), (7, 6, 5, 4, 3, 2, 1, 0)),
+]
 
 
 def _placed(host_ids):
@@ -231,7 +252,9 @@ def case(what: str) -> Iterator[None]:
         raise AssertionError(f"{what}: {exc}") from exc
 
 
-@pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize(
+    "topo", TOPOLOGIES, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}"
+)
 @pytest.mark.parametrize("collective,algo", REDUCTIONS)
 def test_reduction_algorithms(collective, algo, topo):
     """Every count (0, 1, 2, 7, 101) x chunk size (1, 5, 1000 elements), in one test per
@@ -245,13 +268,15 @@ def test_reduction_algorithms(collective, algo, topo):
                     if collective == "allreduce":
                         want = total
                     elif collective == "reduce_scatter":
-                        want = total[r * count:(r + 1) * count]
+                        want = total[r * count : (r + 1) * count]
                     else:
                         want = np.concatenate(inputs)
                     np.testing.assert_array_equal(outputs[r], want, err_msg=f"rank {r}")
 
 
-@pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize(
+    "topo", TOPOLOGIES, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}"
+)
 @pytest.mark.parametrize("algo", list(ALGORITHMS["allreduce"]))
 @pytest.mark.parametrize("reduce", [np.add, np.minimum], ids=["sum", "min"])
 def test_allreduce_is_bit_identical_on_every_rank(algo, topo, reduce):
@@ -273,10 +298,12 @@ def test_mdring_moves_less_over_the_slow_dimension():
     topo, n = _box((4, 2)), 8000
     for r in range(8):
         sched = mdring.allreduce(r, 8, n, 4, 1 << 20, topo)
-        slow = sum(s.count for s in sched.steps
-                   if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 1)
-        fast = sum(s.count for s in sched.steps
-                   if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 0)
+        slow = sum(
+            s.count for s in sched.steps if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 1
+        )
+        fast = sum(
+            s.count for s in sched.steps if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 0
+        )
         assert slow == n // 4
         assert fast == 2 * 3 * n // 4
     steps = len(mdring.allreduce(0, 8, 8, 4, 1 << 20, topo).steps)
@@ -303,10 +330,13 @@ def test_halving_doubling_step_counts(size):
     exchanges = len({s.slot // 1000 for s in sched.steps if s.kind == Kind.SEND})
     assert exchanges <= 2 * rounds + 1
     rd = halving_doubling.allreduce_doubling(size - 1, size, 10, 4, 1 << 20)
-    assert sum(1 for s in rd.steps if s.kind == Kind.SEND) == rounds + (1 if size - 1 < 2 * extra else 0)
+    assert sum(1 for s in rd.steps if s.kind == Kind.SEND) == rounds + (
+        1 if size - 1 < 2 * extra else 0
+    )
 
 
 # --- cyclic placement: the ring in rank order, mdring along the hosts ----------------------------
+
 
 def _peers(sched):
     return {s.peer for s in sched.steps if s.kind != Kind.COPY}
@@ -346,12 +376,16 @@ def test_mdring_on_cyclic_placement_keeps_bytes_off_the_network(per_host, hosts)
 
     def across(algo, topo, r):
         sched = ALGORITHMS["allreduce"][algo](r, p, n, 4, 1 << 20, topo)
-        return sum(s.count for s in sched.steps
-                   if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 1)
+        return sum(
+            s.count for s in sched.steps if s.kind == Kind.SEND and topo.dim_between(r, s.peer) == 1
+        )
 
     for r in range(p):
-        assert across("mdring", cyclic, r) == across("mdring", block, r) == \
-            2 * (hosts - 1) * n // (hosts * per_host)
+        assert (
+            across("mdring", cyclic, r)
+            == across("mdring", block, r)
+            == 2 * (hosts - 1) * n // (hosts * per_host)
+        )
         assert across("ring", cyclic, r) == 2 * (p - 1) * n // p
     # Host 0's link, all its ranks together: the ring's M flows against mdring's one share each.
     host0 = [r for r in range(p) if r % hosts == 0]
@@ -380,8 +414,14 @@ def test_cyclic_mdring_reduces_in_the_same_order_as_block():
 def _slow_network(topo):
     """``topo`` with 1 Gbit/s-like links across hosts, shm-like inside."""
     links = [(3e9, 20e-6) if lvl == "host" else (1.2e8, 60e-6) for lvl in topo.levels]
-    return topology.Topology(topo.dims, topo.order, tuple(b for b, _ in links),
-                             tuple(t for _, t in links), topo.levels, topo.note)
+    return topology.Topology(
+        topo.dims,
+        topo.order,
+        tuple(b for b, _ in links),
+        tuple(t for _, t in links),
+        topo.levels,
+        topo.note,
+    )
 
 
 @pytest.mark.parametrize("per_host,hosts", [(2, 2), (2, 3), (4, 2)])
@@ -429,7 +469,9 @@ def _racked(per_host, hosts, racks):
     return topology.build(host_ids, rack_ids, {"host": "shm", "network": "tcp"}, {})
 
 
-ACROSS = [_placed([f"h{r // m}" for r in range(m * h)]) for m, h in ((2, 2), (4, 2), (3, 2), (2, 3))]
+ACROSS = [
+    _placed([f"h{r // m}" for r in range(m * h)]) for m, h in ((2, 2), (4, 2), (3, 2), (2, 3))
+]
 ACROSS += [_cyclic(2, 2), _cyclic(2, 3), _cyclic(4, 2), _racked(2, 2, 2)]
 ACROSS_ALL = ACROSS + [_box_levels((2, 2, 2), ("host", "host", "network"))]
 
@@ -446,18 +488,19 @@ def _host_phase(topo, blocks, inputs, k, per_rank):
         staged = [np.empty_like(inputs[q]) for q in host]
         for s, q in zip(staged, host, strict=True):
             for src in range(topo.size):
-                s[blocks[src] * k:(blocks[src] + 1) * k] = inputs[q][src * k:(src + 1) * k]
+                s[blocks[src] * k : (blocks[src] + 1) * k] = inputs[q][src * k : (src + 1) * k]
         total = staged[0].copy()
         for s in staged[1:]:
             total = total + s
         lpos = topo.position(r) % m
-        parts[r] = total[lpos * nets * k:(lpos + 1) * nets * k]
+        parts[r] = total[lpos * nets * k : (lpos + 1) * nets * k]
         assert per_rank is None or parts[r].size == per_rank
     return parts
 
 
-@pytest.mark.parametrize("topo", ACROSS_ALL,
-                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize(
+    "topo", ACROSS_ALL, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}"
+)
 @pytest.mark.parametrize("k", [0, 1, 3, 13])
 @pytest.mark.parametrize("chunk_elems", [1, 4, 1000])
 def test_reduce_scatter_across_hosts_after_the_boards(topo, k, chunk_elems):
@@ -475,20 +518,22 @@ def _check_reduce_scatter_across(topo, k, chunk_elems, order):
     blocks = mdring.host_staged_blocks(topo, order)
     assert sorted(blocks) == list(range(p))
     parts = _host_phase(topo, blocks, inputs, k, nets * k)
-    scheds = [mdring.reduce_scatter_across_hosts(r, p, nets * k, 8, chunk_elems * 8, topo,
-                                                 order) for r in range(p)]
+    scheds = [
+        mdring.reduce_scatter_across_hosts(r, p, nets * k, 8, chunk_elems * 8, topo, order)
+        for r in range(p)
+    ]
     outputs = [np.full(k, -7, np.int64) for _ in range(p)]
     interpret(scheds, [parts[r] for r in range(p)], outputs)
     total = np.sum(inputs, axis=0)
     for r in range(p):
-        np.testing.assert_array_equal(outputs[r], total[r * k:(r + 1) * k], err_msg=f"rank {r}")
+        np.testing.assert_array_equal(outputs[r], total[r * k : (r + 1) * k], err_msg=f"rank {r}")
         # only the network dimensions: every peer is on another host
-        assert all(topo.node_of(s.peer) != topo.node_of(r) for s in scheds[r].steps
-                   if s.peer >= 0)
+        assert all(topo.node_of(s.peer) != topo.node_of(r) for s in scheds[r].steps if s.peer >= 0)
 
 
-@pytest.mark.parametrize("topo", ACROSS_ALL,
-                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize(
+    "topo", ACROSS_ALL, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}"
+)
 @pytest.mark.parametrize("k", [0, 1, 3, 13])
 @pytest.mark.parametrize("chunk_elems", [1, 4, 1000])
 def test_allgather_across_hosts_before_the_boards(topo, k, chunk_elems):
@@ -504,16 +549,18 @@ def _check_allgather_across(topo, k, chunk_elems, order):
     nets = p // m
     rng = np.random.default_rng([p, k, chunk_elems, 1])
     inputs = [rng.integers(-1000, 1000, k) for _ in range(p)]
-    scheds = [mdring.allgather_across_hosts(r, p, k, 8, chunk_elems * 8, topo, order)
-              for r in range(p)]
+    scheds = [
+        mdring.allgather_across_hosts(r, p, k, 8, chunk_elems * 8, topo, order) for r in range(p)
+    ]
     parts = [np.full(nets * k, -7, np.int64) for _ in range(p)]
     interpret(scheds, inputs, parts)
     blocks = mdring.host_staged_blocks(topo, order)
     for r in range(p):
-        host = sorted((q for q in range(p) if topo.node_of(q) == topo.node_of(r)),
-                      key=topo.position)
+        host = sorted(
+            (q for q in range(p) if topo.node_of(q) == topo.node_of(r)), key=topo.position
+        )
         staged = np.concatenate([parts[q] for q in host])  # the boards' allgather
-        out = np.concatenate([staged[blocks[q] * k:(blocks[q] + 1) * k] for q in range(p)])
+        out = np.concatenate([staged[blocks[q] * k : (blocks[q] + 1) * k] for q in range(p)])
         np.testing.assert_array_equal(out, np.concatenate(inputs), err_msg=f"rank {r}")
 
 
@@ -550,12 +597,12 @@ def _host_first_orders(topo):
 
     from ddlcore import tuning
 
-    return [o for o in itertools.permutations(range(len(topo.dims)))
-            if tuning.host_first(topo, o)]
+    return [o for o in itertools.permutations(range(len(topo.dims))) if tuning.host_first(topo, o)]
 
 
-@pytest.mark.parametrize("topo", ACROSS_ALL,
-                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize(
+    "topo", ACROSS_ALL, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}"
+)
 def test_across_hosts_schedules_are_the_network_tail_of_mdring(topo):
     """Message for message (kind, peer, slot, count), the network phases of a host-staged
     reduce-scatter or allgather are those of the whole mdring schedule: a host whose ranks run
@@ -565,8 +612,11 @@ def test_across_hosts_schedules_are_the_network_tail_of_mdring(topo):
     nets = p // topo.ranks_per_node
 
     def across(sched, r):
-        return [(s.kind, s.peer, s.slot, s.count) for s in sched.steps
-                if s.peer >= 0 and topo.node_of(s.peer) != topo.node_of(r)]
+        return [
+            (s.kind, s.peer, s.slot, s.count)
+            for s in sched.steps
+            if s.peer >= 0 and topo.node_of(s.peer) != topo.node_of(r)
+        ]
 
     for order in _host_first_orders(topo):
         for k, chunk in ((1, 8), (5, 8), (300, 64), (300, 1 << 20)):
@@ -581,8 +631,14 @@ def test_across_hosts_schedules_are_the_network_tail_of_mdring(topo):
 
 # --- mdring pipelined across the dimensions (parts on streams) -----------------------------------
 
-def interpret_streams(schedules: list[Schedule], inputs: list[np.ndarray],
-                      outputs: list[np.ndarray], seed: int, reduce=np.add) -> None:
+
+def interpret_streams(
+    schedules: list[Schedule],
+    inputs: list[np.ndarray],
+    outputs: list[np.ndarray],
+    seed: int,
+    reduce=np.add,
+) -> None:
     """Run every rank's streams as independent actors, a step at a time in a random order
     (a part starts once the parts it comes after are done); fail on deadlock or mismatch."""
     rng = np.random.default_rng(seed)
@@ -609,7 +665,7 @@ def interpret_streams(schedules: list[Schedule], inputs: list[np.ndarray],
         if si < len(steps):
             s = steps[si]
             if s.kind == Kind.SEND:
-                data = buf(r, s.src)[s.src_off:s.src_off + s.count].copy()
+                data = buf(r, s.src)[s.src_off : s.src_off + s.count].copy()
                 queues.setdefault((r, s.peer, s.slot), deque()).append(data)
             else:
                 q = queues.get((s.peer, r, s.slot))
@@ -619,10 +675,10 @@ def interpret_streams(schedules: list[Schedule], inputs: list[np.ndarray],
                 assert data.size == s.count
                 dst = buf(r, s.dst)
                 if s.kind == Kind.RECV:
-                    dst[s.dst_off:s.dst_off + s.count] = data
+                    dst[s.dst_off : s.dst_off + s.count] = data
                 else:
-                    lhs = buf(r, s.src)[s.src_off:s.src_off + s.count]
-                    dst[s.dst_off:s.dst_off + s.count] = reduce(lhs, data)
+                    lhs = buf(r, s.src)[s.src_off : s.src_off + s.count]
+                    dst[s.dst_off : s.dst_off + s.count] = reduce(lhs, data)
             at[a][1] += 1
         if at[a][1] == len(steps):
             done[r].add(p)
@@ -638,8 +694,9 @@ def interpret_streams(schedules: list[Schedule], inputs: list[np.ndarray],
 PIPELINED_BOXES = [b for b in TOPOLOGIES if len([d for d in b.dims if d > 1]) > 1]
 
 
-@pytest.mark.parametrize("topo", PIPELINED_BOXES,
-                         ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}")
+@pytest.mark.parametrize(
+    "topo", PIPELINED_BOXES, ids=lambda t: f"{t.shape}:{''.join(map(str, t.order))}"
+)
 @pytest.mark.parametrize("segments", [2, 3, 5])
 @pytest.mark.parametrize("count", [0, 1, 2, 7, 101])
 @pytest.mark.parametrize("chunk_elems", [1, 1000])
@@ -649,8 +706,10 @@ def test_pipelined_mdring_allreduce(topo, segments, count, chunk_elems):
     size = topo.size
     rng = np.random.default_rng([size, count, segments])
     inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(size)]
-    scheds = [mdring.allreduce(r, size, count, 8, chunk_elems * 8, topo, segments=segments)
-              for r in range(size)]
+    scheds = [
+        mdring.allreduce(r, size, count, 8, chunk_elems * 8, topo, segments=segments)
+        for r in range(size)
+    ]
     total = np.sum(inputs, axis=0) if count else np.zeros(0, np.int64)
     outputs = [np.full(count, -7, np.int64) for _ in range(size)]
     interpret(scheds, inputs, outputs)
@@ -678,8 +737,7 @@ def test_pipelined_mdring_structure():
         np.testing.assert_array_equal(out, np.arange(101) * 78)
     topo = _box((2, 3, 2))
     size, count, segments = topo.size, 1009, 4
-    scheds = [mdring.allreduce(r, size, count, 4, 64, topo, segments=segments)
-              for r in range(size)]
+    scheds = [mdring.allreduce(r, size, count, 4, 64, topo, segments=segments) for r in range(size)]
     for s in scheds:
         assert s.parts and all(q < p for p, part in enumerate(s.parts) for q in part.after)
         assert len(s.streams()) == 2  # rings of 2 on the host; the adapter shared: one each

@@ -31,14 +31,16 @@ def send(peer: int, count: int, slot: int = 0) -> Step:
 
 
 def recv(peer: int, count: int, slot: int = 0, reduce: bool = False) -> Step:
-    return Step(Kind.RECV_REDUCE if reduce else Kind.RECV, peer, slot, count, Buf.INPUT, 0,
-                Buf.OUTPUT, 0)
+    return Step(
+        Kind.RECV_REDUCE if reduce else Kind.RECV, peer, slot, count, Buf.INPUT, 0, Buf.OUTPUT, 0
+    )
 
 
 def run(schedules: list[list[Step]], topo: topology.Topology, reduce_bw: float = 8e9):
     size = len(schedules)
     prog = simulate.Program.from_schedules(
-        [_sched(r, size, *steps) for r, steps in enumerate(schedules)], size, 1)
+        [_sched(r, size, *steps) for r, steps in enumerate(schedules)], size, 1
+    )
     return simulate.execute(prog, topo, reduce_bw=reduce_bw)
 
 
@@ -82,8 +84,9 @@ def test_links_inside_a_host_are_per_rank():
 
 def test_deadlock_is_an_error_not_a_hang():
     topo = topology.box((2,), (BW,), (LAT,))
-    with pytest.raises(simulate.SimulationError,
-                       match="deadlock.*rank 0 at step 0 waits for rank 1"):
+    with pytest.raises(
+        simulate.SimulationError, match="deadlock.*rank 0 at step 0 waits for rank 1"
+    ):
         run([[recv(1, NB), send(1, NB)], [recv(0, NB), send(0, NB)]], topo)
 
 
@@ -125,11 +128,20 @@ def test_every_collective_runs_to_completion(collective, algo, box):
         assert res.algorithm == choice.algorithm
 
 
-CASES = [pytest.param(algo, box, contended, nbytes,
-                      id=f"{algo}-{box}-{'cont' if contended else 'unc'}-"
-                         f"{'large' if nbytes == LARGE else 'small'}")
-         for algo in ("ring", "mdring", "rhd") for box in BOXES for contended in (True, False)
-         for nbytes in (LARGE, SMALL)]
+CASES = [
+    pytest.param(
+        algo,
+        box,
+        contended,
+        nbytes,
+        id=f"{algo}-{box}-{'cont' if contended else 'unc'}-"
+        f"{'large' if nbytes == LARGE else 'small'}",
+    )
+    for algo in ("ring", "mdring", "rhd")
+    for box in BOXES
+    for contended in (True, False)
+    for nbytes in (LARGE, SMALL)
+]
 
 
 @pytest.mark.parametrize("algo, box, contended, nbytes", CASES)
@@ -182,8 +194,10 @@ def test_mdring_sends_fewer_bytes_across_hosts_than_ring():
     assert md.dims[1].messages < ring.dims[1].messages
     # With one adapter per rank, the network phase runs 4 rings at once at full speed.
     uncontended = topology.box((4, 4), (20e9, 10e9), (5e-6, 10e-6), adapters=4)
-    assert (simulate.simulate("allreduce", "mdring", uncontended, LARGE, reduce_bw=1e30).time_s
-            < simulate.simulate("allreduce", "ring", uncontended, LARGE, reduce_bw=1e30).time_s)
+    assert (
+        simulate.simulate("allreduce", "mdring", uncontended, LARGE, reduce_bw=1e30).time_s
+        < simulate.simulate("allreduce", "ring", uncontended, LARGE, reduce_bw=1e30).time_s
+    )
 
 
 def test_too_large_is_refused_not_approximated():
@@ -194,9 +208,23 @@ def test_too_large_is_refused_not_approximated():
 
 # --- the command line ---------------------------------------------------------------------------
 
+
 def test_cli_json(capsys):
-    argv = ["--topology", "4x2x2", "--link-bw", "20e9,10e9,9.5e9", "--link-lat", "5e-6,10e-6,20e-6",
-            "--bytes", "1e6", "--algo", "mdring", "--adapters", "2", "--json"]
+    argv = [
+        "--topology",
+        "4x2x2",
+        "--link-bw",
+        "20e9,10e9,9.5e9",
+        "--link-lat",
+        "5e-6,10e-6,20e-6",
+        "--bytes",
+        "1e6",
+        "--algo",
+        "mdring",
+        "--adapters",
+        "2",
+        "--json",
+    ]
     assert simulate.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["simulated"] is True and out["time_s"] > 0 and math.isfinite(out["predicted_s"])
@@ -232,8 +260,10 @@ def test_cli_bad_arguments_name_them(capsys):
 def test_schedules_are_the_librarys():
     topo = _box("4x2")
     prog = simulate.compile_program("allreduce", "mdring", topo, 1e5)
-    steps = sum(len(ALGORITHMS["allreduce"]["mdring"](r, 8, 25_000, 4, 1 << 20, topo).steps)
-                for r in range(8))
+    steps = sum(
+        len(ALGORITHMS["allreduce"]["mdring"](r, 8, 25_000, 4, 1 << 20, topo).steps)
+        for r in range(8)
+    )
     assert prog.steps == steps and prog.algorithm == "mdring"
 
 
@@ -243,9 +273,24 @@ def test_cyclic_placement_slows_the_rank_ordered_ring_not_mdring(capsys):
     times = {}
     for placement in ("block", "cyclic"):
         for algo in ("ring", "mdring"):
-            assert simulate.main(["--topology", "4x2", "--link-bw", "20e9,1.25e8", "--bytes",
-                                  "16e6", "--algo", algo, "--placement", placement,
-                                  "--json"]) == 0
+            assert (
+                simulate.main(
+                    [
+                        "--topology",
+                        "4x2",
+                        "--link-bw",
+                        "20e9,1.25e8",
+                        "--bytes",
+                        "16e6",
+                        "--algo",
+                        algo,
+                        "--placement",
+                        placement,
+                        "--json",
+                    ]
+                )
+                == 0
+            )
             times[placement, algo] = json.loads(capsys.readouterr().out)["time_s"]
     assert times["cyclic", "mdring"] == pytest.approx(times["block", "mdring"], rel=1e-9)
     assert times["cyclic", "ring"] > 3 * times["block", "ring"], times

@@ -149,12 +149,15 @@ def test_oversize_key_and_value_are_refused_by_the_client(server):
         assert c.get("k" * MAX_KEY_BYTES) == b"ok"
 
 
-@pytest.mark.parametrize("frame", [
-    struct.pack("<HBBHIqq", 0xDD5C, 1, 0, MAX_KEY_BYTES + 1, 0, 0, 0),     # key too long
-    struct.pack("<HBBHIqq", 0xDD5C, 1, 0, 1, MAX_VALUE_BYTES + 1, 0, 0),   # value too long
-    struct.pack("<HBBHIqq", 0xDD5C, 99, 0, 1, 0, 0, 0),                    # unknown op
-    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",                                   # not our protocol
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack("<HBBHIqq", 0xDD5C, 1, 0, MAX_KEY_BYTES + 1, 0, 0, 0),  # key too long
+        struct.pack("<HBBHIqq", 0xDD5C, 1, 0, 1, MAX_VALUE_BYTES + 1, 0, 0),  # value too long
+        struct.pack("<HBBHIqq", 0xDD5C, 99, 0, 1, 0, 0, 0),  # unknown op
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not our protocol
+    ],
+)
 @pytest.mark.parametrize("authenticated", [False, True])
 def test_malformed_frames_close_the_connection(server, frame, authenticated):
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
@@ -247,8 +250,11 @@ def test_unreachable_store_error_is_a_distinct_rendezvous_error():
 
 
 def test_a_barrier_with_disagreeing_sizes_or_a_rank_twice_is_an_error(server):
-    with client(server, rank=0, size=2) as a, client(server, rank=1, size=3) as b, \
-            client(server, rank=0, size=2) as twin:
+    with (
+        client(server, rank=0, size=2) as a,
+        client(server, rank=1, size=3) as b,
+        client(server, rank=0, size=2) as twin,
+    ):
         errors: list[BaseException] = []
 
         def first() -> None:

@@ -9,8 +9,12 @@ from ddlcore import topology
 
 
 def _build(hosts, racks=None, env=None, transports=None):
-    return topology.build(hosts, racks or [""] * len(hosts),
-                          transports or {"host": "shm", "network": "tcp"}, env or {})
+    return topology.build(
+        hosts,
+        racks or [""] * len(hosts),
+        transports or {"host": "shm", "network": "tcp"},
+        env or {},
+    )
 
 
 def test_ranks_per_host_times_hosts():
@@ -49,12 +53,15 @@ def test_given_box_refines_the_hosts():
     assert topo.ranks_per_node == 4
 
 
-@pytest.mark.parametrize("shape,hosts,match", [
-    ("4x2", ["a"] * 6, "holds 8 ranks but the job has 6"),
-    ("4x2", ["a"] * 2 + ["b"] * 6, r"\[2, 6\] ranks"),
-    ("8x2", ["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 4, "splits a host"),
-    ("3x2", ["a"] * 2 + ["b"] * 2 + ["c"] * 2, "splits a host"),
-])
+@pytest.mark.parametrize(
+    "shape,hosts,match",
+    [
+        ("4x2", ["a"] * 6, "holds 8 ranks but the job has 6"),
+        ("4x2", ["a"] * 2 + ["b"] * 6, r"\[2, 6\] ranks"),
+        ("8x2", ["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 4, "splits a host"),
+        ("3x2", ["a"] * 2 + ["b"] * 2 + ["c"] * 2, "splits a host"),
+    ],
+)
 def test_a_box_that_does_not_fit_says_what_was_found(shape, hosts, match):
     with pytest.raises(ValueError, match=match) as info:
         _build(hosts, env={"DDL_TOPOLOGY": shape})
@@ -62,8 +69,9 @@ def test_a_box_that_does_not_fit_says_what_was_found(shape, hosts, match):
 
 
 def test_link_overrides_per_dimension():
-    topo = _build(["a"] * 4, env={"DDL_TOPOLOGY": "2x2", "DDL_LINK_BW": "20e9,10e9",
-                                  "DDL_LINK_LAT": "1e-6"})
+    topo = _build(
+        ["a"] * 4, env={"DDL_TOPOLOGY": "2x2", "DDL_LINK_BW": "20e9,10e9", "DDL_LINK_LAT": "1e-6"}
+    )
     assert topo.bw == (20e9, 10e9) and topo.lat == (1e-6, 1e-6)
     with pytest.raises(ValueError, match="DDL_LINK_BW: 3 values for a box of 2"):
         _build(["a"] * 4, env={"DDL_TOPOLOGY": "2x2", "DDL_LINK_BW": "1,2,3"})
@@ -88,16 +96,20 @@ def test_adapters_share_the_network_round_robin():
 
 # --- cyclic placement: ranks dealt round-robin over the hosts (rank r on host r % H) ------------
 
+
 def _cyclic(per_host, hosts):
     return [f"h{r % hosts}" for r in range(per_host * hosts)]
 
 
-@pytest.mark.parametrize("per_host,hosts,order", [
-    (2, 2, (0, 2, 1, 3)),
-    (2, 3, (0, 3, 1, 4, 2, 5)),
-    (4, 2, (0, 2, 4, 6, 1, 3, 5, 7)),
-    (3, 2, (0, 2, 4, 1, 3, 5)),
-])
+@pytest.mark.parametrize(
+    "per_host,hosts,order",
+    [
+        (2, 2, (0, 2, 1, 3)),
+        (2, 3, (0, 3, 1, 4, 2, 5)),
+        (4, 2, (0, 2, 4, 6, 1, 3, 5, 7)),
+        (3, 2, (0, 2, 4, 1, 3, 5)),
+    ],
+)
 def test_cyclic_placement_makes_the_same_box_permuted(per_host, hosts, order):
     """The box comes from the host grouping, not from rank numbers: each host's ranks form the
     fast dimension (by rank), the hosts the slow one (by their lowest rank)."""
@@ -166,8 +178,11 @@ def test_default_links_make_auto_go_host_first():
             choice = tuning.choose("allreduce", topo, nbytes, "auto", 1 << 20, False)
             assert choice.algorithm == "mdring" and choice.dim_order == (0, 1), choice
     # Given links still win.
-    fast = _build(["a", "a", "b", "b"], env={"DDL_LINK_BW": "5e9,12.5e9"},
-                  transports={"host": "shm", "network": "ucx"})
+    fast = _build(
+        ["a", "a", "b", "b"],
+        env={"DDL_LINK_BW": "5e9,12.5e9"},
+        transports={"host": "shm", "network": "ucx"},
+    )
     assert fast.bw == (5e9, 12.5e9)
 
 
@@ -183,40 +198,52 @@ def test_the_link_probe_sees_past_a_burst_and_a_disturbed_round():
     kib = 1 << 10
     # The burst makes either size alone look fast; the slope between them does not.
     assert probe.rate(None, 512 * kib, round_s(512 * kib), lat) > 1.3 * bw
-    assert probe.rate((256 * kib, round_s(256 * kib)), 512 * kib, round_s(512 * kib), lat) == \
-        pytest.approx(bw)
+    assert probe.rate(
+        (256 * kib, round_s(256 * kib)), 512 * kib, round_s(512 * kib), lat
+    ) == pytest.approx(bw)
     # A smaller size slowed by load steepens the slope: the last size's own rate bounds it.
     slow_before = (256 * kib, round_s(256 * kib, 1.5e-3))
     assert probe.rate(slow_before, 512 * kib, round_s(512 * kib), lat) < 1.4 * bw
     # A latency disturbed past the round itself: at most half the round is taken off.
     assert probe.rate(None, 1 << 20, 1e-3, 2e-3) == pytest.approx((1 << 20) / 0.5e-3)
 
+
 # --- network adapters (rails): DDL_SOCKET_IFNAME's list, as the tcp transport uses it ----------
 
-@pytest.mark.parametrize("ifname, hosts, network, adapters", [
-    ("eth0,eth1", ["a", "a", "b", "b"], "tcp", 2),
-    ("eth0, eth1, eth2", ["a", "a", "b", "b"], "tcp", 3),
-    ("eth0", ["a", "a", "b", "b"], "tcp", 1),
-    ("", ["a", "a", "b", "b"], "tcp", 1),
-    ("eth0,eth1", ["a", "a", "a", "a"], "tcp", 1),       # one host: no network to share
-    ("eth0,eth1", ["a", "a", "b", "b"], "ucx", 1),       # the list is tcp's
-    ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "ucx", 2),
-    ("ucx:all", ["a", "a", "b", "b"], "ucx", 1),
-    ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "tcp", 1),
-])
+
+@pytest.mark.parametrize(
+    "ifname, hosts, network, adapters",
+    [
+        ("eth0,eth1", ["a", "a", "b", "b"], "tcp", 2),
+        ("eth0, eth1, eth2", ["a", "a", "b", "b"], "tcp", 3),
+        ("eth0", ["a", "a", "b", "b"], "tcp", 1),
+        ("", ["a", "a", "b", "b"], "tcp", 1),
+        ("eth0,eth1", ["a", "a", "a", "a"], "tcp", 1),  # one host: no network to share
+        ("eth0,eth1", ["a", "a", "b", "b"], "ucx", 1),  # the list is tcp's
+        ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "ucx", 2),
+        ("ucx:all", ["a", "a", "b", "b"], "ucx", 1),
+        ("ucx:mlx5_0:1,mlx5_1:1", ["a", "a", "b", "b"], "tcp", 1),
+    ],
+)
 def test_adapters_are_the_rails_listed(ifname, hosts, network, adapters):
-    env = {"UCX_NET_DEVICES": ifname[4:]} if ifname.startswith("ucx:") else \
-        {"DDL_SOCKET_IFNAME": ifname}
+    env = (
+        {"UCX_NET_DEVICES": ifname[4:]}
+        if ifname.startswith("ucx:")
+        else {"DDL_SOCKET_IFNAME": ifname}
+    )
     topo = _build(hosts, env=env, transports={"host": "shm", "network": network})
     assert topo.adapters == adapters
     assert ("network adapters per host" in topo.describe()) == (adapters > 1)
 
 
-@pytest.mark.parametrize("hosts", [
-    ["a"] * 4 + ["b"] * 4,                      # block
-    ["a", "b"] * 4,                             # cyclic
-    ["a", "a", "b", "b", "c", "c"],
-])
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        ["a"] * 4 + ["b"] * 4,  # block
+        ["a", "b"] * 4,  # cyclic
+        ["a", "a", "b", "b", "c", "c"],
+    ],
+)
 @pytest.mark.parametrize("rails", ["eth0,eth1", "eth0,eth1,eth2"])
 def test_adapter_of_is_the_engines_local_rank_mod_rails(hosts, rails):
     topo = _build(hosts, env={"DDL_SOCKET_IFNAME": rails})
@@ -231,8 +258,10 @@ def test_two_rails_halve_the_predicted_network_time():
     from ddlcore import tuning
 
     hosts = ["a"] * 4 + ["b"] * 4
-    one, two = (_build(hosts, env={"DDL_SOCKET_IFNAME": f, "DDL_LINK_BW": "5e9,125e6"})
-                for f in ("eth0", "eth0,eth1"))
+    one, two = (
+        _build(hosts, env={"DDL_SOCKET_IFNAME": f, "DDL_LINK_BW": "5e9,125e6"})
+        for f in ("eth0", "eth0,eth1")
+    )
     cost = [tuning.predict("allreduce", "mdring", t, 64 << 20) for t in (one, two)]
     assert cost[1] < 0.6 * cost[0], cost
 

@@ -45,8 +45,11 @@ def test_named_algorithm_is_used_and_rd_falls_back(collective):
     topo = _two_level()
     assert tuning.choose(collective, topo, 1000, "rhd", 4096).algorithm == "rhd"
     got = tuning.choose(collective, topo, 1000, "rd", 4096).algorithm
-    assert got == ("rd" if collective == "allreduce" else
-                   tuning.choose(collective, topo, 1000, "auto", 4096).algorithm)
+    assert got == (
+        "rd"
+        if collective == "allreduce"
+        else tuning.choose(collective, topo, 1000, "auto", 4096).algorithm
+    )
 
 
 def test_unknown_algorithm_names_the_variable():

@@ -64,6 +64,19 @@ from ddlcore.transports.shm.segments import (
     remove_segments_of,
 )
 
-__all__ = ["PREFIX", "SHM_DIR", "ShmContext", "ShmPair", "ShmRequest", "ShmTransport",
-           "_ORPHAN_MIN_AGE_S", "_boot_time", "_cma_allowed", "_owner_gone", "_unlink_quietly",
-           "create_segment", "remove_orphans", "remove_segments_of"]
+__all__ = [
+    "PREFIX",
+    "SHM_DIR",
+    "ShmContext",
+    "ShmPair",
+    "ShmRequest",
+    "ShmTransport",
+    "_ORPHAN_MIN_AGE_S",
+    "_boot_time",
+    "_cma_allowed",
+    "_owner_gone",
+    "_unlink_quietly",
+    "create_segment",
+    "remove_orphans",
+    "remove_segments_of",
+]

@@ -61,8 +61,9 @@ class ShmContext(PairTableContext):
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-r{rank}"
         self._bytes = inbox_bytes(size)
         # Sparse: the slots' pages appear as peers attach.
-        self.path, self._base = create_segment(self.name, self._bytes, _INBOX_HEADER,
-                                               f"rank {rank}'s inbox")
+        self.path, self._base = create_segment(
+            self.name, self._bytes, _INBOX_HEADER, f"rank {rank}'s inbox"
+        )
         # A process that exits without close() still takes its segment's name with it.
         self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, self.path)
         base = self._base
@@ -84,8 +85,9 @@ class ShmContext(PairTableContext):
         except BaseException:
             self._release()
             raise
-        self._thread = threading.Thread(target=self._progress_loop, daemon=True,
-                                         name=f"ddl-shm-progress-{rank}")
+        self._thread = threading.Thread(
+            target=self._progress_loop, daemon=True, name=f"ddl-shm-progress-{rank}"
+        )
         self._thread.start()
 
     # --- pairs ------------------------------------------------------------------------------
@@ -111,8 +113,9 @@ class ShmContext(PairTableContext):
         try:
             raw = self.store.get(f"shm/inbox/{peer}", self.timeout)
         except StoreUnreachableError as exc:  # rank 0, which serves the store, is gone
-            raise PeerFailureError(f"rank {self.rank} could not look up the shared memory of "
-                                   f"rank {peer}: {exc}", 0) from None
+            raise PeerFailureError(
+                f"rank {self.rank} could not look up the shared memory of rank {peer}: {exc}", 0
+            ) from None
         name, _, pid = raw.decode().partition(" ")
         if not name.startswith(PREFIX) or "/" in name or len(name) > _MAX_NAME:
             raise PeerFailureError(f"rank {peer} published a bad inbox name {name!r}", peer)
@@ -126,8 +129,11 @@ class ShmContext(PairTableContext):
         """Peers that attached to us before we used the pair get a pair now (their messages
         must be received, and we must be able to tell them when we close)."""
         for peer in range(self.size):
-            if peer != self.rank and peer not in self._pairs and _shm.load_u32(
-                    self._base + _INBOX_HEADER + peer * _SLOT + _S_STATE) != _NONE:
+            if (
+                peer != self.rank
+                and peer not in self._pairs
+                and _shm.load_u32(self._base + _INBOX_HEADER + peer * _SLOT + _S_STATE) != _NONE
+            ):
                 self._pair_for(peer)
 
     def _progress_loop(self) -> None:
@@ -148,9 +154,13 @@ class ShmContext(PairTableContext):
                 except DDLError as exc:
                     p._fail_pair(exc)
                 except Exception as exc:  # a bug must fail the pair, not silently stop progress
-                    p._fail_pair(PeerFailureError(
-                        f"rank {self.rank}: internal error in the shm progress thread towards "
-                        f"rank {p.peer}: {exc!r}", p.peer))
+                    p._fail_pair(
+                        PeerFailureError(
+                            f"rank {self.rank}: internal error in the shm progress thread towards "
+                            f"rank {p.peer}: {exc!r}",
+                            p.peer,
+                        )
+                    )
                 if p._pidfd >= 0 and not p._watched:  # only this thread touches the poll set
                     p._watched = True
                     self._pidfds.register(p._pidfd, select.POLLIN)

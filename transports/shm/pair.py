@@ -112,23 +112,33 @@ class ShmPair(RingEnds, Pair):
             raise PeerFailureError(
                 f"rank {self.rank} cannot open rank {self.peer}'s shared memory {path}: it is "
                 "gone, so that rank closed its transport or exited (or runs on another host: "
-                "use DDL_TRANSPORT=auto or tcp across hosts)", self.peer) from None
+                "use DDL_TRANSPORT=auto or tcp across hosts)",
+                self.peer,
+            ) from None
         try:
             if os.fstat(fd).st_size != nbytes:
                 raise PeerFailureError(
                     f"rank {self.peer}'s shared memory {path} has {os.fstat(fd).st_size} bytes, "
                     f"rank {self.rank} expected {nbytes}: the ranks disagree on the world size",
-                    self.peer)
-            reserve_pages(fd, _INBOX_HEADER + self.rank * _SLOT, _SLOT,
-                     f"rank {self.rank}'s ring to rank {self.peer}")
+                    self.peer,
+                )
+            reserve_pages(
+                fd,
+                _INBOX_HEADER + self.rank * _SLOT,
+                _SLOT,
+                f"rank {self.rank}'s ring to rank {self.peer}",
+            )
             base = _shm.map_shared(fd, nbytes)
         finally:
             os.close(fd)
-        if _shm.load_u64(base + _OFF_MAGIC) != _MAGIC or \
-                _shm.load_u32(base + _OFF_VERSION) != _VERSION:
+        if (
+            _shm.load_u64(base + _OFF_MAGIC) != _MAGIC
+            or _shm.load_u32(base + _OFF_VERSION) != _VERSION
+        ):
             _shm.unmap(base, nbytes)
-            raise PeerFailureError(f"{path} is not a ddlcore shm inbox of protocol version "
-                                   f"{_VERSION}", self.peer)
+            raise PeerFailureError(
+                f"{path} is not a ddlcore shm inbox of protocol version {_VERSION}", self.peer
+            )
         out = base + _INBOX_HEADER + self.rank * _SLOT
         self._peer_base, self._peer_bytes, self._peer_pid = base, nbytes, pid
         self._peer_bell = base + _OFF_BELL
@@ -171,11 +181,13 @@ class ShmPair(RingEnds, Pair):
                 msgno = self._msgno = self._msgno + 1
                 self._await_ack[msgno] = req  # before the peer can possibly answer
                 record = _RECORD.pack(_CMA, check, tag, req.nbytes, msgno) + _CMA_BLOCK.pack(
-                    _shm.address_of(view), 0, 0, 0)
+                    _shm.address_of(view), 0, 0, 0
+                )
                 self._sendq.append(Send(req, record, _CMA))
             else:
-                self._sendq.append(Send(req, _RECORD.pack(_DATA, check, tag, req.nbytes, 0),
-                                         _DATA, view))
+                self._sendq.append(
+                    Send(req, _RECORD.pack(_DATA, check, tag, req.nbytes, 0), _DATA, view)
+                )
             if len(self._sendq) == 1 and self._connected:
                 self._push()  # idle pair: straight into the ring from this thread
             pending = bool(self._sendq)
@@ -190,8 +202,11 @@ class ShmPair(RingEnds, Pair):
         return req
 
     def _timeout_error(self, req: ThreadRequest, timeout: float) -> DDLTimeoutError:
-        note = "" if self._connected else \
-            f" (rank {self.peer} has not connected to rank {self.rank} yet)"
+        note = (
+            ""
+            if self._connected
+            else f" (rank {self.peer} has not connected to rank {self.rank} yet)"
+        )
         if not self._connected and _shm.load_u32(self._in + _S_STATE) != _NONE:
             note = ""
         return timeout_error(self.rank, self.peer, req, timeout, note)
@@ -269,7 +284,9 @@ class ShmPair(RingEnds, Pair):
         try:
             self._attach(name, pid)
         except DDLError as exc:  # we can still receive what it sent; sending to it fails
-            self._matcher.lost = f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
+            self._matcher.lost = (
+                f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
+            )
 
     # --- failure and shutdown ---------------------------------------------------------------
     def _peer_aborted(self) -> None:
@@ -334,9 +351,12 @@ class ShmPair(RingEnds, Pair):
         if self._closed:
             return
         self._closed = True
-        self._fail_pair(CommunicatorClosedError(
-            f"rank {self.rank} closed its shm connection to rank {self.peer} while the request "
-            "was pending"))
+        self._fail_pair(
+            CommunicatorClosedError(
+                f"rank {self.rank} closed its shm connection to rank {self.peer} while the request "
+                "was pending"
+            )
+        )
         if self._announced != _ABORTED:
             self._announce(_CLOSED)
 

@@ -31,7 +31,7 @@ _CAP = 1 << 21
 # Publish the head at least every 256 KiB so the consumer starts copying before a large
 # message is all in (measured: 128 KiB-1 MiB pieces give the same bandwidth here).
 _PIECE = 1 << 18
-_HDR = 32                       # record header and record alignment
+_HDR = 32  # record header and record alignment
 _INBOX_HEADER = 4096
 _SLOT_HEADER = 8192
 _SLOT = _SLOT_HEADER + _CAP
@@ -45,22 +45,22 @@ _MAX_NAME = 255
 # Producer states.
 _NONE, _ATTACHED, _CLOSED, _ABORTED = 0, 1, 2, 3
 # Record kinds.
-_DATA = 1                       # header, then the payload through the ring
-_CMA = 2                        # header, then where the payload is: the receiver reads it itself
-_ACK = 3                        # the receiver has read CMA message ``msgno``: the send is done
-_RECORD = struct.Struct("<IIQQQ")   # kind, check, tag, nbytes, msgno (CMA, ACK)
+_DATA = 1  # header, then the payload through the ring
+_CMA = 2  # header, then where the payload is: the receiver reads it itself
+_ACK = 3  # the receiver has read CMA message ``msgno``: the send is done
+_RECORD = struct.Struct("<IIQQQ")  # kind, check, tag, nbytes, msgno (CMA, ACK)
 _CMA_BLOCK = struct.Struct("<QQQQ")  # address in the sender, 3 x reserved
 # From 256 KiB up one kernel copy (process_vm_readv) beats two copies through the ring even with
 # the ACK's round trip; below it the ring wins (measured with benchmarks/p2p.py).
 _CMA_MIN = 1 << 18
-_IDLE_WAIT_S = 0.05             # the progress thread wakes at least this often ...
-_LIVENESS_S = 0.05              # ... to look at the peers' pidfds
+_IDLE_WAIT_S = 0.05  # the progress thread wakes at least this often ...
+_LIVENESS_S = 0.05  # ... to look at the peers' pidfds
 # A waiting thread moves its pair's bytes itself for this long before it blocks on the request
 # (one wake-up per message instead of two: the doorbell wakes the waiter directly).
 _DRIVE_S = 0.05
-_SPIN_S = 50e-6                 # spin this long before sleeping on the doorbell (4 KB p2p: 66 -> 14 µs)
+_SPIN_S = 50e-6  # spin this long before sleeping on the doorbell (4 KB p2p: 66 -> 14 µs)
 _POLL_WHILE_DRIVEN_S = 0.0005  # how often the progress thread looks while waiters drive
-_CLOSE_WAIT_S = 5.0             # close() waits this long for waiting threads to step out
+_CLOSE_WAIT_S = 5.0  # close() waits this long for waiting threads to step out
 
 
 def pad(n: int) -> int:
@@ -76,8 +76,9 @@ class ShmRequest(ThreadRequest):
 
     __slots__ = ("_driven",)
 
-    def __init__(self, pair: ShmPair, view: memoryview, tag: int, check: int,
-                 is_send: bool) -> None:
+    def __init__(
+        self, pair: ShmPair, view: memoryview, tag: int, check: int, is_send: bool
+    ) -> None:
         super().__init__(pair, view, tag, check, is_send)
         self._driven = False
 
@@ -121,8 +122,9 @@ class Send:
 
     __slots__ = ("req", "view", "record", "total", "written", "kind")
 
-    def __init__(self, req: ThreadRequest | None, record: bytes, kind: int,
-                 view: memoryview | None = None) -> None:
+    def __init__(
+        self, req: ThreadRequest | None, record: bytes, kind: int, view: memoryview | None = None
+    ) -> None:
         self.req, self.record, self.kind, self.view = req, record, kind, view
         self.total = len(record) + (pad(len(view)) if view is not None else 0)
         self.written = 0
@@ -139,7 +141,7 @@ class Incoming:
         self.read = 0
         self.req: ThreadRequest | None = None
         self.target: memoryview | None = None  # None: drain (mismatch, or nobody will ask)
-        self.data: bytearray | None = None     # unexpected: a buffer of our own
+        self.data: bytearray | None = None  # unexpected: a buffer of our own
 
 
 class RingEnds(MatchedPair):
@@ -217,7 +219,8 @@ class RingEnds(MatchedPair):
                 if tail >= head:
                     break
                 kind, check, tag, nbytes, msgno = _RECORD.unpack(
-                    _shm.get_bytes(data + (tail & (_CAP - 1)), _HDR))
+                    _shm.get_bytes(data + (tail & (_CAP - 1)), _HDR)
+                )
                 if kind == _ACK:
                     tail += _HDR
                     done = self._await_ack.pop(msgno, None)
@@ -228,14 +231,17 @@ class RingEnds(MatchedPair):
                     if head - tail < _HDR + _CMA_BLOCK.size:
                         break  # published whole by the producer: cannot happen, but be safe
                     address = _CMA_BLOCK.unpack(
-                        _shm.get_bytes(data + ((tail + _HDR) & (_CAP - 1)), _CMA_BLOCK.size))[0]
+                        _shm.get_bytes(data + ((tail + _HDR) & (_CAP - 1)), _CMA_BLOCK.size)
+                    )[0]
                     tail += _HDR + _CMA_BLOCK.size
                     self._cma_receive(tag, check, nbytes, address, msgno)
                     continue
                 tail += _HDR
                 if kind != _DATA or nbytes > 1 << 48:
-                    raise DDLError(f"rank {self.rank}: corrupt record (kind {kind}, {nbytes} "
-                                   f"bytes) in the ring from rank {self.peer}")
+                    raise DDLError(
+                        f"rank {self.rank}: corrupt record (kind {kind}, {nbytes} "
+                        f"bytes) in the ring from rank {self.peer}"
+                    )
                 cur = self._incoming = self._begin(tag, check, nbytes)
             n = min(head - tail, cur.total - cur.read)
             copy = min(n, cur.nbytes - cur.read)
@@ -267,7 +273,9 @@ class RingEnds(MatchedPair):
                     f"rank {self.rank} could not read the {nbytes}-byte message with tag {tag:#x} "
                     f"out of rank {self.peer}'s memory (process_vm_readv: {os.strerror(-rc)}); "
                     "ranks sharing memory must run as the same user, and Yama's "
-                    "kernel.yama.ptrace_scope must be 0 (or use DDL_TRANSPORT=tcp)", self.peer)
+                    "kernel.yama.ptrace_scope must be 0 (or use DDL_TRANSPORT=tcp)",
+                    self.peer,
+                )
                 if cur.req is not None:
                     cur.req._fail(error)
                     cur.req = None

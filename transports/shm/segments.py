@@ -25,9 +25,11 @@ def reserve_pages(fd: int, offset: int, length: int, what: str) -> None:
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as exc:
-        raise DDLError(f"cannot reserve {length >> 10} KiB of shared memory for {what} in "
-                       f"{SHM_DIR}: {exc}; free space there (df -h {SHM_DIR}) or use "
-                       "DDL_TRANSPORT=tcp") from None
+        raise DDLError(
+            f"cannot reserve {length >> 10} KiB of shared memory for {what} in "
+            f"{SHM_DIR}: {exc}; free space there (df -h {SHM_DIR}) or use "
+            "DDL_TRANSPORT=tcp"
+        ) from None
 
 
 # Segment paths -> the descriptor holding the owner's shared lock on it, until it is unlinked:
@@ -103,8 +105,11 @@ def remove_segments_of(pids: set[int]) -> list[str]:
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
-    return [name for name in names
-            if _segment_owner(name) in pids and _unlink_if_free(name, lambda st: True)]
+    return [
+        name
+        for name in names
+        if _segment_owner(name) in pids and _unlink_if_free(name, lambda st: True)
+    ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,7 +133,7 @@ def _owner_gone(pid: int, since: float, boot: float) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22: start time
+        ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22: start time
     except FileNotFoundError:
         return True
     except (OSError, ValueError, IndexError):
@@ -152,8 +157,11 @@ def remove_orphans() -> list[str]:
         pid = _segment_owner(name)
         if pid is None or pid == os.getpid():
             continue
-        if _unlink_if_free(name, lambda st: now - st.st_ctime >= _ORPHAN_MIN_AGE_S and
-                           _owner_gone(pid, st.st_ctime, boot)):  # noqa: B023 (called at once)
+
+        def orphaned(st: os.stat_result, pid: int = pid) -> bool:
+            return now - st.st_ctime >= _ORPHAN_MIN_AGE_S and _owner_gone(pid, st.st_ctime, boot)
+
+        if _unlink_if_free(name, orphaned):
             removed.append(name)
     return removed
 

@@ -59,5 +59,16 @@ from ddlcore.transports.tcp.protocol import (
     PROTOCOL_VERSION,
 )
 
-__all__ = ["Channel", "PROTOCOL_VERSION", "TcpContext", "TcpPair", "TcpRequest", "TcpTransport",
-           "_DATA", "_HEADER", "_MAGIC", "_MAX_PENDING", "_MAX_PENDING_PER_SOURCE"]
+__all__ = [
+    "Channel",
+    "PROTOCOL_VERSION",
+    "TcpContext",
+    "TcpPair",
+    "TcpRequest",
+    "TcpTransport",
+    "_DATA",
+    "_HEADER",
+    "_MAGIC",
+    "_MAX_PENDING",
+    "_MAX_PENDING_PER_SOURCE",
+]

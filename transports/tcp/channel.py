@@ -37,8 +37,9 @@ class TcpRequest(ThreadRequest):
 
     __slots__ = ("_driven",)
 
-    def __init__(self, pair: TcpPair, view: memoryview, tag: int, check: int,
-                 is_send: bool) -> None:
+    def __init__(
+        self, pair: TcpPair, view: memoryview, tag: int, check: int, is_send: bool
+    ) -> None:
         super().__init__(pair, view, tag, check, is_send)
         self._driven: Channel | None = None  # the channel whose socket our waiter is reading
 
@@ -52,8 +53,11 @@ class TcpRequest(ThreadRequest):
         if not self._done and not self.is_send:
             ch = self._pair._channel_for(self.tag)
             # No deadline past what a lock can wait (threading.TIMEOUT_MAX, ~292 years; inf).
-            deadline = (None if timeout is None or timeout >= threading.TIMEOUT_MAX
-                        else time.monotonic() + timeout)
+            deadline = (
+                None
+                if timeout is None or timeout >= threading.TIMEOUT_MAX
+                else time.monotonic() + timeout
+            )
             while not self._done:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -157,8 +161,11 @@ class Channel:
                 self.busy = True
             header, req, sent = item.header, item.req, item.sent
             view = _NO_PAYLOAD if item.view is None else item.view
-            if req is not None and not sent and (pair._failure is not None
-                                                 or self.failure is not None):
+            if (
+                req is not None
+                and not sent
+                and (pair._failure is not None or self.failure is not None)
+            ):
                 with cond:
                     self.busy = False
                 req._fail(pair._error_for(self, req))
@@ -173,7 +180,7 @@ class Channel:
                         sock.sendall(header[sent:])
                         sent = hlen
                 if sent < hlen + nbytes:
-                    sock.sendall(view[sent - hlen:])
+                    sock.sendall(view[sent - hlen :])
                 if header is _CLOSE_FRAME:  # nothing more will be written on this socket
                     sock.shutdown(socket.SHUT_WR)
             except Exception as exc:  # OSError: the socket broke; anything else: a bug, same cure
@@ -226,8 +233,12 @@ class Channel:
         try:
             with cond:
                 sock = self.sock
-                if (self.driving is not None or sock is None or self.failure is not None
-                        or self.pair._failure is not None):
+                if (
+                    self.driving is not None
+                    or sock is None
+                    or self.failure is not None
+                    or self.pair._failure is not None
+                ):
                     return False
                 self.driving = req  # one store: the finally below sees it set or not at all
                 if self.reading:  # ask the receiver thread out; it leaves between reads
@@ -287,9 +298,11 @@ class Channel:
             self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         except OSError as exc:
             pair = self.pair
-            raise DDLError(f"rank {pair.rank} could not make an eventfd for TCP channel "
-                           f"{self.index} to rank {pair.peer}: {exc}; raise the open-file limit "
-                           "(ulimit -n)") from None
+            raise DDLError(
+                f"rank {pair.rank} could not make an eventfd for TCP channel "
+                f"{self.index} to rank {pair.peer}: {exc}; raise the open-file limit "
+                "(ulimit -n)"
+            ) from None
 
     def ring(self) -> None:
         """Wake whichever reader sleeps in poll() or on rcond (a request of it failed)."""
@@ -305,8 +318,11 @@ class Channel:
         """Close the eventfd once nothing can poll it (rcond held, so that a late ring() never
         writes to a reused descriptor number)."""
         receiver = self.receiver
-        alive = receiver is not None and receiver.is_alive() and receiver is not \
-            threading.current_thread()
+        alive = (
+            receiver is not None
+            and receiver.is_alive()
+            and receiver is not threading.current_thread()
+        )
         if self.wake_fd >= 0 and self.driving is None and not alive:
             os.close(self.wake_fd)
             self.wake_fd = -1
@@ -320,6 +336,7 @@ class Channel:
     # --- failure and shutdown -------------------------------------------------------------------
     def fail(self, base: str) -> None:
         """This socket is gone (peer closed, reset, died): fail its pending requests."""
+
         def sends() -> list[TcpRequest]:
             with self.scond:
                 pending = [item.req for item in self.queue if item.req is not None]

@@ -43,8 +43,9 @@ class TcpContext(PairTableContext):
 
     _label = "TCP"
 
-    def __init__(self, rank: int, size: int, store: Store, timeout: float,
-                 local_rank: int = 0) -> None:
+    def __init__(
+        self, rank: int, size: int, store: Store, timeout: float, local_rank: int = 0
+    ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} must be in [0, size={size})")
         self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
@@ -59,8 +60,9 @@ class TcpContext(PairTableContext):
             self.address = address
         else:
             master = getattr(store, "host", None)
-            self.address = (route_address(master) if master else
-                            socket.gethostbyname(socket.gethostname()))
+            self.address = (
+                route_address(master) if master else socket.gethostbyname(socket.gethostname())
+            )
         self.key = job_key_of(store, "TCP")
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._init_pairs()
@@ -71,8 +73,13 @@ class TcpContext(PairTableContext):
             listener.listen(max(128, size * self.nchannels))
             self.port: int = listener.getsockname()[1]
             self._handshakes = HandshakeListener(
-                listener, self._handshake, f"ddl-tcp-{rank}",
-                min(self.timeout, _HANDSHAKE_TIMEOUT_S), _MAX_PENDING, _MAX_PENDING_PER_SOURCE)
+                listener,
+                self._handshake,
+                f"ddl-tcp-{rank}",
+                min(self.timeout, _HANDSHAKE_TIMEOUT_S),
+                _MAX_PENDING,
+                _MAX_PENDING_PER_SOURCE,
+            )
             store.set(f"tcp/addr/{rank}", format_address(self.address, self.port).encode())
         except BaseException:
             if self._handshakes is not None:
@@ -100,17 +107,24 @@ class TcpContext(PairTableContext):
         status = _ACK_OK
         if self._closed:
             status = _ACK_CLOSED
-        elif version != PROTOCOL_VERSION or dst != self.rank or size != self.size \
-                or not 0 <= src < self.rank:
+        elif (
+            version != PROTOCOL_VERSION
+            or dst != self.rank
+            or size != self.size
+            or not 0 <= src < self.rank
+        ):
             status = _ACK_WRONG_PEER
         elif nch != self.nchannels or index >= nch:
             status = _ACK_NCHANNELS
         if status != _ACK_OK:
             conn.sendall(_ACK.pack(_MAGIC, PROTOCOL_VERSION, status, self.nchannels, 0))
             if status == _ACK_NCHANNELS and not self._closed:
-                self._pair_for(src)._fail_pair(RendezvousError(
-                    f"rank {src} has DDL_NCHANNELS={nch} but rank {self.rank} has "
-                    f"DDL_NCHANNELS={self.nchannels}; set the same value on every rank"))
+                self._pair_for(src)._fail_pair(
+                    RendezvousError(
+                        f"rank {src} has DDL_NCHANNELS={nch} but rank {self.rank} has "
+                        f"DDL_NCHANNELS={self.nchannels}; set the same value on every rank"
+                    )
+                )
             return False
         return self._pair_for(src)._accept(index, conn) == _ACK_OK
 
@@ -148,6 +162,7 @@ class TcpTransport(Transport):
     def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
         return TcpContext(rank, size, store, timeout)
 
-    def create_context_local(self, rank: int, size: int, store: Store, timeout: float,
-                             local_rank: int) -> Context:
+    def create_context_local(
+        self, rank: int, size: int, store: Store, timeout: float, local_rank: int
+    ) -> Context:
         return TcpContext(rank, size, store, timeout, local_rank)

@@ -84,10 +84,13 @@ class Inbound:
         flags = socket.MSG_WAITALL if blocking else socket.MSG_DONTWAIT
         hsize = _HEADER.size
         while self.hgot < hsize:
-            got = sock.recv_into(self.hview[self.hgot:], hsize - self.hgot, flags)
+            got = sock.recv_into(self.hview[self.hgot :], hsize - self.hgot, flags)
             if got == 0:
-                raise ConnectionResetError("the peer closed the connection (EOF)" if not self.hgot
-                                           else "EOF inside a frame header")
+                raise ConnectionResetError(
+                    "the peer closed the connection (EOF)"
+                    if not self.hgot
+                    else "EOF inside a frame header"
+                )
             self.hgot += got
             if self.hgot == hsize:
                 self._begin()
@@ -95,7 +98,7 @@ class Inbound:
             want = self.nbytes - self.got
             sink = self.sink  # once: abandon() may clear it from another thread
             if sink is not None:
-                got = sock.recv_into(sink[self.got:], want, flags)
+                got = sock.recv_into(sink[self.got :], want, flags)
             else:
                 want = min(want, _DRAIN_CHUNK)
                 if self.scratch is None or len(self.scratch) < want:
@@ -126,8 +129,9 @@ class Inbound:
                 self.sink = memoryview(self.data)
         elif kind == _ABORT:
             if nbytes > MAX_ABORT_REASON_BYTES:
-                raise ProtocolError(f"abort reason of {nbytes} bytes (cap "
-                                     f"{MAX_ABORT_REASON_BYTES})")
+                raise ProtocolError(
+                    f"abort reason of {nbytes} bytes (cap {MAX_ABORT_REASON_BYTES})"
+                )
             self.data = bytearray(nbytes)
             self.sink = memoryview(self.data)
         elif kind != _CLOSE:

@@ -115,8 +115,9 @@ class TcpPair(LazyPair, Pair):
         try:
             raw = ctx.store.get(f"tcp/addr/{peer}", max(0.0, deadline - time.monotonic()))
         except StoreUnreachableError as exc:  # rank 0, which serves the store, is gone
-            raise PeerFailureError(f"rank {self.rank} could not look up the TCP address of "
-                                   f"rank {peer}: {exc}", 0) from None
+            raise PeerFailureError(
+                f"rank {self.rank} could not look up the TCP address of rank {peer}: {exc}", 0
+            ) from None
         host, port = parse_address(raw.decode())
         where = f"rank {peer} at {format_address(host, port)}"
         for ch in self._channels:
@@ -130,24 +131,31 @@ class TcpPair(LazyPair, Pair):
                 if status == _ACK_NCHANNELS:
                     raise RendezvousError(
                         f"rank {self.rank} has DDL_NCHANNELS={self._nch} but rank {peer} has "
-                        f"DDL_NCHANNELS={their_nch}; set the same value on every rank")
-                raise PeerFailureError(f"{where} refused the TCP connection (status {status}, "
-                                       f"protocol {version}, ours {PROTOCOL_VERSION})", peer)
+                        f"DDL_NCHANNELS={their_nch}; set the same value on every rank"
+                    )
+                raise PeerFailureError(
+                    f"{where} refused the TCP connection (status {status}, "
+                    f"protocol {version}, ours {PROTOCOL_VERSION})",
+                    peer,
+                )
             with self._lock:
                 if self._closed:
                     sock.close()
-                    raise CommunicatorClosedError(f"rank {self.rank}: the TCP pair to rank "
-                                                  f"{peer} was closed while connecting")
+                    raise CommunicatorClosedError(
+                        f"rank {self.rank}: the TCP pair to rank {peer} was closed while connecting"
+                    )
                 self._attach(ch, sock)
 
-    def _open_channel(self, index: int, addr: tuple[str, int], where: str,
-                      deadline: float) -> tuple[socket.socket, bytearray]:
+    def _open_channel(
+        self, index: int, addr: tuple[str, int], where: str, deadline: float
+    ) -> tuple[socket.socket, bytearray]:
         """Connect channel ``index``, prove our claim and read the peer's answer (ACK). A
         connection the peer's listener dropped before answering (too many pending handshakes
         there, strangers' perhaps) is tried again until ``deadline``."""
         ctx, peer = self._ctx, self.peer
-        claim = _CLAIM.pack(_CLAIM_LABEL, PROTOCOL_VERSION, self._nch, self.rank, peer, ctx.size,
-                            index)
+        claim = _CLAIM.pack(
+            _CLAIM_LABEL, PROTOCOL_VERSION, self._nch, self.rank, peer, ctx.size, index
+        )
         what = f"rank {self.rank} could not connect to {where} (TCP channel {index})"
         pause = _RETRY_PAUSE_S[0]
         dropped = 0  # times the listener dropped us mid-handshake
@@ -155,8 +163,10 @@ class TcpPair(LazyPair, Pair):
             try:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             except OSError as exc:  # EMFILE: out of file descriptors
-                raise DDLError(f"{what}: no socket to be had ({exc}); raise the limit on open "
-                               "files (ulimit -n)") from None
+                raise DDLError(
+                    f"{what}: no socket to be had ({exc}); raise the limit on open "
+                    "files (ulimit -n)"
+                ) from None
             connected = False
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -173,20 +183,24 @@ class TcpPair(LazyPair, Pair):
                 raise AuthenticationError(f"{what}: {exc}") from None
             except TimeoutError:
                 sock.close()
-                raise DDLTimeoutError(f"rank {self.rank} could not connect to {where} within "
-                                      f"{seconds(ctx.timeout)} s (TCP channel {index})") from None
+                raise DDLTimeoutError(
+                    f"rank {self.rank} could not connect to {where} within "
+                    f"{seconds(ctx.timeout)} s (TCP channel {index})"
+                ) from None
             except OSError as exc:
                 sock.close()
                 if not connected:
-                    raise PeerFailureError(f"{what}: {exc}; rank {peer} has closed its "
-                                           "transport or exited", peer) from None
+                    raise PeerFailureError(
+                        f"{what}: {exc}; rank {peer} has closed its transport or exited", peer
+                    ) from None
                 dropped += 1
                 if time.monotonic() + pause >= deadline:
                     raise DDLTimeoutError(
                         f"{what} within {seconds(ctx.timeout)} s: its listener dropped our "
                         f"handshake {dropped} time(s), the last with {exc}; too many "
                         f"connections are pending there (strangers'?), or rank {peer} is "
-                        "closing") from None
+                        "closing"
+                    ) from None
             time.sleep(pause)  # dropped mid-handshake: the listener was busy, or is going away
             pause = min(2 * pause, _RETRY_PAUSE_S[1])
 
@@ -201,10 +215,10 @@ class TcpPair(LazyPair, Pair):
             if self._abort_frame is not None:  # we aborted before the peer connected: tell it
                 ch.queue.appendleft(Frame(self._abort_frame))
         name = f"{self.rank}-{self.peer}.{ch.index}"
-        ch.sender = threading.Thread(target=ch.send_loop, name=f"ddl-tcp-send-{name}",
-                                     daemon=True)
-        ch.receiver = threading.Thread(target=ch.recv_loop, name=f"ddl-tcp-recv-{name}",
-                                       daemon=True)
+        ch.sender = threading.Thread(target=ch.send_loop, name=f"ddl-tcp-send-{name}", daemon=True)
+        ch.receiver = threading.Thread(
+            target=ch.recv_loop, name=f"ddl-tcp-recv-{name}", daemon=True
+        )
         ch.sender.start()
         ch.receiver.start()
 
@@ -213,8 +227,9 @@ class TcpPair(LazyPair, Pair):
         failure = None
         with self._lock:
             ch = self._channels[index]
-            status = (_ACK_CLOSED if self._closed else
-                      _ACK_DUPLICATE if ch.sock is not None else _ACK_OK)
+            status = (
+                _ACK_CLOSED if self._closed else _ACK_DUPLICATE if ch.sock is not None else _ACK_OK
+            )
             if status == _ACK_OK:
                 try:
                     ch.open_wake()
@@ -255,9 +270,12 @@ class TcpPair(LazyPair, Pair):
             if self._closed:
                 return
             self._closed = True
-        self._fail_pair(CommunicatorClosedError(
-            f"rank {self.rank} closed its TCP connection to rank {self.peer} while the request "
-            "was pending"))
+        self._fail_pair(
+            CommunicatorClosedError(
+                f"rank {self.rank} closed its TCP connection to rank {self.peer} while the request "
+                "was pending"
+            )
+        )
         for ch in self._channels:
             ch.stop()
 

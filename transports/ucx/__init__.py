@@ -74,7 +74,6 @@ up with `DeviceView.upload`.
 ``DDL_NCHANNELS`` does not apply: UCX spreads over rails itself.
 """
 
-
 from ddlcore.transports.ucx.context import UcxContext
 from ddlcore.transports.ucx.options import (
     _UCX_DEFAULTS,
@@ -101,7 +100,26 @@ from ddlcore.transports.ucx.protocol import (
 )
 from ddlcore.transports.ucx.transport import UcxTransport
 
-__all__ = ["PROTOCOL_VERSION", "UcxContext", "UcxPair", "UcxRequest", "UcxTransport",
-           "_ABORT", "_CLOSE", "_CTRL_KIND", "_DATA", "_EAGER_BYTES", "_HEADER", "_KIND_SHIFT",
-           "_PAYLOAD_KIND", "_TOKEN_BYTES", "_UCX_DEFAULTS", "_features", "_import_ucxx",
-           "_ucx_tag", "cuda_memory", "net_device_rails", "ucx_options"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "UcxContext",
+    "UcxPair",
+    "UcxRequest",
+    "UcxTransport",
+    "_ABORT",
+    "_CLOSE",
+    "_CTRL_KIND",
+    "_DATA",
+    "_EAGER_BYTES",
+    "_HEADER",
+    "_KIND_SHIFT",
+    "_PAYLOAD_KIND",
+    "_TOKEN_BYTES",
+    "_UCX_DEFAULTS",
+    "_features",
+    "_import_ucxx",
+    "_ucx_tag",
+    "cuda_memory",
+    "net_device_rails",
+    "ucx_options",
+]

@@ -59,13 +59,15 @@ from ddlcore.errors import DDLError
 
 _log = logging.getLogger("ddlcore")
 
+
 class UcxContext(PairTableContext):
     """This rank's UCX context and worker, its progress thread and its pairs."""
 
     _label = "UCX"
 
-    def __init__(self, rank: int, size: int, store: Store, timeout: float,
-                 local_rank: int = 0) -> None:
+    def __init__(
+        self, rank: int, size: int, store: Store, timeout: float, local_rank: int = 0
+    ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} must be in [0, size={size})")
         if size > _MAX_RANKS:
@@ -95,16 +97,16 @@ class UcxContext(PairTableContext):
         try:
             self._ucx = lib.UCXContext(ucx_options(local_rank=local_rank), _features(lib))
             direct = config.get("DDL_GPU_DIRECT")
-            self.device_memory = direct == "on" or (direct == "auto" and
-                                                    cuda_memory(self._ucx))
+            self.device_memory = direct == "on" or (direct == "auto" and cuda_memory(self._ucx))
             self._worker = lib.UCXWorker(self._ucx)
             self._worker.init_blocking_progress_mode()
             self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._poller = select.poll()
             self._poller.register(self._worker.epoll_file_descriptor, select.POLLIN)
             self._poller.register(self._wake_fd, select.POLLIN)
-            self._thread = threading.Thread(target=self._run, name=f"ddl-ucx-progress-{rank}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"ddl-ucx-progress-{rank}", daemon=True
+            )
             self._thread.start()
             store.set(f"ucx/addr/{rank}", self._nonce + self._worker.address.tobytes())
         except BaseException:
@@ -202,8 +204,10 @@ class UcxContext(PairTableContext):
                 except BlockingIOError:
                     pass
         except BaseException as exc:  # a bug or a UCX failure: fail everything, never hang
-            error = DDLError(f"rank {self.rank}: the UCX progress thread failed: {exc!r}; the "
-                             "UCX context cannot be used any more (report this as a bug)")
+            error = DDLError(
+                f"rank {self.rank}: the UCX progress thread failed: {exc!r}; the "
+                "UCX context cannot be used any more (report this as a bug)"
+            )
             self._note_abort(error)
             for p in list(self._pairs.values()):
                 p._fail_pair(error)
@@ -274,19 +278,25 @@ class UcxContext(PairTableContext):
                 except Exception as exc:  # e.g. truncated: a stranger's, or a peer's bug
                     failed = exc
                 frame = memoryview(buf)
-                if len(frame) < _FRAME or not hmac.compare_digest(frame[:_TOKEN_BYTES],
-                                                                  pair._in_token):
+                if len(frame) < _FRAME or not hmac.compare_digest(
+                    frame[:_TOKEN_BYTES], pair._in_token
+                ):
                     self.forged += 1  # not from the rank its tag names: not a word is heard
-                    _log.debug("rank %d dropped a UCX control message of %d bytes claiming to "
-                               "be from rank %d: its token is not that rank's", self.rank,
-                               length, pair.peer)
+                    _log.debug(
+                        "rank %d dropped a UCX control message of %d bytes claiming to "
+                        "be from rank %d: its token is not that rank's",
+                        self.rank,
+                        length,
+                        pair.peer,
+                    )
                     continue
                 try:
                     if failed is not None:
                         raise failed
                     if length > _MAX_CTRL_BYTES:
-                        raise ValueError(f"a control message of {length} bytes (cap "
-                                         f"{_MAX_CTRL_BYTES})")
+                        raise ValueError(
+                            f"a control message of {length} bytes (cap {_MAX_CTRL_BYTES})"
+                        )
                     self._on_control(pair, frame[_TOKEN_BYTES:])
                 except Exception as exc:
                     pair._broken(exc)
@@ -299,10 +309,12 @@ class UcxContext(PairTableContext):
             raise ValueError(f"a control message of {len(frame)} bytes")
         kind, version, check, tag, nbytes, msgno = _HEADER.unpack_from(frame)
         if version != PROTOCOL_VERSION:
-            raise ValueError(f"rank {pair.peer} speaks UCX protocol {version}, ours is "
-                             f"{PROTOCOL_VERSION}: run the same ddlcore on every rank")
+            raise ValueError(
+                f"rank {pair.peer} speaks UCX protocol {version}, ours is "
+                f"{PROTOCOL_VERSION}: run the same ddlcore on every rank"
+            )
         pair._heard = True
-        body = frame[_HEADER.size:]
+        body = frame[_HEADER.size :]
         if kind in (_DATA, _DATA_APART):
             eager = kind == _DATA and nbytes <= _EAGER_BYTES
             if len(body) != (nbytes if eager else 0):
@@ -319,8 +331,9 @@ class UcxContext(PairTableContext):
         else:
             raise ValueError(f"unknown control message kind {kind}")
 
-    def _on_data(self, pair: UcxPair, check: int, tag: int, nbytes: int, msgno: int,
-                 eager: memoryview | None) -> None:
+    def _on_data(
+        self, pair: UcxPair, check: int, tag: int, nbytes: int, msgno: int, eager: memoryview | None
+    ) -> None:
         matcher = pair._matcher
         msg = Message(check, nbytes, eager, done=eager is not None)
         req = matcher.offer(tag, msg)

@@ -101,8 +101,9 @@ class UcxPair(MatchedPair, LazyPair, Pair):
             if nbytes <= _EAGER_BYTES and not (on_device and nbytes):
                 frame = bytearray(_FRAME + nbytes)
                 frame[:_TOKEN_BYTES] = token
-                _HEADER.pack_into(frame, _TOKEN_BYTES, _DATA, PROTOCOL_VERSION, check, tag,
-                                  nbytes, 0)
+                _HEADER.pack_into(
+                    frame, _TOKEN_BYTES, _DATA, PROTOCOL_VERSION, check, tag, nbytes, 0
+                )
                 if nbytes:
                     assert isinstance(view, memoryview)  # a device payload travels apart
                     frame[_FRAME:] = view
@@ -121,9 +122,11 @@ class UcxPair(MatchedPair, LazyPair, Pair):
 
     def _device_view(self, view: DeviceView) -> DeviceView:
         if not self.device_memory:
-            raise ValueError(f"rank {self.rank}: this UCX has no CUDA support (its context lists "
-                             "no CUDA memory type); device memory must be staged through host "
-                             "memory (DDL_GPU_DIRECT=off/auto does that)")
+            raise ValueError(
+                f"rank {self.rank}: this UCX has no CUDA support (its context lists "
+                "no CUDA memory type); device memory must be staged through host "
+                "memory (DDL_GPU_DIRECT=off/auto does that)"
+            )
         self._ctx._bind_device(view)
         return view
 
@@ -154,9 +157,11 @@ class UcxPair(MatchedPair, LazyPair, Pair):
         if self._lost is not None:  # it said goodbye already: nothing to connect to
             return
         if len(raw) <= _NONCE_BYTES:
-            raise RendezvousError(f"rank {self.rank}: the UCX address rank {self.peer} "
-                                  f"published is {len(raw)} bytes: it runs another "
-                                  "ddlcore; run the same one on every rank")
+            raise RendezvousError(
+                f"rank {self.rank}: the UCX address rank {self.peer} "
+                f"published is {len(raw)} bytes: it runs another "
+                "ddlcore; run the same one on every rank"
+            )
         self._out_token = ctx._token(self.rank, self.peer, raw[:_NONCE_BYTES])
         try:
             address = ctx._lib.UCXAddress.create_from_buffer(raw[_NONCE_BYTES:])
@@ -166,7 +171,8 @@ class UcxPair(MatchedPair, LazyPair, Pair):
                 f"rank {self.rank} cannot reach rank {self.peer} over UCX ({exc}): rank "
                 f"{self.peer} has exited, or no UCX transport with a peer-failure handler "
                 "links the two (posix/sysv shared memory alone has none: check UCX_TLS and "
-                "UCX_NET_DEVICES; ucx_info -d lists what UCX sees);")
+                "UCX_NET_DEVICES; ucx_info -d lists what UCX sees);"
+            )
             return
         self._attach(ep)
 
@@ -177,13 +183,16 @@ class UcxPair(MatchedPair, LazyPair, Pair):
         try:
             raw = ctx.store.get(key, wait_s)
         except StoreUnreachableError as exc:  # rank 0, which serves the store, is gone
-            raise PeerFailureError(f"rank {self.rank} could not look up the UCX worker address "
-                                   f"of rank {peer}: {exc}", 0) from None
+            raise PeerFailureError(
+                f"rank {self.rank} could not look up the UCX worker address of rank {peer}: {exc}",
+                0,
+            ) from None
         except RendezvousError:
             raise DDLTimeoutError(
                 f"rank {self.rank} waited {seconds(wait_s)} s for the UCX worker address of rank "
                 f"{peer} (store key {key!r}): rank {peer} has not created its UCX context; it has "
-                "not started, is stuck, failed, or runs another DDL_TRANSPORT") from None
+                "not started, is stuck, failed, or runs another DDL_TRANSPORT"
+            ) from None
         return raw
 
     def _attach(self, ep: Any) -> None:
@@ -195,8 +204,9 @@ class UcxPair(MatchedPair, LazyPair, Pair):
                 self._ep = ep
         if closed:
             ep.close_blocking()
-            raise CommunicatorClosedError(f"rank {self.rank}: the UCX context was closed while "
-                                          f"connecting to rank {self.peer}")
+            raise CommunicatorClosedError(
+                f"rank {self.rank}: the UCX context was closed while connecting to rank {self.peer}"
+            )
         if not ep.alive:  # failed before the callback was in place
             ctx._on_endpoint_closed(self.peer)
         with self._abort_lock:
@@ -242,9 +252,11 @@ class UcxPair(MatchedPair, LazyPair, Pair):
         """`close`, returning the UCX request of the CLOSE notice (None when none was sent)."""
         sent = None
         if self._failure is None and self._ep is not None and self._lost is None:
-            sent = self._ctx._send_ctrl(self, _HEADER.pack(_CLOSE, PROTOCOL_VERSION, 0, 0, 0,
-                                                           0))
-        self._fail_pair(CommunicatorClosedError(
-            f"rank {self.rank} closed its UCX connection to rank {self.peer} while the request "
-            "was pending"))
+            sent = self._ctx._send_ctrl(self, _HEADER.pack(_CLOSE, PROTOCOL_VERSION, 0, 0, 0, 0))
+        self._fail_pair(
+            CommunicatorClosedError(
+                f"rank {self.rank} closed its UCX connection to rank {self.peer} while the request "
+                "was pending"
+            )
+        )
         return sent

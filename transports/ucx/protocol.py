@@ -83,6 +83,20 @@ class Op:
 
     __slots__ = ("ucx", "pair", "kind", "req", "msg", "buf")
 
-    def __init__(self, ucx: Any, pair: UcxPair | None, kind: int, req: UcxRequest | None = None,
-                 msg: Message | None = None, buf: Any = None) -> None:
-        self.ucx, self.pair, self.kind, self.req, self.msg, self.buf = ucx, pair, kind, req, msg, buf
+    def __init__(
+        self,
+        ucx: Any,
+        pair: UcxPair | None,
+        kind: int,
+        req: UcxRequest | None = None,
+        msg: Message | None = None,
+        buf: Any = None,
+    ) -> None:
+        self.ucx, self.pair, self.kind, self.req, self.msg, self.buf = (
+            ucx,
+            pair,
+            kind,
+            req,
+            msg,
+            buf,
+        )

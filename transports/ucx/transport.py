@@ -18,27 +18,35 @@ class UcxTransport(Transport):
     def is_available(cls) -> tuple[bool, str]:
         clash = _foreign_ucx()
         if clash:
-            return False, (f"this process already runs MPI with its own UCX ({clash}); ucxx's "
-                           "UCX cannot load beside it. Use DDL_TRANSPORT=mpi under mpiexec, or "
-                           "start the job with ddlrun/torchrun for ucx")
+            return False, (
+                f"this process already runs MPI with its own UCX ({clash}); ucxx's "
+                "UCX cannot load beside it. Use DDL_TRANSPORT=mpi under mpiexec, or "
+                "start the job with ddlrun/torchrun for ucx"
+            )
         try:
             lib, _ = _import_ucxx()
         except ImportError as exc:
             import importlib.util
 
-            reason = (f"ucxx is not installed ({exc}); pip install 'ddlcore[ucx]' (the ucxx-cu12 "
-                      "wheel brings UCX itself)")
+            reason = (
+                f"ucxx is not installed ({exc}); pip install 'ddlcore[ucx]' (the ucxx-cu12 "
+                "wheel brings UCX itself)"
+            )
             if importlib.util.find_spec("ucp") is not None:
-                reason += ("; ucx-py (ucp) is installed but not supported: its synchronous layer "
-                           "differs from ucxx's, and ucxx is its maintained successor")
+                reason += (
+                    "; ucx-py (ucp) is installed but not supported: its synchronous layer "
+                    "differs from ucxx's, and ucxx is its maintained successor"
+                )
             return False, reason
         except Exception as exc:  # e.g. libucx fails to load
             return False, f"ucxx failed to import: {exc!r}; reinstall ucxx-cu12 / libucx-cu12"
         try:
             lib.UCXContext(ucx_options(), _features(lib))
         except Exception as exc:
-            return False, (f"UCX cannot create a context here: {exc}; check the UCX_* variables "
-                           "(UCX_TLS, UCX_NET_DEVICES; ucx_info -d lists the devices UCX sees)")
+            return False, (
+                f"UCX cannot create a context here: {exc}; check the UCX_* variables "
+                "(UCX_TLS, UCX_NET_DEVICES; ucx_info -d lists the devices UCX sees)"
+            )
         return True, ""
 
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
@@ -47,6 +55,7 @@ class UcxTransport(Transport):
     def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
         return UcxContext(rank, size, store, timeout)
 
-    def create_context_local(self, rank: int, size: int, store: Store, timeout: float,
-                             local_rank: int) -> Context:
+    def create_context_local(
+        self, rank: int, size: int, store: Store, timeout: float, local_rank: int
+    ) -> Context:
         return UcxContext(rank, size, store, timeout, local_rank)

@@ -44,9 +44,14 @@ if TYPE_CHECKING:
 
 # Imported on first use: torch imports this package at every ``import torch`` (the backend's
 # entry point), which must not pay for the Communicator and the kernels.
-_LAZY = {"broadcast_optimizer_state": "broadcast", "broadcast_parameters": "broadcast",
-         "allreduce_hook": "hooks", "bf16_allreduce_hook": "hooks",
-         "fp16_allreduce_hook": "hooks", "DistributedOptimizer": "optimizer"}
+_LAZY = {
+    "broadcast_optimizer_state": "broadcast",
+    "broadcast_parameters": "broadcast",
+    "allreduce_hook": "hooks",
+    "bf16_allreduce_hook": "hooks",
+    "fp16_allreduce_hook": "hooks",
+    "DistributedOptimizer": "optimizer",
+}
 
 
 def __getattr__(name: str) -> Any:

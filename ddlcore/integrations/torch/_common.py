@@ -13,15 +13,21 @@ from ddlcore.communicator import Communicator
 from ddlcore.errors import CollectiveMismatchError
 from ddlcore.kernels import pack, unpack
 
-_WIRE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
-                "bfloat16": torch.bfloat16}
+_WIRE_DTYPES = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def communicator(comm: Any, what: str) -> Communicator:
     """``comm``, checked to be a ddlcore Communicator (``what`` names the caller)."""
     if not isinstance(comm, Communicator):
-        raise TypeError(f"{what} needs a ddlcore Communicator (comm = ddlcore.init()), "
-                        f"not {type(comm).__name__}")
+        raise TypeError(
+            f"{what} needs a ddlcore Communicator (comm = ddlcore.init()), "
+            f"not {type(comm).__name__}"
+        )
     return comm
 
 
@@ -46,9 +52,16 @@ def _ranges(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     return addrs, sizes
 
 
-_KERNEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                  torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8",
-                  torch.int32: "int32", torch.int64: "int64"}
+_KERNEL_DTYPES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 
 
 def _cuda_pack(flat: torch.Tensor, tensors: list[torch.Tensor], to_flat: bool) -> bool:
@@ -58,8 +71,9 @@ def _cuda_pack(flat: torch.Tensor, tensors: list[torch.Tensor], to_flat: bool) -
     where it does not apply: numba-cuda missing, another dtype or device, a non-contiguous
     tensor."""
     dtype = _KERNEL_DTYPES.get(flat.dtype)
-    if dtype is None or not all(t.dtype == flat.dtype and t.device == flat.device
-                                and t.is_contiguous() for t in tensors):
+    if dtype is None or not all(
+        t.dtype == flat.dtype and t.device == flat.device and t.is_contiguous() for t in tensors
+    ):
         return False
     try:
         from numba import cuda
@@ -99,19 +113,25 @@ def unpack_from(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     unpack(flat.data_ptr(), *_ranges(tensors))
 
 
-def check_same_layout(comm: Communicator, entries: list[tuple[str, torch.Tensor]],
-                       what: str) -> None:
+def check_same_layout(
+    comm: Communicator, entries: list[tuple[str, torch.Tensor]], what: str
+) -> None:
     """Every rank has the same tensors (names, shapes, dtypes, in order), or every rank raises
     `CollectiveMismatchError` naming the first rank that differs from rank 0."""
     layout = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in entries)
-    mine = np.array([len(entries), sum(t.numel() for _, t in entries),
-                     zlib.crc32(layout.encode())], np.int64)
+    mine = np.array(
+        [len(entries), sum(t.numel() for _, t in entries), zlib.crc32(layout.encode())], np.int64
+    )
     every = comm.allgather(mine).reshape(comm.size, 3)
     for rank in range(1, comm.size):
         if not np.array_equal(every[rank], every[0]):
             raise CollectiveMismatchError(
                 f"{what}: rank {rank} has {every[rank][0]} tensors with {every[rank][1]} "
                 f"elements, rank 0 has {every[0][0]} with {every[0][1]}"
-                + (" (same counts, different shapes, dtypes or names)"
-                   if np.array_equal(every[rank][:2], every[0][:2]) else "")
-                + "; build the same model on every rank")
+                + (
+                    " (same counts, different shapes, dtypes or names)"
+                    if np.array_equal(every[rank][:2], every[0][:2])
+                    else ""
+                )
+                + "; build the same model on every rank"
+            )

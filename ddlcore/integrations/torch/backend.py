@@ -32,15 +32,18 @@ _log = logging.getLogger("ddlcore")
 BACKEND_NAME = "ddl"
 _DEVICES = ["cpu", "cuda"]
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
-_SUPPORTED = ("allreduce, allreduce_coalesced, allgather, all_gather_into_tensor, "
-              "reduce_scatter, reduce_scatter_tensor, broadcast and barrier")
+_SUPPORTED = (
+    "allreduce, allreduce_coalesced, allgather, all_gather_into_tensor, "
+    "reduce_scatter, reduce_scatter_tensor, broadcast and barrier"
+)
 
 
 def register() -> None:
     """Register the backend "ddl" with torch.distributed (again: no effect)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
-                                      devices=list(_DEVICES))
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES)
+        )
 
 
 def _autoload() -> None:
@@ -50,8 +53,7 @@ def _autoload() -> None:
         if dist.is_available():
             register()
     except Exception:  # a broken registration must not break every torch program
-        _log.debug("ddlcore: registering the torch backend %r failed", BACKEND_NAME,
-                   exc_info=True)
+        _log.debug("ddlcore: registering the torch backend %r failed", BACKEND_NAME, exc_info=True)
 
 
 def _dist_error(exc: BaseException, what: str) -> BaseException:
@@ -67,15 +69,18 @@ def _dist_error(exc: BaseException, what: str) -> BaseException:
 def _unsupported(what: str) -> dist.DistBackendError:
     return dist.DistBackendError(
         f"ddl backend: {what} is not supported by ddlcore yet (it runs {_SUPPORTED}); run it "
-        "on a gloo group beside it: g = dist.new_group(backend='gloo'), then pass group=g")
+        "on a gloo group beside it: g = dist.new_group(backend='gloo'), then pass group=g"
+    )
 
 
 def _op(opts: Any, what: str) -> str:
     """ddlcore's name of the reduction in torch's ``opts``."""
     red = opts.reduceOp.op.name
     if red not in _OPS:
-        raise ValueError(f"ddl backend, {what}: op=ReduceOp.{red} is not supported; ddlcore "
-                         f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}")
+        raise ValueError(
+            f"ddl backend, {what}: op=ReduceOp.{red} is not supported; ddlcore "
+            f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}"
+        )
     return _OPS[red]
 
 
@@ -103,10 +108,12 @@ class WorkDDL(dist.Work):
         # A future of CUDA tensors names their devices: completing it records an event on each
         # device's current stream, and whoever waits on it makes its stream wait for that.
         self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
-            devices=list(devices) or None)
+            devices=list(devices) or None
+        )
 
     def _start(self, handles: Sequence[Any], finish: Callable[[], None] | None) -> WorkDDL:
         """Complete once every handle (they finish in order) did and ``finish`` ran."""
+
         def settle(_: Any) -> None:
             try:
                 for handle in handles:
@@ -141,7 +148,8 @@ class WorkDDL(dist.Work):
         if not self._done.wait(self._timeout if limit is None else limit):
             raise dist.DistBackendError(
                 f"ddl backend, {self._what}: not complete after waiting "
-                f"{self._timeout if limit is None else limit:g} s")
+                f"{self._timeout if limit is None else limit:g} s"
+            )
         if self._error is not None:
             raise self._error
         if self._cuda:  # the caller's current streams wait for the copies the worker queued
@@ -178,6 +186,7 @@ def _copier(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None
     def copy() -> None:
         for destination, buf in pairs:
             destination.copy_(buf)
+
     return copy
 
 
@@ -234,8 +243,12 @@ class ProcessGroupDDL(dist.ProcessGroup):
         # Every collective queued before this one may take the whole timeout too.
         return WorkDDL(what, outputs, self._comm._wait_budget())
 
-    def _run(self, what: str, outputs: list[torch.Tensor],
-             start: Callable[[], tuple[list[Any], Callable[[], None] | None]]) -> WorkDDL:
+    def _run(
+        self,
+        what: str,
+        outputs: list[torch.Tensor],
+        start: Callable[[], tuple[list[Any], Callable[[], None] | None]],
+    ) -> WorkDDL:
         """Start a collective (``start`` returns its handles and finishing step)."""
         work = self._work(what, outputs)
         try:
@@ -246,24 +259,28 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         if len(tensors) != 1:
-            raise ValueError(f"ddl backend, {what}: one tensor per call (one device per "
-                             f"process), got {len(tensors)}")
+            raise ValueError(
+                f"ddl backend, {what}: one tensor per call (one device per "
+                f"process), got {len(tensors)}"
+            )
         return tensors[0]
 
-    def _in_place(self, what: str, t: torch.Tensor,
-                  run: Callable[[torch.Tensor], Any]) -> WorkDDL:
+    def _in_place(self, what: str, t: torch.Tensor, run: Callable[[torch.Tensor], Any]) -> WorkDDL:
         """Run ``run(buffer)`` on ``t``'s data (a contiguous copy when ``t`` is not)."""
+
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             buf = _contiguous(t)
             return [run(buf)], _copier([] if buf is t else [(t, buf)])
+
         return self._run(what, [t], start)
 
     # --- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
         t = self._one(tensors, "allreduce")
         op = _op(opts or dist.AllreduceOptions(), "allreduce")
-        return self._in_place("allreduce", t,
-                              lambda buf: self._comm.allreduce_async(buf, op=op, out=buf))
+        return self._in_place(
+            "allreduce", t, lambda buf: self._comm.allreduce_async(buf, op=op, out=buf)
+        )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
         """One allreduce per dtype and device: the tensors packed into one flat buffer."""
@@ -285,35 +302,47 @@ class ProcessGroupDDL(dist.ProcessGroup):
             def finish() -> None:
                 for flat, members in flats:
                     unpack_from(flat, members)
+
             return handles, finish
+
         return self._run("allreduce_coalesced", list(tensors), start)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
         t = self._one(tensors, "broadcast")
         root = (opts or dist.BroadcastOptions()).rootRank
-        return self._in_place("broadcast", t,
-                              lambda buf: self._comm.broadcast_async(buf, root=root))
+        return self._in_place(
+            "broadcast", t, lambda buf: self._comm.broadcast_async(buf, root=root)
+        )
 
     def barrier(self, opts: Any = None) -> WorkDDL:
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             self._comm.barrier()  # in order behind the queued collectives; no handle to wait on
             return [], None
+
         return self._run("barrier", [], start)
 
     def _gather_into(self, what: str, output: torch.Tensor, input: torch.Tensor) -> Any:
         """Start an allgather of ``input`` into the flat, contiguous ``output``."""
         if output.numel() != input.numel() * self.size():
-            raise ValueError(f"ddl backend, {what}: the output has {output.numel()} elements, "
-                             f"not {self.size()} x the input's {input.numel()}")
+            raise ValueError(
+                f"ddl backend, {what}: the output has {output.numel()} elements, "
+                f"not {self.size()} x the input's {input.numel()}"
+            )
         return self._comm.allgather_async(_contiguous(input).reshape(-1), out=output.view(-1))
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]],
-                  input_tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> WorkDDL:
         t = self._one(input_tensors, "allgather")
         outputs = self._one(output_tensors, "allgather")  # type: ignore[arg-type]
         if len(outputs) != self.size() or any(o.numel() != t.numel() for o in outputs):
-            raise ValueError(f"ddl backend, allgather: the output list needs {self.size()} "
-                             f"tensors of {t.numel()} elements each")
+            raise ValueError(
+                f"ddl backend, allgather: the output list needs {self.size()} "
+                f"tensors of {t.numel()} elements each"
+            )
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             flat = torch.empty(t.numel() * self.size(), dtype=t.dtype, device=t.device)
@@ -322,16 +351,20 @@ class ProcessGroupDDL(dist.ProcessGroup):
             def finish() -> None:
                 for out, piece in zip(outputs, flat.view(self.size(), t.numel()), strict=True):
                     out.copy_(piece.view_as(out))
+
             return [handle], finish
+
         return self._run("allgather", list(outputs), start)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: Any = None) -> WorkDDL:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> WorkDDL:
         """``dist.all_gather_into_tensor``: every rank's ``input`` into ``output``, in order."""
         return self.all_gather_single_coalesced([output], [input], opts)
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
-                                    inputs: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> WorkDDL:
         what = "all_gather_into_tensor"
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
@@ -342,30 +375,39 @@ class ProcessGroupDDL(dist.ProcessGroup):
                 if buf is not out:
                     copies.append((out, buf))
             return handles, _copier(copies)
+
         return self._run(what, list(outputs), start)
 
     _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _scatter_from(self, what: str, output: torch.Tensor, input: torch.Tensor,
-                      op: str) -> Any:
+    def _scatter_from(self, what: str, output: torch.Tensor, input: torch.Tensor, op: str) -> Any:
         """Start a reduce_scatter of the flat ``input`` into the contiguous ``output``."""
         if input.numel() != output.numel() * self.size():
-            raise ValueError(f"ddl backend, {what}: the input has {input.numel()} elements, "
-                             f"not {self.size()} x the output's {output.numel()}")
-        return self._comm.reduce_scatter_async(_contiguous(input).reshape(-1), op=op,
-                                               out=output.view(-1))
+            raise ValueError(
+                f"ddl backend, {what}: the input has {input.numel()} elements, "
+                f"not {self.size()} x the output's {output.numel()}"
+            )
+        return self._comm.reduce_scatter_async(
+            _contiguous(input).reshape(-1), op=op, out=output.view(-1)
+        )
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> WorkDDL:
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> WorkDDL:
         from ddlcore.integrations.torch._common import pack_into
 
         out = self._one(output_tensors, "reduce_scatter")
         inputs = self._one(input_tensors, "reduce_scatter")  # type: ignore[arg-type]
         op = _op(opts or dist.ReduceScatterOptions(), "reduce_scatter")
         if len(inputs) != self.size() or any(t.numel() != out.numel() for t in inputs):
-            raise ValueError(f"ddl backend, reduce_scatter: the input list needs {self.size()} "
-                             f"tensors of {out.numel()} elements each")
+            raise ValueError(
+                f"ddl backend, reduce_scatter: the input list needs {self.size()} "
+                f"tensors of {out.numel()} elements each"
+            )
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             flat = torch.empty(out.numel() * self.size(), dtype=out.dtype, device=out.device)
@@ -373,15 +415,18 @@ class ProcessGroupDDL(dist.ProcessGroup):
             buf = _contiguous(out)
             handle = self._scatter_from("reduce_scatter", buf, flat, op)
             return [handle], _copier([] if buf is out else [(out, buf)])
+
         return self._run("reduce_scatter", [out], start)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> WorkDDL:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> WorkDDL:
         """``dist.reduce_scatter_tensor``: ``input`` reduced, block ``rank`` into ``output``."""
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> WorkDDL:
         what = "reduce_scatter_tensor"
         op = _op(opts or dist.ReduceScatterOptions(), what)
 
@@ -393,6 +438,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
                 if buf is not out:
                     copies.append((out, buf))
             return handles, _copier(copies)
+
         return self._run(what, list(outputs), start)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -450,10 +496,12 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupDDL:
         raise dist.DistBackendError(
             f"ddl backend, rank {rank}: process groups over some of the ranks ({len(ranks)} of "
             f"{dist.get_world_size()}: new_group(ranks=...), DeviceMesh dimensions) are not "
-            "supported by ddlcore yet; make them with backend='gloo'")
+            "supported by ddlcore yet; make them with backend='gloo'"
+        )
     try:
-        comm = ddlcore.init(store=opts.store, rank=rank, size=size,
-                            timeout=_timeout_seconds(opts.timeout))
+        comm = ddlcore.init(
+            store=opts.store, rank=rank, size=size, timeout=_timeout_seconds(opts.timeout)
+        )
     except ddlcore.DDLError as exc:
         raise _dist_error(exc, f"rank {rank}: init_process_group") from None
     return ProcessGroupDDL(comm, rank, size, comm.timeout)

@@ -34,8 +34,7 @@ def _broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor], root: in
     for members in by_device.values():
         staged = [t if t.is_contiguous() else t.contiguous() for t in members]
         raw = [t.reshape(-1).view(torch.uint8) for t in staged]
-        flat = torch.empty(sum(r.numel() for r in raw), dtype=torch.uint8,
-                           device=members[0].device)
+        flat = torch.empty(sum(r.numel() for r in raw), dtype=torch.uint8, device=members[0].device)
         if comm.rank == root:
             pack_into(flat, raw)
         comm.broadcast(flat, root=root)
@@ -57,8 +56,10 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
             out.append((str(item[0]), item[1]))
         else:
-            raise TypeError(f"params[{i}] is a {type(item).__name__}; pass a module, a state_dict, "
-                            "named_parameters() or tensors")
+            raise TypeError(
+                f"params[{i}] is a {type(item).__name__}; pass a module, a state_dict, "
+                "named_parameters() or tensors"
+            )
     return sorted(out, key=lambda kv: kv[0]) if out and out[0][0][0] != "[" else out
 
 
@@ -88,9 +89,23 @@ def broadcast_parameters(params: Any, comm: Communicator, root: int = 0) -> None
 
 
 # The dtypes a description may name: the wire selects from this table, it never looks a name up.
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-    torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
+}
 
 
 def _describe(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
@@ -98,23 +113,33 @@ def _describe(value: Any, tensors: list[torch.Tensor], where: str) -> Any:
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
-            raise TypeError(f"broadcast_optimizer_state: {where} has dtype {value.dtype}, "
-                            f"not one of {', '.join(_DTYPES)}")
+            raise TypeError(
+                f"broadcast_optimizer_state: {where} has dtype {value.dtype}, "
+                f"not one of {', '.join(_DTYPES)}"
+            )
         tensors.append(value.detach())
-        return {"tensor": len(tensors) - 1, "shape": list(value.shape), "dtype": dtype,
-                "cpu": not value.is_cuda}
+        return {
+            "tensor": len(tensors) - 1,
+            "shape": list(value.shape),
+            "dtype": dtype,
+            "cpu": not value.is_cuda,
+        }
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     if isinstance(value, (list, tuple)):
-        return {"seq": [_describe(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)],
-                "tuple": isinstance(value, tuple)}
+        return {
+            "seq": [_describe(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)],
+            "tuple": isinstance(value, tuple),
+        }
     if isinstance(value, Mapping):
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
             raise TypeError(f"broadcast_optimizer_state: {where} has keys that are not str or int")
         return {"map": [[k, _describe(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]}
-    raise TypeError(f"broadcast_optimizer_state: {where} is a {type(value).__name__}, which "
-                    "cannot be sent without pickling (tensors, Python numbers, strings, lists, "
-                    "dicts can; convert NumPy scalars with float() or int())")
+    raise TypeError(
+        f"broadcast_optimizer_state: {where} is a {type(value).__name__}, which "
+        "cannot be sent without pickling (tensors, Python numbers, strings, lists, "
+        "dicts can; convert NumPy scalars with float() or int())"
+    )
 
 
 def _rebuild(desc: Any, tensors: list[torch.Tensor], gpu: torch.device | None = None) -> Any:
@@ -122,8 +147,7 @@ def _rebuild(desc: Any, tensors: list[torch.Tensor], gpu: torch.device | None = 
     GPU; default the current one) and appended to ``tensors`` in the order `_describe` met
     them."""
     if "tensor" in desc:
-        device = "cpu" if desc["cpu"] else \
-            gpu or torch.device("cuda", torch.cuda.current_device())
+        device = "cpu" if desc["cpu"] else gpu or torch.device("cuda", torch.cuda.current_device())
         t = torch.empty(desc["shape"], dtype=_DTYPES[desc["dtype"]], device=device)
         tensors.append(t)
         return t
@@ -135,8 +159,7 @@ def _rebuild(desc: Any, tensors: list[torch.Tensor], gpu: torch.device | None = 
     return {k: _rebuild(d, tensors, gpu) for k, d in desc["map"]}
 
 
-def _rebuild_state_dict(desc: Any, tensors: list[torch.Tensor],
-                        params: list[torch.Tensor]) -> Any:
+def _rebuild_state_dict(desc: Any, tensors: list[torch.Tensor], params: list[torch.Tensor]) -> Any:
     """`_rebuild` of an optimizer's state_dict: each parameter's state (``state[i]``) on that
     parameter's GPU, where ``load_state_dict`` would move it anyway."""
     if "map" not in desc:
@@ -144,10 +167,16 @@ def _rebuild_state_dict(desc: Any, tensors: list[torch.Tensor],
     out = {}
     for key, d in desc["map"]:
         if key == "state" and "map" in d:
-            out[key] = {i: _rebuild(entry, tensors, params[i].device
-                                    if isinstance(i, int) and 0 <= i < len(params)
-                                    and params[i].is_cuda else None)
-                        for i, entry in d["map"]}
+            out[key] = {
+                i: _rebuild(
+                    entry,
+                    tensors,
+                    params[i].device
+                    if isinstance(i, int) and 0 <= i < len(params) and params[i].is_cuda
+                    else None,
+                )
+                for i, entry in d["map"]
+            }
         else:
             out[key] = _rebuild(d, tensors)
     return out
@@ -159,14 +188,18 @@ def _broadcast_bytes(comm: Communicator, payload: bytes | None, root: int) -> by
     comm.broadcast(length, root=root)
     if length[0] < 0:
         return None
-    buf = np.frombuffer(payload, np.uint8).copy() if payload is not None else \
-        np.empty(int(length[0]), np.uint8)
+    buf = (
+        np.frombuffer(payload, np.uint8).copy()
+        if payload is not None
+        else np.empty(int(length[0]), np.uint8)
+    )
     comm.broadcast(buf, root=root)
     return buf.tobytes()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Communicator,
-                              root: int = 0) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, comm: Communicator, root: int = 0
+) -> None:
     """Give every rank ``root``'s optimizer state (e.g. momentum, Adam moments, step counts) and
     hyper-parameters (``param_groups``: learning rate ...), in place.
 
@@ -193,8 +226,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Communicat
     """
     comm = communicator(comm, "broadcast_optimizer_state")
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    check_same_layout(comm, [(str(i), p) for i, p in enumerate(params)],
-                      "broadcast_optimizer_state")
+    check_same_layout(
+        comm, [(str(i), p) for i, p in enumerate(params)], "broadcast_optimizer_state"
+    )
     sent: list[torch.Tensor] = []
     payload, failure = None, None
     if comm.rank == root:
@@ -206,8 +240,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Communicat
     if failure is not None:
         raise failure
     if received is None:
-        raise TypeError(f"broadcast_optimizer_state: rank {root}'s optimizer state cannot be "
-                        f"sent (rank {root} raised the reason)")
+        raise TypeError(
+            f"broadcast_optimizer_state: rank {root}'s optimizer state cannot be "
+            f"sent (rank {root} raised the reason)"
+        )
     if comm.rank == root:
         with torch.no_grad():
             _broadcast_tensors(comm, sent, root)

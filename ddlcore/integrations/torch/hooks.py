@@ -17,8 +17,9 @@ from ddlcore.handles import Handle
 from ddlcore.integrations.torch._common import communicator
 
 
-def _allreduce_future(comm: Communicator, tensor: torch.Tensor,
-                      wire_dtype: torch.dtype | None) -> torch.futures.Future[torch.Tensor]:
+def _allreduce_future(
+    comm: Communicator, tensor: torch.Tensor, wire_dtype: torch.dtype | None
+) -> torch.futures.Future[torch.Tensor]:
     """Average ``tensor`` over the ranks, in place; the future completes with ``tensor``.
 
     With a ``wire_dtype`` the data travels compressed: divided by the number of ranks first (in
@@ -52,8 +53,9 @@ def _allreduce_future(comm: Communicator, tensor: torch.Tensor,
     return future
 
 
-def allreduce_hook(state: Communicator,
-                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(
+    state: Communicator, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients over the ranks with ddlcore.
 
     Register with ``ddp_model.register_comm_hook(comm, allreduce_hook)``; ``state`` is the
@@ -63,19 +65,23 @@ def allreduce_hook(state: Communicator,
     return _allreduce_future(communicator(state, "allreduce_hook"), bucket.buffer(), None)
 
 
-def fp16_allreduce_hook(state: Communicator,
-                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def fp16_allreduce_hook(
+    state: Communicator, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Like `allreduce_hook`, with the gradients sent as float16 (half the bytes)."""
-    return _allreduce_future(communicator(state, "fp16_allreduce_hook"), bucket.buffer(),
-                             torch.float16)
+    return _allreduce_future(
+        communicator(state, "fp16_allreduce_hook"), bucket.buffer(), torch.float16
+    )
 
 
-def bf16_allreduce_hook(state: Communicator,
-                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_allreduce_hook(
+    state: Communicator, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Like `allreduce_hook`, with the gradients sent as bfloat16 (half the bytes, float32's
     exponent range).
 
     Not named like torch's ``bf16_compress_hook``: DDP refuses a hook of that name unless NCCL
     is there."""
-    return _allreduce_future(communicator(state, "bf16_allreduce_hook"), bucket.buffer(),
-                             torch.bfloat16)
+    return _allreduce_future(
+        communicator(state, "bf16_allreduce_hook"), bucket.buffer(), torch.bfloat16
+    )

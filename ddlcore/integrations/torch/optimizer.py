@@ -66,8 +66,11 @@ class _Bucket:
             p = self.params[0]
             total = self.numel + len(self.params)
             self.flat = torch.empty(total, dtype=p.dtype, device=p.device)
-            self.wire = self.flat if compressed in (None, p.dtype) else \
-                torch.empty(total, dtype=compressed, device=p.device)
+            self.wire = (
+                self.flat
+                if compressed in (None, p.dtype)
+                else torch.empty(total, dtype=compressed, device=p.device)
+            )
         assert self.wire is not None
         return self.flat, self.wire
 
@@ -82,8 +85,9 @@ def _build_buckets(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[
     for p in reversed(params):
         size_p = nbytes(p)
         cap = min(fusion_bytes, FIRST_BUCKET_BYTES) if not buckets else fusion_bytes
-        if current and (size + size_p > cap or p.dtype != current[0].dtype
-                        or p.device != current[0].device):
+        if current and (
+            size + size_p > cap or p.dtype != current[0].dtype or p.device != current[0].device
+        ):
             buckets.append(_Bucket(current))
             current, size = [], 0
         current.append(p)
@@ -104,8 +108,15 @@ class _GradientSync:
     """The state behind a `DistributedOptimizer`: buckets, the hooks that fill them, and the
     collectives that reduce them."""
 
-    def __init__(self, comm: Communicator, op: str, compressed: torch.dtype | None,
-                 passes_per_step: int, fusion_bytes: int, check_parameters: bool) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        op: str,
+        compressed: torch.dtype | None,
+        passes_per_step: int,
+        fusion_bytes: int,
+        check_parameters: bool,
+    ) -> None:
         self.comm = comm
         self.op = op
         self.compressed = compressed
@@ -128,8 +139,11 @@ class _GradientSync:
         comm.add_before_collective(self.flush)
 
     # --- set-up: every rank, same parameters ----------------------------------------------------
-    def attach(self, optimizer: torch.optim.Optimizer,
-               named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None) -> None:
+    def attach(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+    ) -> None:
         """(Re)build the buckets and hooks for the parameters of ``optimizer.param_groups`` that
         require a gradient; a collective (the same-model check)."""
         params: list[torch.nn.Parameter] = []
@@ -142,8 +156,9 @@ class _GradientSync:
                     self.names.setdefault(id(p), f"param_groups[{g}][{i}]")
         for name, p in named_parameters or ():
             self.names[id(p)] = name
-        check_same_layout(self.comm, [(self.names[id(p)], p) for p in params],
-                          "DistributedOptimizer")
+        check_same_layout(
+            self.comm, [(self.names[id(p)], p) for p in params], "DistributedOptimizer"
+        )
         for hook in self.hooks:
             hook.remove()
         self.params = params
@@ -164,12 +179,14 @@ class _GradientSync:
                     f"{self.passes_per_step} backward passes since the last step(), or a "
                     "backward after a collective that sent the buckets); call step() or "
                     "synchronize() after each step's backward passes, or zero_grad() to drop "
-                    "the gradients")
+                    "the gradients"
+                )
             self.dirty = True
             if passes == self.passes_per_step:
                 bucket.ready += 1
-                while (self.next < len(self.buckets)
-                       and self.buckets[self.next].ready == len(self.buckets[self.next].params)):
+                while self.next < len(self.buckets) and self.buckets[self.next].ready == len(
+                    self.buckets[self.next].params
+                ):
                     self._send_next()
 
     def _send_next(self) -> None:
@@ -183,8 +200,8 @@ class _GradientSync:
         with torch.no_grad():
             if bucket.consumed is not None:
                 torch.cuda.current_stream(flat.device).wait_event(bucket.consumed)
-            pack_into(flat[:bucket.numel], grads)
-            flags = flat[bucket.numel:]
+            pack_into(flat[: bucket.numel], grads)
+            flags = flat[bucket.numel :]
             flags.fill_(1)  # kernels, not a copy from the host (which would synchronise)
             for i in (i for i, h in enumerate(had) if not h):
                 flags[i].fill_(0)
@@ -247,7 +264,7 @@ class _GradientSync:
         flat, wire = bucket.buffers(self.compressed)
         if wire is not flat:
             flat.copy_(wire)
-        had_any = (flat[bucket.numel:] != 0).tolist()
+        had_any = (flat[bucket.numel :] != 0).tolist()
         targets = []
         for p, had in zip(bucket.params, had_any, strict=True):
             if not had:  # no rank computed one: stays None, as in single-process training
@@ -257,7 +274,7 @@ class _GradientSync:
             if p.grad is None:  # not used here, used elsewhere: the average counts our zero
                 p.grad = torch.empty_like(p)
             targets.append(p.grad)
-        unpack_from(flat[:bucket.numel], targets)
+        unpack_from(flat[: bucket.numel], targets)
         if flat.is_cuda:
             bucket.consumed = torch.cuda.Event()
             bucket.consumed.record(torch.cuda.current_stream(flat.device))
@@ -274,7 +291,8 @@ class _GradientSync:
                     f"DistributedOptimizer: at the first step rank {rank}'s parameters differ from "
                     f"rank 0's ({differ.size} tensors, e.g. {names}); call "
                     "broadcast_parameters(model, comm) once after building the model (and "
-                    "broadcast_optimizer_state(optimizer, comm) after loading a checkpoint)")
+                    "broadcast_optimizer_state(optimizer, comm) after loading a checkpoint)"
+                )
 
 
 class _DistributedOptimizerMixin:
@@ -326,11 +344,17 @@ class _DistributedOptimizerMixin:
 setattr(_DistributedOptimizerMixin.step, "hooked", True)  # noqa: B010
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, comm: Communicator,  # noqa: N802
-                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                         *, fusion_bytes: int | None = None, compression: Any = None,
-                         op: str = "avg", backward_passes_per_step: int = 1,
-                         check_parameters: bool = True) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    comm: Communicator,  # noqa: N802
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    *,
+    fusion_bytes: int | None = None,
+    compression: Any = None,
+    op: str = "avg",
+    backward_passes_per_step: int = 1,
+    check_parameters: bool = True,
+) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every rank.
 
     Parameters
@@ -374,9 +398,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, comm: Communicator,  
     comm = communicator(comm, "DistributedOptimizer")
     if op not in ("avg", "sum"):
         raise ValueError(f"op={op!r}: use 'avg' or 'sum'")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step < 1
+    ):
+        raise ValueError(
+            f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1"
+        )
     fusion = config.get("DDL_FUSION_BYTES") if fusion_bytes is None else int(fusion_bytes)
     if fusion < 1:
         raise ValueError(f"fusion_bytes={fusion_bytes!r} must be positive")
@@ -385,8 +414,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, comm: Communicator,  
         raise ValueError("optimizer is already a DistributedOptimizer")
 
     sync = _GradientSync(comm, op, compressed, backward_passes_per_step, fusion, check_parameters)
-    cls = type(f"Distributed{type(optimizer).__name__}",
-               (_DistributedOptimizerMixin, type(optimizer)), {})
+    cls = type(
+        f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {}
+    )
     wrapped: Any = object.__new__(cls)  # not cls(...): the wrapped optimizer's state is reused
     # Same param_groups and state objects. Not an instance-level `step`: an LR scheduler built
     # before wrapping puts one there, bound to the unwrapped optimizer (it would skip the sync).

@@ -1,5 +1,6 @@
 """Rank 1 exits with code 3 (or dies by SIGKILL with "kill"); the others record their pid and
 sleep, so the test can check that ddlrun stopped them."""
+
 import os
 import signal
 import sys
@@ -10,8 +11,9 @@ mode, piddir = sys.argv[1], sys.argv[2]
 if rank == 1:
     # Fail once every other rank is up (has written its pid), not after a guess at how long
     # that takes: on a loaded machine, starting Python takes seconds.
-    others = [os.path.join(piddir, f"{r}.pid") for r in range(int(os.environ["DDL_SIZE"]))
-              if r != rank]
+    others = [
+        os.path.join(piddir, f"{r}.pid") for r in range(int(os.environ["DDL_SIZE"])) if r != rank
+    ]
     deadline = time.monotonic() + 60
     while not all(os.path.exists(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -15,12 +15,14 @@ import ddlcore
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.config import get
 
-COUNTS = (1 << 20, 1_000_003)   # 4 MB of float32, and an odd, prime count
+COUNTS = (1 << 20, 1_000_003)  # 4 MB of float32, and an odd, prime count
 
 
 def inputs(count: int, size: int) -> list[np.ndarray]:
-    return [np.random.default_rng(1000 * count + r).standard_normal(count).astype(np.float32)
-            for r in range(size)]
+    return [
+        np.random.default_rng(1000 * count + r).standard_normal(count).astype(np.float32)
+        for r in range(size)
+    ]
 
 
 def check(comm, got: np.ndarray, want: np.ndarray, what: str, same: bool = True) -> None:
@@ -41,8 +43,11 @@ def main() -> None:
         host = rank // ranks_per_host
         assert comm.nhosts == p // ranks_per_host, (comm.nhosts, p, ranks_per_host)
         assert (comm.local_rank, comm.local_size) == (rank % ranks_per_host, ranks_per_host)
-        want = {peer: "shm" if peer // ranks_per_host == host else "tcp"
-                for peer in range(p) if peer != rank}
+        want = {
+            peer: "shm" if peer // ranks_per_host == host else "tcp"
+            for peer in range(p)
+            if peer != rank
+        }
         assert comm.transports == want, f"transports {comm.transports}, expected {want}"
         for count in COUNTS:
             xs = inputs(count, p)
@@ -52,10 +57,15 @@ def main() -> None:
                 check(comm, comm.allreduce(xs[rank], op="avg"), exact / p, f"allreduce avg {count}")
             if algo in ALGORITHMS["reduce_scatter"]:
                 k = count // p
-                k -= k % 2 == 0         # an odd share, so no chunking divides it evenly
-                got = comm.reduce_scatter(xs[rank][:k * p], op="sum")
-                check(comm, got, exact[rank * k:(rank + 1) * k], f"reduce_scatter {k * p}",
-                      same=False)
+                k -= k % 2 == 0  # an odd share, so no chunking divides it evenly
+                got = comm.reduce_scatter(xs[rank][: k * p], op="sum")
+                check(
+                    comm,
+                    got,
+                    exact[rank * k : (rank + 1) * k],
+                    f"reduce_scatter {k * p}",
+                    same=False,
+                )
             if algo in ALGORITHMS["allgather"]:
                 check(comm, comm.allgather(xs[rank]), np.concatenate(xs), f"allgather {count}")
         print(f"rank {rank} on host {host}: {algo} ok, transports {sorted(set(want.values()))}")

@@ -1,6 +1,7 @@
 """Every rank joins over shared memory and allreduces once, records its shm segment, then rank 1
 dies by SIGKILL (every rank, with argv[2] "all") while the others block in a second allreduce:
 nobody closes cleanly, and the test checks that no segment outlives the job."""
+
 import os
 import signal
 import sys

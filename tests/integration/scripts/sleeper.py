@@ -1,5 +1,6 @@
 """Every rank records its pid, then sleeps (to be stopped by a signal to ddlrun). Further
 arguments name signals the rank ignores (e.g. SIGINT SIGTERM: only SIGKILL stops it)."""
+
 import os
 import signal
 import sys

@@ -24,9 +24,14 @@ assert dist.get_backend() == "ddl" and type(world).__name__ == "ProcessGroupDDL"
 assert world.communicator.timeout == 25, world.communicator.timeout  # init's timeout= honored
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
-SIZES = [0, 1, 7, 33, 4099]          # 0, 1, primes: none divisible by the world size of 2
-OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod",
-       dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
+SIZES = [0, 1, 7, 33, 4099]  # 0, 1, primes: none divisible by the world size of 2
+OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+}
 case = 0
 
 
@@ -86,21 +91,32 @@ for dtype in DTYPES:
             xs = inputs(n, dtype)
             async_op = (n + case) % 2 == 0
             t = xs[rank].clone()
-            run(dist.all_reduce(t, op=torch_op, async_op=async_op), async_op, [t],
-                f"allreduce {dtype} {n} {op}")
+            run(
+                dist.all_reduce(t, op=torch_op, async_op=async_op),
+                async_op,
+                [t],
+                f"allreduce {dtype} {n} {op}",
+            )
             check(t, reduced(xs, op), f"allreduce {dtype} n={n} {op}")
 
             # reduce_scatter_tensor: every rank's n * size elements, block `rank` to this rank
             xs = inputs(n * size, dtype)
             out = torch.empty(n, dtype=dtype)
-            run(dist.reduce_scatter_tensor(out, xs[rank].clone(), op=torch_op,
-                                           async_op=async_op), async_op, [out], "rs tensor")
-            check(out, reduced(xs, op)[rank * n:(rank + 1) * n], f"reduce_scatter_tensor {op}")
+            run(
+                dist.reduce_scatter_tensor(out, xs[rank].clone(), op=torch_op, async_op=async_op),
+                async_op,
+                [out],
+                "rs tensor",
+            )
+            check(out, reduced(xs, op)[rank * n : (rank + 1) * n], f"reduce_scatter_tensor {op}")
             # reduce_scatter of a list
             out = torch.empty(n, dtype=dtype)
-            dist.reduce_scatter(out, list(xs[rank].clone().split(n)) if n else
-                                [torch.empty(0, dtype=dtype)] * size, op=torch_op)
-            check(out, reduced(xs, op)[rank * n:(rank + 1) * n], f"reduce_scatter {op}")
+            dist.reduce_scatter(
+                out,
+                list(xs[rank].clone().split(n)) if n else [torch.empty(0, dtype=dtype)] * size,
+                op=torch_op,
+            )
+            check(out, reduced(xs, op)[rank * n : (rank + 1) * n], f"reduce_scatter {op}")
 
         xs = inputs(n, dtype)
         outs = [torch.full((n,), -1, dtype=dtype) for _ in range(size)]
@@ -145,17 +161,23 @@ a = inputs(3 * size, torch.float64)
 out = torch.empty(3, dtype=torch.float64)
 with dist._coalescing_manager():
     dist.reduce_scatter_tensor(out, a[rank].clone())
-check(out, reduced(a, "sum")[rank * 3:(rank + 1) * 3], "coalesced reduce_scatter_tensor")
+check(out, reduced(a, "sum")[rank * 3 : (rank + 1) * 3], "coalesced reduce_scatter_tensor")
 dist.barrier()
 
 # What ddlcore cannot do yet says so, before anything is sent.
-for what, call in [("ReduceOp.BAND", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
-                                                            op=dist.ReduceOp.BAND)),
-                   ("reduce is not supported", lambda: dist.reduce(torch.ones(2), dst=0)),
-                   ("all_to_all_single is not supported",
-                    lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2))),
-                   ("send is not supported", lambda: dist.send(torch.ones(2), dst=1 - rank)),
-                   ("some of the ranks", lambda: dist.new_group([0]))]:
+for what, call in [
+    (
+        "ReduceOp.BAND",
+        lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND),
+    ),
+    ("reduce is not supported", lambda: dist.reduce(torch.ones(2), dst=0)),
+    (
+        "all_to_all_single is not supported",
+        lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2)),
+    ),
+    ("send is not supported", lambda: dist.send(torch.ones(2), dst=1 - rank)),
+    ("some of the ranks", lambda: dist.new_group([0])),
+]:
     if what == "some of the ranks" and rank != 0:
         dist.new_group([0])  # not a member: torch never calls the backend
         continue
@@ -172,8 +194,10 @@ gloo = dist.new_group(backend="gloo")
 
 def train(process_group, hook=None):
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                    torch.nn.Linear(16, 3)), process_group=process_group)
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)),
+        process_group=process_group,
+    )
     if hook is not None:
         model.register_comm_hook(process_group, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -196,8 +220,11 @@ mesh = init_device_mesh("cpu", (size,))
 xs = inputs(3 * size, torch.float32)
 check(funcol.all_reduce(xs[rank], "sum", mesh).wait(), reduced(xs, "sum"), "funcol.all_reduce")
 check(funcol.all_gather_tensor(xs[rank], 0, mesh).wait(), torch.cat(xs), "funcol.all_gather")
-check(funcol.reduce_scatter_tensor(xs[rank], "max", 0, mesh).wait(),
-      reduced(xs, "max")[rank * 3:(rank + 1) * 3], "funcol.reduce_scatter_tensor")
+check(
+    funcol.reduce_scatter_tensor(xs[rank], "max", 0, mesh).wait(),
+    reduced(xs, "max")[rank * 3 : (rank + 1) * 3],
+    "funcol.reduce_scatter_tensor",
+)
 shard = DTensor.from_local(xs[rank], mesh, [Shard(0)])
 check(shard.redistribute(mesh, [Replicate()]).to_local(), torch.cat(xs), "DTensor replicate")
 check((shard * 2).sum().full_tensor(), 2 * torch.cat(xs).sum(), "DTensor partial sum")

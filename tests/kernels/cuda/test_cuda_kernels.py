@@ -88,14 +88,18 @@ def _half_precision_edges() -> int:
             kcuda.reduce_copy(out, to_device(a), to_device(b), op, dtype=marker(dtype))
             got = to_host(out, dtype)
             cpu = np.empty_like(a)
-            kernels.reduce_copy(cpu.ctypes.data, a.ctypes.data, b.ctypes.data, a.size,
-                                dtype_code(dtype), op)
+            kernels.reduce_copy(
+                cpu.ctypes.data, a.ctypes.data, b.ctypes.data, a.size, dtype_code(dtype), op
+            )
             if exact:
-                assert np.array_equal(got[one_nan].view(np.uint16),
-                                      cpu[one_nan].view(np.uint16)), (dtype, op)
+                assert np.array_equal(got[one_nan].view(np.uint16), cpu[one_nan].view(np.uint16)), (
+                    dtype,
+                    op,
+                )
             assert same_up_to_nan_payload(got, cpu), (dtype, op)
-            assert same_up_to_nan_payload(got, reference.reduce_ref([a, b], op),
-                                          zero_sign=op in (Op.SUM, Op.PROD)), (dtype, op)
+            assert same_up_to_nan_payload(
+                got, reference.reduce_ref([a, b], op), zero_sign=op in (Op.SUM, Op.PROD)
+            ), (dtype, op)
             checked += 1
         for divisor in (2, 3):
             d = to_device(a)
@@ -159,6 +163,8 @@ def test_kernels_on_a_gpu():
 
 
 def test_importing_the_package_does_not_import_numba():
-    code = ("import sys, ddlcore.kernels.cuda as k; k.describe(); "
-            "assert not [m for m in sys.modules if m.startswith('numba')], 'numba imported'")
+    code = (
+        "import sys, ddlcore.kernels.cuda as k; k.describe(); "
+        "assert not [m for m in sys.modules if m.startswith('numba')], 'numba imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

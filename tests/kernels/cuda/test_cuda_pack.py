@@ -46,16 +46,22 @@ def _round_trip(arrays, flat_dtype, scale=None, unscale=None) -> int:
     total = sum(a.size for a in arrays)
     sentinel = np.full(total + 1, 7, np.float32).astype(flat_dtype)
     flat = to_device(sentinel)
-    kcuda.pack(flat, [to_device(a) for a in arrays], scale, dtype=marker(dtype),
-               flat_dtype=marker(flat_dtype))
+    kcuda.pack(
+        flat,
+        [to_device(a) for a in arrays],
+        scale,
+        dtype=marker(dtype),
+        flat_dtype=marker(flat_dtype),
+    )
     packed = to_host(flat, flat_dtype)
     want = reference.pack_cast_ref(arrays, flat_dtype, scale)
     assert same_bits(packed[:total], want), (dtype, flat_dtype, len(arrays), scale)
     assert same_bits(packed[total:], sentinel[total:]), "pack wrote past the tensors"
     outs = [empty_device(a.size, dtype) for a in arrays]
     kcuda.unpack(flat, outs, unscale, dtype=marker(dtype), flat_dtype=marker(flat_dtype))
-    for i, (out, ref) in enumerate(zip(outs, reference.unpack_cast_ref(packed, arrays, unscale),
-                                       strict=True)):
+    for i, (out, ref) in enumerate(
+        zip(outs, reference.unpack_cast_ref(packed, arrays, unscale), strict=True)
+    ):
         assert same_bits(to_host(out, dtype), ref), (dtype, flat_dtype, len(arrays), i)
     return 1
 
@@ -96,8 +102,12 @@ class _Interface:
     def __init__(self, array: np.ndarray, readonly: bool = False) -> None:
         self.array = array
         self.__cuda_array_interface__ = {
-            "shape": array.shape, "typestr": array.dtype.str, "strides": array.strides,
-            "data": (array.ctypes.data, readonly), "version": 3}
+            "shape": array.shape,
+            "typestr": array.dtype.str,
+            "strides": array.strides,
+            "data": (array.ctypes.data, readonly),
+            "version": 3,
+        }
 
 
 def _addresses_and_interfaces() -> int:
@@ -109,20 +119,22 @@ def _addresses_and_interfaces() -> int:
     arrays = [rand(np.float32, n, n) for n in (3, 0, 5)]
     devices = [to_device(a) for a in arrays]
     flat = empty_device(8, BFLOAT16)
-    addresses = [d.__cuda_array_interface__["data"][0] if not simulated() else d.ctypes.data
-                 for d in devices]
-    flat_address = (flat.__cuda_array_interface__["data"][0] if not simulated()
-                    else flat.ctypes.data)
-    kcuda.pack_addresses(flat_address, addresses, [3, 0, 5], "float32", 2.0,
-                         flat_dtype="bfloat16")
+    addresses = [
+        d.__cuda_array_interface__["data"][0] if not simulated() else d.ctypes.data for d in devices
+    ]
+    flat_address = flat.__cuda_array_interface__["data"][0] if not simulated() else flat.ctypes.data
+    kcuda.pack_addresses(flat_address, addresses, [3, 0, 5], "float32", 2.0, flat_dtype="bfloat16")
     assert same_bits(to_host(flat, BFLOAT16), reference.pack_cast_ref(arrays, BFLOAT16, 2.0))
     back = [empty_device(a.size, np.float32) for a in arrays]
-    back_addresses = [b.__cuda_array_interface__["data"][0] if not simulated() else b.ctypes.data
-                      for b in back]
-    kcuda.unpack_addresses(flat_address, back_addresses, [3, 0, 5], np.float32,
-                           flat_dtype="bfloat16")
-    for got, want in zip(back, reference.unpack_cast_ref(to_host(flat, BFLOAT16), arrays),
-                         strict=True):
+    back_addresses = [
+        b.__cuda_array_interface__["data"][0] if not simulated() else b.ctypes.data for b in back
+    ]
+    kcuda.unpack_addresses(
+        flat_address, back_addresses, [3, 0, 5], np.float32, flat_dtype="bfloat16"
+    )
+    for got, want in zip(
+        back, reference.unpack_cast_ref(to_host(flat, BFLOAT16), arrays), strict=True
+    ):
         assert same_bits(got.copy_to_host(), want)
     if not simulated():
         return 1
@@ -147,8 +159,12 @@ def _bad_arguments() -> bool:
     f32 = [to_device(np.ones(3, np.float32)), to_device(np.ones(2, np.float32))]
     flat = empty_device(5, np.float32)
     _raises(lambda: kcuda.pack(flat, f32[0]), TypeError, "tensors must be a sequence")
-    _raises(lambda: kcuda.pack(flat, [np.ones(3, np.float32)]), TypeError, "tensors[0]",
-            "not a device array")
+    _raises(
+        lambda: kcuda.pack(flat, [np.ones(3, np.float32)]),
+        TypeError,
+        "tensors[0]",
+        "not a device array",
+    )
     _raises(lambda: kcuda.pack(np.ones(5), f32), TypeError, "flat")
     _raises(lambda: kcuda.pack(flat, [f32[0], to_device(np.ones(2))]), TypeError, "tensors[1]")
     _raises(lambda: kcuda.pack(empty_device(4, np.float32), f32), ValueError, "flat holds 4")
@@ -159,16 +175,24 @@ def _bad_arguments() -> bool:
     _raises(lambda: kcuda.pack(empty_device(3, np.int64), ints), TypeError, "cannot cast")
     _raises(lambda: kcuda.pack(empty_device(3, np.int32), ints, 0.5), TypeError, "scale")
     _raises(lambda: kcuda.pack(flat, f32, "half"), TypeError, "scale")
-    _raises(lambda: kcuda.pack(flat, [to_device(np.ones(3, np.uint16))]), TypeError,
-            "tensors[0]", "dtype='bfloat16'")
+    _raises(
+        lambda: kcuda.pack(flat, [to_device(np.ones(3, np.uint16))]),
+        TypeError,
+        "tensors[0]",
+        "dtype='bfloat16'",
+    )
     _raises(lambda: kcuda.pack(flat, f32, flat_dtype="int8"), TypeError, "flat_dtype=int8")
     _raises(lambda: kcuda.pack_addresses(0, [0, 0], [1], "float32"), ValueError, "counts")
     _raises(lambda: kcuda.pack_addresses(0, [0], [-1], "float32"), ValueError, "negative")
     _raises(lambda: kcuda.pack_addresses(0, [0], [1], "complex64"), TypeError, "dtype")
     if simulated():
         frozen = np.ones(3, np.float32)
-        _raises(lambda: kcuda.unpack(flat, [_Interface(frozen, readonly=True)]), ValueError,
-                "tensors[0]", "read-only")
+        _raises(
+            lambda: kcuda.unpack(flat, [_Interface(frozen, readonly=True)]),
+            ValueError,
+            "tensors[0]",
+            "read-only",
+        )
     return True
 
 

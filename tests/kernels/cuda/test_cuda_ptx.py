@@ -54,7 +54,9 @@ def test_no_kernel_spills(compiled, cc, record_property):
         pytest.skip("ptxas not on PATH (install the CUDA toolkit to check registers and spills)")
     registers = {name: u["registers"] for name, u in usage.items()}
     record_property("registers", registers)
-    print(f"sm_{cc[0]}{cc[1]} registers: "
-          + ", ".join(f"{name}={count}" for name, count in sorted(registers.items())))
+    print(
+        f"sm_{cc[0]}{cc[1]} registers: "
+        + ", ".join(f"{name}={count}" for name, count in sorted(registers.items()))
+    )
     spilling = {name: u for name, u in usage.items() if u["spill_stores"] or u["spill_loads"]}
     assert not spilling, spilling

@@ -43,7 +43,10 @@ def _widen_matches_reference() -> int:
                 out = empty_device(n, dtype)
                 kcuda.narrow_copy(out, other, 3 if op == Op.AVG else 1, dtype=marker(dtype))
                 assert same_bits(to_host(out, dtype), reference.reduce_widened_ref(parts, op)), (
-                    dtype, n, op)
+                    dtype,
+                    n,
+                    op,
+                )
                 checked += 1
     return checked
 

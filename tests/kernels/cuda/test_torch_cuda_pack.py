@@ -31,8 +31,10 @@ def _torch_pack_branch() -> int:
     torch.cuda.current_stream = lambda device=None: _Stream()
     checked = 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
-        tensors = [torch.randn(n).to(dtype) if dtype.is_floating_point
-                   else torch.arange(n, dtype=dtype) for n in (3, 0, 7, 1)]
+        tensors = [
+            torch.randn(n).to(dtype) if dtype.is_floating_point else torch.arange(n, dtype=dtype)
+            for n in (3, 0, 7, 1)
+        ]
         flat = torch.zeros(11, dtype=dtype)
         assert _common._cuda_pack(flat, tensors, to_flat=True)
         assert torch.equal(flat, torch.cat(tensors)), dtype
@@ -41,8 +43,9 @@ def _torch_pack_branch() -> int:
         assert all(torch.equal(a, b) for a, b in zip(outs, tensors, strict=True)), dtype
         checked += 1
     # torch does what the kernel does not take: int16, a strided tensor, mixed dtypes
-    assert not _common._cuda_pack(torch.zeros(4, dtype=torch.int16),
-                                  [torch.zeros(4, dtype=torch.int16)], to_flat=True)
+    assert not _common._cuda_pack(
+        torch.zeros(4, dtype=torch.int16), [torch.zeros(4, dtype=torch.int16)], to_flat=True
+    )
     assert not _common._cuda_pack(torch.zeros(4), [torch.zeros(8)[::2]], to_flat=True)
     assert not _common._cuda_pack(torch.zeros(4), [torch.zeros(4, dtype=torch.float64)], True)
     with contextlib.suppress(ValueError):
