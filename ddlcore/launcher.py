@@ -32,7 +32,6 @@ line).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import math
 import os
@@ -42,16 +41,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import IO
+from collections.abc import Sequence
 
 from ddlcore import config
-
-GRACE_S = 3.0
-_POLL_S = 0.02
-_PR_SET_PDEATHSIG = 1
+from ddlcore.launcher_job import GRACE_S as GRACE_S  # re-exported: tests read it here
+from ddlcore.launcher_job import LocalJob, _die_with_parent, _remove_shared_memory
+from ddlcore.launcher_job import record_failure as record_failure  # the communicator's import
 
 
 def _free_ports(host: str, count: int) -> list[int]:
@@ -141,258 +136,6 @@ def mpiexec_command(
     for key, value in forwarded.items():
         argv += ["-genv", key, value]
     return argv + command
-
-
-# --- the rank's half: what failed first ------------------------------------------------------
-def record_failure(rank: int, exc: BaseException) -> None:
-    """Called by a rank whose collective failed: record in ``DDL_FAILURE_DIR`` (set by ddlrun;
-    nothing to do without it) the rank that failed first as far as this rank knows: the peer a
-    `PeerFailureError` names, the origin a relayed timeout or mismatch carries, else this rank.
-    The first failure of a process is kept."""
-    directory = config.get("DDL_FAILURE_DIR")
-    if not directory:
-        return
-    from ddlcore.errors import failure_origin
-
-    found = failure_origin(exc)
-    origin = rank if found is None else found
-    try:
-        fd = os.open(
-            os.path.join(directory, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
-        )
-    except OSError:  # recorded already, or ddlrun's directory is gone: nothing to add
-        return
-    try:
-        os.write(fd, f"{origin}\n".encode())
-    finally:
-        os.close(fd)
-
-
-def _recorded_origin(directory: str, rank: int) -> int | None:
-    try:
-        with open(os.path.join(directory, str(rank))) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-# --- ddlrun's half ----------------------------------------------------------------------------
-class _Output:
-    """Copies a child's pipe to our stream line by line, prefixed, without interleaving lines."""
-
-    lock = threading.Lock()
-
-    def __init__(self, pipe: IO[bytes], out: IO[str], prefix: str) -> None:
-        self.thread = threading.Thread(target=self._pump, args=(pipe, out, prefix), daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def _pump(cls, pipe: IO[bytes], out: IO[str], prefix: str) -> None:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            if not line.endswith("\n"):
-                line += "\n"
-            with cls.lock:
-                out.write(prefix + line)
-                out.flush()
-        pipe.close()
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """The child's set-up between fork and exec: SIGKILL when ddlrun exits, however it exits,
-    and SIGINT back to its default (the ranks hear Ctrl-C only from ddlrun, which forwards it).
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits: ddlrun forks from its
-    main thread, which lives as long as ddlrun. A parent that died before the prctl took effect
-    is caught by comparing getppid() with the pid the parent had. Little runs here (libc is
-    loaded before the fork), and the ranks are forked before ddlrun starts any thread, as
-    preexec_fn requires."""
-    parent = os.getpid()
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the ranks still stop with ddlrun's signals
-        prctl = None
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-            if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGKILL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    return preexec
-
-
-class LocalJob:
-    """N local ranks, their output pumps, and the decision of which rank failed first."""
-
-    def __init__(
-        self, command: list[str], np_: int, env: dict[str, str], prefix: bool, failure_dir: str
-    ) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.pumps: list[_Output] = []
-        self.failure_dir = failure_dir
-        self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when seen, exit code)
-        self.signals: list[int] = []  # signals ddlrun received, in order
-        self.kill_at: float | None = None  # SIGKILL every rank then (an escalated stop)
-        preexec = _die_with_parent()
-        try:
-            for rank in range(np_):
-                child_env = dict(os.environ)
-                child_env.update(env)
-                child_env.update(
-                    {
-                        "DDL_RANK": str(rank),
-                        "DDL_SIZE": str(np_),
-                        "DDL_LOCAL_RANK": str(rank),
-                        "DDL_LOCAL_SIZE": str(np_),
-                        "RANK": str(rank),
-                        "WORLD_SIZE": str(np_),
-                        "LOCAL_RANK": str(rank),
-                        "LOCAL_WORLD_SIZE": str(np_),
-                        "DDL_FAILURE_DIR": failure_dir,
-                        "PYTHONUNBUFFERED": "1",
-                    }
-                )
-                proc = subprocess.Popen(
-                    command,
-                    env=child_env,
-                    start_new_session=True,
-                    preexec_fn=preexec,
-                    stdout=subprocess.PIPE if prefix else None,
-                    stderr=subprocess.PIPE if prefix else None,
-                )
-                self.procs.append(proc)
-        except BaseException:
-            self.stop()
-            raise
-        # Threads only now: forking with other threads running is what preexec_fn must avoid.
-        for rank, proc in enumerate(self.procs):
-            if proc.stdout is not None and proc.stderr is not None:  # prefixing
-                self.pumps.append(_Output(proc.stdout, sys.stdout, f"[{rank}] "))
-                self.pumps.append(_Output(proc.stderr, sys.stderr, f"[{rank}] "))
-
-    def signal_all(self, signum: int, skip: int | None = None) -> None:
-        for rank, proc in enumerate(self.procs):
-            if rank != skip and proc.returncode is None:
-                try:  # the whole group: a rank's own children go too
-                    os.killpg(proc.pid, signum)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def on_signal(self, signum: int, _frame: object = None) -> None:
-        """ddlrun's SIGINT/SIGTERM handler: forward, then escalate (see the module doc)."""
-        self.signals.append(signum)
-        if len(self.signals) == 1:
-            self.signal_all(signum)
-        elif len(self.signals) == 2:
-            self.signal_all(signal.SIGTERM)
-            self.kill_at = time.monotonic() + GRACE_S
-        else:
-            self.signal_all(signal.SIGKILL)
-
-    def stop(self, skip: int | None = None) -> None:
-        """SIGTERM every other rank's process group, SIGKILL whatever is left after the grace."""
-        self.signal_all(signal.SIGTERM, skip)
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(_POLL_S)
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-
-    def _poll(self) -> None:
-        now = time.monotonic()
-        for rank, proc in enumerate(self.procs):
-            if rank not in self.exits:
-                code = proc.poll()
-                if code is not None:
-                    self.exits[rank] = (now, code)
-
-    def culprit(self, settled: bool) -> int | None:
-        """The rank to blame among those that exited with an error, or None to wait longer.
-
-        A failed rank that recorded no other rank as the origin of its failure is a root cause;
-        the first of those to exit is to blame. If every failed rank names another, wait (until
-        ``settled``) for the ranks they name; then blame the first failed rank."""
-        failed = sorted((when, rank) for rank, (when, code) in self.exits.items() if code != 0)
-        if not failed:
-            return None
-        origins = {rank: _recorded_origin(self.failure_dir, rank) for _, rank in failed}
-        roots = [rank for _, rank in failed if origins[rank] in (None, rank)]
-        if roots:
-            return roots[0]
-        named = {o for o in origins.values() if o is not None and 0 <= o < len(self.procs)}
-        if not settled and any(o not in self.exits for o in named):
-            return None
-        return failed[0][1]
-
-    def wait(self, job_timeout: float | None) -> int:
-        """Exit code of the job: 0, the culprit's code (128 + signal if a signal killed it),
-        128 + the signal that stopped ddlrun, or 124 on --job-timeout."""
-        deadline = None if job_timeout is None else time.monotonic() + job_timeout
-        first_failure: float | None = None
-        while True:
-            self._poll()
-            now = time.monotonic()
-            failed = any(code != 0 for _, code in self.exits.values())
-            if len(self.exits) == len(self.procs) and (self.signals or not failed):
-                break  # every rank is done, without a failure to name (or after our signal)
-            if self.kill_at is not None and now >= self.kill_at:
-                self.signal_all(signal.SIGKILL)
-                self.kill_at = None
-            if not self.signals and any(code != 0 for _, code in self.exits.values()):
-                if first_failure is None:
-                    first_failure = now
-                settled = now - first_failure >= GRACE_S or len(self.exits) == len(self.procs)
-                rank = self.culprit(settled)
-                if rank is not None:
-                    return self._fail(rank)
-            if deadline is not None and now > deadline and not self.signals:
-                print(
-                    f"ddlrun: job still running after --job-timeout {job_timeout:g} s; "
-                    "stopping every rank",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.stop()
-                self._drain()
-                return 124
-            time.sleep(_POLL_S)
-        self._drain()
-        if self.signals:
-            name = signal.Signals(self.signals[0]).name
-            print(f"ddlrun: stopped by {name}", file=sys.stderr, flush=True)
-            return 128 + self.signals[0]
-        return 0
-
-    def _fail(self, rank: int) -> int:
-        code = self.exits[rank][1]
-        what = f"code {code}" if code > 0 else _signal_name(code)
-        others = sum(1 for p in self.procs if p.poll() is None)
-        print(
-            f"ddlrun: rank {rank} exited with {what}; terminating the other {others} "
-            f"rank{'s' if others != 1 else ''}",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.stop(skip=rank)
-        self._drain()
-        return code if code > 0 else 128 - code
-
-    def _drain(self) -> None:
-        for pump in self.pumps:
-            pump.thread.join(5)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -552,22 +295,6 @@ def _run_mpiexec(
             return proc.wait()
         except KeyboardInterrupt:  # mpiexec got the terminal's Ctrl-C too: let it finish
             continue
-
-
-def _remove_shared_memory(job: LocalJob) -> None:
-    """Ranks killed before closing leave their shm segments behind; every rank has exited now,
-    so whatever carries their pids is garbage."""
-    try:
-        from ddlcore.transports.shm import remove_segments_of
-    except ImportError:  # the shm transport is not built: it made nothing
-        return
-    removed = remove_segments_of({p.pid for p in job.procs if p.poll() is not None})
-    if removed:
-        print(
-            f"ddlrun: removed {len(removed)} shared-memory segment(s) left by ranks that did "
-            "not close",
-            file=sys.stderr,
-        )
 
 
 if __name__ == "__main__":
