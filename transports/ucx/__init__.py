@@ -3,7 +3,8 @@
 
 Shape (as tcp): `UcxTransport` -> `UcxContext` (this rank's UCX context, worker and progress
 thread) -> `UcxPair` (one endpoint to one peer) -> `UcxRequest`; modules ``options`` (UCX config
-and import), ``protocol`` (wire format, records in flight), ``pair``, ``context``, ``transport``.
+and import), ``protocol`` (wire format, records in flight), ``pair``, ``context``, ``progress``
+(the progress thread), ``transport``.
 
 Endpoints: each context publishes a fresh nonce and its worker address under the store key
 ``ucx/addr/{rank}`` when it is created; ``pair(p)`` reads ``p``'s (published at ``p``'s init, so

@@ -19,13 +19,14 @@ subgroups) raises ``torch.distributed.DistBackendError`` saying so, before anyth
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ddlcore.integrations.torch.work import WorkDDL, _dist_error, _seconds
 
 _log = logging.getLogger("ddlcore")
 
@@ -56,16 +57,6 @@ def _autoload() -> None:
         _log.debug("ddlcore: registering the torch backend %r failed", BACKEND_NAME, exc_info=True)
 
 
-def _dist_error(exc: BaseException, what: str) -> BaseException:
-    """``exc`` as torch reports a backend's failure: a DistBackendError with ddlcore's message
-    (argument errors stay ValueError/TypeError; torch's own errors pass unchanged)."""
-    if isinstance(exc, (dist.DistError, ValueError, TypeError)):
-        return exc
-    error = dist.DistBackendError(f"ddl backend, {what}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
 def _unsupported(what: str) -> dist.DistBackendError:
     return dist.DistBackendError(
         f"ddl backend: {what} is not supported by ddlcore yet (it runs {_SUPPORTED}); run it "
@@ -82,96 +73,6 @@ def _op(opts: Any, what: str) -> str:
             f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}"
         )
     return _OPS[red]
-
-
-def _seconds(timeout: timedelta | None) -> float | None:
-    """Seconds of a torch timeout; None for none (torch's kNoTimeout is 0)."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds()
-    return seconds if seconds > 0 else None
-
-
-class WorkDDL(dist.Work):
-    """One collective in flight: its ddlcore handles, then a finishing step (copies into the
-    caller's tensors) run on the communicator's worker as the last handle completes."""
-
-    def __init__(self, what: str, outputs: list[torch.Tensor], timeout: float) -> None:
-        super().__init__()
-        self._what = what
-        self._outputs = outputs
-        self._timeout = timeout
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
-        self._cuda = bool(devices)
-        # A future of CUDA tensors names their devices: completing it records an event on each
-        # device's current stream, and whoever waits on it makes its stream wait for that.
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
-            devices=list(devices) or None
-        )
-
-    def _start(self, handles: Sequence[Any], finish: Callable[[], None] | None) -> WorkDDL:
-        """Complete once every handle (they finish in order) did and ``finish`` ran."""
-
-        def settle(_: Any) -> None:
-            try:
-                for handle in handles:
-                    handle.wait(0)
-                if finish is not None:
-                    finish()
-            except BaseException as exc:
-                self._complete(_dist_error(exc, self._what))
-            else:
-                self._complete(None)
-
-        if handles:
-            handles[-1].add_done_callback(settle)
-        else:
-            settle(None)
-        return self
-
-    def _complete(self, error: BaseException | None) -> None:
-        self._error = error
-        if error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(error)  # type: ignore[arg-type]  # the stub says list
-        self._done.set()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block (without the GIL) until the collective finished; raise its error if it failed.
-
-        ``timeout`` (none: the process group's, for each collective queued before this one and
-        this one) passing first raises ``DistBackendError``; the collective keeps running."""
-        limit = _seconds(timeout)
-        if not self._done.wait(self._timeout if limit is None else limit):
-            raise dist.DistBackendError(
-                f"ddl backend, {self._what}: not complete after waiting "
-                f"{self._timeout if limit is None else limit:g} s"
-            )
-        if self._error is not None:
-            raise self._error
-        if self._cuda:  # the caller's current streams wait for the copies the worker queued
-            self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A future completed with the output tensors (or the collective's error)."""
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return self._outputs
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
