@@ -206,7 +206,7 @@ class Communicator:
         its call in progress that the failing step did not (that step told its own: the boards'
         or the links'), so that nobody waits out its deadline."""
         self._broken = str(exc) or type(exc).__name__
-        from ddlcore.launcher import record_failure  # for ddlrun: who failed first
+        from ddlcore.launcher_job import record_failure  # for ddlrun: who failed first
 
         record_failure(self.rank, exc)
         # The reason without our "rank R: " prefix.

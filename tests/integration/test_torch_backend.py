@@ -100,7 +100,7 @@ def test_autoload_never_raises(monkeypatch):
     """torch turns an exception of the entry point into a failed ``import torch``."""
     import torch.distributed as dist
 
-    from ddlcore.integrations.torch import backend
+    from ddlcore.integrations.torch import autoload, backend
 
     def broken(*args, **kwargs):
         raise RuntimeError("a torch that changed its registration API")
@@ -108,7 +108,22 @@ def test_autoload_never_raises(monkeypatch):
     monkeypatch.delitem(dist.Backend._plugins, "DDL", raising=False)
     monkeypatch.setattr(dist.Backend, "register_backend", broken)
     backend._autoload()  # no exception
+    autoload.register_ddl()  # the entry point itself: no exception either
     assert "DDL" not in dist.Backend._plugins
+
+
+def test_importing_the_integration_before_torch(tmp_path):
+    """torch's entry point runs inside the backend's own ``import torch`` then; the backend is
+    still registered, and the import does not fail."""
+    out = _run(
+        [
+            sys.executable,
+            "-c",
+            "import ddlcore.integrations.torch, torch.distributed as dist; print(dist.Backend.DDL)",
+        ],
+        tmp_path,
+    )
+    assert out == "ddl\n", out
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ddlrun"])
