@@ -14,6 +14,7 @@ numbers, the agreement checks, hooks, the executor and the failure that broke it
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,7 +49,11 @@ from ddlcore.transports.base import PeerInfo
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
 # Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
 # ranks compare their calls explicitly before each collective (`engine.agree`).
+_log = logging.getLogger("ddlcore")
 _CHECKED_TRANSPORTS = frozenset({"tcp", "shm", "ucx"})
+# At close, rank 0 (whose process serves the store) waits at most this long for the other ranks
+# to close: one still finishing its last collective may look a peer up in the store.
+_CLOSE_LINGER_S = 5.0
 
 
 class Communicator:
@@ -392,7 +397,9 @@ class Communicator:
         """Finish queued collectives (within DDL_TIMEOUT), then release connections and threads.
 
         Rank 0 keeps serving the rendezvous store until its process exits, so ranks that close
-        later, or call ``init()`` again, can still reach it.
+        later, or call ``init()`` again, can still reach it; its ``close`` also waits (a few
+        seconds at most) until every rank has closed, so that its process's exit cannot take
+        the store from a rank still finishing its last collective.
         """
         with self._close_lock:
             if self._closed:
@@ -412,7 +419,19 @@ class Communicator:
             if self._links is not None:
                 self._links.close()
             if self._store is not None:
+                self._count_out(self._store)
                 self._store.close()
+
+    def _count_out(self, store: Any) -> None:
+        """Count this rank out in the store; rank 0 waits for the others (see ``close``)."""
+        try:
+            store.add("closed", 1)
+            if self.rank == 0 and self.size > 1 and self._broken is None:
+                store.wait_count("closed", self.size, timeout=min(self.timeout, _CLOSE_LINGER_S))
+        except Exception:  # a rank that failed or left: closing goes on without it
+            _log.debug(
+                "rank %d: not every rank counted itself out at close", self.rank, exc_info=True
+            )
 
     def __enter__(self) -> Communicator:
         return self

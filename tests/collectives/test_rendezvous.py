@@ -108,3 +108,27 @@ def test_a_process_without_a_launcher_is_told_it_is_alone():
     assert done.stdout.split() == ["0", "1"]
     assert "no launcher variables are set" in done.stderr
     assert "ddlrun -np N" in done.stderr
+
+
+def _close_late(rank, size):
+    import time
+
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.barrier()
+    if rank != 0:
+        time.sleep(0.5)  # still busy after the last collective; rank 0 must not take the store
+    began = time.time()
+    comm.close()
+    return began, time.time()
+
+
+def test_rank_0_closes_after_every_rank_began_closing():
+    """Rank 0's process serves the store: its close waits for the other ranks' closes, so that
+    its exit cannot take the store from a rank still finishing (a lazy connection looks its
+    peer up there)."""
+    env = {"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": "30"}
+    times = run_ranks(_close_late, 3, env=env, timeout=60)
+    rank0_done = times[0][1]
+    assert all(rank0_done >= began for began, _ in times[1:]), times
