@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from ddlcore import simulate, topology, tuning
+from ddlcore import config, simulate, topology, tuning
 
 BW = (20e9, 10e9, 9.5e9)
 LAT = (5e-6, 10e-6, 20e-6)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a candidate with more steps is left out (and counted)",
     )
     a = p.parse_args(argv)
-    boxes = [tuple(int(d) for d in b.split("x")) for b in a.boxes.split(",")] if a.boxes else BOXES
+    boxes = [config.parse_dims(b) for b in a.boxes.split(",")] if a.boxes else BOXES
     command = " ".join(
         [
             "python benchmarks/auto_vs_best.py",

@@ -276,17 +276,24 @@ def rails_speedups(name: str, size: int) -> dict[str, float]:
 # --- the simulator ----------------------------------------------------------------------------
 
 
-def _sweep_rows(names: Iterable[str]) -> list[dict]:
-    rows: list[dict] = []
-    for name in names:
-        if (RESULTS / name).exists():
-            rows += load(name)["rows"]
-    return rows
+def _present(names: Iterable[str]) -> list[str]:
+    """The results files that exist (a long sweep's file may not yet)."""
+    return [n for n in names if (RESULTS / n).exists()]
+
+
+def _rows(names: Iterable[str]) -> list[dict]:
+    """The rows of those of ``names`` that exist, in order."""
+    return [r for n in _present(names) for r in load(n)["rows"]]
+
+
+def _auto_was_best(row: dict) -> bool:
+    """An auto-vs-best row where auto's choice was the simulated best (ties included)."""
+    return row["ratio"] is not None and row["ratio"] <= 1.0 + 1e-9
 
 
 def paper(*names: str) -> str:
     """auto beside the per-host bound and the paper, every box the sweeps simulated."""
-    rows = _sweep_rows(names)
+    rows = _rows(names)
     commands = [load(n)["meta"]["command"] for n in _present(names)]
     return "```bash\n" + "\n".join(commands) + "\n```\n" + simulate_sweep.paper_table(rows)
 
@@ -307,18 +314,13 @@ def _paper_point(rows: list[dict], box: str, nbytes: float, adapters: int, algo:
     )
 
 
-def _present(names: Iterable[str]) -> list[str]:
-    """The results files that exist (a long sweep's file may not yet)."""
-    return [n for n in names if (RESULTS / n).exists()]
-
-
 def auto_vs_best(*names: str) -> str:
     """auto's simulated time over the best candidate's, every point of the files given."""
     docs = [load(n) for n in _present(names)]
     rows = [r for d in docs for r in d["rows"]]
     judged = [r for r in rows if r["ratio"] is not None]
     worst = max(judged, key=lambda r: r["ratio"])
-    best = sum(1 for r in judged if r["ratio"] <= 1.0 + 1e-9)
+    best = sum(1 for r in judged if _auto_was_best(r))
     within = sum(1 for r in judged if r["ratio"] <= 1.05)
     ranks = sorted({r["ranks"] for r in rows})
     sizes = sorted({r["bytes"] for r in rows})
@@ -332,7 +334,7 @@ def auto_vs_best(*names: str) -> str:
             str(r["skipped"]),
         ]
         for r in rows
-        if r["ratio"] is None or r["ratio"] > 1.0 + 1e-9
+        if not _auto_was_best(r)
     ]
     unjudged = len(rows) - len(judged)
     text = (
@@ -412,18 +414,15 @@ def summary() -> str:
     lo, hi = testbed_range("testbed_out_of_the_box.json", "auto")
     rlo, rhi = testbed_range("testbed_out_of_the_box.json", "ring")
     rails = rails_speedups("testbed_rails.json", 64 << 20)
-    sweep = _sweep_rows(["simulate_sweep_quick.json"])
+    sweep = _rows(["simulate_sweep_quick.json"])
     one = {nb: _paper_point(sweep, "4x16x4", nb, 1, "auto") for nb in (100e6, 350e6)}
     four = _paper_point(sweep, "4x16x4", 100e6, 4, "auto")
     flat = _paper_point(sweep, "4x16x4", 100e6, 4, "ring")
     bound = {nb: simulate_sweep.network_bound((4, 16, 4), nb) for nb in one}
     avb = [
-        r
-        for n in _present(["auto_vs_best.json", "auto_vs_best_large.json"])
-        for r in load(n)["rows"]
-        if r["ratio"] is not None
+        r for r in _rows(["auto_vs_best.json", "auto_vs_best_large.json"]) if r["ratio"] is not None
     ]
-    best = sum(1 for r in avb if r["ratio"] <= 1.0 + 1e-9)
+    best = sum(1 for r in avb if _auto_was_best(r))
     avb_ranks = sorted({r["ranks"] for r in avb})
     np2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20))
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddlcore import simulate, topology, tuning
+from ddlcore import config, simulate, topology, tuning
 
 BW = (20e9, 10e9, 9.5e9)
 LAT = (5e-6, 10e-6, 20e-6)
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         reduces = {r["reduce"]: r["reduce_bw"] for r in rows}
     else:
         boxes = (
-            [tuple(int(d) for d in b.split("x")) for b in a.boxes.split(",")]
+            [config.parse_dims(b) for b in a.boxes.split(",")]
             if a.boxes
             else [b for b in BOXES if math.prod(b) <= 256]
             if a.quick
