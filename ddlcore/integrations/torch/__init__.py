@@ -28,7 +28,8 @@ from importlib import import_module as _import_module
 from typing import TYPE_CHECKING, Any
 
 from ddlcore.errors import ParametersDifferError
-from ddlcore.integrations.torch.backend import ProcessGroupDDL, _autoload
+from ddlcore.integrations.torch.autoload import register_ddl
+from ddlcore.integrations.torch.backend import ProcessGroupDDL
 
 if TYPE_CHECKING:
     from ddlcore.integrations.torch.broadcast import (
@@ -66,7 +67,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-_autoload()  # registers "ddl"; quietly, as torch's entry point imports this package too
+register_ddl()  # registers "ddl"; quietly, as torch's entry point imports this package too
 
 __all__ = [
     "DistributedOptimizer",

@@ -19,6 +19,7 @@ def register_ddl() -> None:
     try:
         from ddlcore.integrations.torch import backend
 
-        backend.register()
+        if backend.dist.is_available():
+            backend.register()
     except Exception:  # a half-loaded backend (see above) or a torch that changed its API
         _log.debug("ddlcore: the torch.backends entry point did not register 'ddl'", exc_info=True)

@@ -1,7 +1,7 @@
 """The torch.distributed backend "ddl": ``dist.init_process_group("ddl")`` runs on ddlcore.
 
 Importing ``ddlcore.integrations.torch`` registers it, and so does torch itself, through the
-``torch.backends`` entry point it loads at the end of ``import torch`` (`_autoload`): a script
+``torch.backends`` entry point it loads at the end of ``import torch`` (`autoload`): a script
 need not import ddlcore. torch calls `_create` with its store, rank, size and timeout; ddlcore
 meets the other ranks through that store (``ddlcore.init(store=...)``), under any launcher.
 
@@ -18,7 +18,6 @@ subgroups) raises ``torch.distributed.DistBackendError`` saying so, before anyth
 # mypy: disable-error-code="override,assignment"
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -27,8 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ddlcore.integrations.torch.work import WorkDDL, _dist_error, _seconds
-
-_log = logging.getLogger("ddlcore")
 
 BACKEND_NAME = "ddl"
 _DEVICES = ["cpu", "cuda"]
@@ -45,16 +42,6 @@ def register() -> None:
         dist.Backend.register_backend(
             BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES)
         )
-
-
-def _autoload() -> None:
-    """The ``torch.backends`` entry point, called at the end of ``import torch``: registers
-    the backend. Never raises: torch would turn any exception into a failed ``import torch``."""
-    try:
-        if dist.is_available():
-            register()
-    except Exception:  # a broken registration must not break every torch program
-        _log.debug("ddlcore: registering the torch backend %r failed", BACKEND_NAME, exc_info=True)
 
 
 def _unsupported(what: str) -> dist.DistBackendError:
