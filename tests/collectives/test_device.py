@@ -5,6 +5,8 @@ stream-pipelined device engine (any schedule algorithm)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -33,6 +35,27 @@ def _numba_cuda_installed() -> bool:
     return True
 
 
+def _uploader(dtype):
+    """(to the device, back to the host) for arrays of dtype: Numba device arrays, except for
+    bfloat16 on a real GPU, where Numba has no such arrays: PyTorch CUDA tensors there (None
+    where torch is missing)."""
+    import os
+
+    from numba import cuda
+
+    if dtype is not ml_dtypes.bfloat16 or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return cuda.to_device, lambda d: d.copy_to_host()
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def up(x):
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).cuda()
+
+    return up, lambda t: t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
 def _device_collectives(rank, size, engine_expected=None, direct=False):
     from ddlcore.kernels import reference
     from numba import cuda
@@ -42,14 +65,17 @@ def _device_collectives(rank, size, engine_expected=None, direct=False):
 
     with ddlcore.init() as comm:
         for dtype in DTYPES:
+            if _uploader(dtype) is None:
+                continue  # a real GPU without torch: no way to hold bfloat16 on the device
+            to_device, to_host = _uploader(dtype)
             for count in COUNTS:
                 for op in ("sum", "avg", "max"):
                     xs = [random_input(dtype, count, r, 7, op) for r in range(size)]
-                    d = cuda.to_device(xs[rank])
+                    d = to_device(xs[rank])
                     got = comm.allreduce(d, op=op)
                     assert type(got) is type(d), type(got)
                     check_close(
-                        got.copy_to_host(),
+                        to_host(got),
                         reference.reduce_ref(xs, op),
                         dtype,
                         op,
@@ -58,25 +84,23 @@ def _device_collectives(rank, size, engine_expected=None, direct=False):
                     )
                     comm.allreduce(d, op=op, out=d)  # in place on the device
                     check_close(
-                        d.copy_to_host(), reference.reduce_ref(xs, op), dtype, op, size, "in place"
+                        to_host(d), reference.reduce_ref(xs, op), dtype, op, size, "in place"
                     )
                 xs = [random_input(dtype, count * size, r, 8, "sum") for r in range(size)]
-                rs = comm.reduce_scatter(cuda.to_device(xs[rank]))
+                rs = comm.reduce_scatter(to_device(xs[rank]))
                 check_close(
-                    rs.copy_to_host(),
+                    to_host(rs),
                     reference.reduce_ref(xs, "sum")[rank * count : (rank + 1) * count],
                     dtype,
                     "sum",
                     size,
                     "reduce_scatter",
                 )
-                ag = comm.allgather(cuda.to_device(xs[rank][:count]))
-                np.testing.assert_array_equal(
-                    ag.copy_to_host(), np.concatenate([x[:count] for x in xs])
-                )
-                b = cuda.to_device(xs[rank][:count])
+                ag = comm.allgather(to_device(xs[rank][:count]))
+                np.testing.assert_array_equal(to_host(ag), np.concatenate([x[:count] for x in xs]))
+                b = to_device(xs[rank][:count])
                 assert comm.broadcast(b, root=size - 1) is b
-                np.testing.assert_array_equal(b.copy_to_host(), xs[size - 1][:count])
+                np.testing.assert_array_equal(to_host(b), xs[size - 1][:count])
         h = comm.allreduce_async(cuda.to_device(np.full(5, rank + 1, np.float32)), op="sum")
         np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
         if engine_expected is not None:  # which data path the calls took
@@ -183,6 +207,11 @@ def test_device_arrays_on_a_gpu(nprocs, algo, transport):
     # NUMBA_ENABLE_CUDASIM, and numba must not be imported before that.
     if not _gpu_present():
         pytest.skip("needs a real GPU (the simulator test covers CI)")
+    if transport == "ucx":
+        require(
+            importlib.util.find_spec("ucxx") is not None,
+            "ucxx is not installed (pip install 'ddlcore[ucx]')",
+        )
     env = {"DDL_ALGO": algo, "DDL_TRANSPORT": transport} if algo else {}
     run_ranks(
         _device_collectives,

@@ -67,8 +67,10 @@ def _needs_torch():
     )
 
 
-def _run(argv: list[str], cwd: pathlib.Path) -> str:
-    res = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
+def _run(argv: list[str], cwd: pathlib.Path, **env: str) -> str:
+    res = subprocess.run(
+        argv, cwd=cwd, env={**_env(), **env}, capture_output=True, text=True, timeout=180
+    )
     assert res.returncode == 0, f"{argv} exited {res.returncode}\n{res.stdout}\n{res.stderr}"
     return res.stdout
 
@@ -139,6 +141,19 @@ def test_collectives_and_ddp_on_ddl(tmp_path, launcher):
     ], out
 
 
+def test_collectives_and_ddp_on_ddl_with_cuda_tensors(tmp_path):
+    """The same program on CUDA tensors (rank r on GPU r modulo the GPUs there are): ddlcore's
+    device path under torch's collectives, DDP against gloo's CUDA allreduce."""
+    import torch
+
+    require(torch.cuda.is_available(), "needs a real GPU (torch.cuda.is_available() is False)")
+    script = SCRIPTS / "torch_backend_job.py"
+    out = _run(TORCHRUN + ["--nproc-per-node", "2", str(script), "cuda"], tmp_path)
+    assert sorted(re.findall(r"torch backend ok: rank \d of \d", out)) == [
+        f"torch backend ok: rank {r} of 2" for r in range(2)
+    ], out
+
+
 # Under an MPI launcher torch reads no PMI_* variable: the script hands rank and size over.
 MPI_SCRIPT = """\
 import os, sys
@@ -161,21 +176,13 @@ def test_under_mpiexec(tmp_path):
     mpiexec = mpiexec_path()
     require(mpiexec is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
     (tmp_path / "job.py").write_text(MPI_SCRIPT)
+    # The rendezvous address in mpiexec's own environment, which every MPI's launcher passes on
+    # to local ranks (MPICH's -genv is not Open MPI's -x).
     out = _run(
-        [
-            mpiexec,
-            "-n",
-            "2",
-            "-genv",
-            "MASTER_ADDR",
-            "127.0.0.1",
-            "-genv",
-            "MASTER_PORT",
-            str(free_port()),
-            sys.executable,
-            "job.py",
-        ],
+        [mpiexec, "-n", "2", sys.executable, "job.py"],
         tmp_path,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
     )
     assert sorted(re.findall(r"mpiexec ok: .*", out)) == [
         f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)

@@ -4,6 +4,8 @@ float64, int32 and int64 tensors of sizes 0, 1, primes and sizes not divisible b
 size, every op, synchronous and asynchronous, is checked against a reference computed here from
 every rank's inputs (seeded); so are functional collectives and DTensor; then DDP trains the same model on "ddl" and on a gloo group, and
 their parameters must match. Prints "torch backend ok: rank R of N" at the end.
+
+    python torch_backend_job.py [cpu|cuda]   # where the tensors live (cuda: rank r on GPU r % n)
 """
 
 import sys
@@ -19,6 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("ddl", timeout=timedelta(seconds=25))
 rank, size = dist.get_rank(), dist.get_world_size()
+DEVICE = torch.device("cpu")
+if sys.argv[1:] == ["cuda"]:
+    DEVICE = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(DEVICE)
 world = dist.group.WORLD
 assert dist.get_backend() == "ddl" and type(world).__name__ == "ProcessGroupDDL", world
 assert world.communicator.timeout == 25, world.communicator.timeout  # init's timeout= honored
@@ -46,7 +52,7 @@ def inputs(n, dtype, shape=None):
             x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
         else:  # small values: a product of every rank's stays far inside int32
             x = torch.randint(-9, 10, (n,), generator=g, dtype=dtype)
-        out.append(x.reshape(shape) if shape else x)
+        out.append((x.reshape(shape) if shape else x).to(DEVICE))
     return out
 
 
@@ -66,6 +72,8 @@ def reduced(xs, op):
 
 
 def check(got, want, what):
+    assert got.device == DEVICE, (what, got.device)
+    got, want = got.cpu(), want.cpu()
     if want.dtype.is_floating_point:
         rtol = 1e-5 if want.dtype == torch.float32 else 1e-12
         torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=what)
@@ -101,7 +109,7 @@ for dtype in DTYPES:
 
             # reduce_scatter_tensor: every rank's n * size elements, block `rank` to this rank
             xs = inputs(n * size, dtype)
-            out = torch.empty(n, dtype=dtype)
+            out = torch.empty(n, dtype=dtype, device=DEVICE)
             run(
                 dist.reduce_scatter_tensor(out, xs[rank].clone(), op=torch_op, async_op=async_op),
                 async_op,
@@ -110,20 +118,22 @@ for dtype in DTYPES:
             )
             check(out, reduced(xs, op)[rank * n : (rank + 1) * n], f"reduce_scatter_tensor {op}")
             # reduce_scatter of a list
-            out = torch.empty(n, dtype=dtype)
+            out = torch.empty(n, dtype=dtype, device=DEVICE)
             dist.reduce_scatter(
                 out,
-                list(xs[rank].clone().split(n)) if n else [torch.empty(0, dtype=dtype)] * size,
+                list(xs[rank].clone().split(n))
+                if n
+                else [torch.empty(0, dtype=dtype, device=DEVICE)] * size,
                 op=torch_op,
             )
             check(out, reduced(xs, op)[rank * n : (rank + 1) * n], f"reduce_scatter {op}")
 
         xs = inputs(n, dtype)
-        outs = [torch.full((n,), -1, dtype=dtype) for _ in range(size)]
+        outs = [torch.full((n,), -1, dtype=dtype, device=DEVICE) for _ in range(size)]
         run(dist.all_gather(outs, xs[rank], async_op=True), True, outs, "allgather")
         for r in range(size):
             check(outs[r], xs[r], f"allgather {dtype} n={n} from {r}")
-        flat = torch.empty(n * size, dtype=dtype)
+        flat = torch.empty(n * size, dtype=dtype, device=DEVICE)
         dist.all_gather_into_tensor(flat, xs[rank])
         check(flat, torch.cat(xs), f"all_gather_into_tensor {dtype} n={n}")
         for root in range(size):
@@ -151,14 +161,17 @@ cm.wait()
 for x, xs in zip(mine, (a, b, c), strict=True):
     check(x, reduced(xs, "max"), "coalesced allreduce")
 a, b = inputs(3, torch.float32), inputs(4, torch.int32)
-flats = [torch.empty(3 * size), torch.empty(4 * size, dtype=torch.int32)]
+flats = [
+    torch.empty(3 * size, device=DEVICE),
+    torch.empty(4 * size, dtype=torch.int32, device=DEVICE),
+]
 with dist._coalescing_manager():
     dist.all_gather_into_tensor(flats[0], a[rank])
     dist.all_gather_into_tensor(flats[1], b[rank])
 check(flats[0], torch.cat(a), "coalesced all_gather_into_tensor")
 check(flats[1], torch.cat(b), "coalesced all_gather_into_tensor")
 a = inputs(3 * size, torch.float64)
-out = torch.empty(3, dtype=torch.float64)
+out = torch.empty(3, dtype=torch.float64, device=DEVICE)
 with dist._coalescing_manager():
     dist.reduce_scatter_tensor(out, a[rank].clone())
 check(out, reduced(a, "sum")[rank * 3 : (rank + 1) * 3], "coalesced reduce_scatter_tensor")
@@ -195,7 +208,9 @@ gloo = dist.new_group(backend="gloo")
 def train(process_group, hook=None):
     torch.manual_seed(0)
     model = DDP(
-        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)),
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(
+            DEVICE
+        ),
         process_group=process_group,
     )
     if hook is not None:
@@ -204,6 +219,7 @@ def train(process_group, hook=None):
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 3, generator=g)
+        x, y = x.to(DEVICE), y.to(DEVICE)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -216,7 +232,7 @@ for params in (train(world), train(world, default_hooks.allreduce_hook)):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
 
 # Functional collectives and DTensor reach the group from C++ (by its name, through DeviceMesh).
-mesh = init_device_mesh("cpu", (size,))
+mesh = init_device_mesh(DEVICE.type, (size,))
 xs = inputs(3 * size, torch.float32)
 check(funcol.all_reduce(xs[rank], "sum", mesh).wait(), reduced(xs, "sum"), "funcol.all_reduce")
 check(funcol.all_gather_tensor(xs[rank], 0, mesh).wait(), torch.cat(xs), "funcol.all_gather")
@@ -241,7 +257,7 @@ dist.destroy_process_group()
 # Made again (torch reuses the store's prefix): the new communicator must not meet at the
 # address of the last one's store.
 dist.init_process_group("ddl")
-t = torch.tensor([rank + 1.0])
+t = torch.tensor([rank + 1.0], device=DEVICE)
 dist.all_reduce(t)
 check(t, torch.tensor([size * (size + 1) / 2]), "allreduce after init_process_group again")
 dist.destroy_process_group()
