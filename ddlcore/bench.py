@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                 "busbw"
             )
     if lead:
-        choice = comm.describe(args.collective, args.maxbytes)
+        choice = comm.describe(args.collective, args.maxbytes, args.memory)
         print(
             f"# ddl-bench: {args.collective}, {n} ranks on {comm.nhosts} host(s), "
             f"transport {sorted(set(comm.transports.values())) or ['none']}, algorithm "

@@ -25,6 +25,7 @@ from ddlcore import (
     calls,
     config,
     device,
+    device_engine,
     engine,
     flight,
     hostcoll,
@@ -104,6 +105,9 @@ class Communicator:
             debug=self._debug,
             algo=self._algo,
             chunk_bytes=max(1, config.get("DDL_CHUNK_BYTES", environ)),
+            device_chunk_bytes=0
+            if config.is_set("DDL_CHUNK_BYTES", environ)
+            else device_engine.CHUNK_BYTES,
             segments=config.get("DDL_SEGMENTS", environ),
             host=host,
             node=node,
@@ -146,10 +150,11 @@ class Communicator:
     def nhosts(self) -> int:
         return self._layout.nhosts
 
-    def describe(self, collective: str, nbytes: int) -> tuning.Choice:
+    def describe(self, collective: str, nbytes: int, memory: str = "host") -> tuning.Choice:
         """The algorithm, box-dimension order and chunking this communicator would use for a
-        collective of ``nbytes`` of input (the cost model's choice under ``DDL_ALGO=auto``, or
-        the host collectives when every rank is on this host)."""
+        collective of ``nbytes`` of input in ``memory`` ("host" or "cuda": device schedules
+        take larger chunks): the cost model's choice under ``DDL_ALGO=auto``, or the host
+        collectives when every rank is on this host."""
         collective = Collective(collective)
         mode = self._host.mode(nbytes) if self._host is not None else hostcoll.SYNC_ONLY
         if mode != hostcoll.SYNC_ONLY:
@@ -157,7 +162,10 @@ class Communicator:
                 hostcoll.NAME, hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes
             )
         staged = self._staged_path.choice(collective, nbytes)
-        return staged if staged is not None else self._ctx.choose(collective, nbytes)
+        if staged is not None:
+            return staged
+        device_chunk = self._ctx.device_chunk_bytes if memory == "cuda" else 0
+        return self._ctx.choose(collective, nbytes, device_chunk or None)
 
     def __repr__(self) -> str:
         return (

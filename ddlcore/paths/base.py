@@ -90,6 +90,7 @@ class Context:
     segments: int  # DDL_SEGMENTS
     host: HostCollectives | None = None
     node: HostCollectives | None = None
+    device_chunk_bytes: int = 0  # device schedules' chunk (0: chunk_bytes)
     staging: engine.StagingPool = field(default_factory=engine.StagingPool)
     _scratch: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     _pinned: Any = None
@@ -98,9 +99,11 @@ class Context:
     def boards(self) -> HostCollectives | None:
         return self.host or self.node
 
-    def choose(self, collective: Collective, nbytes: int) -> tuning.Choice:
+    def choose(
+        self, collective: Collective, nbytes: int, chunk_bytes: int | None = None
+    ) -> tuning.Choice:
         """The tuner's choice for ``nbytes`` of input (the cost model reads an allgather's
-        output)."""
+        output), pipelined in chunks of ``chunk_bytes`` (default: the context's)."""
         boards = (
             self.node is not None
             and collective in HOST_STAGED
@@ -111,7 +114,7 @@ class Context:
             self.topology,
             tuning.model_bytes(collective, nbytes, self.size),
             self.algo,
-            self.chunk_bytes,
+            chunk_bytes or self.chunk_bytes,
             boards,
             self.segments,
         )

@@ -26,7 +26,7 @@ class DevicePath(PathBase):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.schedule = schedules(ctx)
+        self.schedule = schedules(ctx, ctx.device_chunk_bytes or None)
         self.slots: dict[int, device_engine.DeviceSlots] = {}  # by GPU
 
     def plan(self, call: Call) -> Plan | None:

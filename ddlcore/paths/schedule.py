@@ -51,14 +51,17 @@ def make_schedule(
     return make(rank, size, count, itemsize, choice.chunk_bytes, topo)
 
 
-def schedules(ctx: Context) -> functools._lru_cache_wrapper[tuple[tuning.Choice, Schedule]]:
+def schedules(
+    ctx: Context, chunk_bytes: int | None = None
+) -> functools._lru_cache_wrapper[tuple[tuning.Choice, Schedule]]:
     """``(collective, count, itemsize, root) -> (choice, schedule)``, the recent kept: schedules
-    are pure functions of the call's shape on a fixed topology."""
+    are pure functions of the call's shape on a fixed topology. ``chunk_bytes``: the pipeline
+    chunk (default: the context's)."""
 
     def build(
         collective: Collective, count: int, itemsize: int, root: int
     ) -> tuple[tuning.Choice, Schedule]:
-        choice = ctx.choose(collective, count * itemsize)
+        choice = ctx.choose(collective, count * itemsize, chunk_bytes)
         return choice, agreement.agreed(
             lambda r: make_schedule(
                 collective, choice, r, ctx.size, count, itemsize, root, ctx.topology
