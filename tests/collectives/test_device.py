@@ -212,7 +212,8 @@ def test_device_arrays_on_a_gpu(nprocs, algo, transport):
             importlib.util.find_spec("ucxx") is not None,
             "ucxx is not installed (pip install 'ddlcore[ucx]')",
         )
-    env = {"DDL_ALGO": algo, "DDL_TRANSPORT": transport} if algo else {}
+    # Small chunks: calls of one chunk or less are staged whole, not run on the streams.
+    env = {"DDL_ALGO": algo, "DDL_TRANSPORT": transport, "DDL_CHUNK_BYTES": "256"} if algo else {}
     run_ranks(
         _device_collectives,
         nprocs,
@@ -239,7 +240,8 @@ def test_debug_log_says_whether_device_memory_goes_straight_to_the_transport(tmp
         "    comm.allreduce(cuda.to_device(np.ones(1000, np.float32)))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
-    env.update(SIM, DDL_DEBUG="1", DDL_ALGO="ring", DDL_GPU_DIRECT="on")
+    # 1 KiB chunks: a call of one chunk or less is staged whole, not run on the streams
+    env.update(SIM, DDL_DEBUG="1", DDL_ALGO="ring", DDL_GPU_DIRECT="on", DDL_CHUNK_BYTES="1024")
     for transport, want in (
         ("ucx", "(device memory straight to and from rank 1)"),
         ("tcp", "(through pinned host slots)"),
