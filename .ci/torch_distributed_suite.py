@@ -1,0 +1,60 @@
+"""PyTorch's own generic distributed test suite against the backend "ddl".
+
+    python .ci/torch_distributed_suite.py [--world-size 2] [unittest args, e.g. -k all_reduce]
+
+The suite ships in the torch wheel (`torch/testing/_internal/distributed/distributed_test.py`,
+`DistributedTest._DistTestBase`); this drives it the way PyTorch's
+`test/distributed/test_distributed_spawn.py` does: BACKEND=ddl, a fresh TEMP_DIR, one spawned
+process per rank for every test, each joining through the file store torch hands the backend.
+"ddl" is declared a DDP-, subgroup- and CUDA-capable plugin backend before the suite is
+imported (its decorators read that at import), so the suite runs the tests it runs for gloo,
+except those it keeps for NCCL, MPI or UCC, or that need GPUs. Needs the `expecttest` package (the `test` extra has it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+# Module level, not in a function: every rank is a spawned process that imports this file again
+# (as __mp_main__) and must find the test class by name; the variables set here reach it.
+if __name__ == "__main__":
+    import argparse
+
+    _parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    _parser.add_argument("--world-size", type=int, default=2)
+    _args, _rest = _parser.parse_known_args()
+    os.environ["WORLD_SIZE"] = str(_args.world_size)
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="ddl-torch-suite-")
+    sys.argv = [sys.argv[0], *_rest]
+os.environ["BACKEND"] = "ddl"
+os.environ.setdefault("WORLD_SIZE", "2")
+# A failing rank fails its test in seconds, not after DDL_TIMEOUT's 600 s default; the suite's
+# own process-group timeouts (60 s, some 5 s) still apply through init_process_group.
+os.environ.setdefault("DDL_TIMEOUT", "60")
+
+import torch.distributed as dist  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+
+if not dist.is_available() or "DDL" not in dist.Backend._plugins:
+    sys.exit("the ddl backend is not registered: pip install -e . (its torch.backends entry)")
+# "gpu" and "cuda": the backend takes CUDA tensors (tests that need a GPU still skip without one).
+for _feature in ("ddp", "subgroup", "plugin", "gpu", "cuda"):
+    DistTestCases.backend_feature[_feature].add("ddl")
+
+from torch.testing._internal.common_utils import run_tests  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+
+if __name__ == "__main__":
+    run_tests()
