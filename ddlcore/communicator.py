@@ -489,3 +489,9 @@ class Communicator:
         assert self._joiner is not None, "communicators are made by ddlcore.init()"
         self._splits += 1
         return split_communicator(self, color, key, f"split{self._splits}", self._joiner)
+
+    def _join_group(self, rank: int, size: int, name: str) -> Communicator:
+        """A child that only its members make (MPI_Comm_create_group; torch's new_group):
+        this rank is ``rank`` of ``size``, and ``name`` is the same on every member."""
+        assert self._joiner is not None, "communicators are made by ddlcore.init()"
+        return self._joiner(rank, size, f"group/{name}")
