@@ -90,7 +90,10 @@ class PointToPoint:
         self._closed = False
 
     # --- arguments ------------------------------------------------------------------------------
-    def _check(self, x: Any, peer: Any, tag: Any, peer_name: str, writable: bool) -> BufferDesc:
+    def _check(
+        self, x: Any, peer: Any, tag: Any, peer_name: str, writable: bool
+    ) -> tuple[BufferDesc, int, int]:
+        """x's descriptor, and peer and tag as Python ints (NumPy's would overflow a tag)."""
         for name, value in ((peer_name, peer), ("tag", tag)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}")
@@ -109,7 +112,7 @@ class PointToPoint:
             )
         if writable and desc.readonly:
             raise ValueError("x is read-only: recv writes into it")
-        return desc
+        return desc, int(peer), int(tag)
 
     def _channel(self, peer: int, tag: int, sending: bool) -> _Channel:
         key = (peer, tag, sending)
@@ -125,7 +128,7 @@ class PointToPoint:
 
     # --- posting --------------------------------------------------------------------------------
     def isend(self, x: Any, dest: int, tag: int) -> Handle:
-        desc = self._check(x, dest, tag, "dest", False)
+        desc, dest, tag = self._check(x, dest, tag, "dest", False)
         handle = Handle(self._label(True, dest, tag, desc.nbytes), self.timeout + 5.0)
         header = _HEADER.pack(desc.nbytes, int(desc.code), _CHECK)
         with self._lock:
@@ -141,7 +144,7 @@ class PointToPoint:
         return handle
 
     def irecv(self, x: Any, source: int, tag: int) -> Handle:
-        desc = self._check(x, source, tag, "source", True)
+        desc, source, tag = self._check(x, source, tag, "source", True)
         handle = Handle(self._label(False, source, tag, desc.nbytes), self.timeout + 5.0)
         with self._lock:
             self._open()

@@ -58,7 +58,10 @@ def _ordered(comm, rank, size):
         comm.isend(np.array([k, rank], np.int64), nxt, tag=5)
     got = [comm.recv(np.empty(2, np.int64), prv, tag=5).tolist() for _ in range(20)]
     assert got == [[k, prv] for k in range(20)]
-    handles = [comm.isend(np.full(1000, t + 1, np.int32), nxt, tag=100 + t) for t in range(5)]
+    handles = [
+        comm.isend(np.full(1000, t + 1, np.int32), np.int64(nxt), tag=np.int64(100 + t))
+        for t in range(5)
+    ]
     for t in reversed(range(5)):  # a receive on tag 104 does not wait for tag 100's message
         np.testing.assert_array_equal(comm.recv(np.empty(1000, np.int32), prv, 100 + t), t + 1)
     for h in handles:
