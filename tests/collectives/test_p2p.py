@@ -164,3 +164,25 @@ def test_p2p_mpi():
     require(mpiexec_path() is not None, "mpiexec is not installed")
     env = {"DDL_TRANSPORT": "mpi", "DDL_TIMEOUT": "3"}
     assert run_ranks(_p2p_job, 2, env=env, timeout=90, launcher="mpiexec") == [True, True]
+
+
+def _peer_dies(rank, size):
+    import os
+
+    import ddlcore
+
+    comm = ddlcore.init()
+    comm.barrier()
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(ddlcore.PeerFailureError) as err:
+        comm.recv(np.empty(4, np.float32), 1, tag=2)
+    assert "rank 1" in str(err.value), err.value
+    assert time.monotonic() - start < 10, "a dead peer must not cost the whole DDL_TIMEOUT"
+    return True
+
+
+def test_recv_from_a_dead_peer():
+    env = {"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": "20"}
+    assert run_ranks(_peer_dies, 2, env=env, timeout=60, may_die=[1])[0] is True
