@@ -462,7 +462,7 @@ class Communicator:
         return self._links.pair(peer)
 
     def send(self, x: Any, dest: int, tag: int = 0) -> None:
-        """Send host buffer ``x`` to another rank; return once ``x`` may be reused. Messages
+        """Send ``x`` to another rank; return once ``x`` may be reused. Messages
         to one rank with one tag (``0 <= tag < 2**24``) arrive in order; tags match
         independently, never a collective's. DDLError after ``DDL_TIMEOUT`` (``ddlcore.p2p``)."""
         self._p2p.isend(x, dest, tag).wait()

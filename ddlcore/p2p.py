@@ -16,8 +16,9 @@ out leaves its header receive posted; the next receive on that channel takes it 
 message is lost or taken out of order.
 
 Rules: ``dest``/``source`` must be another rank of the communicator (no self-sends, as in
-torch.distributed); ``0 <= tag < 2**24``; host buffers only (device buffers raise TypeError:
-copy to host first). Point-to-point traffic does not go through the collectives' in-order
+torch.distributed); ``0 <= tag < 2**24``. Device buffers go through host memory: a send
+copies them out once the work queued on their stream is done, a receive copies the message in
+before its handle completes. Point-to-point traffic does not go through the collectives' in-order
 executor: a blocking ``recv`` does not delay collectives called on other threads, and a
 failed send or receive does not break the communicator.
 """
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer
 from ddlcore.errors import (
     CollectiveMismatchError,
@@ -105,11 +107,6 @@ class PointToPoint:
         if not 0 <= tag <= MAX_TAG:
             raise ValueError(f"tag={tag} must be in [0, {MAX_TAG}]")
         desc = as_buffer(x, "x")
-        if desc.memory != MemoryKind.HOST:
-            raise TypeError(
-                f"x is device memory (GPU {desc.device}): send/recv move host buffers only; "
-                "copy it to host memory first (e.g. tensor.cpu())"
-            )
         if writable and desc.readonly:
             raise ValueError("x is read-only: recv writes into it")
         return desc, int(peer), int(tag)
@@ -137,7 +134,8 @@ class PointToPoint:
             pair = self._pair(dest)
             reqs = [pair.isend(memoryview(header), transport_tag(tag, _HEADER_SLOT), _CHECK)]
             if desc.nbytes:
-                reqs.append(pair.isend(desc.view(), transport_tag(tag, _DATA_SLOT), _CHECK))
+                data = desc.view() if desc.memory == MemoryKind.HOST else _download(x, desc)
+                reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
             self._enqueue(
                 ch, _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
             )
@@ -238,7 +236,8 @@ class PointToPoint:
             )
             raise DDLError(ch.broken)
         if nbytes:
-            view = memoryview(bytearray(nbytes)) if mismatch else buf.view()
+            on_host = buf.memory == MemoryKind.HOST and not mismatch
+            view = buf.view() if on_host else memoryview(bytearray(nbytes))
             try:
                 self._pair(ch.peer).irecv(view, transport_tag(ch.tag, _DATA_SLOT), _CHECK).wait(
                     max(self._remaining(job), 1.0)
@@ -249,6 +248,8 @@ class PointToPoint:
                     f"after its header arrived ({exc}); later messages on it cannot be matched"
                 )
                 raise
+            if not on_host and not mismatch:
+                _upload(view, buf)
         if mismatch:
 
             def name(c: int) -> str:
@@ -276,3 +277,20 @@ class PointToPoint:
                 handle.wait(max(deadline - time.monotonic(), 0.0))
             except DDLError:  # its sender learns of it from the handle; closing goes on
                 pass
+
+
+def _download(x: Any, desc: BufferDesc) -> memoryview:
+    """A device buffer's bytes in host memory, once the work queued on its stream is done."""
+    ready = device.ready_event(x)
+    host = np.empty(desc.nbytes, np.uint8)
+    with device.on_device(desc.device):
+        if ready is not None:
+            ready.synchronize()
+        desc.array.reshape(desc.count).view(np.uint8).copy_to_host(host)
+    return memoryview(host)  # type: ignore[arg-type]
+
+
+def _upload(data: memoryview, desc: BufferDesc) -> None:
+    """Copy received bytes into a device buffer (synchronously)."""
+    with device.on_device(desc.device):
+        desc.array.reshape(desc.count).view(np.uint8).copy_to_device(np.frombuffer(data, np.uint8))

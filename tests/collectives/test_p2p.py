@@ -4,6 +4,7 @@ One world per transport runs every case (spawning ranks is what costs)."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
@@ -186,3 +187,32 @@ def _peer_dies(rank, size):
 def test_recv_from_a_dead_peer():
     env = {"DDL_TRANSPORT": "tcp", "DDL_TIMEOUT": "20"}
     assert run_ranks(_peer_dies, 2, env=env, timeout=60, may_die=[1])[0] is True
+
+
+def _device_job(rank, size):
+    """Device arrays (Numba's simulator) go through host memory both ways; a device send may
+    be received into host memory and the reverse."""
+    from numba import cuda
+
+    import ddlcore
+
+    peer = 1 - rank
+    with ddlcore.init() as comm:
+        for i, name in enumerate(_DTYPES):
+            dtype = _dtype(name)
+            for n in (0, 1, 1031):
+                tag = 10 * i + (n % 7)
+                send = comm.isend(cuda.to_device(_payload(rank, peer, tag, n, dtype)), peer, tag)
+                into = cuda.to_device(np.full(n, 3, dtype)) if rank else np.full(n, 3, dtype)
+                got = comm.recv(into, peer, tag)
+                assert got is into
+                host = into.copy_to_host() if rank else into
+                np.testing.assert_array_equal(host, _payload(peer, rank, tag, n, dtype))
+                send.wait()
+    return True
+
+
+def test_p2p_device_arrays():
+    require(importlib.util.find_spec("numba") is not None, "numba is not installed")
+    env = {"DDL_TRANSPORT": "shm", "DDL_TIMEOUT": "10", "NUMBA_ENABLE_CUDASIM": "1"}
+    assert run_ranks(_device_job, 2, env=env, timeout=90) == [True, True]
