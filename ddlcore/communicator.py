@@ -465,13 +465,13 @@ class Communicator:
         """Send ``x`` to another rank; return once ``x`` may be reused. Messages
         to one rank with one tag (``0 <= tag < 2**24``) arrive in order; tags match
         independently, never a collective's. DDLError after ``DDL_TIMEOUT`` (``ddlcore.p2p``)."""
-        self._p2p.isend(x, dest, tag).wait()
+        self._p2p.send(x, dest, tag)
 
     def recv(self, x: Any, source: int, tag: int = 0) -> Any:
         """Receive the next message from ``source`` with ``tag`` into ``x``; returns ``x``.
         CollectiveMismatchError when the sender's byte count or dtype differs (the message is
         dropped); DDLTimeoutError after ``DDL_TIMEOUT`` (a later ``recv`` gets the message)."""
-        return self._p2p.irecv(x, source, tag).wait()
+        return self._p2p.recv(x, source, tag)
 
     def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
         """`send` in the background: a `Handle`; ``x`` stays untouched until it completes."""

@@ -10,7 +10,7 @@ memory), so the next message on that (source, tag) is received intact.
 
 Ordering: each (peer, tag, direction) is a `_Channel`. Its messages are posted in call order
 and completed, in that order, by a thread of the channel's own (started when it has work, gone
-when idle), so different tags and peers never wait for each other, and a receive whose sender
+when idle; a blocking call on an idle channel completes its own message instead), so different tags and peers never wait for each other, and a receive whose sender
 is late blocks only later receives of the same (source, tag), as in MPI. A receive that timed
 out leaves its header receive posted; the next receive on that channel takes it over, so no
 message is lost or taken out of order.
@@ -77,7 +77,7 @@ class _Channel:
     sending: bool
     jobs: deque[_Job] = field(default_factory=deque)
     headers: deque[tuple[Request, bytearray]] = field(default_factory=deque)  # posted, unclaimed
-    thread: threading.Thread | None = None
+    thread: threading.Thread | None = None  # the one completing its jobs
     broken: str | None = None
 
 
@@ -124,24 +124,38 @@ class PointToPoint:
         return f"rank {self.rank}: recv of {nbytes} bytes from rank {peer} with tag {tag}"
 
     # --- posting --------------------------------------------------------------------------------
+    def send(self, x: Any, dest: int, tag: int) -> None:
+        self._finish_inline(*self._post_send(x, dest, tag, True))
+
     def isend(self, x: Any, dest: int, tag: int) -> Handle:
+        return self._post_send(x, dest, tag, False)[1].handle
+
+    def recv(self, x: Any, source: int, tag: int) -> Any:
+        return self._finish_inline(*self._post_recv(x, source, tag, True))
+
+    def irecv(self, x: Any, source: int, tag: int) -> Handle:
+        return self._post_recv(x, source, tag, False)[1].handle
+
+    def _post_send(self, x: Any, dest: int, tag: int, inline: bool) -> tuple[_Channel, _Job, bool]:
         desc, dest, tag = self._check(x, dest, tag, "dest", False)
         handle = Handle(self._label(True, dest, tag, desc.nbytes), self.timeout + 5.0)
         header = _HEADER.pack(desc.nbytes, int(desc.code), _CHECK)
+        data = None
+        if desc.nbytes:
+            data = desc.view() if desc.memory == MemoryKind.HOST else _download(x, desc)
         with self._lock:
             self._open()
             ch = self._channel(dest, tag, True)
             pair = self._pair(dest)
             reqs = [pair.isend(memoryview(header), transport_tag(tag, _HEADER_SLOT), _CHECK)]
-            if desc.nbytes:
-                data = desc.view() if desc.memory == MemoryKind.HOST else _download(x, desc)
+            if data is not None:
                 reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
-            self._enqueue(
-                ch, _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
-            )
-        return handle
+            job = _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
+            return ch, job, self._enqueue(ch, job, inline)
 
-    def irecv(self, x: Any, source: int, tag: int) -> Handle:
+    def _post_recv(
+        self, x: Any, source: int, tag: int, inline: bool
+    ) -> tuple[_Channel, _Job, bool]:
         desc, source, tag = self._check(x, source, tag, "source", True)
         handle = Handle(self._label(False, source, tag, desc.nbytes), self.timeout + 5.0)
         with self._lock:
@@ -153,28 +167,52 @@ class PointToPoint:
                     memoryview(raw), transport_tag(tag, _HEADER_SLOT), _CHECK
                 )
                 ch.headers.append((req, raw))
-            self._enqueue(ch, _Job(handle, time.monotonic() + self.timeout, desc, x))
-        return handle
+            job = _Job(handle, time.monotonic() + self.timeout, desc, x)
+            return ch, job, self._enqueue(ch, job, inline)
 
     def _open(self) -> None:
         if self._closed:
             raise CommunicatorClosedError(f"rank {self.rank}: send/recv on a closed communicator")
 
-    def _enqueue(self, ch: _Channel, job: _Job) -> None:
+    def _enqueue(self, ch: _Channel, job: _Job, inline: bool) -> bool:
+        """Queue ``job``; True when the caller is to complete it itself (a blocking call on an
+        idle channel: no thread to start and hand over to, which costs more than a small
+        message's round trip)."""
         ch.jobs.append(job)
-        if ch.thread is None:
-            ch.thread = threading.Thread(
-                target=self._drain,
-                args=(ch,),
-                name=f"ddlcore-rank{self.rank}-p2p-{ch.peer}-{ch.tag}",
-                daemon=True,
-            )
-            ch.thread.start()
+        if ch.thread is not None:
+            return False
+        if inline:
+            ch.thread = threading.current_thread()
+            return True
+        self._start_thread(ch)
+        return False
 
-    # --- completing, on the channel's thread -----------------------------------------------------
-    def _drain(self, ch: _Channel) -> None:
+    def _start_thread(self, ch: _Channel) -> None:
+        ch.thread = threading.Thread(
+            target=self._drain,
+            args=(ch,),
+            name=f"ddlcore-rank{self.rank}-p2p-{ch.peer}-{ch.tag}",
+            daemon=True,
+        )
+        ch.thread.start()
+
+    def _finish_inline(self, ch: _Channel, job: _Job, mine: bool) -> Any:
+        if mine:
+            self._drain(ch, until=job)
+        return job.handle.wait()
+
+    # --- completing, on the channel's thread (or a blocking call's) ------------------------------
+    def _drain(self, ch: _Channel, until: _Job | None = None) -> None:
+        """Complete the channel's jobs in order: all of them, or up to ``until`` (a blocking
+        call's own), leaving the rest to a thread."""
         while True:
             with self._lock:
+                if until is not None and until.handle.done():
+                    if ch.jobs:
+                        self._start_thread(ch)
+                    else:
+                        ch.thread = None
+                    return
                 if not ch.jobs:
                     ch.thread = None
                     return

@@ -69,6 +69,30 @@ def _ordered(comm, rank, size):
         h.wait()
 
 
+def _mixed_blocking_and_async(comm, rank, size):
+    """Blocking and async receives on one (source, tag), from two threads: message order is
+    call order, also when a blocking receive completes its own message on an idle channel
+    while another thread queues behind it."""
+    import threading
+
+    if rank == 0:
+        time.sleep(0.3)  # rank 1's blocking receive waits, its async one queues behind
+        for k in range(4):
+            comm.send(np.array([k], np.int64), 1, tag=6)
+    elif rank == 1:
+        first = {}
+        blocking = threading.Thread(
+            target=lambda: first.update(got=comm.recv(np.empty(1, np.int64), 0, tag=6)[0])
+        )
+        blocking.start()
+        time.sleep(0.1)
+        second = comm.irecv(np.empty(1, np.int64), 0, tag=6)
+        blocking.join(30)
+        third = comm.recv(np.empty(1, np.int64), 0, tag=6)  # behind ``second``, not before
+        fourth = comm.irecv(np.empty(1, np.int64), 0, tag=6)
+        assert [first["got"], second.wait()[0], third[0], fourth.wait()[0]] == [0, 1, 2, 3]
+
+
 def _beside_collectives(comm, rank, size):
     """p2p posted before collectives and received after them: neither disturbs the other."""
     nxt, prv = (rank + 1) % size, (rank - 1) % size
@@ -146,6 +170,7 @@ def _p2p_job(rank, size):
     with ddlcore.init() as comm:
         _exchange(comm, rank, size)
         _ordered(comm, rank, size)
+        _mixed_blocking_and_async(comm, rank, size)
         _beside_collectives(comm, rank, size)
         _mismatch(comm, rank, size)
         _bad_arguments(comm, rank, size)
