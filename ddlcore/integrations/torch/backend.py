@@ -405,13 +405,14 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupDDL:
     except ddlcore.DDLError as exc:
         raise _dist_error(exc, f"rank {rank}: init_process_group") from None
     group = ProcessGroupDDL(comm, rank, size, comm.timeout)
-    if not ranks or len(ranks) == size:  # the world: subgroups are made from it
-        _world[:] = [group]
+    if not ranks or len(ranks) == size:  # over every rank: subgroups are made from one
+        _world.append(group)
     return group
 
 
-# The last process group over every rank (`_subgroup`'s parent), and how many groups over each
-# list of ranks this process made (every member makes them in the same order, as torch asks).
+# The process groups over every rank (`_subgroup` takes the last still open), and how many
+# groups over each list of ranks this process made (every member makes them in the same
+# order, as torch asks).
 _world: list[ProcessGroupDDL] = []
 _groups_made: dict[tuple[int, ...], int] = {}
 
@@ -420,8 +421,9 @@ def _subgroup(rank: int, size: int, ranks: list[int]) -> ProcessGroupDDL:
     """new_group(ranks=...) over some of the ranks: only its members get here, and they join
     a child of the world's communicator (`Communicator.split`'s way, under a namespace named
     after the ranks), as MPI_Comm_create_group does."""
-    world = _world[0]._comm if _world else None
-    if world is None or world._closed or world.rank != dist.get_rank():
+    _world[:] = [g for g in _world if not g._comm._closed]
+    world = _world[-1]._comm if _world else None
+    if world is None or world.rank != dist.get_rank():
         raise dist.DistBackendError(
             f"ddl backend, rank {rank}: a process group over some of the ranks ({len(ranks)} "
             f"of {dist.get_world_size()}) is made from the default group, which is not a "
