@@ -10,17 +10,18 @@ memory), so the next message on that (source, tag) is received intact.
 
 Ordering: each (peer, tag, direction) is a `_Channel`. Its messages are posted in call order
 and completed, in that order, by a thread of the channel's own (started when it has work, gone
-when idle; a blocking call on an idle channel completes its own message instead), so different tags and peers never wait for each other, and a receive whose sender
-is late blocks only later receives of the same (source, tag), as in MPI. A receive that timed
-out leaves its header receive posted; the next receive on that channel takes it over, so no
-message is lost or taken out of order.
+when idle; a blocking call on an idle channel completes its own message instead), so different
+tags and peers never wait for each other, and a receive whose sender is late blocks only later
+receives of the same (source, tag), as in MPI. A receive that timed out leaves its header
+receive posted; the next receive on that channel takes it over, so no message is lost or taken
+out of order.
 
 Rules: ``dest``/``source`` must be another rank of the communicator (no self-sends, as in
-torch.distributed); ``0 <= tag < 2**24``. Device buffers go through host memory: a send
-copies them out once the work queued on their stream is done, a receive copies the message in
-before its handle completes. Point-to-point traffic does not go through the collectives' in-order
-executor: a blocking ``recv`` does not delay collectives called on other threads, and a
-failed send or receive does not break the communicator.
+torch.distributed); ``0 <= tag < 2**24``. Device buffers go through host memory: a send copies
+them out once the work queued on their stream is done, a receive copies the message in before
+its handle completes. Point-to-point traffic does not go through the collectives' in-order
+executor: a blocking ``recv`` does not delay collectives called on other threads, and a failed
+send or receive does not break the communicator.
 """
 
 from __future__ import annotations
