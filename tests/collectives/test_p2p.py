@@ -164,7 +164,7 @@ def _bad_arguments(comm, rank, size):
         comm.irecv(ro, (rank + 1) % size)
 
 
-def _p2p_job(rank, size):
+def _p2p_job(rank, size, with_timeout=False):
     import ddlcore
 
     with ddlcore.init() as comm:
@@ -174,16 +174,19 @@ def _p2p_job(rank, size):
         _beside_collectives(comm, rank, size)
         _mismatch(comm, rank, size)
         _bad_arguments(comm, rank, size)
-        _timeout(comm, rank, size)
+        if with_timeout:
+            _timeout(comm, rank, size)
     with pytest.raises(ddlcore.CommunicatorClosedError):
         comm.send(np.ones(1), (rank + 1) % size)
     return True
 
 
-@pytest.mark.parametrize(("transport", "nprocs"), [("tcp", 3), ("shm", 2), ("shm", 4), ("ucx", 2)])
+@pytest.mark.parametrize(("transport", "nprocs"), [("tcp", 3), ("shm", 4), ("ucx", 2)])
 def test_p2p(transport, nprocs):
+    """Every case; the timeout (which costs DDL_TIMEOUT) over tcp only."""
     env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "3"}
-    assert run_ranks(_p2p_job, nprocs, env=env, timeout=90) == [True] * nprocs
+    results = run_ranks(_p2p_job, nprocs, transport == "tcp", env=env, timeout=90)
+    assert results == [True] * nprocs
 
 
 def test_p2p_mpi():
