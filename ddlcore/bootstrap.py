@@ -7,9 +7,10 @@ and returns a `Communicator`.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddlcore import config, hostcoll, probe, topology
@@ -17,7 +18,7 @@ from ddlcore.algorithms import mdring
 from ddlcore.auth import JobKey, job_secret
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
-from ddlcore.links import Links, level_transports, local_transports
+from ddlcore.links import Links, level_transports, local_transports, network_order
 from ddlcore.rendezvous import (
     SECRET_ORIGIN_MPI,
     RendezvousInfo,
@@ -272,13 +273,32 @@ def init(
                 "rank 0 of 1: no launcher variables are set, so this process is a world of "
                 "one; start N ranks with: ddlrun -np N python prog.py"
             )
-        return Communicator(info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo)
+        joiner = _joiner(info, (), spec, host_id, None, timeout, environ, algo)
+        return Communicator(
+            info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo, joiner=joiner
+        )
     if store is not None:
         info = via_torch_store(store, info.rank, info.size, timeout, environ)
     else:
         info = resolve_master(info, environ, timeout)
     names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
     client, store = _store_for(info, timeout, environ)
+    return _join(info, names, spec, host_id, client, store, timeout, environ, algo)
+
+
+def _join(
+    info: RendezvousInfo,
+    names: tuple[str, ...],
+    spec: str,
+    host_id: str,
+    client: Any,
+    store: Any,
+    timeout: float,
+    environ: Mapping[str, str] | None,
+    algo: str | None,
+) -> Communicator:
+    """Meet the other ranks in ``store`` (a namespace of the store ``client`` talks to) and
+    build the communicator: `init`'s second half, and how `Communicator.split` makes one."""
     links: Links | None = None
     host = node = None
     try:
@@ -314,7 +334,20 @@ def init(
             if host is not None
             else _node_collectives(info, peers, topo, links, store, timeout, algo_name)
         )
-        comm = Communicator(info, peers, client, links, timeout, environ, algo, topo, host, node)
+        comm = Communicator(
+            info,
+            peers,
+            client,
+            links,
+            timeout,
+            environ,
+            algo,
+            topo,
+            host,
+            node,
+            joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo),
+            prefixed=store,
+        )
     except BaseException:
         for part in (host, node, links):
             try:
@@ -337,3 +370,55 @@ def init(
         topo.describe(),
     )
     return comm
+
+
+def _joiner(
+    info: RendezvousInfo,
+    names: tuple[str, ...],
+    spec: str,
+    host_id: str,
+    store: Any,
+    timeout: float,
+    environ: Mapping[str, str] | None,
+    algo: str | None,
+) -> Callable[[int, int, str], Communicator]:
+    """How a communicator's ``split`` makes a child: ``join(rank, size, name)`` meets the
+    child's ranks in the namespace ``name`` under this communicator's, in the same store
+    (served by rank 0 of the world, until its process exits). Children never take the MPI
+    transport (its contexts duplicate MPI_COMM_WORLD, collectively over every rank) and ignore
+    DDL_TOPOLOGY (a box for the world's ranks)."""
+    forced_mpi = spec == "mpi"
+    if forced_mpi or spec == "auto" or spec.startswith("auto:"):
+        network = [n for n in network_order(spec) if n != "mpi"] if not forced_mpi else []
+        spec = "auto:" + ",".join(network or ["ucx", "tcp"])
+    child_environ = {k: v for k, v in (os.environ if environ is None else environ).items()}
+    child_environ.pop("DDL_TOPOLOGY", None)
+
+    def join(rank: int, size: int, name: str) -> Communicator:
+        from ddlcore.store import PrefixStore, StoreClient
+
+        child = RendezvousInfo(rank, size, info.master_addr, info.master_port, "split")
+        if size == 1:
+            return Communicator(
+                child,
+                [PeerInfo(0, host_id, ())],
+                None,
+                None,
+                timeout,
+                child_environ,
+                algo,
+                joiner=join,
+            )
+        assert info.master_addr is not None and info.master_port is not None
+        # Under DDL_TRANSPORT=mpi the children take what else runs here (shm, ucx, tcp).
+        found = local_transports("auto") if forced_mpi else names
+        child_names = tuple(n for n in found if n != "mpi")
+        client = StoreClient(
+            info.master_addr, info.master_port, timeout, rank=rank, size=size, job_key=store.job_key
+        )
+        prefixed = PrefixStore(client, f"{store.prefix}{name}/")
+        return _join(
+            child, child_names, spec, host_id, client, prefixed, timeout, child_environ, algo
+        )
+
+    return join

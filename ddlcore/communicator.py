@@ -30,6 +30,7 @@ from ddlcore import (
     flight,
     hostcoll,
     int_avg,
+    p2p,
     paths,
     topology,
     tuning,
@@ -45,6 +46,7 @@ from ddlcore.links import Links
 from ddlcore.ops import Op
 from ddlcore.paths.base import check_word, label
 from ddlcore.rendezvous import RendezvousInfo
+from ddlcore.split import split_communicator
 from ddlcore.transports.base import PeerInfo
 
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
@@ -80,6 +82,8 @@ class Communicator:
         topo: topology.Topology | None = None,
         host: hostcoll.HostCollectives | None = None,
         node: hostcoll.HostCollectives | None = None,
+        joiner: Callable[[int, int, str], Communicator] | None = None,
+        prefixed: Any = None,
     ) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
@@ -139,6 +143,10 @@ class Communicator:
             self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ
         )
         self._execute_recorded = self._flight.recording(self._execute)
+        # send/recv (`ddlcore.p2p`) and split (`ddlcore.split`); ``prefixed``: this communicator's
+        # namespace in the store, where closes are counted.
+        self._p2p = p2p.PointToPoint(self.rank, self.size, self._pair, timeout)
+        self._joiner, self._prefixed, self._splits = joiner, prefixed, 0
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -416,6 +424,7 @@ class Communicator:
         try:
             if self._broken is None:
                 self._executor.drain(self.timeout)
+            self._p2p.close(self.timeout)
         finally:
             self._flight.closed()
             self._executor.close(5.0)
@@ -427,7 +436,7 @@ class Communicator:
             if self._links is not None:
                 self._links.close()
             if self._store is not None:
-                self._count_out(self._store)
+                self._count_out(self._prefixed or self._store)
                 self._store.close()
 
     def _count_out(self, store: Any) -> None:
@@ -446,3 +455,43 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --- point-to-point and sub-communicators (``ddlcore.p2p``, ``ddlcore.split``) ------------
+    def _pair(self, peer: int) -> Any:
+        assert self._links is not None  # a world of one has no peer: p2p's checks refuse first
+        return self._links.pair(peer)
+
+    def send(self, x: Any, dest: int, tag: int = 0) -> None:
+        """Send ``x`` to another rank; return once ``x`` may be reused. Messages
+        to one rank with one tag (``0 <= tag < 2**24``) arrive in order; tags match
+        independently, never a collective's. DDLError after ``DDL_TIMEOUT`` (``ddlcore.p2p``)."""
+        self._p2p.send(x, dest, tag)
+
+    def recv(self, x: Any, source: int, tag: int = 0) -> Any:
+        """Receive the next message from ``source`` with ``tag`` into ``x``; returns ``x``.
+        CollectiveMismatchError when the sender's byte count or dtype differs (the message is
+        dropped); DDLTimeoutError after ``DDL_TIMEOUT`` (a later ``recv`` gets the message)."""
+        return self._p2p.recv(x, source, tag)
+
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
+        """`send` in the background: a `Handle`; ``x`` stays untouched until it completes."""
+        return self._p2p.isend(x, dest, tag)
+
+    def irecv(self, x: Any, source: int, tag: int = 0) -> Handle:
+        """`recv` in the background: a `Handle` whose ``wait()`` returns ``x``."""
+        return self._p2p.irecv(x, source, tag)
+
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """Split as MPI_Comm_split (collective): the ranks of one ``color`` form a new
+        `Communicator` ranked by ``(key, rank)``; None (or a negative color) gives None.
+        Children have their own connections; parent and child close independently, but the
+        world's rank 0 process serves their store and must outlive them (``ddlcore.split``)."""
+        assert self._joiner is not None, "communicators are made by ddlcore.init()"
+        self._splits += 1
+        return split_communicator(self, color, key, f"split{self._splits}", self._joiner)
+
+    def _join_group(self, rank: int, size: int, name: str) -> Communicator:
+        """A child that only its members make (MPI_Comm_create_group; torch's new_group):
+        this rank is ``rank`` of ``size``, and ``name`` is the same on every member."""
+        assert self._joiner is not None, "communicators are made by ddlcore.init()"
+        return self._joiner(rank, size, f"group/{name}")

@@ -12,6 +12,9 @@ communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError
   bits of the slot. MPI keeps messages with equal (source, tag, communicator) in order, ranks are
   never hundreds of collectives apart, and a collective has far fewer than 2^20 chunks per pair,
   so two messages in flight never share a folded tag.
+* Tags whose upper half starts with three one bits (`ddlcore.p2p`'s send/recv) go over a third
+  duplicate, folded as ``(upper half's low 28 bits << 1 | slot)``: point-to-point messages
+  never share a folded tag with a collective's.
 * Sends above MPI's eager limit complete only once the receiver has posted its receive (MPI's
   rendezvous protocol); the engine never waits on such a send before posting its own receives.
 * MPI messages carry no check word: size mismatches are caught (a short message by its count,
@@ -56,6 +59,7 @@ from ddlcore.errors import (
 )
 
 _SLOT_BITS = 20
+_P2P_SHIFT, _P2P_SPACE = 29, 0b111  # `ddlcore.p2p`'s tags: the upper half's top three bits
 _LAUNCHER_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 _ERROR_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
 _ABORT_TAG = 1
@@ -192,11 +196,16 @@ class MpiPair(Pair):
         self.context, self.rank, self.peer, self.mpi_peer = context, context.rank, peer, mpi_peer
         self.device_memory = context.device_memory
 
-    def _mpi_tag(self, tag: int, check: int) -> int:
+    def _mpi_tag(self, tag: int, check: int) -> tuple[Any, int]:
+        """The MPI communicator and MPI tag of ``tag`` (see the module docstring)."""
         if not (0 <= tag < 1 << 64 and 0 <= check < 1 << 32):
             raise ValueError(f"tag={tag} must be in [0, 2**64) and check={check} in [0, 2**32)")
         slot, seq = tag & 0xFFFFFFFF, tag >> 32
-        return ((seq << _SLOT_BITS) | (slot & ((1 << _SLOT_BITS) - 1))) % (self.context.tag_ub + 1)
+        if seq >> _P2P_SHIFT == _P2P_SPACE:
+            folded = ((seq & ((1 << _P2P_SHIFT) - 1)) << 1) | (slot & 1)
+            return self.context.p2p, folded % (self.context.tag_ub + 1)
+        folded = (seq << _SLOT_BITS) | (slot & ((1 << _SLOT_BITS) - 1))
+        return self.context.data, folded % (self.context.tag_ub + 1)
 
     def _error(self, exc: Any, req: MpiRequest | None = None) -> DDLError:
         text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
@@ -218,11 +227,11 @@ class MpiPair(Pair):
     def isend(self, view: memoryview, tag: int, check: int = 0) -> Request:
         self._device_check(view)
         view = _as_buffer(view, False)
-        mpi_tag = self._mpi_tag(tag, check)
+        comm, mpi_tag = self._mpi_tag(tag, check)
         if self.context.failure is not None:  # after an abort: fail at wait(), like any request
             return MpiRequest(None, self, tag, len(view), True)
         try:
-            req = self.context.data.Isend([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
+            req = comm.Isend([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
         except _mpi().Exception as exc:
             raise self._error(exc) from None
         return MpiRequest(req, self, tag, len(view), True)
@@ -230,11 +239,11 @@ class MpiPair(Pair):
     def irecv(self, view: memoryview, tag: int, check: int = 0) -> Request:
         self._device_check(view)
         view = _as_buffer(view, True)
-        mpi_tag = self._mpi_tag(tag, check)
+        comm, mpi_tag = self._mpi_tag(tag, check)
         if self.context.failure is not None:
             return MpiRequest(None, self, tag, len(view), False)
         try:
-            req = self.context.data.Irecv([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
+            req = comm.Irecv([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
         except _mpi().Exception as exc:
             raise self._error(exc) from None
         return MpiRequest(req, self, tag, len(view), False)
@@ -261,7 +270,8 @@ class MpiContext(Context):
             )
         self.data = world.Dup()
         self.ctrl = world.Dup()
-        for comm in (self.data, self.ctrl):
+        self.p2p = world.Dup()
+        for comm in (self.data, self.ctrl, self.p2p):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.tag_ub = int(world.Get_attr(MPI.TAG_UB))
         store.set(f"mpi/rank/{rank}", str(world.Get_rank()).encode())
@@ -334,7 +344,7 @@ class MpiContext(Context):
                 self._abort_req.Wait()
             except Exception:
                 pass
-        for comm in (self.data, self.ctrl):
+        for comm in (self.data, self.ctrl, self.p2p):
             try:
                 comm.Free()
             except Exception:

@@ -353,11 +353,27 @@ class ProcessGroupDDL(dist.ProcessGroup):
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> WorkDDL:
         raise _unsupported("all_gather_coalesced")
 
-    def send(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("send")
+    # --- point-to-point (batch_isend_irecv calls these per op) ------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> WorkDDL:
+        t = self._one(tensors, "send")
 
-    def recv(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("recv")
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            # CUDA or strided tensors leave through a contiguous host copy (p2p moves host
+            # memory), taken now; a host contiguous ``t`` is sent as it is.
+            buf = _contiguous(t.detach().cpu())
+            return [self._comm.isend(buf, dst, tag)], None
+
+        return self._run(f"send to rank {dst}", [t], start)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> WorkDDL:
+        t = self._one(tensors, "recv")
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            direct = not t.is_cuda and t.is_contiguous()
+            buf = t if direct else torch.empty(t.shape, dtype=t.dtype)
+            return [self._comm.irecv(buf, src, tag)], _copier([] if direct else [(t, buf)])
+
+        return self._run(f"recv from rank {src}", [t], start)
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> WorkDDL:
         raise _unsupported("recv from any source")
@@ -381,15 +397,42 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupDDL:
     rank, size = opts.group_rank, opts.group_size
     ranks = list(opts.global_ranks_in_group)
     if ranks and dist.is_initialized() and len(ranks) != dist.get_world_size():
-        raise dist.DistBackendError(
-            f"ddl backend, rank {rank}: process groups over some of the ranks ({len(ranks)} of "
-            f"{dist.get_world_size()}: new_group(ranks=...), DeviceMesh dimensions) are not "
-            "supported by ddlcore yet; make them with backend='gloo'"
-        )
+        return _subgroup(rank, size, ranks)
     try:
         comm = ddlcore.init(
             store=opts.store, rank=rank, size=size, timeout=_timeout_seconds(opts.timeout)
         )
     except ddlcore.DDLError as exc:
         raise _dist_error(exc, f"rank {rank}: init_process_group") from None
+    group = ProcessGroupDDL(comm, rank, size, comm.timeout)
+    if not ranks or len(ranks) == size:  # over every rank: subgroups are made from one
+        _world.append(group)
+    return group
+
+
+# The process groups over every rank (`_subgroup` takes the last still open), and how many
+# groups over each list of ranks this process made (every member makes them in the same
+# order, as torch asks).
+_world: list[ProcessGroupDDL] = []
+_groups_made: dict[tuple[int, ...], int] = {}
+
+
+def _subgroup(rank: int, size: int, ranks: list[int]) -> ProcessGroupDDL:
+    """new_group(ranks=...) over some of the ranks: only its members get here, and they join
+    a child of the world's communicator (`Communicator.split`'s way, under a namespace named
+    after the ranks), as MPI_Comm_create_group does."""
+    _world[:] = [g for g in _world if not g._comm._closed]
+    world = _world[-1]._comm if _world else None
+    if world is None or world.rank != dist.get_rank():
+        raise dist.DistBackendError(
+            f"ddl backend, rank {rank}: a process group over some of the ranks ({len(ranks)} "
+            f"of {dist.get_world_size()}) is made from the default group, which is not a "
+            "running ddl group; init_process_group('ddl') first, or use backend='gloo'"
+        )
+    key = tuple(ranks)
+    _groups_made[key] = made = _groups_made.get(key, 0) + 1
+    try:
+        comm = world._join_group(rank, size, f"torch/{'.'.join(map(str, key))}/{made}")
+    except BaseException as exc:
+        raise _dist_error(exc, f"rank {rank}: new_group(ranks={ranks})") from None
     return ProcessGroupDDL(comm, rank, size, comm.timeout)

@@ -1,0 +1,335 @@
+"""Point-to-point messages of a `Communicator`: ``send``/``recv`` and their async forms.
+
+Each message is two transport messages on the pair: a 16-byte header (the sender's byte count,
+dtype code and a check word) and then the data, both in the p2p tag space, apart from every
+collective's (transport tags ``(0xE0000000 | tag) << 32 | slot``, slot 0 the header, 1 the
+data; the MPI transport gives that space a communicator of its own). So a receive compares
+the sender's size and dtype with its own before any data lands: a mismatch is a
+`CollectiveMismatchError` naming both ranks, and the data is still drained (into scratch
+memory), so the next message on that (source, tag) is received intact.
+
+Ordering: each (peer, tag, direction) is a `_Channel`. Its messages are posted in call order
+and completed, in that order, by a thread of the channel's own (started when it has work, gone
+when idle; a blocking call on an idle channel completes its own message instead), so different
+tags and peers never wait for each other, and a receive whose sender is late blocks only later
+receives of the same (source, tag), as in MPI. A receive that timed out leaves its header
+receive posted; the next receive on that channel takes it over, so no message is lost or taken
+out of order.
+
+Rules: ``dest``/``source`` must be another rank of the communicator (no self-sends, as in
+torch.distributed); ``0 <= tag < 2**24``. Device buffers go through host memory: a send copies
+them out once the work queued on their stream is done, a receive copies the message in before
+its handle completes. Point-to-point traffic does not go through the collectives' in-order
+executor: a blocking ``recv`` does not delay collectives called on other threads, and a failed
+send or receive does not break the communicator.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ddlcore import device
+from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer
+from ddlcore.errors import (
+    CollectiveMismatchError,
+    CommunicatorClosedError,
+    DDLError,
+    DDLTimeoutError,
+)
+from ddlcore.handles import Handle
+from ddlcore.kernels.dtypes import DType
+from ddlcore.transports.base import Request
+
+MAX_TAG = (1 << 24) - 1
+P2P_SPACE = 0xE0000000  # top bits of a transport tag's upper half: p2p (see the docstring)
+_CHECK = 0x50325021  # "P2P!": every p2p message carries it, so no collective's receive takes one
+_HEADER = struct.Struct("<QiI")  # nbytes, dtype code, check word
+_HEADER_SLOT, _DATA_SLOT = 0, 1
+
+
+def transport_tag(tag: int, slot: int) -> int:
+    """The 64-bit transport tag of a p2p message's header (slot 0) or data (slot 1)."""
+    return ((P2P_SPACE | tag) << 32) | slot
+
+
+@dataclass
+class _Job:
+    handle: Handle
+    deadline: float
+    buf: BufferDesc
+    result: Any = None  # what wait() returns: a receive's x
+    requests: tuple[Request, ...] = ()  # a send's: header and data
+
+
+@dataclass
+class _Channel:
+    """The messages to or from one peer with one tag, in call order."""
+
+    peer: int
+    tag: int
+    sending: bool
+    jobs: deque[_Job] = field(default_factory=deque)
+    headers: deque[tuple[Request, bytearray]] = field(default_factory=deque)  # posted, unclaimed
+    thread: threading.Thread | None = None  # the one completing its jobs
+    broken: str | None = None
+
+
+class PointToPoint:
+    """The p2p side of one communicator: its channels and their threads."""
+
+    def __init__(self, rank: int, size: int, pair: Callable[[int], Any], timeout: float) -> None:
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._pair = pair
+        self._lock = threading.Lock()
+        self._channels: dict[tuple[int, int, bool], _Channel] = {}
+        self._closed = False
+
+    # --- arguments ------------------------------------------------------------------------------
+    def _check(
+        self, x: Any, peer: Any, tag: Any, peer_name: str, writable: bool
+    ) -> tuple[BufferDesc, int, int]:
+        """x's descriptor, and peer and tag as Python ints (NumPy's would overflow a tag)."""
+        for name, value in ((peer_name, peer), ("tag", tag)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(
+                f"{peer_name}={peer}: rank {self.rank} of {self.size} can only exchange "
+                f"messages with another rank in [0, {self.size}) (no self-sends)"
+            )
+        if not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag={tag} must be in [0, {MAX_TAG}]")
+        desc = as_buffer(x, "x")
+        if writable and desc.readonly:
+            raise ValueError("x is read-only: recv writes into it")
+        return desc, int(peer), int(tag)
+
+    def _channel(self, peer: int, tag: int, sending: bool) -> _Channel:
+        key = (peer, tag, sending)
+        ch = self._channels.get(key)
+        if ch is None:
+            ch = self._channels[key] = _Channel(peer, tag, sending)
+        return ch
+
+    def _label(self, sending: bool, peer: int, tag: int, nbytes: int) -> str:
+        if sending:
+            return f"rank {self.rank}: send of {nbytes} bytes to rank {peer} with tag {tag}"
+        return f"rank {self.rank}: recv of {nbytes} bytes from rank {peer} with tag {tag}"
+
+    # --- posting --------------------------------------------------------------------------------
+    def send(self, x: Any, dest: int, tag: int) -> None:
+        self._finish_inline(*self._post_send(x, dest, tag, True))
+
+    def isend(self, x: Any, dest: int, tag: int) -> Handle:
+        return self._post_send(x, dest, tag, False)[1].handle
+
+    def recv(self, x: Any, source: int, tag: int) -> Any:
+        return self._finish_inline(*self._post_recv(x, source, tag, True))
+
+    def irecv(self, x: Any, source: int, tag: int) -> Handle:
+        return self._post_recv(x, source, tag, False)[1].handle
+
+    def _post_send(self, x: Any, dest: int, tag: int, inline: bool) -> tuple[_Channel, _Job, bool]:
+        desc, dest, tag = self._check(x, dest, tag, "dest", False)
+        handle = Handle(self._label(True, dest, tag, desc.nbytes), self.timeout + 5.0)
+        header = _HEADER.pack(desc.nbytes, int(desc.code), _CHECK)
+        data = None
+        if desc.nbytes:
+            data = desc.view() if desc.memory == MemoryKind.HOST else _download(x, desc)
+        with self._lock:
+            self._open()
+            ch = self._channel(dest, tag, True)
+            pair = self._pair(dest)
+            reqs = [pair.isend(memoryview(header), transport_tag(tag, _HEADER_SLOT), _CHECK)]
+            if data is not None:
+                reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
+            job = _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
+            return ch, job, self._enqueue(ch, job, inline)
+
+    def _post_recv(
+        self, x: Any, source: int, tag: int, inline: bool
+    ) -> tuple[_Channel, _Job, bool]:
+        desc, source, tag = self._check(x, source, tag, "source", True)
+        handle = Handle(self._label(False, source, tag, desc.nbytes), self.timeout + 5.0)
+        with self._lock:
+            self._open()
+            ch = self._channel(source, tag, False)
+            if len(ch.headers) <= len(ch.jobs):  # else a timed-out receive's is still posted
+                raw = bytearray(_HEADER.size)
+                req = self._pair(source).irecv(
+                    memoryview(raw), transport_tag(tag, _HEADER_SLOT), _CHECK
+                )
+                ch.headers.append((req, raw))
+            job = _Job(handle, time.monotonic() + self.timeout, desc, x)
+            return ch, job, self._enqueue(ch, job, inline)
+
+    def _open(self) -> None:
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: send/recv on a closed communicator")
+
+    def _enqueue(self, ch: _Channel, job: _Job, inline: bool) -> bool:
+        """Queue ``job``; True when the caller is to complete it itself (a blocking call on an
+        idle channel: no thread to start and hand over to, which costs more than a small
+        message's round trip)."""
+        ch.jobs.append(job)
+        if ch.thread is not None:
+            return False
+        if inline:
+            ch.thread = threading.current_thread()
+            return True
+        self._start_thread(ch)
+        return False
+
+    def _start_thread(self, ch: _Channel) -> None:
+        ch.thread = threading.Thread(
+            target=self._drain,
+            args=(ch,),
+            name=f"ddlcore-rank{self.rank}-p2p-{ch.peer}-{ch.tag}",
+            daemon=True,
+        )
+        ch.thread.start()
+
+    def _finish_inline(self, ch: _Channel, job: _Job, mine: bool) -> Any:
+        if mine:
+            self._drain(ch, until=job)
+        return job.handle.wait()
+
+    # --- completing, on the channel's thread (or a blocking call's) ------------------------------
+    def _drain(self, ch: _Channel, until: _Job | None = None) -> None:
+        """Complete the channel's jobs in order: all of them, or up to ``until`` (a blocking
+        call's own), leaving the rest to a thread."""
+        while True:
+            with self._lock:
+                if until is not None and until.handle.done():
+                    if ch.jobs:
+                        self._start_thread(ch)
+                    else:
+                        ch.thread = None
+                    return
+                if not ch.jobs:
+                    ch.thread = None
+                    return
+                job = ch.jobs[0]
+            try:
+                if ch.broken is not None:
+                    raise DDLError(ch.broken)
+                result = (
+                    self._complete_send(ch, job) if ch.sending else self._complete_recv(ch, job)
+                )
+            except BaseException as exc:  # delivered to whoever waits on the handle
+                error: BaseException | None = exc
+                result = None
+            else:
+                error = None
+            with self._lock:
+                ch.jobs.popleft()
+            job.handle._finish(result=result, error=error)
+
+    def _remaining(self, job: _Job) -> float:
+        return max(job.deadline - time.monotonic(), 0.0)
+
+    def _complete_send(self, ch: _Channel, job: _Job) -> Any:
+        try:
+            for req in job.requests:
+                req.wait(self._remaining(job))
+        except DDLTimeoutError as exc:
+            raise DDLTimeoutError(
+                f"rank {self.rank}: send to rank {ch.peer} with tag {ch.tag} not received "
+                f"within {self.timeout:g} s (DDL_TIMEOUT): did rank {ch.peer} call recv("
+                f"source={self.rank}, tag={ch.tag})? ({exc})"
+            ) from None
+        return None
+
+    def _complete_recv(self, ch: _Channel, job: _Job) -> Any:
+        req, raw = ch.headers[0]
+        try:
+            req.wait(self._remaining(job))
+        except DDLTimeoutError:
+            # The header receive stays posted, first in line: the next receive takes it.
+            raise DDLTimeoutError(
+                f"rank {self.rank}: recv from rank {ch.peer} with tag {ch.tag}: nothing "
+                f"arrived within {self.timeout:g} s (DDL_TIMEOUT); did rank {ch.peer} call "
+                f"send(dest={self.rank}, tag={ch.tag})?"
+            ) from None
+        except BaseException:
+            with self._lock:
+                ch.headers.popleft()
+            raise
+        with self._lock:
+            ch.headers.popleft()
+        nbytes, code, check = _HEADER.unpack(raw)
+        buf = job.buf
+        mismatch = nbytes != buf.nbytes or code != int(buf.code)
+        if check != _CHECK:
+            ch.broken = (
+                f"rank {self.rank}: a message from rank {ch.peer} with tag {ch.tag} has a "
+                f"bad header (check {check:#x})"
+            )
+            raise DDLError(ch.broken)
+        if nbytes:
+            on_host = buf.memory == MemoryKind.HOST and not mismatch
+            view = buf.view() if on_host else memoryview(bytearray(nbytes))
+            try:
+                self._pair(ch.peer).irecv(view, transport_tag(ch.tag, _DATA_SLOT), _CHECK).wait(
+                    max(self._remaining(job), 1.0)
+                )
+            except DDLError as exc:
+                ch.broken = (
+                    f"rank {self.rank}: recv from rank {ch.peer} with tag {ch.tag} failed "
+                    f"after its header arrived ({exc}); later messages on it cannot be matched"
+                )
+                raise
+            if not on_host and not mismatch:
+                _upload(view, buf)
+        if mismatch:
+
+            def name(c: int) -> str:
+                try:
+                    return DType(c).name.lower()
+                except ValueError:
+                    return f"code {c}"
+
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: recv from rank {ch.peer} with tag {ch.tag}: rank "
+                f"{ch.peer} sent {nbytes} bytes of {name(code)}, rank {self.rank} posted "
+                f"{buf.nbytes} bytes of {name(int(buf.code))}; the message was dropped"
+            )
+        return job.result
+
+    def close(self, timeout: float) -> None:
+        """Refuse new messages and give the pending sends up to ``timeout`` seconds to leave;
+        pending receives fail as the links close under them."""
+        with self._lock:
+            self._closed = True
+            sends = [job.handle for ch in self._channels.values() if ch.sending for job in ch.jobs]
+        deadline = time.monotonic() + timeout
+        for handle in sends:
+            try:
+                handle.wait(max(deadline - time.monotonic(), 0.0))
+            except DDLError:  # its sender learns of it from the handle; closing goes on
+                pass
+
+
+def _download(x: Any, desc: BufferDesc) -> memoryview:
+    """A device buffer's bytes in host memory, once the work queued on its stream is done."""
+    ready = device.ready_event(x)
+    host = np.empty(desc.nbytes, np.uint8)
+    with device.on_device(desc.device):
+        if ready is not None:
+            ready.synchronize()
+        desc.array.reshape(desc.count).view(np.uint8).copy_to_host(host)
+    return memoryview(host)  # type: ignore[arg-type]
+
+
+def _upload(data: memoryview, desc: BufferDesc) -> None:
+    """Copy received bytes into a device buffer (synchronously)."""
+    with device.on_device(desc.device):
+        desc.array.reshape(desc.count).view(np.uint8).copy_to_device(np.frombuffer(data, np.uint8))
