@@ -45,6 +45,7 @@ from ddlcore.links import Links
 from ddlcore.ops import Op
 from ddlcore.paths.base import check_word, label
 from ddlcore.rendezvous import RendezvousInfo
+from ddlcore.rooted import RootedCollectives
 from ddlcore.transports.base import PeerInfo
 
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
@@ -57,7 +58,7 @@ _CHECKED_TRANSPORTS = frozenset({"tcp", "shm", "ucx"})
 _CLOSE_LINGER_S = 5.0
 
 
-class Communicator:
+class Communicator(RootedCollectives):
     """A group of ranks that run collectives together. Create it with `ddlcore.init`.
 
     Attributes
@@ -157,7 +158,7 @@ class Communicator:
         collectives when every rank is on this host."""
         collective = Collective(collective)
         mode = self._host.mode(nbytes) if self._host is not None else hostcoll.SYNC_ONLY
-        if mode != hostcoll.SYNC_ONLY:
+        if mode != hostcoll.SYNC_ONLY and collective in paths.ON_BOARDS:
             return tuning.Choice(
                 hostcoll.NAME, hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes
             )
@@ -196,6 +197,9 @@ class Communicator:
                 f"({self._broken}); create a new one with ddlcore.init()"
             )
         if int_avg.applies(call, self.size):  # a "sum" of a wider buffer, then a division
+            if call.collective == Collective.REDUCE:
+                self._integer_avg(calls.as_allreduce(call), seq)
+                return call.result
             return self._integer_avg(call, seq)
         running: paths.Path | None = None
         try:

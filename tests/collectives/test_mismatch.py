@@ -295,16 +295,31 @@ def test_schedules_make_first_contact_and_pair_up():
     for size, collective, name, count in _symbolic_worlds():
         make = ALGORITHMS[collective][name]
         topo = topology.flat(size, level="host")
-        n = count * size if collective == "reduce_scatter" else count
+        n = count * size if collective in ("reduce_scatter", "alltoall") else count
+        # alltoallv: rank s sends (s + 2 d) % 3 * count elements to rank d (some none)
+        splits = [[(s + 2 * d) % 3 * count for d in range(size)] for s in range(size)]
 
-        def mk(r, make=make, topo=topo, n=n, collective=collective, size=size, count=count):
+        def mk(
+            r,
+            make=make,
+            topo=topo,
+            n=n,
+            collective=collective,
+            size=size,
+            count=count,
+            splits=splits,
+        ):
             if collective == "barrier":
                 return make(r, size)
-            if collective == "broadcast":
+            if collective in ("broadcast", "reduce", "gather", "scatter"):
                 return make(r, size, n, 4, 64, count % size)
+            if collective == "alltoall":
+                return make(r, size, n, 4, 64)
+            if collective == "alltoallv":
+                return make(r, size, splits[r], [row[r] for row in splits], 4, 64)
             return make(r, size, n, 4, 64, topo)
 
-        complete = agreement.natural_completeness(collective, n)
+        complete = agreement.natural_completeness(collective, n, size)
         sent, got = defaultdict(list), defaultdict(list)
         for r in range(size):
             sched = agreement.agreed(mk, r, size, complete)
