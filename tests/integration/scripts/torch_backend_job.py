@@ -1,5 +1,6 @@
 """A torch.distributed program on the backend "ddl" that never imports ddlcore (torch finds the
-backend through its ``torch.backends`` entry point). Every supported collective over float32,
+backend through its ``torch.backends`` entry point). Every supported collective (reduce,
+gather, scatter and all-to-all too) over float32,
 float64, int32 and int64 tensors of sizes 0, 1, primes and sizes not divisible by the world
 size, every op, synchronous and asynchronous, is checked against a reference computed here from
 every rank's inputs (seeded); so are functional collectives and DTensor; then DDP trains the same model on "ddl" and on a gloo group, and
@@ -127,6 +128,11 @@ for dtype in DTYPES:
                 op=torch_op,
             )
             check(out, reduced(xs, op)[rank * n : (rank + 1) * n], f"reduce_scatter {op}")
+            # reduce: the root's tensor gets the result, the others' stay as they were
+            xs, root = inputs(n, dtype), case % size
+            t = xs[rank].clone()
+            run(dist.reduce(t, dst=root, op=torch_op, async_op=async_op), async_op, [t], "reduce")
+            check(t, reduced(xs, op) if rank == root else xs[rank], f"reduce {dtype} {n} {op}")
 
         xs = inputs(n, dtype)
         outs = [torch.full((n,), -1, dtype=dtype, device=DEVICE) for _ in range(size)]
@@ -140,6 +146,33 @@ for dtype in DTYPES:
             t = xs[rank].clone()
             run(dist.broadcast(t, src=root, async_op=True), True, [t], "broadcast")
             check(t, xs[root], f"broadcast {dtype} n={n} root {root}")
+            # gather into the root's list; scatter the root's list
+            outs = [torch.full((n,), -1, dtype=dtype, device=DEVICE) for _ in range(size)]
+            dist.gather(xs[rank], outs if rank == root else None, dst=root)
+            for r in range(size):
+                check(
+                    outs[r], xs[r] if rank == root else torch.full((n,), -1, dtype=dtype), "gather"
+                )
+            t = torch.full((n,), -1, dtype=dtype, device=DEVICE)
+            dist.scatter(t, [x.clone() for x in xs] if rank == root else None, src=root)
+            check(t, xs[rank], f"scatter {dtype} n={n} root {root}")
+        # all_to_all_single: equal blocks, then rows split unevenly (rank s sends d rows
+        # (s + d + n) % 3 of them), and all_to_all of a list of tensors of those sizes
+        xs = inputs(2 * n * size, dtype, (2 * n * size, 1) if n else None)
+        out = torch.empty_like(xs[rank])
+        run(dist.all_to_all_single(out, xs[rank], async_op=True), True, [out], "all_to_all")
+        want = torch.cat([x[rank * 2 * n : (rank + 1) * 2 * n] for x in xs])
+        check(out, want, f"all_to_all_single {dtype} n={n}")
+        rows = [[(s + d + n) % 3 for d in range(size)] for s in range(size)]
+        ys = [inputs(sum(rows[s]) * 2, dtype, (sum(rows[s]), 2))[s] for s in range(size)]
+        parts = [y.split(rows[s]) for s, y in enumerate(ys)]
+        out = torch.empty(sum(r[rank] for r in rows), 2, dtype=dtype, device=DEVICE)
+        dist.all_to_all_single(out, ys[rank], [r[rank] for r in rows], rows[rank])
+        check(out, torch.cat([parts[s][rank] for s in range(size)]), "all_to_all_single split")
+        outs = [torch.empty(r[rank], 2, dtype=dtype, device=DEVICE) for r in rows]
+        dist.all_to_all(outs, list(parts[rank]))
+        for s in range(size):
+            check(outs[s], parts[s][rank], f"all_to_all {dtype} from {s}")
 
 # Non-contiguous tensors: the collective works on a contiguous copy, written back.
 xs = inputs(12, torch.float64, (3, 4))
@@ -183,10 +216,9 @@ for what, call in [
         "ReduceOp.BAND",
         lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND),
     ),
-    ("reduce is not supported", lambda: dist.reduce(torch.ones(2), dst=0)),
     (
-        "all_to_all_single is not supported",
-        lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2)),
+        "input_split_sizes",
+        lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2), [1] * size, [2] * size),
     ),
     ("send is not supported", lambda: dist.send(torch.ones(2), dst=1 - rank)),
     ("some of the ranks", lambda: dist.new_group([0])),
