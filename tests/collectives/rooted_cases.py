@@ -231,22 +231,9 @@ MISMATCHES = [
 def mismatch_cases(rank: int, size: int) -> dict:
     """Each case on a new communicator (a mismatch breaks it); the last rank differs. Returns
     {case: (error class, message, seconds)}."""
-    import time
+    from tests.collectives.test_mismatch import outcome
 
-    import ddlcore
-
-    out = {}
-    for case in MISMATCHES:
-        comm = ddlcore.init()
-        try:
-            t0 = time.monotonic()
-            try:
-                comm.allreduce(np.ones(8, np.float32))  # every pair connected, in step
-                _mismatched(comm, case, rank == size - 1)
-            except ddlcore.DDLError as exc:
-                out[case] = (type(exc).__name__, str(exc), time.monotonic() - t0)
-            else:
-                out[case] = ("no error", "", time.monotonic() - t0)
-        finally:
-            comm.close()
-    return out
+    odd = rank == size - 1
+    return {
+        case: outcome(lambda comm, case=case: _mismatched(comm, case, odd)) for case in MISMATCHES
+    }

@@ -108,30 +108,34 @@ def _call(comm, rank: int, spec) -> None:
         comm.barrier()
 
 
-def _mismatch_cases(rank, size, names):
-    """Each case on a new communicator: (error class, message, seconds) per case name."""
+def outcome(call) -> tuple[str, str, float]:
+    """``call(comm)`` on a new communicator (a mismatch breaks it): (error class, message,
+    seconds)."""
     import ddlcore
 
+    comm = ddlcore.init()
+    try:
+        t0 = time.monotonic()
+        try:
+            # Every pair connected, in step. A rank still waiting for the last message of
+            # this one may already hear of a peer's failure in the next (an abort overtakes
+            # the data), and raise here: still the mismatch's error.
+            comm.allreduce(np.ones(8, np.float32))
+            call(comm)
+        except ddlcore.DDLError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+        return "no error", "", time.monotonic() - t0
+    finally:
+        comm.close()
+
+
+def _mismatch_cases(rank, size, names):
+    """Each case on a new communicator: (error class, message, seconds) per case name."""
     out = {}
     for name, agreeing, differing, which in CASES:
-        if name not in names:
-            continue
-        comm = ddlcore.init()
-        try:
+        if name in names:
             spec = differing if _differs(rank, size, which) else agreeing
-            t0 = time.monotonic()
-            try:
-                # Every pair connected, in step. A rank still waiting for the last message of
-                # this one may already hear of a peer's failure in the next (an abort overtakes
-                # the data), and raise here: still the mismatch's error.
-                comm.allreduce(np.ones(8, np.float32))
-                _call(comm, rank, spec)
-            except ddlcore.DDLError as exc:
-                out[name] = (type(exc).__name__, str(exc), time.monotonic() - t0)
-            else:
-                out[name] = ("no error", "", time.monotonic() - t0)
-        finally:
-            comm.close()
+            out[name] = outcome(lambda comm, spec=spec: _call(comm, rank, spec))
     return out
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("ddl", timeout=timedelta(seconds=25))
@@ -210,6 +210,16 @@ with dist._coalescing_manager():
 check(out, reduced(a, "sum")[rank * 3 : (rank + 1) * 3], "coalesced reduce_scatter_tensor")
 dist.barrier()
 
+# The object collectives on gather and scatter.
+objs = [None] * size if rank == 0 else None
+dist.gather_object({"rank": rank, "pad": "x" * 5 * rank}, objs, dst=0)
+assert rank != 0 or [o["rank"] for o in objs] == list(range(size)), objs
+got = [None]
+dist.scatter_object_list(
+    got, [f"obj{r}" for r in range(size)] if rank == size - 1 else None, src=size - 1
+)
+assert got == [f"obj{rank}"], got
+
 # What ddlcore cannot do yet says so, before anything is sent.
 for what, call in [
     (
@@ -273,6 +283,8 @@ check(
     reduced(xs, "max")[rank * 3 : (rank + 1) * 3],
     "funcol.reduce_scatter_tensor",
 )
+full = torch.arange(4.0 * size, device=DEVICE).reshape(2 * size, 2)
+check(distribute_tensor(full, mesh, [Shard(0)]).to_local(), full.chunk(size)[rank], "distribute")
 shard = DTensor.from_local(xs[rank], mesh, [Shard(0)])
 check(shard.redistribute(mesh, [Replicate()]).to_local(), torch.cat(xs), "DTensor replicate")
 check((shard * 2).sum().full_tensor(), 2 * torch.cat(xs).sum(), "DTensor partial sum")
