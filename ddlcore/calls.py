@@ -183,6 +183,14 @@ def prepare_rooted(
         count = 0  # each rank's own: the messages' lengths compare them
     if not at_root and collective in (Collective.REDUCE, Collective.GATHER):
         od, result = xd, None  # an out= given is left untouched
+    elif (
+        collective in (Collective.SCATTER, Collective.ALLTOALL, Collective.ALLTOALLV)
+        and (at_root or collective != Collective.SCATTER)
+        and od.nbytes
+        and od.ptr < xd.ptr + xd.nbytes
+        and xd.ptr < od.ptr + od.nbytes
+    ):  # blocks arrive where blocks still to be sent are
+        raise ValueError(f"out overlaps x; {collective} cannot run in place: pass another out")
     return _call(collective, xd, od, rop, root, x, result, count, splits)
 
 

@@ -156,6 +156,13 @@ def _bad_arguments(comm) -> None:
         comm.alltoallv(np.ones(3), [4] + [0] * (size - 1), [4] + [0] * (size - 1))
     with pytest.raises(ValueError, match="out has"):
         comm.reduce(np.ones(3), root=0, out=np.ones(4))
+    x = np.ones(2 * size)
+    with pytest.raises(ValueError, match="cannot run in place"):
+        comm.alltoall(x, out=x)
+    with pytest.raises(ValueError, match="cannot run in place"):
+        comm.alltoallv(x, [2] * size, [2] * size, out=x)
+    with pytest.raises(ValueError, match="cannot run in place"):
+        comm.scatter(x, root=comm.rank, out=x[:2])
 
 
 def device_rooted(rank: int, size: int) -> bool:
