@@ -221,7 +221,13 @@ def parser() -> argparse.ArgumentParser:
         help="reduction op (integer avg: the exact mean rounded down)",
     )
     p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float", help="element type")
-    p.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank")
+    p.add_argument(
+        "-r",
+        "--root",
+        type=int,
+        default=0,
+        help="the root rank (broadcast, reduce, gather, scatter)",
+    )
     p.add_argument(
         "--memory",
         choices=("host", "cuda"),
