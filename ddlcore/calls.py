@@ -14,7 +14,7 @@ import numpy as np
 
 from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
-from ddlcore.collectives import Collective
+from ddlcore.collectives import HAS_ROOT, Collective
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op, as_op
 
@@ -264,6 +264,6 @@ def describe_fingerprint(raw: bytes) -> str:
             desc += f", {Op(op).name.lower()}"
         except ValueError:
             desc += f", op {op}"
-    if name == Collective.BROADCAST or name in ROOTED:
+    if name in HAS_ROOT:
         desc += f", root {root}"
     return f"{name}({desc})"

@@ -28,3 +28,9 @@ class Collective(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+# The collectives with a root (whose calls differ by it).
+HAS_ROOT = frozenset(
+    {Collective.BROADCAST, Collective.REDUCE, Collective.GATHER, Collective.SCATTER}
+)

@@ -18,8 +18,8 @@ import numpy as np
 from ddlcore import device, engine, hostcoll, int_avg, tuning
 from ddlcore.algorithms import Buf, Schedule
 from ddlcore.buffers import MemoryKind
-from ddlcore.calls import ROOTED, Call
-from ddlcore.collectives import Collective
+from ddlcore.calls import Call
+from ddlcore.collectives import HAS_ROOT, Collective
 from ddlcore.hostcoll import BoardCall, BoardKind, HostCollectives
 from ddlcore.kernels.cpu import array_address
 from ddlcore.links import Links
@@ -167,7 +167,7 @@ def label(call: Call, seq: int) -> str:
     desc = f"{call.count} x {call.inp.dtype.name}"
     if call.op is not None:
         desc += f", {call.op.name.lower()}"
-    if call.collective == Collective.BROADCAST or call.collective in ROOTED:
+    if call.collective in HAS_ROOT:
         desc += f", root {call.root}"
     elif call.root < 0:  # the wide sum of an integer avg (int_avg.marker)
         desc += f": the integer avg of {int_avg.avg_dtype(call.root)}"

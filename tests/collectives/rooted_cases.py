@@ -130,6 +130,14 @@ def run_rooted(rank: int, size: int, thin: bool = False, ring_equal: bool = Fals
         np.testing.assert_array_equal(sca, [2.0 * rank, 2.0 * rank + 1])
         np.testing.assert_array_equal(a2a, np.arange(size, dtype=np.int8))
         np.testing.assert_array_equal(a2av, np.arange(size, dtype=np.int8))
+        last = comm.flight_record()["entries"][-5:]  # what DDL_FLIGHT_RECORDER would write
+        assert [(e["collective"], e["root"], e["state"]) for e in last] == [
+            ("reduce", size - 1, "completed"),
+            ("gather", 0, "completed"),
+            ("scatter", 0, "completed"),
+            ("alltoall", None, "completed"),
+            ("alltoallv", None, "completed"),
+        ], last
         _bad_arguments(comm)
     return digests
 
