@@ -67,7 +67,7 @@ def job_choice(
     kernel's Yama setting allows)."""
     from ddlcore import hostcoll
     from ddlcore.algorithms import mdring
-    from ddlcore.paths import host_staged
+    from ddlcore.paths import ON_BOARDS, host_staged
 
     if direct_reads is None:
         direct_reads = hostcoll._cma_allowed()
@@ -80,7 +80,13 @@ def job_choice(
     size, per_node = topo.size, topo.ranks_per_node
     shm = host_transport == "shm"
     one_host = per_node == size
-    if one_host and shm and algo in ("auto", hostcoll.NAME) and 1 < size <= hostcoll.MAX_RANKS:
+    if (
+        one_host
+        and shm
+        and algo in ("auto", hostcoll.NAME)
+        and 1 < size <= hostcoll.MAX_RANKS
+        and collective in ON_BOARDS
+    ):
         how = mode(in_bytes)
         if how != hostcoll.SYNC_ONLY:
             return tuning.Choice(

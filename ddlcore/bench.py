@@ -8,8 +8,10 @@ out-of-place and in-place. time is the slowest rank's mean over ``-n`` iteration
 warm-ups, of the collective alone: in place, the input is reset before the loop, not inside it
 (the timed calls reduce their own results, as in nccl-tests), and ``-c 1`` checks one more call
 from fresh inputs after the timing. algbw = size / time; busbw = algbw x 2(n-1)/n for
-allreduce, (n-1)/n for allgather and reduce_scatter, 1 for broadcast (nccl-tests' definitions,
-so numbers compare across tools).
+allreduce, (n-1)/n for allgather, reduce_scatter, gather, scatter and alltoall, 1 for broadcast
+and reduce (nccl-tests' definitions, so numbers compare across tools). Gather, scatter and
+alltoall cannot run in place: their in-place columns time them out of place again; reduce's
+and gather's results are checked on the root.
 ``--compare`` runs the same sizes through MPI_Allreduce (mpi4py; the job must be started by
 mpiexec) and torch.distributed's gloo backend in the same processes, alternating size by size so
 both see the same machine, and prints each peer's busbw and ddlcore's ratio to it. ``--membw``
@@ -41,6 +43,7 @@ from ddlcore.bench_cases import (
 )
 from ddlcore.bench_output import _write_outputs
 from ddlcore.bench_peers import PEERS, _GlooPeer, _MpiPeer
+from ddlcore.calls import ROOTED
 from ddlcore.collectives import Collective
 
 
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             case.count,
             str(dtype),
             args.op,
-            args.root if args.collective == Collective.BROADCAST else -1,
+            args.root if args.collective in (*ROOTED, Collective.BROADCAST) else -1,
             *results[0],
             *results[1],
         )
@@ -218,7 +221,13 @@ def parser() -> argparse.ArgumentParser:
         help="reduction op (integer avg: the exact mean rounded down)",
     )
     p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float", help="element type")
-    p.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank")
+    p.add_argument(
+        "-r",
+        "--root",
+        type=int,
+        default=0,
+        help="the root rank (broadcast, reduce, gather, scatter)",
+    )
     p.add_argument(
         "--memory",
         choices=("host", "cuda"),

@@ -15,7 +15,13 @@ import numpy as np
 
 from ddlcore.collectives import Collective
 
-COLLECTIVES = tuple(c.value for c in Collective)[:-1]  # no barrier; plain strings for argparse
+COLLECTIVES = tuple(
+    c.value for c in Collective if c not in (Collective.BARRIER, Collective.ALLTOALLV)
+)  # plain strings for argparse
+# The collectives whose result is on the root only (the others' is not checked).
+_AT_ROOT = (Collective.REDUCE, Collective.GATHER)
+# Timed out of place in the in-place columns too (scatter and alltoall cannot run in place).
+_OUT_OF_PLACE = (Collective.GATHER, Collective.SCATTER, Collective.ALLTOALL)
 DTYPES: dict[str, Any] = {
     "float": np.float32,
     "float32": np.float32,
@@ -39,6 +45,10 @@ def bus_factor(collective: str, n: int) -> float:
         Collective.REDUCE_SCATTER: (n - 1) / n,
         Collective.ALLGATHER: (n - 1) / n,
         Collective.BROADCAST: 1.0,
+        Collective.REDUCE: 1.0,
+        Collective.GATHER: (n - 1) / n,
+        Collective.SCATTER: (n - 1) / n,
+        Collective.ALLTOALL: (n - 1) / n,
     }[Collective(collective)]
 
 
@@ -93,13 +103,14 @@ class Case:
         self.collective, self.rank, self.size, self.op, self.root = collective, rank, size, op, root
         itemsize = dtype.itemsize
         count = nbytes // itemsize
-        if collective in (Collective.REDUCE_SCATTER,):
+        if collective in (Collective.REDUCE_SCATTER, Collective.ALLTOALL):
             count -= count % size
         self.count = count
+        self.checked = collective not in _AT_ROOT or rank == root
         # Small integers, exact in every dtype and under every op for up to 8 ranks.
         pattern = (np.arange(count) % 3 + 1).astype(dtype)
         self.x = (pattern * (rank + 1) if op != "prod" else pattern).astype(dtype)
-        if collective == Collective.ALLREDUCE or collective == Collective.REDUCE_SCATTER:
+        if collective in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE):
             # Rank r holds pattern * (r + 1) (pattern alone for prod): the reduction in closed
             # form, so the check costs O(n) memory, not a copy per rank (64 MB x 8 ranks).
             base = pattern.astype(np.float64)
@@ -113,20 +124,31 @@ class Case:
             if op == "avg" and dtype.kind in "iu":  # integer avg: the exact mean rounded down
                 full = np.floor(full)
             k = count // size
-            self.expect = (
-                full if collective == Collective.ALLREDUCE else full[rank * k : (rank + 1) * k]
-            )
-            self.out = np.empty(count if collective == Collective.ALLREDUCE else k, dtype)
-        elif collective == Collective.ALLGATHER:
+            whole = collective != Collective.REDUCE_SCATTER
+            self.expect = full if whole else full[rank * k : (rank + 1) * k]
+            self.out = np.empty(count if whole else k, dtype)
+        elif collective in (Collective.ALLGATHER, Collective.GATHER):
             self.expect = np.concatenate(
                 [pattern.astype(np.float64) * (r + 1) for r in range(size)]
             )
             self.out = np.empty(count * size, dtype)
+        elif collective == Collective.SCATTER:  # every rank holds size blocks; root's are sent
+            self.x = (np.arange(count * size) % 3 + 1).astype(dtype) * (rank + 1)
+            self.expect = self.x[rank * count : (rank + 1) * count].astype(np.float64)
+            self.expect *= (root + 1) / (rank + 1)
+            self.out = np.empty(count, dtype)
+        elif collective == Collective.ALLTOALL:  # block i of the result: rank i's block rank
+            k = count // size
+            mine = base = pattern[rank * k : (rank + 1) * k].astype(np.float64)
+            self.expect = np.concatenate([mine * (r + 1) for r in range(size)]) if k else base
+            self.out = np.empty(count, dtype)
         else:
             self.expect = pattern.astype(np.float64) * (root + 1)
             self.out = self.x.copy()
 
     def wrong(self, got: np.ndarray) -> int:
+        if not self.checked:
+            return 0
         return int(np.count_nonzero(got.astype(np.float64) != self.expect))
 
     def nbytes(self) -> int:
@@ -152,12 +174,12 @@ def _device_ops(comm, case: Case, in_place: bool) -> Ops:
     x = cuda.to_device(case.x)
     out = (
         x
-        if in_place and c in (Collective.ALLREDUCE, Collective.BROADCAST)
+        if in_place and c in (Collective.ALLREDUCE, Collective.BROADCAST, Collective.REDUCE)
         else cuda.to_device(case.out)
     )
 
     def reset() -> None:
-        if in_place or c == Collective.BROADCAST:
+        if c == Collective.BROADCAST or (in_place and c not in _OUT_OF_PLACE):
             out.copy_to_device(case.x)
 
     def run() -> None:
@@ -167,10 +189,25 @@ def _device_ops(comm, case: Case, in_place: bool) -> Ops:
             comm.reduce_scatter(x, op=case.op, out=out)
         elif c == Collective.ALLGATHER:
             comm.allgather(x, out=out)
-        else:
+        elif c == Collective.BROADCAST:
             comm.broadcast(out, root=case.root)
+        else:
+            _rooted(comm, case, x, out)
 
     return reset, run, lambda: out.copy_to_host()
+
+
+def _rooted(comm, case: Case, x: Any, out: Any) -> None:
+    """Reduce, gather, scatter or alltoall of ``x`` into ``out`` (host or device arrays)."""
+    c, root = case.collective, case.root
+    if c == Collective.REDUCE:
+        comm.reduce(x, op=case.op, root=root, out=out)
+    elif c == Collective.GATHER:
+        comm.gather(x, root=root, out=out)
+    elif c == Collective.SCATTER:
+        comm.scatter(x, root=root, out=out)
+    else:
+        comm.alltoall(x, out=out)
 
 
 def _ddl_ops(comm, case: Case, in_place: bool) -> Ops:
@@ -200,6 +237,15 @@ def _ddl_ops(comm, case: Case, in_place: bool) -> Ops:
 
             return reset_ag, lambda: comm.allgather(mine, out=out), lambda: out
         return _nothing, lambda: comm.allgather(case.x, out=case.out), lambda: case.out
+    if c != Collective.BROADCAST:  # in place: reduce only (`_OUT_OF_PLACE`)
+        buf = case.x.copy() if in_place and c == Collective.REDUCE else case.x
+        out = buf if in_place and c == Collective.REDUCE else case.out
+
+        def reset_rooted() -> None:
+            if buf is not case.x:
+                buf[...] = case.x
+
+        return reset_rooted, lambda: _rooted(comm, case, buf, out), lambda: out
     buf = case.out
 
     def reset_bcast() -> None:

@@ -48,6 +48,14 @@ class _MpiPeer:
             return lambda: w.Reduce_scatter_block(case.x, case.out, op=self._ops[case.op])
         if c == Collective.ALLGATHER:
             return lambda: w.Allgather(case.x, case.out)
+        if c == Collective.REDUCE:
+            return lambda: w.Reduce(case.x, case.out, op=self._ops[case.op], root=case.root)
+        if c == Collective.GATHER:
+            return lambda: w.Gather(case.x, case.out, root=case.root)
+        if c == Collective.SCATTER:
+            return lambda: w.Scatter(case.x, case.out, root=case.root)
+        if c == Collective.ALLTOALL:
+            return lambda: w.Alltoall(case.x, case.out)
         return lambda: w.Bcast(case.out, root=case.root)
 
 
@@ -83,7 +91,11 @@ class _GlooPeer:
         }
 
     def supports(self, case: Case) -> bool:
-        return case.op in self._ops and case.x.dtype.kind != "V"
+        return (
+            case.op in self._ops
+            and case.x.dtype.kind != "V"
+            and case.collective not in (Collective.GATHER, Collective.SCATTER)
+        )
 
     def op(self, case: Case) -> Callable[[], None]:
         t, dist, c = self.torch, self.dist, case.collective
@@ -99,6 +111,15 @@ class _GlooPeer:
             return lambda: dist.reduce_scatter_tensor(out, x, op=self._ops[case.op])
         if c == Collective.ALLGATHER:
             return lambda: dist.all_gather_into_tensor(out, x)
+        if c == Collective.REDUCE:
+
+            def run_reduce() -> None:
+                out.copy_(x)
+                dist.reduce(out, dst=case.root, op=self._ops[case.op])
+
+            return run_reduce
+        if c == Collective.ALLTOALL:
+            return lambda: dist.all_to_all_single(out, x)
         return lambda: dist.broadcast(out, src=case.root)
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ from ddlcore.links import Links
 from ddlcore.ops import Op
 from ddlcore.paths.base import check_word, label
 from ddlcore.rendezvous import RendezvousInfo
+from ddlcore.rooted import RootedCollectives
 from ddlcore.split import split_communicator
 from ddlcore.transports.base import PeerInfo
 
@@ -59,7 +60,7 @@ _CHECKED_TRANSPORTS = frozenset({"tcp", "shm", "ucx"})
 _CLOSE_LINGER_S = 5.0
 
 
-class Communicator:
+class Communicator(RootedCollectives):
     """A group of ranks that run collectives together. Create it with `ddlcore.init`.
 
     Attributes
@@ -165,7 +166,7 @@ class Communicator:
         collectives when every rank is on this host."""
         collective = Collective(collective)
         mode = self._host.mode(nbytes) if self._host is not None else hostcoll.SYNC_ONLY
-        if mode != hostcoll.SYNC_ONLY:
+        if mode != hostcoll.SYNC_ONLY and collective in paths.ON_BOARDS:
             return tuning.Choice(
                 hostcoll.NAME, hostcoll.CHUNK_BYTES if mode == hostcoll.DIRECT else nbytes
             )
@@ -204,6 +205,9 @@ class Communicator:
                 f"({self._broken}); create a new one with ddlcore.init()"
             )
         if int_avg.applies(call, self.size):  # a "sum" of a wider buffer, then a division
+            if call.collective == Collective.REDUCE:
+                self._integer_avg(calls.as_allreduce(call), seq)
+                return call.result
             return self._integer_avg(call, seq)
         running: paths.Path | None = None
         try:
@@ -482,10 +486,9 @@ class Communicator:
         return self._p2p.irecv(x, source, tag)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
-        """Split as MPI_Comm_split (collective): the ranks of one ``color`` form a new
-        `Communicator` ranked by ``(key, rank)``; None (or a negative color) gives None.
-        Children have their own connections; parent and child close independently, but the
-        world's rank 0 process serves their store and must outlive them (``ddlcore.split``)."""
+        """MPI_Comm_split (collective): the ranks of one ``color`` form a new `Communicator`
+        ranked by ``(key, rank)``; None (or a negative color) gives None. Parent and child close
+        independently; the world's rank 0 process serves their store: it must outlive them."""
         assert self._joiner is not None, "communicators are made by ddlcore.init()"
         self._splits += 1
         return split_communicator(self, color, key, f"split{self._splits}", self._joiner)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddlcore import config, tuning
-from ddlcore.collectives import Collective
+from ddlcore.collectives import HAS_ROOT
 from ddlcore.errors import DDLError
 
 log = logging.getLogger("ddlcore")
@@ -253,7 +253,7 @@ class FlightRecorder:
                     "bytes": nbytes,
                     "dtype": dtype.name if dtype is not None else None,
                     "op": op.name.lower() if op is not None else None,
-                    "root": e[_ROOT] if e[_COLL] == Collective.BROADCAST else None,
+                    "root": e[_ROOT] if e[_COLL] in HAS_ROOT else None,
                     "memory": e[_MEMORY].value if e[_MEMORY] is not None else None,
                     "algorithm": algorithm,
                     "path": path,

@@ -120,6 +120,12 @@ class BoardKind(enum.IntEnum):
     BARRIER = 5
     HOST_REDUCE_SCATTER = 6
     HOST_ALLGATHER = 7
+    # Collectives the boards only compare at a sync point (they run as schedules).
+    REDUCE = 8
+    GATHER = 9
+    SCATTER = 10
+    ALLTOALL = 11
+    ALLTOALLV = 12
 
     @classmethod
     def of(cls, collective: Collective | str) -> BoardKind:

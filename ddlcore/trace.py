@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddlcore import flight
-from ddlcore.collectives import Collective
+from ddlcore.collectives import HAS_ROOT, Collective
 
 Record = dict[str, Any]
 Entry = dict[str, Any]
@@ -100,7 +100,7 @@ def _shape(e: Entry) -> str:
     desc = f"{e.get('count')} x {e.get('dtype')}"
     if e.get("op"):
         desc += f", {e['op']}"
-    if e["collective"] == Collective.BROADCAST:
+    if e["collective"] in HAS_ROOT:
         desc += f", root {e.get('root')}"
     return f"{e['collective']} ({desc})"
 
@@ -117,7 +117,7 @@ def _signature(e: Entry) -> tuple[Any, ...]:
         e.get("count"),
         e.get("dtype"),
         e.get("op"),
-        e.get("root") if e["collective"] == Collective.BROADCAST else None,
+        e.get("root") if e["collective"] in HAS_ROOT else None,
     )
 
 
@@ -367,9 +367,7 @@ def table(rec: Record, last: int = 0) -> str:
     for e in entries:
         end = e.get("end")
         took = _seconds(end - e["start"]) if end is not None else "-"
-        extra = e.get("op") or (
-            f"root {e.get('root')}" if e["collective"] == Collective.BROADCAST else ""
-        )
+        extra = e.get("op") or (f"root {e.get('root')}" if e["collective"] in HAS_ROOT else "")
         rows.append(
             (
                 str(e["seq"]),

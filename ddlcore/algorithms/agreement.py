@@ -146,7 +146,13 @@ def agreed(
     return dataclasses.replace(sched, steps=tuple(steps))
 
 
-def natural_completeness(collective: str, count: int) -> bool:
-    """Whether a ``collective`` of ``count`` input elements (per rank) has completeness by
-    nature: the barrier, and the reductions and allgather of at least one element."""
+def natural_completeness(collective: str, count: int, size: int = 1) -> bool:
+    """Whether a ``collective`` of ``count`` input elements (per rank; ``size`` ranks) has
+    completeness by nature: the barrier, the reductions, allgather and alltoall of at least one
+    element, and reduce where every rank's ring segment has one (its ring reduce-scatter is
+    complete; gather, scatter and alltoallv never are: a non-root hears only from the root)."""
+    if collective == Collective.REDUCE:
+        return count >= size
+    if collective in (Collective.GATHER, Collective.SCATTER, Collective.ALLTOALLV):
+        return False
     return collective == Collective.BARRIER or (collective != Collective.BROADCAST and count > 0)

@@ -13,7 +13,7 @@ Each owns its caches and staging; what they share is the `Context` they are made
 
 from __future__ import annotations
 
-from ddlcore.paths.base import Context, Path, Plan
+from ddlcore.paths.base import ON_BOARDS, Context, Path, Plan
 from ddlcore.paths.boards import BoardsPath
 from ddlcore.paths.device import DevicePath
 from ddlcore.paths.host_staged import HostStagedPath
@@ -23,6 +23,7 @@ from ddlcore.paths.schedule import SchedulePath
 PATHS = (BoardsPath, HostStagedPath, DevicePath, SchedulePath)
 
 __all__ = [
+    "ON_BOARDS",
     "PATHS",
     "BoardsPath",
     "Context",

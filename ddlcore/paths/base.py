@@ -19,7 +19,7 @@ from ddlcore import device, engine, hostcoll, int_avg, tuning
 from ddlcore.algorithms import Buf, Schedule
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
-from ddlcore.collectives import Collective
+from ddlcore.collectives import HAS_ROOT, Collective
 from ddlcore.hostcoll import BoardCall, BoardKind, HostCollectives
 from ddlcore.kernels.cpu import array_address
 from ddlcore.links import Links
@@ -30,6 +30,9 @@ log = logging.getLogger("ddlcore")
 
 # The collectives whose host dimensions can run through the boards (`ddlcore.paths.host_staged`).
 HOST_STAGED = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.ALLGATHER)
+# The collectives the boards run (the others only meet there at a sync point, then run as
+# schedules: reduce, gather, scatter, alltoall, alltoallv).
+ON_BOARDS = (*HOST_STAGED, Collective.BROADCAST, Collective.BARRIER)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,18 @@ class Path(Protocol):
 
     def close(self) -> None:
         """Release what the path keeps between calls."""
+
+
+def board_mode(ctx: Context, call: Call, itemsize: int) -> int | None:
+    """How a one-host communicator's boards take ``call`` (None without them): by its size,
+    or `hostcoll.SYNC_ONLY` for the collectives they do not run (`ON_BOARDS`), so the ranks
+    compare their calls there before the schedule."""
+    host = ctx.host
+    if host is None:
+        return None
+    if call.collective not in ON_BOARDS:
+        return hostcoll.SYNC_ONLY
+    return host.mode(call.count * itemsize)
 
 
 def board_bytes(collective: str, nbytes: int, topo: Topology) -> int:
@@ -152,7 +167,7 @@ def label(call: Call, seq: int) -> str:
     desc = f"{call.count} x {call.inp.dtype.name}"
     if call.op is not None:
         desc += f", {call.op.name.lower()}"
-    if call.collective == Collective.BROADCAST:
+    if call.collective in HAS_ROOT:
         desc += f", root {call.root}"
     elif call.root < 0:  # the wide sum of an integer avg (int_avg.marker)
         desc += f": the integer avg of {int_avg.avg_dtype(call.root)}"

@@ -9,7 +9,7 @@ import numpy as np
 from ddlcore import hostcoll
 from ddlcore.calls import Call
 from ddlcore.ops import Op
-from ddlcore.paths.base import PathBase, Plan
+from ddlcore.paths.base import ON_BOARDS, PathBase, Plan
 
 NAME = "boards"
 
@@ -21,7 +21,7 @@ class BoardsPath(PathBase):
 
     def plan(self, call: Call) -> Plan | None:
         host = self.ctx.host
-        if host is None:
+        if host is None or call.collective not in ON_BOARDS:
             return None
         itemsize = call.inp.dtype.itemsize if call.inp is not None else 1
         mode = host.mode(call.count * itemsize)

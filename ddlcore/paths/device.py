@@ -11,7 +11,7 @@ from ddlcore import device, device_engine, engine
 from ddlcore.algorithms import Buf
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
-from ddlcore.paths.base import Context, PathBase, Plan, check_word, label
+from ddlcore.paths.base import Context, PathBase, Plan, board_mode, check_word, label
 from ddlcore.paths.schedule import schedules
 
 log = logging.getLogger("ddlcore")
@@ -39,15 +39,14 @@ class DevicePath(PathBase):
             # download, the host schedule, one upload) it skips the engine's fixed cost of
             # streams, events and Numba calls (H100: 1 MiB allreduce 0.7 ms staged, 2.1 ms here).
             return None
-        host = self.ctx.host
-        return Plan(itemsize, host.mode(call.count * itemsize) if host is not None else None)
+        return Plan(itemsize, board_mode(self.ctx, call, itemsize))
 
     def _run(self, plan: Plan, call: Call, seq: int) -> None:
         assert call.inp is not None and call.out is not None
         self.agree_first(plan, call, seq)
         ctx, itemsize = self.ctx, plan.itemsize
         name = label(call, seq)
-        choice, sched = self.schedule(call.collective, call.count, itemsize, call.root)
+        choice, sched = self.schedule(call.collective, call.count, itemsize, call.root, call.splits)
         if ctx.debug:
             peers = sorted({st.peer for st in sched.steps if st.peer >= 0})
             direct = [

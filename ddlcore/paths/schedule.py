@@ -10,9 +10,9 @@ import numpy as np
 
 from ddlcore import topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Schedule, agreement
-from ddlcore.calls import Call
+from ddlcore.calls import ROOTED, Call
 from ddlcore.collectives import Collective
-from ddlcore.paths.base import Context, PathBase, Plan
+from ddlcore.paths.base import Context, PathBase, Plan, board_mode
 
 NAME = "schedule"
 
@@ -26,13 +26,20 @@ def make_schedule(
     itemsize: int,
     root: int,
     topo: topology.Topology,
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> Schedule:
-    """``choice``'s schedule of ``collective`` for ``rank`` of ``size``."""
+    """``choice``'s schedule of ``collective`` for ``rank`` of ``size`` (``splits``:
+    alltoallv's send and receive counts, this rank's)."""
     make = ALGORITHMS[collective][choice.algorithm]
     if collective == Collective.BARRIER:
         return make(rank, size)
-    if collective == Collective.BROADCAST:
+    if collective in ROOTED or collective == Collective.BROADCAST:
         return make(rank, size, count, itemsize, choice.chunk_bytes, root)
+    if collective == Collective.ALLTOALL:
+        return make(rank, size, count, itemsize, choice.chunk_bytes)
+    if collective == Collective.ALLTOALLV:
+        assert splits is not None
+        return make(rank, size, *splits, itemsize, choice.chunk_bytes)
     if choice.segments > 1:
         return make(
             rank,
@@ -54,21 +61,25 @@ def make_schedule(
 def schedules(
     ctx: Context, chunk_bytes: int | None = None
 ) -> functools._lru_cache_wrapper[tuple[tuning.Choice, Schedule]]:
-    """``(collective, count, itemsize, root) -> (choice, schedule)``, the recent kept: schedules
-    are pure functions of the call's shape on a fixed topology. ``chunk_bytes``: the pipeline
-    chunk (default: the context's)."""
+    """``(collective, count, itemsize, root, splits=None) -> (choice, schedule)``, the recent
+    kept: schedules are pure functions of the call's shape on a fixed topology. ``chunk_bytes``:
+    the pipeline chunk (default: the context's)."""
 
     def build(
-        collective: Collective, count: int, itemsize: int, root: int
+        collective: Collective,
+        count: int,
+        itemsize: int,
+        root: int,
+        splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
     ) -> tuple[tuning.Choice, Schedule]:
         choice = ctx.choose(collective, count * itemsize, chunk_bytes)
         return choice, agreement.agreed(
             lambda r: make_schedule(
-                collective, choice, r, ctx.size, count, itemsize, root, ctx.topology
+                collective, choice, r, ctx.size, count, itemsize, root, ctx.topology, splits
             ),
             ctx.rank,
             ctx.size,
-            agreement.natural_completeness(collective, count),
+            agreement.natural_completeness(collective, count, ctx.size),
         )
 
     return functools.lru_cache(maxsize=256)(build)
@@ -85,8 +96,7 @@ class SchedulePath(PathBase):
 
     def plan(self, call: Call) -> Plan | None:
         itemsize = call.inp.dtype.itemsize if call.inp is not None else 1
-        host = self.ctx.host
-        return Plan(itemsize, host.mode(call.count * itemsize) if host is not None else None)
+        return Plan(itemsize, board_mode(self.ctx, call, itemsize))
 
     def _run(self, plan: Plan, call: Call, seq: int) -> None:
         def run(host_in: np.ndarray | None, host_out: np.ndarray | None) -> None:
@@ -94,7 +104,7 @@ class SchedulePath(PathBase):
             self.on_links(
                 call,
                 seq,
-                self.schedule(call.collective, call.count, plan.itemsize, call.root),
+                self.schedule(call.collective, call.count, plan.itemsize, call.root, call.splits),
                 host_in,
                 host_out,
                 plan.itemsize,

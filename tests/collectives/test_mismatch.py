@@ -108,30 +108,34 @@ def _call(comm, rank: int, spec) -> None:
         comm.barrier()
 
 
-def _mismatch_cases(rank, size, names):
-    """Each case on a new communicator: (error class, message, seconds) per case name."""
+def outcome(call) -> tuple[str, str, float]:
+    """``call(comm)`` on a new communicator (a mismatch breaks it): (error class, message,
+    seconds)."""
     import ddlcore
 
+    comm = ddlcore.init()
+    try:
+        t0 = time.monotonic()
+        try:
+            # Every pair connected, in step. A rank still waiting for the last message of
+            # this one may already hear of a peer's failure in the next (an abort overtakes
+            # the data), and raise here: still the mismatch's error.
+            comm.allreduce(np.ones(8, np.float32))
+            call(comm)
+        except ddlcore.DDLError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+        return "no error", "", time.monotonic() - t0
+    finally:
+        comm.close()
+
+
+def _mismatch_cases(rank, size, names):
+    """Each case on a new communicator: (error class, message, seconds) per case name."""
     out = {}
     for name, agreeing, differing, which in CASES:
-        if name not in names:
-            continue
-        comm = ddlcore.init()
-        try:
+        if name in names:
             spec = differing if _differs(rank, size, which) else agreeing
-            t0 = time.monotonic()
-            try:
-                # Every pair connected, in step. A rank still waiting for the last message of
-                # this one may already hear of a peer's failure in the next (an abort overtakes
-                # the data), and raise here: still the mismatch's error.
-                comm.allreduce(np.ones(8, np.float32))
-                _call(comm, rank, spec)
-            except ddlcore.DDLError as exc:
-                out[name] = (type(exc).__name__, str(exc), time.monotonic() - t0)
-            else:
-                out[name] = ("no error", "", time.monotonic() - t0)
-        finally:
-            comm.close()
+            out[name] = outcome(lambda comm, spec=spec: _call(comm, rank, spec))
     return out
 
 
@@ -295,16 +299,31 @@ def test_schedules_make_first_contact_and_pair_up():
     for size, collective, name, count in _symbolic_worlds():
         make = ALGORITHMS[collective][name]
         topo = topology.flat(size, level="host")
-        n = count * size if collective == "reduce_scatter" else count
+        n = count * size if collective in ("reduce_scatter", "alltoall") else count
+        # alltoallv: rank s sends (s + 2 d) % 3 * count elements to rank d (some none)
+        splits = [[(s + 2 * d) % 3 * count for d in range(size)] for s in range(size)]
 
-        def mk(r, make=make, topo=topo, n=n, collective=collective, size=size, count=count):
+        def mk(
+            r,
+            make=make,
+            topo=topo,
+            n=n,
+            collective=collective,
+            size=size,
+            count=count,
+            splits=splits,
+        ):
             if collective == "barrier":
                 return make(r, size)
-            if collective == "broadcast":
+            if collective in ("broadcast", "reduce", "gather", "scatter"):
                 return make(r, size, n, 4, 64, count % size)
+            if collective == "alltoall":
+                return make(r, size, n, 4, 64)
+            if collective == "alltoallv":
+                return make(r, size, splits[r], [row[r] for row in splits], 4, 64)
             return make(r, size, n, 4, 64, topo)
 
-        complete = agreement.natural_completeness(collective, n)
+        complete = agreement.natural_completeness(collective, n, size)
         sent, got = defaultdict(list), defaultdict(list)
         for r in range(size):
             sched = agreement.agreed(mk, r, size, complete)

@@ -13,6 +13,7 @@ from ddlcore import calls, hostcoll, paths, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.collectives import Collective
 from ddlcore.errors import DDLError, PeerFailureError
+from ddlcore.paths.base import ON_BOARDS
 
 
 class FakeBoards:
@@ -104,7 +105,7 @@ def test_the_order_is_boards_host_staged_device_schedule():
     assert [p.name for p in paths.PATHS] == ["boards", "host-staged", "device", "schedule"]
 
 
-@pytest.mark.parametrize("collective", list(Collective))
+@pytest.mark.parametrize("collective", ON_BOARDS)
 def test_one_host_runs_on_the_boards_where_they_take_the_call(collective):
     small = _call(collective, 1000, 2)
     large = _call(collective, 1 << 20, 2)
@@ -123,6 +124,17 @@ def test_one_host_runs_on_the_boards_where_they_take_the_call(collective):
         )
         # device buffers the boards take are staged through host memory, on the boards
         assert _walk(direct, _on_device(large))[0] == "boards"
+
+
+@pytest.mark.parametrize("collective", [c for c in Collective if c not in ON_BOARDS])
+def test_the_boards_only_compare_the_collectives_they_do_not_run(collective):
+    """Reduce, gather, scatter, alltoall(v): schedules after a sync point on the boards."""
+    x = np.ones(1000 * 2, np.float32)
+    splits = ((1000, 1000), (1000, 1000)) if collective == Collective.ALLTOALLV else None
+    call = calls.prepare(collective, x, None, None, 0, 2, 0, splits)
+    ctx = _context("aa", host=FakeBoards(2))
+    assert _walk(ctx, call) == ("schedule", paths.Plan(4, hostcoll.SYNC_ONLY))
+    assert _walk(ctx, _on_device(call)) == ("device", paths.Plan(4, hostcoll.SYNC_ONLY))
 
 
 def test_without_boards_calls_run_as_schedules_or_on_the_device():

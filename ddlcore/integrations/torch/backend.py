@@ -7,10 +7,12 @@ meets the other ranks through that store (``ddlcore.init(store=...)``), under an
 
 `ProcessGroupDDL` maps torch's collectives onto the `Communicator`: allreduce (SUM, AVG,
 PRODUCT, MIN, MAX), allreduce_coalesced, allgather (lists and into one tensor, coalesced too),
-reduce_scatter (likewise), broadcast from any root, barrier. Each returns an asynchronous
-`WorkDDL` whose ``wait()`` blocks without the GIL and whose ``get_future()`` completes with the
-output tensors. What ddlcore cannot do yet (reduce, gather, scatter, all-to-all, send/recv,
-subgroups) raises ``torch.distributed.DistBackendError`` saying so, before anything is sent.
+reduce_scatter (likewise), broadcast, reduce, gather and scatter from any root, all_to_all and
+all_to_all_single (split sizes too), barrier, send/recv (and batch_isend_irecv), and groups
+over some of the ranks (a `Communicator.split` child). Each returns an asynchronous `WorkDDL`
+whose ``wait()`` blocks without the GIL and whose ``get_future()`` completes with the output
+tensors. What ddlcore cannot do yet (recv from any source, several tensors per process)
+raises ``torch.distributed.DistBackendError`` saying so, before anything is sent.
 """
 
 # torch's stubs overload some ProcessGroup methods and name arguments differently; the C++
@@ -25,14 +27,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddlcore.integrations.torch.work import WorkDDL, _dist_error, _seconds
+from ddlcore.integrations.torch.rooted import RootedCollectives
+from ddlcore.integrations.torch.work import (
+    WorkDDL,
+    _contiguous,
+    _copier,
+    _dist_error,
+    _op,
+    _seconds,
+)
 
 BACKEND_NAME = "ddl"
 _DEVICES = ["cpu", "cuda"]
-_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 _SUPPORTED = (
     "allreduce, allreduce_coalesced, allgather, all_gather_into_tensor, "
-    "reduce_scatter, reduce_scatter_tensor, broadcast and barrier"
+    "reduce_scatter, reduce_scatter_tensor, broadcast, reduce, gather, scatter, all_to_all, "
+    "all_to_all_single, send, recv and barrier"
 )
 
 
@@ -51,34 +61,7 @@ def _unsupported(what: str) -> dist.DistBackendError:
     )
 
 
-def _op(opts: Any, what: str) -> str:
-    """ddlcore's name of the reduction in torch's ``opts``."""
-    red = opts.reduceOp.op.name
-    if red not in _OPS:
-        raise ValueError(
-            f"ddl backend, {what}: op=ReduceOp.{red} is not supported; ddlcore "
-            f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}"
-        )
-    return _OPS[red]
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _copier(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
-    """The finishing step that copies each (destination, buffer) pair back; None for none."""
-    if not pairs:
-        return None
-
-    def copy() -> None:
-        for destination, buf in pairs:
-            destination.copy_(buf)
-
-    return copy
-
-
-class ProcessGroupDDL(dist.ProcessGroup):
+class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[misc]  # stubs
     """A torch.distributed process group whose collectives a ddlcore `Communicator` runs."""
 
     def __init__(self, comm: Any, rank: int, size: int, timeout: float) -> None:
@@ -333,23 +316,6 @@ class ProcessGroupDDL(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # --- what the Communicator cannot do yet ------------------------------------------------
-    def reduce(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("reduce")
-
-    def gather(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("gather")
-
-    def scatter(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("scatter")
-
-    def alltoall(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("all_to_all")
-
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("all_to_all_single")
-
-    alltoall_base = all_to_all_single
-
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> WorkDDL:
         raise _unsupported("all_gather_coalesced")
 

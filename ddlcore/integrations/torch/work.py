@@ -1,5 +1,7 @@
-"""`WorkDDL`, the handle of one collective of the "ddl" torch.distributed backend in flight, and
-how a ddlcore error reaches torch (`_dist_error`: a ``DistBackendError`` with ddlcore's message).
+"""`WorkDDL`, the handle of one collective of the "ddl" torch.distributed backend in flight; how
+a ddlcore error reaches torch (`_dist_error`: a ``DistBackendError`` with ddlcore's message); and
+the small steps the backend's collectives share (the op's name, contiguous copies, copying
+results back).
 """
 
 from __future__ import annotations
@@ -11,6 +13,35 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
+
+
+def _op(opts: Any, what: str) -> str:
+    """ddlcore's name of the reduction in torch's ``opts``."""
+    red = opts.reduceOp.op.name
+    if red not in _OPS:
+        raise ValueError(
+            f"ddl backend, {what}: op=ReduceOp.{red} is not supported; ddlcore "
+            f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}"
+        )
+    return _OPS[red]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _copier(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None] | None:
+    """The finishing step that copies each (destination, buffer) pair back; None for none."""
+    if not pairs:
+        return None
+
+    def copy() -> None:
+        for destination, buf in pairs:
+            destination.copy_(buf)
+
+    return copy
 
 
 def _dist_error(exc: BaseException, what: str) -> BaseException:

@@ -1,5 +1,6 @@
 """A torch.distributed program on the backend "ddl" that never imports ddlcore (torch finds the
-backend through its ``torch.backends`` entry point). Every supported collective over float32,
+backend through its ``torch.backends`` entry point). Every supported collective (reduce,
+gather, scatter and all-to-all too) over float32,
 float64, int32 and int64 tensors of sizes 0, 1, primes and sizes not divisible by the world
 size, every op, synchronous and asynchronous, is checked against a reference computed here from
 every rank's inputs (seeded); so are functional collectives and DTensor; then DDP trains the same model on "ddl" and on a gloo group, and
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("ddl", timeout=timedelta(seconds=25))
@@ -127,6 +128,11 @@ for dtype in DTYPES:
                 op=torch_op,
             )
             check(out, reduced(xs, op)[rank * n : (rank + 1) * n], f"reduce_scatter {op}")
+            # reduce: the root's tensor gets the result, the others' stay as they were
+            xs, root = inputs(n, dtype), case % size
+            t = xs[rank].clone()
+            run(dist.reduce(t, dst=root, op=torch_op, async_op=async_op), async_op, [t], "reduce")
+            check(t, reduced(xs, op) if rank == root else xs[rank], f"reduce {dtype} {n} {op}")
 
         xs = inputs(n, dtype)
         outs = [torch.full((n,), -1, dtype=dtype, device=DEVICE) for _ in range(size)]
@@ -140,6 +146,33 @@ for dtype in DTYPES:
             t = xs[rank].clone()
             run(dist.broadcast(t, src=root, async_op=True), True, [t], "broadcast")
             check(t, xs[root], f"broadcast {dtype} n={n} root {root}")
+            # gather into the root's list; scatter the root's list
+            outs = [torch.full((n,), -1, dtype=dtype, device=DEVICE) for _ in range(size)]
+            dist.gather(xs[rank], outs if rank == root else None, dst=root)
+            for r in range(size):
+                check(
+                    outs[r], xs[r] if rank == root else torch.full((n,), -1, dtype=dtype), "gather"
+                )
+            t = torch.full((n,), -1, dtype=dtype, device=DEVICE)
+            dist.scatter(t, [x.clone() for x in xs] if rank == root else None, src=root)
+            check(t, xs[rank], f"scatter {dtype} n={n} root {root}")
+        # all_to_all_single: equal blocks, then rows split unevenly (rank s sends d rows
+        # (s + d + n) % 3 of them), and all_to_all of a list of tensors of those sizes
+        xs = inputs(2 * n * size, dtype, (2 * n * size, 1) if n else None)
+        out = torch.empty_like(xs[rank])
+        run(dist.all_to_all_single(out, xs[rank], async_op=True), True, [out], "all_to_all")
+        want = torch.cat([x[rank * 2 * n : (rank + 1) * 2 * n] for x in xs])
+        check(out, want, f"all_to_all_single {dtype} n={n}")
+        rows = [[(s + d + n) % 3 for d in range(size)] for s in range(size)]
+        ys = [inputs(sum(rows[s]) * 2, dtype, (sum(rows[s]), 2))[s] for s in range(size)]
+        parts = [y.split(rows[s]) for s, y in enumerate(ys)]
+        out = torch.empty(sum(r[rank] for r in rows), 2, dtype=dtype, device=DEVICE)
+        dist.all_to_all_single(out, ys[rank], [r[rank] for r in rows], rows[rank])
+        check(out, torch.cat([parts[s][rank] for s in range(size)]), "all_to_all_single split")
+        outs = [torch.empty(r[rank], 2, dtype=dtype, device=DEVICE) for r in rows]
+        dist.all_to_all(outs, list(parts[rank]))
+        for s in range(size):
+            check(outs[s], parts[s][rank], f"all_to_all {dtype} from {s}")
 
 # Non-contiguous tensors: the collective works on a contiguous copy, written back.
 xs = inputs(12, torch.float64, (3, 4))
@@ -177,16 +210,25 @@ with dist._coalescing_manager():
 check(out, reduced(a, "sum")[rank * 3 : (rank + 1) * 3], "coalesced reduce_scatter_tensor")
 dist.barrier()
 
+# The object collectives on gather and scatter.
+objs = [None] * size if rank == 0 else None
+dist.gather_object({"rank": rank, "pad": "x" * 5 * rank}, objs, dst=0)
+assert rank != 0 or [o["rank"] for o in objs] == list(range(size)), objs
+got = [None]
+dist.scatter_object_list(
+    got, [f"obj{r}" for r in range(size)] if rank == size - 1 else None, src=size - 1
+)
+assert got == [f"obj{rank}"], got
+
 # What ddlcore cannot do yet says so, before anything is sent.
 for what, call in [
     (
         "ReduceOp.BAND",
         lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND),
     ),
-    ("reduce is not supported", lambda: dist.reduce(torch.ones(2), dst=0)),
     (
-        "all_to_all_single is not supported",
-        lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2)),
+        "input_split_sizes",
+        lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2), [1] * size, [2] * size),
     ),
 ]:
     try:
@@ -236,6 +278,8 @@ check(
     reduced(xs, "max")[rank * 3 : (rank + 1) * 3],
     "funcol.reduce_scatter_tensor",
 )
+full = torch.arange(4.0 * size, device=DEVICE).reshape(2 * size, 2)
+check(distribute_tensor(full, mesh, [Shard(0)]).to_local(), full.chunk(size)[rank], "distribute")
 shard = DTensor.from_local(xs[rank], mesh, [Shard(0)])
 check(shard.redistribute(mesh, [Replicate()]).to_local(), torch.cat(xs), "DTensor replicate")
 check((shard * 2).sum().full_tensor(), 2 * torch.cat(xs).sum(), "DTensor partial sum")
