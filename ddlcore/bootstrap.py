@@ -7,7 +7,6 @@ and returns a `Communicator`.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -391,8 +390,7 @@ def _joiner(
     if forced_mpi or spec == "auto" or spec.startswith("auto:"):
         network = [n for n in network_order(spec) if n != "mpi"] if not forced_mpi else []
         spec = "auto:" + ",".join(network or ["ucx", "tcp"])
-    child_environ = {k: v for k, v in (os.environ if environ is None else environ).items()}
-    child_environ.pop("DDL_TOPOLOGY", None)
+    child_environ = config.without(environ, "DDL_TOPOLOGY")
 
     def join(rank: int, size: int, name: str) -> Communicator:
         from ddlcore.store import PrefixStore, StoreClient

@@ -416,6 +416,15 @@ def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return name in env
 
 
+def without(environ: Mapping[str, str] | None, *names: str) -> dict[str, str]:
+    """A copy of the environment (``os.environ`` when None) without the declared ``names``."""
+    for name in names:
+        if name not in VARS:
+            raise KeyError(name)
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k not in names}
+
+
 def resolved(environ: Mapping[str, str] | None = None, external: bool = False) -> dict[str, Any]:
     """All declared variables (the ``DDL_*`` ones unless ``external``) with their parsed values;
     a secret's value is replaced by a note saying whether it is set (what `python -m ddlcore
