@@ -154,10 +154,12 @@ class MpiRequest(Request):
         try:
             finished = self._req.Test(self._status)
         except MPI.Exception as exc:
+            self._pair.context.receiving.pop(id(self), None)
             raise self._pair._error(exc, self) from None
         if finished:
             self._done = True
             if not self.is_send:
+                self._pair.context.receiving.pop(id(self), None)
                 got = self._status.Get_count(MPI.BYTE)
                 if got != self.nbytes:
                     p = self._pair
@@ -246,7 +248,9 @@ class MpiPair(Pair):
             req = comm.Irecv([view, _mpi().BYTE], self.mpi_peer, mpi_tag)
         except _mpi().Exception as exc:
             raise self._error(exc) from None
-        return MpiRequest(req, self, tag, len(view), False)
+        request = MpiRequest(req, self, tag, len(view), False)
+        self.context.receiving[id(request)] = (req, view)
+        return request
 
     def abort(self, code: int, reason: str) -> None:
         self.context.notify_abort(self.mpi_peer, code, reason)
@@ -283,6 +287,10 @@ class MpiContext(Context):
         self._abort_req = self.ctrl.Irecv([self._abort_buf, MPI.BYTE], MPI.ANY_SOURCE, _ABORT_TAG)
         self._sent_aborts: list[Any] = []
         self._closed = False
+        # Receives MPI may still write into, with their buffers kept alive: after a failure the
+        # engine drops its requests, and a peer's late message must not land in freed memory
+        # (it did: heap corruption after a mismatch). `close` cancels them.
+        self.receiving: dict[int, tuple[Any, Any]] = {}
         self._ranks_of = {m: r for r, m in enumerate(self._mpi_rank)}
         direct = config.get("DDL_GPU_DIRECT")
         self.device_memory = direct == "on" or (direct == "auto" and cuda_aware())
@@ -344,6 +352,13 @@ class MpiContext(Context):
                 self._abort_req.Wait()
             except Exception:
                 pass
+        for req, _ in self.receiving.values():  # cancelled, or done: MPI holds no buffer after
+            try:
+                req.Cancel()
+                req.Wait()
+            except Exception:
+                pass
+        self.receiving.clear()
         for comm in (self.data, self.ctrl, self.p2p):
             try:
                 comm.Free()
