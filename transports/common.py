@@ -147,7 +147,9 @@ def mismatch_error(
         f"rank {peer} sent {sent_nbytes} bytes with check {sent_check:#010x} for tag "
         f"{tag:#x}, rank {rank} posted {posted_nbytes} bytes with check "
         f"{posted_check:#010x}: the ranks are calling different collectives, or the same one "
-        "with a different size, dtype, op or root"
+        "with a different size, dtype, op or root, or with device (CUDA) buffers on some ranks "
+        "and host buffers on others, whose schedules are chunked differently unless "
+        "DDL_CHUNK_BYTES is set"
     )
 
 

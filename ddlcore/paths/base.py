@@ -174,15 +174,31 @@ def label(call: Call, seq: int) -> str:
     return f"{call.collective} #{seq} ({desc})"
 
 
-def check_word(call: Call, kind: BoardKind | None = None) -> int:
+def check_word(call: Call, kind: BoardKind | None = None, chunk_bytes: int = 0) -> int:
     """The word every message (and board sync point) of ``call`` carries, so ranks that call
-    different collectives find out (``kind``: the board call's, where not the call's)."""
+    different collectives find out (``kind``: the board call's, where not the call's). A
+    schedule's messages fold in its ``chunk_bytes``: ranks whose schedules cut the buffer
+    differently (device buffers on one rank, host buffers on another: `schedule_chunk`) are
+    told, not left to misread each other's chunks."""
     code = int(call.inp.code) if call.inp is not None else 255
     op = int(call.op) if call.op is not None else 255
     raw = struct.pack(
-        "<BBBqq", kind or BoardKind.of(call.collective), code, op, call.count, call.root
+        "<BBBqqq",
+        kind or BoardKind.of(call.collective),
+        code,
+        op,
+        call.count,
+        call.root,
+        chunk_bytes,
     )
     return zlib.crc32(raw) | 1
+
+
+def schedule_chunk(ctx: Context, call: Call) -> int:
+    """The pipeline chunk of ``call``'s schedule, whichever path runs it: device buffers take
+    the device chunk (staged whole or on CUDA streams, the same messages)."""
+    on_device = call.inp is not None and call.inp.memory == MemoryKind.CUDA
+    return (ctx.device_chunk_bytes or ctx.chunk_bytes) if on_device else ctx.chunk_bytes
 
 
 _HOW = {
@@ -344,7 +360,7 @@ class PathBase:
             buffers[Buf.SCRATCH] = ctx.scratch_region(sched.scratch_count * itemsize)
         coll = engine.Collective(
             seq & 0x7FFFFFFF,
-            check_word(call),
+            check_word(call, chunk_bytes=choice.chunk_bytes),
             itemsize,
             int(call.inp.code) if call.inp is not None else 0,
             call.op,

@@ -82,7 +82,12 @@ class DevicePath(PathBase):
             if sched.scratch_count:
                 buffers[Buf.SCRATCH] = slots.scratch(sched.scratch_count * itemsize)
             coll = engine.Collective(
-                seq & 0x7FFFFFFF, check_word(call), itemsize, int(call.inp.code), call.op, name
+                seq & 0x7FFFFFFF,
+                check_word(call, chunk_bytes=choice.chunk_bytes),
+                itemsize,
+                int(call.inp.code),
+                call.op,
+                name,
             )
             device_engine.run(
                 sched, coll, buffers, ctx.links, slots, ctx.depth, ctx.timeout, call.ready

@@ -12,7 +12,7 @@ from ddlcore import topology, tuning
 from ddlcore.algorithms import ALGORITHMS, Schedule, agreement
 from ddlcore.calls import ROOTED, Call
 from ddlcore.collectives import Collective
-from ddlcore.paths.base import Context, PathBase, Plan, board_mode
+from ddlcore.paths.base import Context, PathBase, Plan, board_mode, schedule_chunk
 
 NAME = "schedule"
 
@@ -93,6 +93,7 @@ class SchedulePath(PathBase):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.schedule = schedules(ctx)
+        self.device_schedule = schedules(ctx, ctx.device_chunk_bytes or None)
 
     def plan(self, call: Call) -> Plan | None:
         itemsize = call.inp.dtype.itemsize if call.inp is not None else 1
@@ -101,10 +102,14 @@ class SchedulePath(PathBase):
     def _run(self, plan: Plan, call: Call, seq: int) -> None:
         def run(host_in: np.ndarray | None, host_out: np.ndarray | None) -> None:
             self.agree_first(plan, call, seq, host_in, host_out)
+            on_device = schedule_chunk(self.ctx, call) != self.ctx.chunk_bytes
+            planned = (self.device_schedule if on_device else self.schedule)(
+                call.collective, call.count, plan.itemsize, call.root, call.splits
+            )
             self.on_links(
                 call,
                 seq,
-                self.schedule(call.collective, call.count, plan.itemsize, call.root, call.splits),
+                planned,
                 host_in,
                 host_out,
                 plan.itemsize,
@@ -114,3 +119,4 @@ class SchedulePath(PathBase):
 
     def close(self) -> None:
         self.schedule.cache_clear()
+        self.device_schedule.cache_clear()

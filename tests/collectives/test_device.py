@@ -317,3 +317,37 @@ def test_device_buffers_are_staged_in_their_gpus_context_and_out_streams_are_see
     for staged, outs in run_ranks(_streams_and_context_body, 2, env=SIM, timeout=120):
         assert staged[:2] == [("download", [0]), ("upload", [0])], staged
         assert outs == [True, False]
+
+
+def _mixed_memory_body(rank, size, expect_mismatch):
+    """Rank 0 passes a device array, the others host arrays, to a schedule (ring over tcp)."""
+    from numba import cuda
+
+    import ddlcore
+
+    n = 600_011  # 2.4 MB: one device chunk (4 MiB), three host chunks (1 MiB)
+    x = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    want = sum(np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(size))
+    with ddlcore.init() as comm:
+        arg = cuda.to_device(x) if rank == 0 else x
+        try:
+            got = comm.allreduce(arg)
+        except ddlcore.CollectiveMismatchError as exc:
+            assert expect_mismatch, exc
+            assert "device (CUDA) buffers on some ranks" in str(exc), exc
+            return "mismatch"
+        assert not expect_mismatch, "ranks chunking differently were not told"
+        got = got.copy_to_host() if rank == 0 else got
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        return "ok"
+
+
+@pytest.mark.parametrize("chunk", ["", "1M"])
+def test_device_buffers_on_some_ranks_and_host_buffers_on_others(chunk):
+    """Device schedules take bigger chunks than host ones by default: ranks that mix them are
+    told (every message carries its schedule's chunk in its check word); with DDL_CHUNK_BYTES
+    set, both kinds cut the buffer alike and the result is right."""
+    require(_numba_cuda_installed(), "numba-cuda not installed (pip install 'ddlcore[cuda]')")
+    env = dict(SIM, DDL_ALGO="ring", DDL_TRANSPORT="tcp", DDL_CHUNK_BYTES=chunk or None)
+    want = "ok" if chunk else "mismatch"
+    assert run_ranks(_mixed_memory_body, 2, not chunk, env=env, timeout=120) == [want] * 2

@@ -128,9 +128,11 @@ def test_one_host_runs_on_the_boards_where_they_take_the_call(collective):
 
 @pytest.mark.parametrize("collective", [c for c in Collective if c not in ON_BOARDS])
 def test_the_boards_only_compare_the_collectives_they_do_not_run(collective):
-    """Reduce, gather, scatter, alltoall(v): schedules after a sync point on the boards."""
-    x = np.ones(1000 * 2, np.float32)
-    splits = ((1000, 1000), (1000, 1000)) if collective == Collective.ALLTOALLV else None
+    """Reduce, gather, scatter, alltoall(v): schedules after a sync point on the boards (device
+    buffers on the device path: more than one chunk of them)."""
+    n = 1 << 18  # 1 MiB of float32 per block: the 2 MiB call spans two of the context's chunks
+    x = np.ones(n * 2, np.float32)
+    splits = ((n, n), (n, n)) if collective == Collective.ALLTOALLV else None
     call = calls.prepare(collective, x, None, None, 0, 2, 0, splits)
     ctx = _context("aa", host=FakeBoards(2))
     assert _walk(ctx, call) == ("schedule", paths.Plan(4, hostcoll.SYNC_ONLY))
