@@ -10,7 +10,8 @@ their own errors, then the whole group is killed and `RankFailure` is raised wit
 story. Every join has a deadline, so a hung rank fails the test instead of hanging the suite.
 Ranks listed in ``may_die`` are allowed to exit without reporting (tests that kill a rank).
 `event` and `barrier` make objects ranks share, to wait on each other instead of sleeping.
-`RankPool` keeps rank processes for many calls, where the processes are not the subject.
+`RankPool` keeps rank processes for many calls, where the processes are not the subject;
+`RankPools` keeps one per world size.
 """
 
 from __future__ import annotations
@@ -298,6 +299,25 @@ class RankPool:
             conn.close()
         _remove_shared_memory(self._procs)
         self._procs, self._conns = [], []
+
+
+class RankPools:
+    """One `RankPool` per world size, made on first use: ``run(fn, nprocs, *args)`` is
+    `run_ranks` for a test module whose cases share processes (a module-scoped fixture
+    ``close``-s it)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def run(self, fn: Callable[..., Any], nprocs: int, *args: Any, **kw: Any) -> list[Any]:
+        if nprocs not in self._pools:
+            self._pools[nprocs] = RankPool(nprocs)
+        return self._pools[nprocs].run(fn, *args, **kw)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
 
 def run_like_torchrun(

@@ -7,6 +7,7 @@ bit-identical results.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -30,16 +31,49 @@ COUNTS = [0, 1, 2, 3, 5, 7, 13, 31, 101, 1009, 4099, 65537]
 
 
 def random_input(dtype, count: int, rank: int, seed: int, op: str) -> np.ndarray:
-    """Random, never all-zero data; for prod, magnitudes near 1 keep floats in range."""
+    """Random, never all-zero data; for prod, magnitudes near 1 keep floats in range. A fresh
+    (writable) copy of `_random_input`'s array."""
+    return _random_input(np.dtype(dtype), count, rank, seed, op == "prod").copy()
+
+
+# Every rank builds every rank's input, and the ops of one case share theirs (all but prod): a
+# copy is far cheaper than the generator (half the CPU time of the large-count tests). 24 arrays
+# hold two ops' inputs of 8 ranks and then some.
+@functools.lru_cache(maxsize=24)
+def _random_input(dt: np.dtype, count: int, rank: int, seed: int, prod: bool) -> np.ndarray:
     rng = np.random.default_rng([seed, rank, count])
-    dt = np.dtype(dtype)
     if dt.kind in "iu":
         info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, count, dtype=dt, endpoint=True)
-    if op == "prod":
+        x = rng.integers(info.min, info.max, count, dtype=dt, endpoint=True)
+    elif prod:
         mag = rng.uniform(0.5, 1.5, count)
-        return (mag * rng.choice([-1.0, 1.0], count)).astype(dt)
-    return rng.uniform(-1.0, 1.0, count).astype(dt)
+        x = (mag * rng.choice([-1.0, 1.0], count)).astype(dt)
+    else:
+        x = rng.uniform(-1.0, 1.0, count).astype(dt)
+    x.setflags(write=False)
+    return x
+
+
+def expected(xs: Sequence[np.ndarray], op: str) -> np.ndarray:
+    """``reference.reduce_ref(xs, op)``, with the integer avg (the exact mean rounded down) in
+    64-bit NumPy instead of the reference's Python integers (a third of the CPU time of the
+    large-count tests): with ``x = n*q + r``, ``floor(sum(x) / n) = sum(q) + sum(r) // n``,
+    which 64-bit arithmetic gets exactly even where ``sum(q)`` wraps on the way (the result is
+    in the dtype's range, so it is the one value congruent to it modulo 2**64)."""
+    from ddlcore.kernels import reference
+
+    dt = np.asarray(xs[0]).dtype if len(xs) else None
+    if op != "avg" or dt is None or dt.kind not in "iu":
+        return reference.reduce_ref(xs, op)
+    wide = np.uint64 if dt.kind == "u" else np.int64
+    n = wide(len(xs))
+    q, r = np.zeros(np.shape(xs[0]), wide), np.zeros(np.shape(xs[0]), wide)
+    with np.errstate(over="ignore"):
+        for x in xs:
+            x = np.asarray(x).astype(wide)
+            q += x // n
+            r += x % n
+        return (q + r // n).astype(dt)
 
 
 def tolerance(dtype, op: str, size: int) -> tuple[float, float]:
@@ -51,7 +85,7 @@ def tolerance(dtype, op: str, size: int) -> tuple[float, float]:
 
 
 def digest(arr) -> str:
-    return hashlib.sha1(np.ascontiguousarray(arr).view(np.uint8).tobytes()).hexdigest()[:16]
+    return hashlib.sha1(np.ascontiguousarray(arr).view(np.uint8)).hexdigest()[:16]
 
 
 def check_close(got: np.ndarray, want: np.ndarray, dtype, op: str, size: int, what: str) -> None:
@@ -71,11 +105,9 @@ def check_close(got: np.ndarray, want: np.ndarray, dtype, op: str, size: int, wh
 def allreduce_both_ways(comm, dtype, count: int, op: str) -> str:
     """Allreduce random inputs out of place and in place; check both against the reference and
     against each other (same bits); return the result's digest."""
-    from ddlcore.kernels import reference
-
     rank, size = comm.rank, comm.size
-    xs = [random_input(dtype, count, r, count, op) for r in range(size)]
-    want = reference.reduce_ref(xs, op)
+    xs = [_random_input(np.dtype(dtype), count, r, count, op == "prod") for r in range(size)]
+    want = expected(xs, op)
     case = f"{np.dtype(dtype).name} {op} count={count}"
     got = comm.allreduce(xs[rank].copy(), op=op)
     check_close(got, want, dtype, op, size, f"rank {rank}: {case}")
@@ -90,6 +122,10 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 # The thin slice, for transports whose schedules the full matrix already proves over another
 # transport: every dtype (sum), every op (float32), counts 0, 1, a prime, and many small chunks.
 THIN_COUNTS = [0, 1, 13, 1009, 4099]
+# Above this count the full matrix takes the thin slice's ops too: every op meets every dtype at
+# the smaller counts already, and what a large count adds (thousands of chunks, every dtype's
+# element size) does not depend on the op; the largest count was 70% of a TCP world's time.
+FULL_OPS_UP_TO = 4099
 
 
 def _cases(collective: str, counts: list[int], thin: bool):
@@ -97,7 +133,8 @@ def _cases(collective: str, counts: list[int], thin: bool):
         for count in counts:
             ops = OPS if collective in ("allreduce", "reduce_scatter") else [None]
             for op in ops:
-                if thin and op not in (None, "sum") and dtype is not np.float32:
+                thin_here = thin or count > FULL_OPS_UP_TO
+                if thin_here and op not in (None, "sum") and dtype is not np.float32:
                     continue
                 yield dtype, count, op
 
@@ -107,8 +144,6 @@ def run_matrix(
 ) -> dict[str, str]:
     """Run each collective named over dtype x op x count (the thin slice if ``thin``) in one
     communicator; return {case: digest of this rank's result}."""
-    from ddlcore.kernels import reference
-
     import ddlcore
 
     digests: dict[str, str] = {}
@@ -122,14 +157,14 @@ def run_matrix(
             for dtype, count, op in _cases(collective, counts, thin):
                 case = f"{collective} {np.dtype(dtype).name} {op} count={count}"
                 n = count * size if collective == "reduce_scatter" else count
-                xs = [random_input(dtype, n, r, seed, op or "sum") for r in range(size)]
+                xs = [_random_input(np.dtype(dtype), n, r, seed, op == "prod") for r in range(size)]
                 x = xs[rank].copy()
                 if collective == "allreduce":
                     got = comm.allreduce(x, op=op)
-                    want = reference.reduce_ref(xs, op)
+                    want = expected(xs, op)
                 elif collective == "reduce_scatter":
                     got = comm.reduce_scatter(x, op=op)
-                    want = reference.reduce_ref(xs, op)[rank * count : (rank + 1) * count]
+                    want = expected(xs, op)[rank * count : (rank + 1) * count]
                 elif collective == "allgather":
                     got = comm.allgather(x)
                     want = np.concatenate(xs)

@@ -32,8 +32,6 @@ def limit_input(dtype, count: int, rank: int) -> np.ndarray:
 def _cases(comm, rank, size, device=False):
     """Every integer dtype: allreduce at counts on both sides of the slots' size, and
     reduce_scatter (all but rd), in and out of place; returns the digests of the results."""
-    from ddlcore.kernels import reference
-
     to_dev = from_dev = lambda a: a  # noqa: E731
     if device:
         from numba import cuda
@@ -46,7 +44,7 @@ def _cases(comm, rank, size, device=False):
         counts = [0, 1, 7, 1009] if device else [0, 1, 7, 1009, SMALL_MAX // isz + 3]
         for count in counts:
             xs = [limit_input(dtype, count, r) for r in range(size)]
-            want = reference.avg_ref(xs)
+            want = matrix.expected(xs, "avg")
             what = f"{algo} allreduce {np.dtype(dtype).name} avg count={count}"
             got = from_dev(comm.allreduce(to_dev(xs[rank]), op="avg"))
             np.testing.assert_array_equal(got, want, err_msg=what)
@@ -57,7 +55,7 @@ def _cases(comm, rank, size, device=False):
             if algo == "rd":
                 continue
             xs = [limit_input(dtype, count * size, r) for r in range(size)]
-            want = reference.avg_ref(xs)[rank * count : (rank + 1) * count]
+            want = matrix.expected(xs, "avg")[rank * count : (rank + 1) * count]
             what = f"{algo} reduce_scatter {np.dtype(dtype).name} avg count={count}"
             got = from_dev(comm.reduce_scatter(to_dev(xs[rank]), op="avg"))
             np.testing.assert_array_equal(got, want, err_msg=what)
@@ -83,6 +81,19 @@ def _every_algorithm(rank, size, algos):
                 assert comm.describe("allreduce", 1 << 20).algorithm == "direct"
             digests.update(_cases(comm, rank, size))
     return digests
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES + [np.uint64])
+def test_the_collective_tests_integer_mean_is_the_references(dtype):
+    """`matrix.expected`'s 64-bit integer avg (what the collective tests check against) is
+    `reference.avg_ref`'s exact mean in Python integers, at the limits, for 1 to 8 ranks."""
+    from ddlcore.kernels import reference
+
+    for n in range(1, 9):
+        xs = [limit_input(dtype, 300, r) for r in range(n)]
+        want = reference.avg_ref(xs)
+        np.testing.assert_array_equal(matrix.expected(xs, "avg"), want, err_msg=f"{n} arrays")
+        assert matrix.expected(xs, "avg").dtype == want.dtype
 
 
 def _identical(results):

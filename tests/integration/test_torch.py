@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.harness import RankPool, free_port, require
+from tests.harness import RankPools, free_port, require
 
 try:
     import torch
@@ -27,21 +27,17 @@ def _needs_torch():
 # One pool of rank processes per world size for this module: each rank imports torch once, not
 # once per test (what is tested is the integration, not the processes; every call still makes
 # and closes its own communicator, on a fresh port, and a failed call replaces the processes).
-_POOLS: dict[int, RankPool] = {}
+_POOLS = RankPools()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pools():
     yield
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    _POOLS.close()
 
 
 def run_ranks(fn, nprocs: int, *args, timeout: float = 120.0):
-    if nprocs not in _POOLS:
-        _POOLS[nprocs] = RankPool(nprocs)
-    return _POOLS[nprocs].run(fn, *args, timeout=timeout)
+    return _POOLS.run(fn, nprocs, *args, timeout=timeout)
 
 
 def _require_device(device: str) -> None:

@@ -1,18 +1,35 @@
 """The transport conformance suite, parametrised over every transport (see ``conformance.py``).
 
-Each test spawns real rank processes. A transport that cannot run here is skipped with its
-reason (a failure under ``DDL_REQUIRE_ALL=1``).
+Each test runs in real rank processes: kept in a pool per world size (`pooled`) where the check
+makes and closes its own contexts and store, fresh ones (`run_ranks`) where the processes are
+the subject (a rank killed, what a process holds after close, per-process GPU state, per-rank
+environments). A transport that cannot run here is skipped with its reason (a failure under
+``DDL_REQUIRE_ALL=1``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.harness import require, run_ranks
+from tests.harness import RankPools, require, run_ranks
 from tests.transports import conformance as conf
 
 TRANSPORTS = ["tcp", "shm", "ucx"]
 JOB_TIMEOUT_S = 60.0  # harness deadline per test; each check itself waits at most a few seconds
+
+# A spawned world costs more than most checks (interpreters, numpy, ucxx): the checks share
+# processes, each making and closing its own contexts on a fresh store port.
+_POOLS = RankPools()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    _POOLS.close()
+
+
+def pooled(fn, nprocs: int, *args, env=None):
+    return _POOLS.run(fn, nprocs, *args, timeout=JOB_TIMEOUT_S, env=env)
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -23,26 +40,24 @@ def transport(request) -> str:
 
 
 def test_ordering_with_one_tag(transport):
-    run_ranks(conf.ordering_same_tag, 2, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.ordering_same_tag, 2, transport)
 
 
 def test_ordering_with_interleaved_tags(transport):
-    run_ranks(conf.interleaved_tags, 2, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.interleaved_tags, 2, transport)
 
 
 def test_a_thousand_outstanding_requests(transport):
-    run_ranks(conf.many_outstanding, 2, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.many_outstanding, 2, transport)
 
 
 def test_zero_byte_messages(transport):
-    run_ranks(conf.zero_bytes, 2, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.zero_bytes, 2, transport)
 
 
 def test_256_mb_message(transport):
     nbytes = 256 << 20
-    (_, crc0), (elapsed, crc1) = run_ranks(
-        conf.large_message, 2, transport, nbytes, timeout=JOB_TIMEOUT_S
-    )
+    (_, crc0), (elapsed, crc1) = pooled(conf.large_message, 2, transport, nbytes)
     assert crc0 == crc1
     # No speed check: that is the benchmarks' business, and a loaded machine is slow. The
     # receiver's wait has a deadline (conformance.LARGE_TIMEOUT_S), so a stall still fails.
@@ -50,50 +65,44 @@ def test_256_mb_message(transport):
 
 
 def test_large_message_paths(transport):
-    _, messages = run_ranks(conf.large_message_paths, 2, transport, timeout=JOB_TIMEOUT_S)
+    _, messages = pooled(conf.large_message_paths, 2, transport)
     early, late = messages
     assert "rank 0 sent 1048576 bytes" in early and "rank 1 posted 1048575 bytes" in early
     assert "rank 0 sent 1048576 bytes" in late and "rank 1 posted 1048577 bytes" in late
 
 
 def test_traffic_in_both_directions(transport):
-    run_ranks(conf.both_directions, 2, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.both_directions, 2, transport)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_all_pairs_exchange(transport, nprocs):
-    run_ranks(conf.all_pairs, nprocs, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.all_pairs, nprocs, transport)
 
 
 def test_two_channels(transport):
     env = {"DDL_NCHANNELS": "2"}
-    run_ranks(conf.interleaved_tags, 2, transport, timeout=JOB_TIMEOUT_S, env=env)
-    run_ranks(conf.all_pairs, 3, transport, timeout=JOB_TIMEOUT_S, env=env)
+    pooled(conf.interleaved_tags, 2, transport, env=env)
+    pooled(conf.all_pairs, 3, transport, env=env)
 
 
 @pytest.mark.parametrize("nchannels", ["1", "2"])
 def test_concurrent_waiters_on_one_pair(transport, nchannels):
-    run_ranks(
-        conf.concurrent_waiters,
-        2,
-        transport,
-        timeout=JOB_TIMEOUT_S,
-        env={"DDL_NCHANNELS": nchannels},
-    )
+    pooled(conf.concurrent_waiters, 2, transport, env={"DDL_NCHANNELS": nchannels})
 
 
 def test_a_failure_wakes_a_waiting_thread(transport):
-    _, took = run_ranks(conf.failure_wakes_a_waiter, 2, transport, timeout=JOB_TIMEOUT_S)
+    _, took = pooled(conf.failure_wakes_a_waiter, 2, transport)
     assert len(took) == 2
     assert all(t < 2.0 for t in took), took  # the deadline was 15 s
 
 
 def test_sends_do_not_wait_for_the_receiver(transport):
-    run_ranks(conf.sends_do_not_wait_for_the_receiver, 3, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.sends_do_not_wait_for_the_receiver, 3, transport)
 
 
 def test_size_and_check_mismatch(transport):
-    _, messages = run_ranks(conf.mismatches, 2, transport, timeout=JOB_TIMEOUT_S)
+    _, messages = pooled(conf.mismatches, 2, transport)
     assert len(messages) == 4
     size_early, check_early, size_late, check_late = messages
     assert "rank 0 sent 100 bytes" in size_early and "rank 1 posted 200 bytes" in size_early
@@ -105,9 +114,7 @@ def test_size_and_check_mismatch(transport):
 
 def test_timeout_names_ranks_tag_and_wait(transport):
     wait_s = 1.0
-    _, connected, unconnected = run_ranks(
-        conf.timeouts, 3, transport, wait_s, timeout=JOB_TIMEOUT_S
-    )
+    _, connected, unconnected = pooled(conf.timeouts, 3, transport, wait_s)
     assert len(connected) == 2 and len(unconnected) == 1
     for message, elapsed in connected + unconnected:
         assert wait_s * 0.9 <= elapsed < wait_s + 1.0, (elapsed, message)
@@ -133,7 +140,7 @@ def test_killed_peer_fails_survivors_fast(transport, nprocs, victim):
 
 
 def test_abort_reaches_the_peer_with_class_and_reason(transport):
-    _, seen = run_ranks(conf.abort_propagation, 2, transport, timeout=JOB_TIMEOUT_S)
+    _, seen = pooled(conf.abort_propagation, 2, transport)
     assert [name for name, _, _ in seen] == [cls.__name__ for cls in conf.ABORT_CODES.values()]
     for (_, message, elapsed), code in zip(seen, conf.ABORT_CODES, strict=True):
         assert message.startswith(f"rank 0 aborted: collective #{code} went wrong: ünïcödé")
@@ -142,7 +149,7 @@ def test_abort_reaches_the_peer_with_class_and_reason(transport):
 
 
 def test_bad_arguments(transport):
-    run_ranks(conf.bad_arguments, 2, transport, timeout=JOB_TIMEOUT_S)
+    pooled(conf.bad_arguments, 2, transport)
 
 
 @pytest.mark.parametrize("nchannels", ["1", "2"])
@@ -162,7 +169,7 @@ def test_close_releases_threads_and_sockets(transport, nchannels):
 
 
 def test_tcp_waiting_thread_reads_its_own_messages():
-    completed_by, _ = run_ranks(conf.tcp_waiter_reads_its_socket, 2, timeout=JOB_TIMEOUT_S)
+    completed_by, _ = pooled(conf.tcp_waiter_reads_its_socket, 2)
     assert len(completed_by) == 50
     # The first receive may find the receiver thread mid-read; after that the receiver thread
     # stays parked while receives are waited on back to back.
@@ -170,7 +177,7 @@ def test_tcp_waiting_thread_reads_its_own_messages():
 
 
 def test_tcp_wait_keeps_its_deadline_inside_a_stalled_frame():
-    _, seen = run_ranks(conf.tcp_peer_stalls_mid_frame, 2, timeout=JOB_TIMEOUT_S)
+    _, seen = pooled(conf.tcp_peer_stalls_mid_frame, 2)
     (timed_out, t_timeout), (completed, _), (failed, t_failed) = seen
     assert timed_out.startswith("timeout:") and "0x5" in timed_out, timed_out
     assert 0.9 <= t_timeout < 2.0, t_timeout  # its deadline, not the end of the stall (2.5 s)
@@ -179,7 +186,7 @@ def test_tcp_wait_keeps_its_deadline_inside_a_stalled_frame():
 
 
 def test_tcp_abort_or_close_fails_a_half_received_message():
-    _, seen = run_ranks(conf.tcp_abort_while_a_message_is_half_in, 2, timeout=JOB_TIMEOUT_S)
+    _, seen = pooled(conf.tcp_abort_while_a_message_is_half_in, 2)
     assert [outcome.split(":")[0] for outcome, _ in seen] == ["abort", "close"], seen
     assert all(took < 2.0 for _, took in seen), seen  # the deadline was 15 s
 
