@@ -4,9 +4,13 @@ UCX loaded, a context can be made) and its contexts.
 
 from __future__ import annotations
 
+import os
+
 from ddlcore.transports.base import Context, PeerInfo, Store, Transport
 from ddlcore.transports.ucx.context import UcxContext
 from ddlcore.transports.ucx.options import _features, _foreign_ucx, _import_ucxx, ucx_options
+
+_TRIED: dict[tuple[tuple[str, str], ...], str] = {}  # UCX_* settings -> "" (ok) or why not
 
 
 class UcxTransport(Transport):
@@ -40,14 +44,19 @@ class UcxTransport(Transport):
             return False, reason
         except Exception as exc:  # e.g. libucx fails to load
             return False, f"ucxx failed to import: {exc!r}; reinstall ucxx-cu12 / libucx-cu12"
-        try:
-            lib.UCXContext(ucx_options(), _features(lib))
-        except Exception as exc:
-            return False, (
-                f"UCX cannot create a context here: {exc}; check the UCX_* variables "
-                "(UCX_TLS, UCX_NET_DEVICES; ucx_info -d lists the devices UCX sees)"
-            )
-        return True, ""
+        # A trial context per process and UCX_* settings, not per question: every init asks
+        # twice (`links.local_transports`), and a context costs ~0.1-0.5 s on a busy machine.
+        key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("UCX_")))
+        if key not in _TRIED:
+            try:
+                lib.UCXContext(ucx_options(), _features(lib))
+                _TRIED[key] = ""
+            except Exception as exc:
+                _TRIED[key] = (
+                    f"UCX cannot create a context here: {exc}; check the UCX_* variables "
+                    "(UCX_TLS, UCX_NET_DEVICES; ucx_info -d lists the devices UCX sees)"
+                )
+        return (not _TRIED[key]), _TRIED[key]
 
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return True
