@@ -29,10 +29,15 @@ from ddlcore.ops import Op
 if TYPE_CHECKING:
     from ddlcore.bootstrap import init
     from ddlcore.communicator import Communicator
+    from ddlcore.p2p import ANY_SOURCE
 
 # Imported on first use: torch imports this package at every ``import torch`` (the backend's
 # entry point), which must not pay for the engine, the transports and the kernels.
-_LAZY = {"init": "ddlcore.bootstrap", "Communicator": "ddlcore.communicator"}
+_LAZY = {
+    "init": "ddlcore.bootstrap",
+    "Communicator": "ddlcore.communicator",
+    "ANY_SOURCE": "ddlcore.p2p",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -53,6 +58,7 @@ except _metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "ANY_SOURCE",
     "CollectiveMismatchError",
     "CommunicatorClosedError",
     "Communicator",

@@ -472,9 +472,11 @@ class Communicator(RootedCollectives):
         self._p2p.send(x, dest, tag)
 
     def recv(self, x: Any, source: int, tag: int = 0) -> Any:
-        """Receive the next message from ``source`` with ``tag`` into ``x``; returns ``x``.
-        CollectiveMismatchError when the sender's byte count or dtype differs (the message is
-        dropped); DDLTimeoutError after ``DDL_TIMEOUT`` (a later ``recv`` gets the message)."""
+        """Receive the next message from ``source`` (``ddlcore.ANY_SOURCE``: from any rank; use
+        `irecv` and the handle's ``source`` to learn which) with ``tag`` into ``x``; returns
+        ``x``. CollectiveMismatchError when the sender's byte count or dtype differs (the
+        message is dropped); DDLTimeoutError after ``DDL_TIMEOUT`` (a later ``recv`` gets the
+        message)."""
         return self._p2p.recv(x, source, tag)
 
     def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
@@ -482,7 +484,8 @@ class Communicator(RootedCollectives):
         return self._p2p.isend(x, dest, tag)
 
     def irecv(self, x: Any, source: int, tag: int = 0) -> Handle:
-        """`recv` in the background: a `Handle` whose ``wait()`` returns ``x``."""
+        """`recv` in the background: a `Handle` whose ``wait()`` returns ``x`` and whose
+        ``source`` is the sender's rank once it completed."""
         return self._p2p.irecv(x, source, tag)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

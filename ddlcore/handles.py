@@ -25,6 +25,9 @@ class Handle:
 
     def __init__(self, label: str, default_timeout: float) -> None:
         self.label = label
+        # A point-to-point receive's: the rank its message came from (known once it completed,
+        # when the receive named ANY_SOURCE); None for sends and collectives.
+        self.source: int | None = None
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None

@@ -16,6 +16,12 @@ receives of the same (source, tag), as in MPI. A receive that timed out leaves i
 receive posted; the next receive on that channel takes it over, so no message is lost or taken
 out of order.
 
+A receive from any rank (``source=ANY_SOURCE``, MPI_ANY_SOURCE) is a channel of its own per
+tag, completed in call order: it keeps a header receive posted on every peer's channel for that
+tag and claims the first that arrives on a channel with no receive of its own waiting (a
+receive naming its source goes first on that source's messages); the sender's rank is then the
+handle's ``source``. A peer that failed or left is passed over while another may still send. Headers it posted and did not claim stay posted for later receives.
+
 Rules: ``dest``/``source`` must be another rank of the communicator (no self-sends, as in
 torch.distributed); ``0 <= tag < 2**24``. Device buffers go through host memory: a send copies
 them out once the work queued on their stream is done, a receive copies the message in before
@@ -49,6 +55,7 @@ from ddlcore.kernels.dtypes import DType
 from ddlcore.transports.base import Request
 
 MAX_TAG = (1 << 24) - 1
+ANY_SOURCE = -1  # recv's source: the first message from any rank (MPI_ANY_SOURCE)
 P2P_SPACE = 0xE0000000  # top bits of a transport tag's upper half: p2p (see the docstring)
 _CHECK = 0x50325021  # "P2P!": every p2p message carries it, so no collective's receive takes one
 _HEADER = struct.Struct("<QiI")  # nbytes, dtype code, check word
@@ -90,6 +97,7 @@ class PointToPoint:
         self._pair = pair
         self._lock = threading.Lock()
         self._channels: dict[tuple[int, int, bool], _Channel] = {}
+        self._any_next: dict[int, int] = {}  # per tag: where a receive from any rank looks first
         self._closed = False
 
     # --- arguments ------------------------------------------------------------------------------
@@ -100,10 +108,12 @@ class PointToPoint:
         for name, value in ((peer_name, peer), ("tag", tag)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if not 0 <= peer < self.size or peer == self.rank:
+        any_source = writable and peer == ANY_SOURCE and self.size > 1
+        if (not 0 <= peer < self.size or peer == self.rank) and not any_source:
+            also = " or ANY_SOURCE" if writable and self.size > 1 else ""
             raise ValueError(
                 f"{peer_name}={peer}: rank {self.rank} of {self.size} can only exchange "
-                f"messages with another rank in [0, {self.size}) (no self-sends)"
+                f"messages with another rank in [0, {self.size}){also} (no self-sends)"
             )
         if not 0 <= tag <= MAX_TAG:
             raise ValueError(f"tag={tag} must be in [0, {MAX_TAG}]")
@@ -122,7 +132,8 @@ class PointToPoint:
     def _label(self, sending: bool, peer: int, tag: int, nbytes: int) -> str:
         if sending:
             return f"rank {self.rank}: send of {nbytes} bytes to rank {peer} with tag {tag}"
-        return f"rank {self.rank}: recv of {nbytes} bytes from rank {peer} with tag {tag}"
+        source = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
+        return f"rank {self.rank}: recv of {nbytes} bytes from {source} with tag {tag}"
 
     # --- posting --------------------------------------------------------------------------------
     def send(self, x: Any, dest: int, tag: int) -> None:
@@ -159,17 +170,25 @@ class PointToPoint:
     ) -> tuple[_Channel, _Job, bool]:
         desc, source, tag = self._check(x, source, tag, "source", True)
         handle = Handle(self._label(False, source, tag, desc.nbytes), self.timeout + 5.0)
+        if source != ANY_SOURCE:
+            handle.source = source
         with self._lock:
             self._open()
             ch = self._channel(source, tag, False)
-            if len(ch.headers) <= len(ch.jobs):  # else a timed-out receive's is still posted
-                raw = bytearray(_HEADER.size)
-                req = self._pair(source).irecv(
-                    memoryview(raw), transport_tag(tag, _HEADER_SLOT), _CHECK
-                )
-                ch.headers.append((req, raw))
+            if source != ANY_SOURCE:
+                self._spare_header(ch)
             job = _Job(handle, time.monotonic() + self.timeout, desc, x)
             return ch, job, self._enqueue(ch, job, inline)
+
+    def _spare_header(self, ch: _Channel) -> None:
+        """Post a header receive for the next receive on ``ch``, unless one is posted already
+        (a timed-out receive's, or one a receive from any rank posted)."""
+        if len(ch.headers) <= len(ch.jobs):
+            raw = bytearray(_HEADER.size)
+            req = self._pair(ch.peer).irecv(
+                memoryview(raw), transport_tag(ch.tag, _HEADER_SLOT), _CHECK
+            )
+            ch.headers.append((req, raw))
 
     def _open(self) -> None:
         if self._closed:
@@ -221,9 +240,12 @@ class PointToPoint:
             try:
                 if ch.broken is not None:
                     raise DDLError(ch.broken)
-                result = (
-                    self._complete_send(ch, job) if ch.sending else self._complete_recv(ch, job)
-                )
+                if ch.sending:
+                    result = self._complete_send(ch, job)
+                elif ch.peer == ANY_SOURCE:
+                    result = self._complete_recv_any(ch, job)
+                else:
+                    result = self._complete_recv(ch, job)
             except BaseException as exc:  # delivered to whoever waits on the handle
                 error: BaseException | None = exc
                 result = None
@@ -303,6 +325,53 @@ class PointToPoint:
                 f"{buf.nbytes} bytes of {name(int(buf.code))}; the message was dropped"
             )
         return job.result
+
+    def _complete_recv_any(self, ch: _Channel, job: _Job) -> Any:
+        """Wait for a header on any peer's channel with this tag that no receive of its own
+        waits for, then complete this receive there, as that channel's next receive."""
+        peers = [p for p in range(self.size) if p != self.rank]
+        failed: set[int] = set()
+        pause = 0.0
+        while True:
+            claimed = None
+            with self._lock:
+                self._open()
+                # Round-robin from the last sender, so no busy rank starves the others.
+                start = (self._any_next.get(ch.tag, 0)) % len(peers)
+                for peer in peers[start:] + peers[:start]:
+                    src = self._channel(peer, ch.tag, False)
+                    self._spare_header(src)
+                    if src.jobs or src.thread is not None or src.broken is not None:
+                        continue
+                    try:
+                        ready = src.headers[0][0].test()
+                    except DDLError:  # a peer that failed or left: wait for the others
+                        failed.add(peer)
+                        ready = len(failed) == len(peers)  # none left: report the failure
+                    if ready:
+                        claimed = _Job(
+                            Handle(self._label(False, peer, ch.tag, job.buf.nbytes), 1.0),
+                            job.deadline,
+                            job.buf,
+                            job.result,
+                        )
+                        src.jobs.append(claimed)
+                        src.thread = threading.current_thread()
+                        self._any_next[ch.tag] = peers.index(peer) + 1
+                        break
+            if claimed is not None:
+                self._drain(src, until=claimed)
+                job.handle.source = src.peer
+                return claimed.handle.wait(0)
+            if time.monotonic() >= job.deadline:
+                raise DDLTimeoutError(
+                    f"rank {self.rank}: recv from any rank with tag {ch.tag}: nothing arrived "
+                    f"within {self.timeout:g} s (DDL_TIMEOUT); did another rank call "
+                    f"send(dest={self.rank}, tag={ch.tag})?"
+                )
+            # Poll: a receive from any rank is rare, and a transport request has no callback.
+            time.sleep(pause)
+            pause = min(2 * pause or 20e-6, 1e-3)
 
     def close(self, timeout: float) -> None:
         """Refuse new messages and give the pending sends up to ``timeout`` seconds to leave;

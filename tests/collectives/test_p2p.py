@@ -1,5 +1,5 @@
 """send/recv/isend/irecv on real processes: every dtype, sizes 0, 1 and primes, order per tag,
-independent tags, p2p beside collectives, size/dtype mismatches, timeouts and bad arguments.
+independent tags, receives from any rank, p2p beside collectives, size/dtype mismatches, timeouts and bad arguments.
 One world per transport runs every case (spawning ranks is what costs)."""
 
 from __future__ import annotations
@@ -107,6 +107,36 @@ def _beside_collectives(comm, rank, size):
     send.wait()
 
 
+def _any_source(comm, rank, size):
+    """recv(ANY_SOURCE): rank 0 takes every other rank's messages as they arrive, each
+    sender's in its order, and the handle names the sender; a receive naming its source goes
+    first on that source's messages."""
+    import ddlcore
+
+    k = 5
+    if rank != 0:
+        for i in range(k):
+            comm.send(np.array([rank, i], np.int64), 0, tag=40)
+        comm.send(np.array([rank, -1], np.int64), 0, tag=41)
+        return
+    seen = {r: [] for r in range(1, size)}
+    for j in range((size - 1) * k):
+        buf = np.empty(2, np.int64)
+        if j % 2:
+            handle = comm.irecv(buf, ddlcore.ANY_SOURCE, tag=40)
+            assert handle.wait() is buf
+            assert buf[0] == handle.source
+        else:
+            assert comm.recv(buf, ddlcore.ANY_SOURCE, tag=40) is buf
+        seen[int(buf[0])].append(int(buf[1]))
+    assert seen == {r: list(range(k)) for r in range(1, size)}
+    named = comm.irecv(np.empty(2, np.int64), 1, tag=41)
+    anyone = [comm.irecv(np.empty(2, np.int64), ddlcore.ANY_SOURCE, tag=41) for _ in range(2, size)]
+    assert named.wait().tolist() == [1, -1] and named.source == 1
+    assert sorted(h.wait()[0] for h in anyone) == list(range(2, size))
+    assert sorted(h.source for h in anyone) == list(range(2, size))
+
+
 def _mismatch(comm, rank, size):
     import ddlcore
 
@@ -133,10 +163,13 @@ def _timeout(comm, rank, size):
 
     if rank == 1:
         start = time.monotonic()
+        from_anyone = comm.irecv(np.empty(3, np.int64), ddlcore.ANY_SOURCE, tag=79)
         with pytest.raises(ddlcore.DDLTimeoutError) as err:
             comm.recv(np.empty(3, np.int64), 0, tag=77)
         assert time.monotonic() - start < comm.timeout + 3
         assert "rank 0" in str(err.value) and "tag 77" in str(err.value), err.value
+        with pytest.raises(ddlcore.DDLTimeoutError, match="any rank with tag 79"):
+            from_anyone.wait()
         comm.send(np.ones(1, np.int8), 0, tag=78)  # now send it
         assert comm.recv(np.empty(3, np.int64), 0, tag=77).tolist() == [4, 5, 6]
     elif rank == 0:
@@ -156,6 +189,8 @@ def _bad_arguments(comm, rank, size):
             comm.send(x, dest)
     with pytest.raises(ValueError, match="source"):
         comm.recv(x, rank)
+    with pytest.raises(ValueError, match="source"):
+        comm.recv(x, -2)
     with pytest.raises(ValueError, match="tag"):
         comm.isend(x, (rank + 1) % size, tag=1 << 24)
     with pytest.raises(ValueError, match="read-only"):
@@ -171,6 +206,7 @@ def _p2p_job(rank, size, with_timeout=False):
         _exchange(comm, rank, size)
         _ordered(comm, rank, size)
         _mixed_blocking_and_async(comm, rank, size)
+        _any_source(comm, rank, size)
         _beside_collectives(comm, rank, size)
         _mismatch(comm, rank, size)
         _bad_arguments(comm, rank, size)

@@ -8,11 +8,10 @@ meets the other ranks through that store (``ddlcore.init(store=...)``), under an
 `ProcessGroupDDL` maps torch's collectives onto the `Communicator`: allreduce (SUM, AVG,
 PRODUCT, MIN, MAX), allreduce_coalesced, allgather (lists and into one tensor, coalesced too),
 reduce_scatter (likewise), broadcast, reduce, gather and scatter from any root, all_to_all and
-all_to_all_single (split sizes too), barrier, send/recv (and batch_isend_irecv), and groups
+all_to_all_single (split sizes too), barrier, send/recv (from any rank too; and batch_isend_irecv), and groups
 over some of the ranks (a `Communicator.split` child). Each returns an asynchronous `WorkDDL`
 whose ``wait()`` blocks without the GIL and whose ``get_future()`` completes with the output
-tensors. What ddlcore cannot do yet (recv from any source, several tensors per process)
-raises ``torch.distributed.DistBackendError`` saying so, before anything is sent.
+tensors.
 """
 
 # torch's stubs overload some ProcessGroup methods and name arguments differently; the C++
@@ -30,8 +29,10 @@ import torch.distributed as dist
 from ddlcore.integrations.torch.rooted import RootedCollectives
 from ddlcore.integrations.torch.work import (
     WorkDDL,
+    _all_data,
     _contiguous,
     _copier,
+    _data,
     _dist_error,
     _op,
     _seconds,
@@ -39,11 +40,6 @@ from ddlcore.integrations.torch.work import (
 
 BACKEND_NAME = "ddl"
 _DEVICES = ["cpu", "cuda"]
-_SUPPORTED = (
-    "allreduce, allreduce_coalesced, allgather, all_gather_into_tensor, "
-    "reduce_scatter, reduce_scatter_tensor, broadcast, reduce, gather, scatter, all_to_all, "
-    "all_to_all_single, send, recv and barrier"
-)
 
 
 def register() -> None:
@@ -52,13 +48,6 @@ def register() -> None:
         dist.Backend.register_backend(
             BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES)
         )
-
-
-def _unsupported(what: str) -> dist.DistBackendError:
-    return dist.DistBackendError(
-        f"ddl backend: {what} is not supported by ddlcore yet (it runs {_SUPPORTED}); run it "
-        "on a gloo group beside it: g = dist.new_group(backend='gloo'), then pass group=g"
-    )
 
 
 class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[misc]  # stubs
@@ -129,12 +118,14 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         return work._start(handles, finish)
 
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        """The one tensor of a call, detached (see `_data`)."""
         if len(tensors) != 1:
             raise ValueError(
                 f"ddl backend, {what}: one tensor per call (one device per "
                 f"process), got {len(tensors)}"
             )
-        return tensors[0]
+        one = tensors[0]
+        return _all_data(one) if isinstance(one, list) else _data(one)  # type: ignore[return-value]
 
     def _in_place(self, what: str, t: torch.Tensor, run: Callable[[torch.Tensor], Any]) -> WorkDDL:
         """Run ``run(buffer)`` on ``t``'s data (a contiguous copy when ``t`` is not)."""
@@ -159,6 +150,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
         op = _op(opts or dist.AllreduceCoalescedOptions(), "allreduce_coalesced")
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        tensors = _all_data(tensors)
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
 
@@ -236,6 +228,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> WorkDDL:
+        outputs, inputs = _all_data(outputs), _all_data(inputs)
         what = "all_gather_into_tensor"
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
@@ -298,6 +291,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> WorkDDL:
+        outputs, inputs = _all_data(outputs), _all_data(inputs)
         what = "reduce_scatter_tensor"
         op = _op(opts or dist.ReduceScatterOptions(), what)
 
@@ -315,9 +309,49 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # --- what the Communicator cannot do yet ------------------------------------------------
-    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("all_gather_coalesced")
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> WorkDDL:
+        """``dist.all_gather_coalesced``: each of ``inputs`` from every rank, ``output_lists[r]``
+        rank r's; one allgather of their bytes packed together (any dtypes, complex too)."""
+        what, size = "all_gather_coalesced", self.size()
+        inputs, outputs = _all_data(inputs), [_all_data(lst) for lst in output_lists]
+        if len(outputs) != size or any(
+            len(lst) != len(inputs)
+            or any(
+                o.numel() != t.numel() or o.dtype != t.dtype
+                for o, t in zip(lst, inputs, strict=False)
+            )
+            for lst in outputs
+        ):
+            raise ValueError(
+                f"ddl backend, {what}: the output needs {size} lists, each with a tensor of the "
+                "dtype and element count of every input tensor, in order"
+            )
+        nbytes = [t.numel() * t.element_size() for t in inputs]
+        device = inputs[0].device if inputs else torch.device("cpu")
+
+        def start() -> tuple[list[Any], Callable[[], None] | None]:
+            flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+            offsets = [sum(nbytes[:i]) for i in range(len(nbytes))]
+            for t, at, n in zip(inputs, offsets, nbytes, strict=True):
+                flat[at : at + n].copy_(_contiguous(t).view(-1).view(torch.uint8))
+            got = torch.empty(sum(nbytes) * size, dtype=torch.uint8, device=device)
+            handle = self._comm.allgather_async(flat, out=got)
+
+            def finish() -> None:
+                rows = got.view(size, sum(nbytes))
+                for row, lst in zip(rows, outputs, strict=True):
+                    for out, at, n in zip(lst, offsets, nbytes, strict=True):
+                        # A copy first: the bytes at ``at`` need not be aligned for out's dtype.
+                        out.copy_(row[at : at + n].clone().view(out.dtype).view(out.shape))
+
+            return [handle], finish
+
+        return self._run(what, [o for lst in outputs for o in lst], start)
 
     # --- point-to-point (batch_isend_irecv calls these per op) ------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> WorkDDL:
@@ -332,17 +366,28 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         return self._run(f"send to rank {dst}", [t], start)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> WorkDDL:
+        return self._recv(tensors, src, tag, f"recv from rank {src}")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> WorkDDL:
+        """``dist.recv(src=None)``: the next message with ``tag`` from any rank; the work's
+        ``_source_rank()`` names the sender."""
+        from ddlcore.p2p import ANY_SOURCE
+
+        return self._recv(tensors, ANY_SOURCE, tag, "recv from any rank")
+
+    def _recv(self, tensors: list[torch.Tensor], src: int, tag: int, what: str) -> WorkDDL:
         t = self._one(tensors, "recv")
+        receives: list[Any] = []
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             direct = not t.is_cuda and t.is_contiguous()
             buf = t if direct else torch.empty(t.shape, dtype=t.dtype)
-            return [self._comm.irecv(buf, src, tag)], _copier([] if direct else [(t, buf)])
+            receives.append(self._comm.irecv(buf, src, tag))
+            return receives, _copier([] if direct else [(t, buf)])
 
-        return self._run(f"recv from rank {src}", [t], start)
-
-    def recv_anysource(self, *args: Any, **kwargs: Any) -> WorkDDL:
-        raise _unsupported("recv from any source")
+        work = self._run(what, [t], start)
+        work._receive = receives[0]
+        return work
 
 
 def _timeout_seconds(timeout: timedelta) -> float | None:

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddlcore.integrations.torch.work import WorkDDL, _contiguous, _copier, _op
+from ddlcore.integrations.torch.work import (
+    WorkDDL,
+    _all_data,
+    _contiguous,
+    _copier,
+    _data,
+    _op,
+)
 
 
 def _split_elements(t: torch.Tensor, rows: Sequence[int], size: int, what: str) -> list[int]:
@@ -114,7 +121,7 @@ class RootedCollectives:
 
         out = self._one(output_tensors, "scatter")
         root = (opts or dist.ScatterOptions()).rootRank
-        inputs = [i for lst in input_tensors for i in lst]
+        inputs = [_data(i) for lst in input_tensors for i in lst]
         at_root = self.rank() == root
         if at_root and (
             len(inputs) != self.size() or any(i.numel() != out.numel() for i in inputs)
@@ -150,6 +157,7 @@ class RootedCollectives:
                 f"ddl backend, all_to_all: {self.size()} input and output tensors needed, got "
                 f"{len(input_tensors)} and {len(output_tensors)}"
             )
+        output_tensors, input_tensors = _all_data(output_tensors), _all_data(input_tensors)
         send = [t.numel() for t in input_tensors]
         recv = [t.numel() for t in output_tensors]
         dtype, device = output_tensors[0].dtype, output_tensors[0].device
@@ -173,6 +181,7 @@ class RootedCollectives:
     ) -> WorkDDL:
         """``dist.all_to_all_single``: ``input``'s rows split by ``input_split_sizes`` (equal
         parts when empty) to the ranks, ``output``'s rows likewise from them."""
+        output, input = _data(output), _data(input)
         send = _split_elements(input, input_split_sizes, self.size(), "input")
         recv = _split_elements(output, output_split_sizes, self.size(), "output")
 

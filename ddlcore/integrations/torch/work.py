@@ -28,6 +28,17 @@ def _op(opts: Any, what: str) -> str:
     return _OPS[red]
 
 
+def _data(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd: the same memory, which ddlcore reads and writes in place (as
+    torch's own backends do; DDP with ``create_graph=True`` hands over tensors that require
+    grad, which DLPack refuses)."""
+    return t.detach() if t.requires_grad else t
+
+
+def _all_data(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [_data(t) for t in tensors]
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -73,6 +84,7 @@ class WorkDDL(dist.Work):
         self._timeout = timeout
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._receive: Any = None  # a receive's ddlcore handle: its ``source`` once done
         devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
         self._cuda = bool(devices)
         # A future of CUDA tensors names their devices: completing it records an event on each
@@ -129,6 +141,12 @@ class WorkDDL(dist.Work):
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """A future completed with the output tensors (or the collective's error)."""
         return self._future
+
+    def _source_rank(self) -> int:
+        """The rank a completed receive's message came from (``dist.recv(src=None)``)."""
+        if self._receive is None or self._receive.source is None:
+            raise ValueError(f"ddl backend, {self._what}: not a completed receive")
+        return int(self._receive.source)
 
     def is_completed(self) -> bool:
         return self._done.is_set()
