@@ -155,6 +155,47 @@ def test_collectives_and_ddp_on_ddl_with_cuda_tensors(tmp_path):
     ], out
 
 
+# A 2 x 2 DeviceMesh: its groups are ddl groups over some of the ranks, made from the world's;
+# collectives on each dimension and DTensor placements over both.
+MESH_SCRIPT = """\
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+dist.init_process_group("ddl")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+for name, members in (("dp", [rank % 2, rank % 2 + 2]), ("tp", [rank // 2 * 2, rank // 2 * 2 + 1])):
+    group = mesh.get_group(name)
+    assert dist.get_backend(group) == "ddl", dist.get_backend(group)
+    assert dist.get_process_group_ranks(group) == members, (name, members)
+    x = torch.tensor([rank + 0.5, -rank])
+    dist.all_reduce(x, group=group)
+    assert x.tolist() == [sum(members) + 1.0, -sum(members)], (name, x)
+full = torch.randn(8, 6, generator=torch.Generator().manual_seed(7))
+t = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+assert t.to_local().shape == (4, 3), t.to_local().shape
+assert torch.equal(t.full_tensor(), full)
+moved = t.redistribute(mesh, [Replicate(), Shard(0)])
+assert torch.equal(moved.to_local(), full.chunk(2, dim=0)[rank % 2])
+sys.stdout.write(f"mesh ok: rank {rank}\\n")
+dist.destroy_process_group()
+"""
+
+
+def test_two_dimensional_device_mesh(tmp_path):
+    """init_device_mesh over 4 ranks as 2 x 2: each dimension's groups reduce over their own
+    members, and a DTensor sharded on both dimensions gathers and redistributes exactly."""
+    (tmp_path / "mesh.py").write_text(MESH_SCRIPT)
+    out = _run(TORCHRUN + ["--nproc-per-node", "4", "mesh.py"], tmp_path)
+    assert sorted(re.findall(r"mesh ok: rank \d", out)) == [
+        f"mesh ok: rank {r}" for r in range(4)
+    ], out
+
+
 # Under an MPI launcher torch reads no PMI_* variable: the script hands rank and size over.
 MPI_SCRIPT = """\
 import os, sys
