@@ -147,6 +147,7 @@ class Communicator(RootedCollectives):
         # send/recv (`ddlcore.p2p`) and split (`ddlcore.split`); ``prefixed``: this communicator's
         # namespace in the store, where closes are counted.
         self._p2p = p2p.PointToPoint(self.rank, self.size, self._pair, timeout)
+        self._flight.p2p_history = self._p2p.history
         self._joiner, self._prefixed, self._splits = joiner, prefixed, 0
 
     # --- introspection -------------------------------------------------------------------------

@@ -3,7 +3,8 @@ when it breaks, so that a hang or a failure can be explained after the fact.
 
 Every collective a communicator runs is one entry (sequence number, collective, size, dtype, op,
 root, memory, start and end times, state started/completed/failed); the last
-``DDL_FLIGHT_RECORDER_ENTRIES`` are kept. Recording costs two clock reads and one small tuple per
+``DDL_FLIGHT_RECORDER_ENTRIES`` are kept. A record also lists the newest point-to-point sends
+and receives (``p2p``: op, peer, tag, bytes, posted and end times, state, error type). Recording costs two clock reads and one small tuple per
 call: the algorithm and the execution path are worked out only when the record is read. When a
 collective fails (timeout, peer failure, mismatch: anything that breaks the communicator), and
 when the communicator is closed, each rank writes its record as JSON, one file per rank, into the
@@ -141,6 +142,9 @@ class FlightRecorder:
         # that thread does it again itself, since the process ends right after the handler.
         self._writing: tuple[str, BaseException | None] | None = None
         self._writer: int | None = None
+        # The communicator's newest point-to-point messages, asked for when a record is made
+        # (`ddlcore.p2p.PointToPoint.history`): a rank stuck in a recv says so.
+        self.p2p_history: Callable[[], list[dict[str, Any]]] | None = None
 
     @classmethod
     def for_communicator(
@@ -296,6 +300,7 @@ class FlightRecorder:
             **self._context,
             "capacity": self.capacity,
             "entries": self.entries() if self.enabled else [],
+            "p2p": self.p2p_history() if self.p2p_history is not None else [],
         }
 
     # --- writing ----------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ A receive from any rank (``source=ANY_SOURCE``, MPI_ANY_SOURCE) is a channel of 
 tag, completed in call order: it keeps a header receive posted on every peer's channel for that
 tag and claims the first that arrives on a channel with no receive of its own waiting (a
 receive naming its source goes first on that source's messages); the sender's rank is then the
-handle's ``source``. A peer that failed or left is passed over while another may still send. Headers it posted and did not claim stay posted for later receives.
+handle's ``source``. A peer that failed or left is passed over while another may still send.
+Headers it posted and did not claim stay posted for later receives.
 
 Rules: ``dest``/``source`` must be another rank of the communicator (no self-sends, as in
 torch.distributed); ``0 <= tag < 2**24``. Device buffers go through host memory: a send copies
@@ -54,6 +55,7 @@ from ddlcore.handles import Handle
 from ddlcore.kernels.dtypes import DType
 from ddlcore.transports.base import Request
 
+HISTORY = 64  # point-to-point messages a flight record shows, the newest (a debugging aid)
 MAX_TAG = (1 << 24) - 1
 ANY_SOURCE = -1  # recv's source: the first message from any rank (MPI_ANY_SOURCE)
 P2P_SPACE = 0xE0000000  # top bits of a transport tag's upper half: p2p (see the docstring)
@@ -74,6 +76,9 @@ class _Job:
     buf: BufferDesc
     result: Any = None  # what wait() returns: a receive's x
     requests: tuple[Request, ...] = ()  # a send's: header and data
+    # What the flight record shows of it: op, peer (None: any rank), tag, bytes, posted, end
+    # (wall clock, 0.0 while in flight), the error's type name (None: none).
+    record: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +103,7 @@ class PointToPoint:
         self._lock = threading.Lock()
         self._channels: dict[tuple[int, int, bool], _Channel] = {}
         self._any_next: dict[int, int] = {}  # per tag: where a receive from any rank looks first
+        self._history: deque[list[Any]] = deque(maxlen=HISTORY)  # the newest jobs' records
         self._closed = False
 
     # --- arguments ------------------------------------------------------------------------------
@@ -163,6 +169,7 @@ class PointToPoint:
             if data is not None:
                 reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
             job = _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
+            self._record(job, "send", dest, tag)
             return ch, job, self._enqueue(ch, job, inline)
 
     def _post_recv(
@@ -178,7 +185,13 @@ class PointToPoint:
             if source != ANY_SOURCE:
                 self._spare_header(ch)
             job = _Job(handle, time.monotonic() + self.timeout, desc, x)
+            self._record(job, "recv", source, tag)
             return ch, job, self._enqueue(ch, job, inline)
+
+    def _record(self, job: _Job, op: str, peer: int, tag: int) -> None:
+        job.record = [op, None if peer == ANY_SOURCE else peer, tag, job.buf.nbytes]
+        job.record += [time.time(), 0.0, None]
+        self._history.append(job.record)
 
     def _spare_header(self, ch: _Channel) -> None:
         """Post a header receive for the next receive on ``ch``, unless one is posted already
@@ -253,6 +266,8 @@ class PointToPoint:
                 error = None
             with self._lock:
                 ch.jobs.popleft()
+            if job.record:
+                job.record[5:] = [time.time(), None if error is None else type(error).__name__]
             job.handle._finish(result=result, error=error)
 
     def _remaining(self, job: _Job) -> float:
@@ -361,7 +376,7 @@ class PointToPoint:
                         break
             if claimed is not None:
                 self._drain(src, until=claimed)
-                job.handle.source = src.peer
+                job.handle.source = job.record[1] = src.peer
                 return claimed.handle.wait(0)
             if time.monotonic() >= job.deadline:
                 raise DDLTimeoutError(
@@ -372,6 +387,26 @@ class PointToPoint:
             # Poll: a receive from any rank is rare, and a transport request has no callback.
             time.sleep(pause)
             pause = min(2 * pause or 20e-6, 1e-3)
+
+    def history(self) -> list[dict[str, Any]]:
+        """The newest sends and receives (at most `HISTORY`), oldest first, as the flight
+        record holds them: op, peer (None: any rank, not matched yet), tag, bytes, posted, end
+        (None while in flight), state (started/completed/failed) and error (its type's name)."""
+        with self._lock:
+            records = [list(r) for r in self._history]
+        return [
+            {
+                "op": op,
+                "peer": peer,
+                "tag": tag,
+                "bytes": nbytes,
+                "posted": posted,
+                "end": end or None,
+                "state": "started" if not end else "failed" if error else "completed",
+                "error": error,
+            }
+            for op, peer, tag, nbytes, posted, end, error in records
+        ]
 
     def close(self, timeout: float) -> None:
         """Refuse new messages and give the pending sends up to ``timeout`` seconds to leave;

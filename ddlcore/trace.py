@@ -157,6 +157,32 @@ def _ending(rec: Record) -> str:
     return f"its record was taken at {_clock(rec.get('written'))} ({reason})"
 
 
+def _point_to_point(rec: Record) -> str:
+    """What a rank's record says of its point-to-point messages ("" for nothing telling): those
+    in flight when it was written, else the last one if it failed. A rank behind in the
+    collectives is often waiting in a recv."""
+    history = [p for p in rec.get("p2p") or [] if isinstance(p, dict)]
+    shown = [p for p in history if p.get("state") == "started"]
+    if not shown and history and history[-1].get("state") == "failed":
+        shown = history[-1:]
+    if not shown:
+        return ""
+    written = float(rec.get("written") or 0)
+    words = []
+    for p in shown[-3:]:
+        peer = "any rank" if p.get("peer") is None else f"rank {p.get('peer')}"
+        way = "from" if p.get("op") == "recv" else "to"
+        posted = float(p.get("posted") or 0)
+        if p.get("state") == "started":
+            how = f"in flight for {_seconds(written - posted)}"
+        else:
+            how = f"failed ({p.get('error')}) after {_seconds(float(p['end']) - posted)}"
+        words.append(
+            f"{p.get('op')} of {p.get('bytes')} bytes {way} {peer} tag {p.get('tag')} {how}"
+        )
+    return "; point-to-point: " + ", ".join(words)
+
+
 # --- analysis --------------------------------------------------------------------------------
 def _by_seq(group: Group) -> dict[int, dict[int, Entry]]:
     """Entries by rank, then by sequence number."""
@@ -232,7 +258,7 @@ def analyze(group: Group) -> list[Finding]:
                         nxt,
                         f"rank {rank} is behind: its last collective was #{mine}, the others "
                         f"reached #{front} (their records start later than #{nxt}); "
-                        f"{_ending(rec)}",
+                        f"{_ending(rec)}{_point_to_point(rec)}",
                     )
                 )
                 continue
@@ -250,7 +276,7 @@ def analyze(group: Group) -> list[Finding]:
                     [rank],
                     nxt,
                     f"rank {rank} is behind: it never started {describe(theirs)}, which "
-                    f"{_ranks(calls)} started; {before}, and {_ending(rec)}",
+                    f"{_ranks(calls)} started; {before}, and {_ending(rec)}{_point_to_point(rec)}",
                 )
             )
         # Late: started the front collective only after another rank had given up waiting in
@@ -422,7 +448,7 @@ def report(
         head += f"; record written on {rec.get('reason')}"
         if rec.get("error"):
             head += f": {_error_line(rec)}"
-        lines.append(head)
+        lines.append(head + _point_to_point(rec))
         lines.append(f"    {group.paths[rank]}")
     if with_tables:
         for rank in present:

@@ -1,6 +1,6 @@
 """The flight recorder end to end: real ranks, one of them behind (busy elsewhere until the
 others have given up on a collective at DDL_TIMEOUT, then calling it late or leaving without it,
-or busy until ddlrun stops it) or calling another collective; every surviving rank writes its record into DDL_FLIGHT_RECORDER and names it in its
+or busy until ddlrun stops it, waiting in a recv) or calling another collective; every surviving rank writes its record into DDL_FLIGHT_RECORDER and names it in its
 error, and ``python -m ddlcore.trace DIR`` (a subprocess) says which rank was behind, in which
 collective."""
 
@@ -152,7 +152,14 @@ for _ in range(3):
     comm.allreduce(x)
 comm.barrier()
 if comm.rank == 2:
-    time.sleep(120)  # busy elsewhere: ddlrun stops it once another rank has failed
+    # Busy elsewhere, waiting for a message rank 0 never sends: ddlrun stops it once another
+    # rank has failed, and its record shows the receive in flight.
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            comm.recv(np.empty(3, np.int64), 0, tag=7)
+        except ddlcore.DDLError:  # timed out, or failed as the others aborted: wait on
+            time.sleep(0.05)
 comm.allreduce(x)
 """
 
@@ -179,3 +186,4 @@ def test_trace_under_ddlrun_names_the_rank_it_stopped(tmp_path):
         "ranks 0, 1 started; its last collective was barrier #3" in out
     ), out
     assert "it was stopped by SIGTERM" in out, out
+    assert "; point-to-point: recv of 24 bytes from rank 0 tag 7 " in out, out
