@@ -290,6 +290,10 @@ class PointToPoint:
         try:
             req.wait(self._remaining(job))
         except DDLTimeoutError:
+            if self._remaining(job) > 0.01:  # failed early: an abort that carries a timeout
+                with self._lock:
+                    ch.headers.popleft()
+                raise
             # The header receive stays posted, first in line: the next receive takes it.
             raise DDLTimeoutError(
                 f"rank {self.rank}: recv from rank {ch.peer} with tag {ch.tag}: nothing "
