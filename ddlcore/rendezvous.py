@@ -348,6 +348,13 @@ def resolve_master(
             f"store address can be broadcast, or set those variables ({exc})"
         ) from None
     comm = MPI.COMM_WORLD
+    if info.source == "slurm" and comm.Get_size() == 1 and info.size > 1:
+        raise RendezvousError(
+            f"rank {info.rank} of {info.size}: started by srun without a PMI that MPI can "
+            "use (MPI sees a world of one), so the ranks cannot share the store's address; "
+            "run srun --mpi=pmi2 ... (the MPICH wheel speaks PMI2), or set DDL_MASTER_ADDR "
+            "and DDL_MASTER_PORT (or MASTER_ADDR/MASTER_PORT) to the first node and a free port"
+        )
     if comm.Get_size() != info.size or comm.Get_rank() != info.rank:
         raise RendezvousError(
             f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the launcher's variables say "
