@@ -17,7 +17,13 @@ from ddlcore.algorithms import mdring
 from ddlcore.auth import JobKey, job_secret
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
-from ddlcore.links import Links, level_transports, local_transports, network_order
+from ddlcore.links import (
+    Links,
+    level_transports,
+    local_transports,
+    network_order,
+    transport_options,
+)
 from ddlcore.rendezvous import (
     SECRET_ORIGIN_MPI,
     RendezvousInfo,
@@ -25,7 +31,7 @@ from ddlcore.rendezvous import (
     resolve_master,
     via_torch_store,
 )
-from ddlcore.transports.base import PeerInfo
+from ddlcore.transports.base import PeerInfo, TransportOptions
 
 log = logging.getLogger("ddlcore")
 
@@ -266,13 +272,14 @@ def init(
         log.addHandler(handler)
         log.setLevel(logging.DEBUG)
     host_id = topology.host_identity(environ)
+    options = transport_options(environ)  # the transports' configuration, read once
     if info.size == 1:
         if info.source == "single process":  # DDL_DEBUG=1 says why a job is alone
             log.info(
                 "rank 0 of 1: no launcher variables are set, so this process is a world of "
                 "one; start N ranks with: ddlrun -np N python prog.py"
             )
-        joiner = _joiner(info, (), spec, host_id, None, timeout, environ, algo)
+        joiner = _joiner(info, (), spec, host_id, None, timeout, environ, algo, options)
         return Communicator(
             info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo, joiner=joiner
         )
@@ -280,9 +287,9 @@ def init(
         info = via_torch_store(store, info.rank, info.size, timeout, environ)
     else:
         info = resolve_master(info, environ, timeout)
-    names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
+    names = local_transports(spec, options)  # prepares them too: MPI_Init precedes the store
     client, store = _store_for(info, timeout, environ)
-    return _join(info, names, spec, host_id, client, store, timeout, environ, algo)
+    return _join(info, names, spec, host_id, client, store, timeout, environ, algo, options)
 
 
 def _join(
@@ -295,6 +302,7 @@ def _join(
     timeout: float,
     environ: Mapping[str, str] | None,
     algo: str | None,
+    options: TransportOptions,
 ) -> Communicator:
     """Meet the other ranks in ``store`` (a namespace of the store ``client`` talks to) and
     build the communicator: `init`'s second half, and how `Communicator.split` makes one."""
@@ -319,7 +327,7 @@ def _join(
             level_transports(spec, peers),
             environ,
         )
-        links = Links(info.rank, info.size, spec, peers, store, timeout)
+        links = Links(info.rank, info.size, spec, peers, store, timeout, options)
         host_ids = [p.host_id for p in peers]
         probing = config.get("DDL_LINK_PROBE", environ)
         if probe.wanted(probing, len(set(host_ids)), environ):
@@ -344,7 +352,7 @@ def _join(
             topo,
             host,
             node,
-            joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo),
+            joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo, options),
             prefixed=store,
         )
     except BaseException:
@@ -380,6 +388,7 @@ def _joiner(
     timeout: float,
     environ: Mapping[str, str] | None,
     algo: str | None,
+    options: TransportOptions,
 ) -> Callable[[int, int, str], Communicator]:
     """How a communicator's ``split`` makes a child: ``join(rank, size, name)`` meets the
     child's ranks in the namespace ``name`` under this communicator's, in the same store
@@ -409,14 +418,23 @@ def _joiner(
             )
         assert info.master_addr is not None and info.master_port is not None
         # Under DDL_TRANSPORT=mpi the children take what else runs here (shm, ucx, tcp).
-        found = local_transports("auto") if forced_mpi else names
+        found = local_transports("auto", options) if forced_mpi else names
         child_names = tuple(n for n in found if n != "mpi")
         client = StoreClient(
             info.master_addr, info.master_port, timeout, rank=rank, size=size, job_key=store.job_key
         )
         prefixed = PrefixStore(client, f"{store.prefix}{name}/")
         return _join(
-            child, child_names, spec, host_id, client, prefixed, timeout, child_environ, algo
+            child,
+            child_names,
+            spec,
+            host_id,
+            client,
+            prefixed,
+            timeout,
+            child_environ,
+            algo,
+            options,
         )
 
     return join

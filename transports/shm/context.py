@@ -12,7 +12,7 @@ import time
 import weakref
 
 from ddlcore.transports import _shm
-from ddlcore.transports.base import Context, PeerInfo, Store, Transport
+from ddlcore.transports.base import Context, PeerInfo, Store, Transport, TransportOptions
 from ddlcore.transports.pairs import PairTableContext
 from ddlcore.transports.shm.pair import ShmPair
 from ddlcore.transports.shm.ring import (
@@ -219,7 +219,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     @classmethod
-    def is_available(cls) -> tuple[bool, str]:
+    def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:
         if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
             return False, f"{SHM_DIR} is missing or not writable (mount a tmpfs there)"
         if not hasattr(os, "pidfd_open"):
@@ -229,5 +229,12 @@ class ShmTransport(Transport):
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return me.host_id == peer.host_id
 
-    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+    def create_context(
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
+    ) -> Context:
         return ShmContext(rank, size, store, timeout)
