@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
 from ddlcore.topology import layout
 from ddlcore.transports.base import (
     Context,
+    HostCollectivesFactory,
     Pair,
     PeerInfo,
     Store,
@@ -180,6 +181,19 @@ class Links:
             except AttributeError:  # a context that cannot take it: it only fails less promptly
                 pass
         self._pairs: dict[int, Pair] = {}
+
+    def host_collectives(self, group: Sequence[int]) -> tuple[HostCollectivesFactory | None, str]:
+        """What runs collectives among ``group`` (ranks of this host, this one among them) as
+        a whole: the offer of the one transport that links this rank with all the others
+        (`Context.host_collectives`), or None and why there is none."""
+        names = sorted({self.choice[q] for q in group if q != self.rank})
+        if len(names) != 1:
+            return None, f"the ranks talk {', '.join(names)}, not one transport"
+        offer = getattr(self.contexts[names[0]], "host_collectives", None)  # API version 1: none
+        factory = offer() if offer is not None else None
+        if factory is None:
+            return None, f"the ranks talk {names[0]}, which has no host collectives"
+        return factory, ""
 
     def pair(self, peer: int) -> Pair:
         p = self._pairs.get(peer)

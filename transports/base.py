@@ -156,7 +156,8 @@ class HostCollectivesFactory(Protocol):
     are the members' ranks in the communicator), it makes that rank's end; the caller then
     calls ``connect(store)`` on it (collective). ``max_ranks``: the largest group it takes."""
 
-    max_ranks: int
+    @property
+    def max_ranks(self) -> int: ...
 
     def __call__(
         self,

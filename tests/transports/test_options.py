@@ -87,3 +87,25 @@ def test_a_plug_in_that_takes_no_options_under_version_2_is_refused(monkeypatch)
     monkeypatch.setattr(transports, "_entry_points", lambda: {"bad": f"{__name__}:_Confused"})
     with pytest.raises(TransportUnavailableError, match="set api_version = 1"):
         transports.load("bad")
+
+
+def test_only_shm_offers_host_collectives():
+    from ddlcore.transports.shm import ShmTransport
+    from ddlcore.transports.shm.boards import MAX_RANKS, HostCollectives
+    from ddlcore.transports.tcp import TcpTransport
+
+    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)
+    try:
+        for transport, offer in ((ShmTransport(), HostCollectives), (TcpTransport(), None)):
+            ctx = transport.create_context(0, 2, PrefixStore(client, "t/"), 2.0, TransportOptions())
+            try:
+                assert ctx.host_collectives() is offer
+            finally:
+                ctx.close()
+        assert HostCollectives.max_ranks == MAX_RANKS
+    finally:
+        client.close()
+        server.close()
