@@ -123,7 +123,7 @@ class TransportOptions:
     # The UCX_* variables of the configuration's environment. UCX reads its settings from the
     # process environment itself; the UCX transport consults these only to leave the user's
     # settings alone and to pick a rail (``ucx.options.ucx_options``).
-    ucx_environ: Mapping[str, str] = field(default_factory=dict)
+    ucx_environ: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_environ(
