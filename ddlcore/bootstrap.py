@@ -1,7 +1,7 @@
 """Joining a job: `init()` finds the job (see ``rendezvous``), meets the other ranks at rank 0's
 store, learns which ranks share a host (``topology``), picks a transport per peer pair
-(``links``), sets up the shared-memory host collectives where ranks share a host (``hostcoll``)
-and returns a `Communicator`.
+(``links``), sets up host collectives where ranks share a host and a transport offers them
+(`Context.host_collectives`: shm's boards) and returns a `Communicator`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,19 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddlcore import config, hostcoll, probe, topology
+from ddlcore import config, probe, topology, tuning
 from ddlcore.algorithms import mdring
 from ddlcore.auth import JobKey, job_secret
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
-from ddlcore.links import Links, level_transports, local_transports, network_order
+from ddlcore.hostcoll import HostCollectives
+from ddlcore.links import (
+    Links,
+    level_transports,
+    local_transports,
+    network_order,
+    transport_options,
+)
 from ddlcore.rendezvous import (
     SECRET_ORIGIN_MPI,
     RendezvousInfo,
@@ -25,7 +32,7 @@ from ddlcore.rendezvous import (
     resolve_master,
     via_torch_store,
 )
-from ddlcore.transports.base import PeerInfo
+from ddlcore.transports.base import PeerInfo, TransportOptions
 
 log = logging.getLogger("ddlcore")
 
@@ -98,28 +105,27 @@ def _let_peers_finish(info: RendezvousInfo, timeout: float) -> None:
 
 def _host_collectives(
     info: RendezvousInfo, peers: list[PeerInfo], links: Links, store: Any, timeout: float, algo: str
-) -> hostcoll.HostCollectives | None:
-    """The shared-memory host collectives, when every rank is on this host and talks shm (and
-    DDL_ALGO leaves the choice to us); an error if DDL_ALGO=direct asks for them elsewhere."""
-    if algo not in ("auto", hostcoll.NAME):
+) -> HostCollectives | None:
+    """The host collectives, when every rank is on this host and one transport that offers
+    them links them all (shm's boards; DDL_ALGO leaves the choice to us); an error if
+    DDL_ALGO=direct asks for them elsewhere."""
+    if algo not in ("auto", tuning.DIRECT):
         return None
-    why = None
+    factory, why = links.host_collectives(range(info.size))
     if len({p.host_id for p in peers}) > 1:
         why = "the ranks are on more than one host"
-    elif set(links.choice.values()) != {"shm"}:
-        why = f"the ranks talk {', '.join(sorted(set(links.choice.values())))}, not shm"
-    elif info.size > hostcoll.MAX_RANKS:
-        why = f"{info.size} ranks share this host (at most {hostcoll.MAX_RANKS})"
-    if why is not None:
-        if algo == hostcoll.NAME:
+    elif factory is not None and info.size > factory.max_ranks:
+        why = f"{info.size} ranks share this host (at most {factory.max_ranks})"
+    if factory is None or why:
+        if algo == tuning.DIRECT:
             # Every rank comes to this; none may leave (taking rank 0's store) before all have.
             store.barrier("direct", info.rank, info.size, timeout)
             raise ValueError(
-                f"DDL_ALGO={hostcoll.NAME} needs every rank on one host over the shm "
-                f"transport, but {why}"
+                f"DDL_ALGO={tuning.DIRECT} needs every rank on one host over a transport with "
+                f"host collectives (shm), but {why}"
             )
         return None
-    return _connected(hostcoll.HostCollectives(info.rank, info.size, store, timeout), store)
+    return _connected(factory(info.rank, info.size, store, timeout), store)
 
 
 def _node_collectives(
@@ -130,7 +136,7 @@ def _node_collectives(
     store: Any,
     timeout: float,
     algo: str,
-) -> hostcoll.HostCollectives | None:
+) -> HostCollectives | None:
     """Host collectives among the ranks of this host, when the box has host and network
     dimensions: mdring then runs its host dimensions through them (`Communicator`)."""
     if algo not in ("auto", mdring.NAME) or topo.host_dims == 0 or topo.host_dims == len(topo.dims):
@@ -139,21 +145,20 @@ def _node_collectives(
     node = topo.node_of(info.rank)
     group = [topo.order[node * per_node + g] for g in range(per_node)]
     boards = None
+    factory, _ = links.host_collectives(group)
     if (
-        1 < per_node <= hostcoll.MAX_RANKS
+        factory is not None
+        and 1 < per_node <= factory.max_ranks
         and all(peers[q].host_id == peers[info.rank].host_id for q in group)
-        and all(links.choice.get(q) == "shm" for q in group if q != info.rank)
     ):
         index = topo.position(info.rank) % per_node  # (the same on every rank of this host)
-        boards = _connected(
-            hostcoll.HostCollectives(index, per_node, store, timeout, f"n{node}/", group), store
-        )
+        boards = _connected(factory(index, per_node, store, timeout, f"n{node}/", group), store)
     return _agreed_across_hosts(info, boards, store, timeout)
 
 
 def _agreed_across_hosts(
-    info: RendezvousInfo, boards: hostcoll.HostCollectives | None, store: Any, timeout: float
-) -> hostcoll.HostCollectives | None:
+    info: RendezvousInfo, boards: HostCollectives | None, store: Any, timeout: float
+) -> HostCollectives | None:
     """Every host keeps its boards only if every host has some, and reads directly only if
     every host can (a kernel's Yama setting is per host): a collective takes the host-staged
     path on every rank or on none, since an allreduce's segments there are not the messages
@@ -183,7 +188,7 @@ def _agreed_across_hosts(
     return boards
 
 
-def _connected(host: hostcoll.HostCollectives, store: Any) -> hostcoll.HostCollectives:
+def _connected(host: HostCollectives, store: Any) -> HostCollectives:
     try:
         host.connect(store)
     except BaseException:
@@ -266,13 +271,14 @@ def init(
         log.addHandler(handler)
         log.setLevel(logging.DEBUG)
     host_id = topology.host_identity(environ)
+    options = transport_options(environ)  # the transports' configuration, read once
     if info.size == 1:
         if info.source == "single process":  # DDL_DEBUG=1 says why a job is alone
             log.info(
                 "rank 0 of 1: no launcher variables are set, so this process is a world of "
                 "one; start N ranks with: ddlrun -np N python prog.py"
             )
-        joiner = _joiner(info, (), spec, host_id, None, timeout, environ, algo)
+        joiner = _joiner(info, (), spec, host_id, None, timeout, environ, algo, options)
         return Communicator(
             info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo, joiner=joiner
         )
@@ -280,9 +286,9 @@ def init(
         info = via_torch_store(store, info.rank, info.size, timeout, environ)
     else:
         info = resolve_master(info, environ, timeout)
-    names = local_transports(spec)  # prepares them too: MPI_Init must precede the store
+    names = local_transports(spec, options)  # prepares them too: MPI_Init precedes the store
     client, store = _store_for(info, timeout, environ)
-    return _join(info, names, spec, host_id, client, store, timeout, environ, algo)
+    return _join(info, names, spec, host_id, client, store, timeout, environ, algo, options)
 
 
 def _join(
@@ -295,6 +301,7 @@ def _join(
     timeout: float,
     environ: Mapping[str, str] | None,
     algo: str | None,
+    options: TransportOptions,
 ) -> Communicator:
     """Meet the other ranks in ``store`` (a namespace of the store ``client`` talks to) and
     build the communicator: `init`'s second half, and how `Communicator.split` makes one."""
@@ -319,7 +326,7 @@ def _join(
             level_transports(spec, peers),
             environ,
         )
-        links = Links(info.rank, info.size, spec, peers, store, timeout)
+        links = Links(info.rank, info.size, spec, peers, store, timeout, options)
         host_ids = [p.host_id for p in peers]
         probing = config.get("DDL_LINK_PROBE", environ)
         if probe.wanted(probing, len(set(host_ids)), environ):
@@ -344,7 +351,7 @@ def _join(
             topo,
             host,
             node,
-            joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo),
+            joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo, options),
             prefixed=store,
         )
     except BaseException:
@@ -380,6 +387,7 @@ def _joiner(
     timeout: float,
     environ: Mapping[str, str] | None,
     algo: str | None,
+    options: TransportOptions,
 ) -> Callable[[int, int, str], Communicator]:
     """How a communicator's ``split`` makes a child: ``join(rank, size, name)`` meets the
     child's ranks in the namespace ``name`` under this communicator's, in the same store
@@ -409,14 +417,23 @@ def _joiner(
             )
         assert info.master_addr is not None and info.master_port is not None
         # Under DDL_TRANSPORT=mpi the children take what else runs here (shm, ucx, tcp).
-        found = local_transports("auto") if forced_mpi else names
+        found = local_transports("auto", options) if forced_mpi else names
         child_names = tuple(n for n in found if n != "mpi")
         client = StoreClient(
             info.master_addr, info.master_port, timeout, rank=rank, size=size, job_key=store.job_key
         )
         prefixed = PrefixStore(client, f"{store.prefix}{name}/")
         return _join(
-            child, child_names, spec, host_id, client, prefixed, timeout, child_environ, algo
+            child,
+            child_names,
+            spec,
+            host_id,
+            client,
+            prefixed,
+            timeout,
+            child_environ,
+            algo,
+            options,
         )
 
     return join

@@ -386,6 +386,10 @@ _EXTERNAL: list[tuple[str, Callable[[str], Any], str]] = [
 for _name, _parse, _doc in _EXTERNAL:
     _declare(_name, _parse, None, _doc, external=True)
 
+# The MPI launchers' global-rank variables: one of them set means an MPI launcher started us
+# (the mpi transport runs only then).
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """Return the parsed value of a declared variable, or its default when unset.

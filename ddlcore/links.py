@@ -21,20 +21,38 @@ directly.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Mapping, Sequence
 
 import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
 from ddlcore.topology import layout
-from ddlcore.transports.base import Context, Pair, PeerInfo, Store, Transport
+from ddlcore.transports.base import (
+    Context,
+    HostCollectivesFactory,
+    Pair,
+    PeerInfo,
+    Store,
+    Transport,
+    TransportOptions,
+)
 
 
-def local_transports(spec: str) -> tuple[str, ...]:
+def transport_options(environ: Mapping[str, str] | None = None) -> TransportOptions:
+    """What the transports are told of the configuration (``environ``, or ``os.environ``):
+    built once per `init` and handed to every transport (`Links` adds the local rank)."""
+    return TransportOptions.from_environ(environ)
+
+
+def local_transports(spec: str, options: TransportOptions | None = None) -> tuple[str, ...]:
     """Names of the transports this process can run, each made ready (`Transport.prepare`,
     e.g. MPI_Init) as soon as it is found available, so later probes see what it loaded (the
     MPICH wheel's own UCX, which ucxx's cannot share a process with), and asked once more after
     that (MPI's thread level is known only once MPI runs). A forced transport that cannot run
-    here is an error that says why. Call before the rendezvous store is used."""
+    here is an error that says why. Call before the rendezvous store is used. ``options``:
+    `transport_options`' (None: the process environment's)."""
+    options = transport_options() if options is None else options
     if spec == "auto" or spec.startswith("auto:"):
         names = []
         for name in transports.names():
@@ -42,16 +60,17 @@ def local_transports(spec: str) -> tuple[str, ...]:
                 cls = transports.load(name)
             except TransportUnavailableError:
                 continue
-            if cls.is_available()[0]:
+            if transports.is_available(cls, options)[0]:
                 cls.prepare()
-                if cls.is_available()[0]:  # asked again: some know only once started (MPI)
+                # asked again: some know only once started (MPI)
+                if transports.is_available(cls, options)[0]:
                     names.append(name)
         return tuple(names)
     cls = transports.load(spec)
-    ok, why = cls.is_available()
+    ok, why = transports.is_available(cls, options)
     if ok:
         cls.prepare()
-        ok, why = cls.is_available()
+        ok, why = transports.is_available(cls, options)
     if not ok:
         raise TransportUnavailableError(f"DDL_TRANSPORT={spec} cannot run here: {why}")
     return (spec,)
@@ -96,10 +115,10 @@ def nominal(spec: str, a: PeerInfo, b: PeerInfo) -> str:
     return next((n for n in network_order(spec) if n in both), "tcp")
 
 
-def plan(spec: str) -> dict[str, str]:
+def plan(spec: str, options: TransportOptions | None = None) -> dict[str, str]:
     """What ``spec`` would choose here for a peer on this host and for one on another host,
     assuming the peer can run what this process can (``python -m ddlcore info`` prints it)."""
-    names = local_transports(spec)
+    names = local_transports(spec, options)
     instances = {name: transports.load(name)() for name in names}
     me = PeerInfo(0, "this-host", names)
     out = {}
@@ -131,7 +150,14 @@ class Links:
     """Per-peer transport pairs of one communicator."""
 
     def __init__(
-        self, rank: int, size: int, spec: str, peers: list[PeerInfo], store: Store, timeout: float
+        self,
+        rank: int,
+        size: int,
+        spec: str,
+        peers: list[PeerInfo],
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
     ) -> None:
         self.rank, self.size = rank, size
         me = peers[rank]
@@ -143,15 +169,31 @@ class Links:
         self._relayed = False  # an abort a peer told one context of went to all of them
         self._relay_lock = threading.Lock()
         local_rank = layout([p.host_id for p in peers], rank).local_rank  # picks its rail
+        options = dataclasses.replace(
+            transport_options() if options is None else options, local_rank=local_rank
+        )
         for name in sorted(set(self.choice.values())):
-            ctx = self.contexts[name] = instances[name].create_context_local(
-                rank, size, store, timeout, local_rank
+            ctx = self.contexts[name] = transports.create_context(
+                instances[name], rank, size, store, timeout, options
             )
             try:
                 ctx.on_abort = self._heard_abort
             except AttributeError:  # a context that cannot take it: it only fails less promptly
                 pass
         self._pairs: dict[int, Pair] = {}
+
+    def host_collectives(self, group: Sequence[int]) -> tuple[HostCollectivesFactory | None, str]:
+        """What runs collectives among ``group`` (ranks of this host, this one among them) as
+        a whole: the offer of the one transport that links this rank with all the others
+        (`Context.host_collectives`), or None and why there is none."""
+        names = sorted({self.choice[q] for q in group if q != self.rank})
+        if len(names) != 1:
+            return None, f"the ranks talk {', '.join(names)}, not one transport"
+        offer = getattr(self.contexts[names[0]], "host_collectives", None)  # API version 1: none
+        factory = offer() if offer is not None else None
+        if factory is None:
+            return None, f"the ranks talk {names[0]}, which has no host collectives"
+        return factory, ""
 
     def pair(self, peer: int) -> Pair:
         p = self._pairs.get(peer)

@@ -2,16 +2,25 @@
 with an in-tree fallback so a source checkout works without installed metadata.
 
 `load(name)` returns a transport class after checking its API version; `available()` says, for
-every known transport, whether it can run here and why not. Choosing a transport per peer pair
-is the job of ``ddlcore.links``.
+every known transport, whether it can run here and why not. `is_available` and `create_context`
+call a transport the way its API version expects (version 1 took no `TransportOptions`).
+Choosing a transport per peer pair is the job of ``ddlcore.links``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib import metadata
 
-from ddlcore.transports.base import API_VERSION, Transport
+from ddlcore.transports.base import (
+    API_VERSION,
+    SUPPORTED_API_VERSIONS,
+    Context,
+    Store,
+    Transport,
+    TransportOptions,
+)
 
 from ddlcore.errors import TransportUnavailableError
 
@@ -63,20 +72,62 @@ def load(name: str) -> type[Transport]:
             f"transport {name!r} ({spec}) failed to import: {exc}"
         ) from exc
     version = getattr(cls, "api_version", None)
-    if version != API_VERSION:
+    if version not in SUPPORTED_API_VERSIONS:
         raise TransportUnavailableError(
             f"transport {name!r} ({spec}) implements transport API version {version}, "
-            f"this ddlcore speaks version {API_VERSION}; upgrade the plug-in or ddlcore"
+            f"this ddlcore speaks versions {', '.join(map(str, SUPPORTED_API_VERSIONS))}; "
+            "upgrade the plug-in or ddlcore"
+        )
+    if version == API_VERSION and not _takes_options(cls):
+        raise TransportUnavailableError(
+            f"transport {name!r} ({spec}) says transport API version {version} (inherited "
+            "from ddlcore.transports.base.Transport?) but its create_context takes no options "
+            "argument: set api_version = 1 on the class, or take TransportOptions (version 2)"
         )
     return cls
 
 
-def available() -> dict[str, tuple[bool, str]]:
-    """For each known transport: (can run here, reason when not)."""
+def _takes_options(cls: type[Transport]) -> bool:
+    try:
+        inspect.signature(cls.create_context).bind(None, 0, 1, None, 1.0, None)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def is_available(cls: type[Transport], options: TransportOptions) -> tuple[bool, str]:
+    """``cls.is_available``, with ``options`` where its API version takes them."""
+    if getattr(cls, "api_version", 1) == 1:
+        return cls.is_available()
+    return cls.is_available(options)
+
+
+def create_context(
+    transport: Transport,
+    rank: int,
+    size: int,
+    store: Store,
+    timeout: float,
+    options: TransportOptions,
+) -> Context:
+    """``transport``'s context for ``rank``, with ``options`` where its API version takes
+    them (version 1: only the local rank, through ``create_context_local``)."""
+    if getattr(transport, "api_version", 1) == 1:
+        local = type(transport).create_context_local
+        if local is not Transport.create_context_local:
+            return transport.create_context_local(rank, size, store, timeout, options.local_rank)
+        return transport.create_context(rank, size, store, timeout)
+    return transport.create_context(rank, size, store, timeout, options)
+
+
+def available(options: TransportOptions | None = None) -> dict[str, tuple[bool, str]]:
+    """For each known transport: (can run here, reason when not), under ``options`` (None:
+    the process environment's)."""
+    options = TransportOptions.from_environ() if options is None else options
     out = {}
     for name in names():
         try:
-            out[name] = load(name).is_available()
+            out[name] = is_available(load(name), options)
         except TransportUnavailableError as exc:
             out[name] = (False, str(exc))
     return out

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Native half of the host collectives (``ddlcore.hostcoll``): a rank's view of every local
-rank's board and the collective bodies of ``ddl_arena.h``, each one call with the GIL released.
+"""Native half of the shm transport's host collectives (``shm.boards``): a rank's view of every
+local rank's board and the collective bodies of ``ddl_arena.h`` (large messages:
+``ddl_arena_direct.h``), each one call with the GIL released.
 
 Addresses are plain integers; the Python side validated the buffers and computes deadlines on
 ``time.monotonic()`` (CLOCK_MONOTONIC, the clock the C side reads).
@@ -44,13 +45,15 @@ cdef extern from "ddl_arena.h" nogil:
         uint8_t *out
         int64_t deadline_ns
     int ddl_arena_small(ddl_arena *a, const ddl_call *c)
-    int ddl_arena_direct(ddl_arena *a, const ddl_call *c)
     int ddl_arena_sync(ddl_arena *a, const ddl_call *c, const void *inp, const void *out)
     int ddl_arena_settle(ddl_arena *a, int64_t deadline_ns)
     void ddl_arena_abort(ddl_arena *a, uint32_t code, const uint8_t *reason, uint32_t len)
     uint8_t *ddl_entry(const ddl_arena *a, int q, uint64_t epoch)
     uint32_t ddl_load_acquire_u32(const void *p)
     uint64_t ddl_get_u64(const uint8_t *p)
+
+cdef extern from "ddl_arena_direct.h" nogil:
+    int ddl_arena_direct(ddl_arena *a, const ddl_call *c)
 
 MAX_RANKS = DDL_ARENA_MAX
 HEADER_BYTES = DDL_A_HEADER
@@ -94,7 +97,7 @@ cdef class Arena:
             double deadline):
         """Run one collective (mode 0: through the slots, 1: direct, 2: only a sync point
         comparing the call, before it runs elsewhere); returns a status (0: done; see
-        ``hostcoll`` for the others)."""
+        ``shm.boards`` for the others)."""
         cdef ddl_call c
         cdef int st
         c.kind, c.dtype, c.op, c.root = kind, dtype, op, root

@@ -46,21 +46,36 @@ Semantics every transport keeps (the conformance suite in ``tests/transports`` c
   through pinned host memory for them. A message sent from device memory may be received into
   host memory and the reverse: the bytes are the same.
 
+Options reach a transport as a value, `TransportOptions` (as gloo's ``transport::tcp::attr``
+reaches ``CreateDevice``): ``ddlcore.links`` builds them once from the configuration (the
+mapping given to ``ddlcore.init(environ=...)``, else ``os.environ``) and passes them to
+`Transport.is_available` and `Transport.create_context`; no transport reads the environment.
+A caller that passes none (a test, a benchmark) gets `TransportOptions.from_environ`'s.
+
+A context may offer collectives among the ranks of one host as a whole (shm's boards):
+`Context.host_collectives` returns what creates them, None where the transport has none. The
+communicator asks for it instead of knowing which transport has them.
+
 ``API_VERSION`` is checked when a transport is loaded from the ``ddlcore.transports`` entry-point
-group; a plug-in written against another version is refused with a message saying so.
+group. Version 2 passes `TransportOptions` to ``is_available`` and ``create_context`` (version 1
+took none, and the local rank through ``create_context_local``): a version-1 plug-in is still
+loaded and called the old way (``ddlcore.transports.is_available`` / ``create_context``), any
+other version is refused with a message saying so.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ddlcore.auth import JobKey
 
-API_VERSION = 1
+API_VERSION = 2
+# The versions `ddlcore.transports.load` accepts: 1 is called without options (see above).
+SUPPORTED_API_VERSIONS = (1, 2)
 
 # Error codes carried by an abort message, so the peer raises the same class we did.
 ABORT_PEER_FAILURE = 0
@@ -93,6 +108,66 @@ class PeerInfo:
     rank: int
     host_id: str
     transports: tuple[str, ...] = ()  # transports available in that rank's process
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """What a transport is told of the configuration (``ddlcore.links.transport_options``
+    builds it from ``ddlcore.config``; the defaults are the variables' defaults)."""
+
+    nchannels: int = 1  # DDL_NCHANNELS: TCP connections per pair
+    socket_ifname: str = ""  # DDL_SOCKET_IFNAME: interface(s), one per rail ("eth0,eth1")
+    gpu_direct: str = "auto"  # DDL_GPU_DIRECT: "auto", "on" or "off"
+    local_rank: int = 0  # this rank's index on its host: picks its rail
+    mpi_launched: bool = False  # an MPI launcher's rank variable is set (PMI_RANK, ...)
+    # The UCX_* variables of the configuration's environment. UCX reads its settings from the
+    # process environment itself; the UCX transport consults these only to leave the user's
+    # settings alone and to pick a rail (``ucx.options.ucx_options``).
+    ucx_environ: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def from_environ(
+        cls, environ: Mapping[str, str] | None = None, local_rank: int = 0
+    ) -> TransportOptions:
+        """The options of ``environ`` (``os.environ`` when None), for ``local_rank``."""
+        import os
+
+        from ddlcore import config
+
+        env = os.environ if environ is None else environ
+        return cls(
+            nchannels=config.get("DDL_NCHANNELS", env),
+            socket_ifname=config.get("DDL_SOCKET_IFNAME", env),
+            gpu_direct=config.get("DDL_GPU_DIRECT", env),
+            local_rank=local_rank,
+            mpi_launched=any(config.is_set(v, env) for v in config.MPI_RANK_VARS),
+            ucx_environ={k: v for k, v in env.items() if k.startswith("UCX_")},
+        )
+
+
+def options_or_default(options: TransportOptions | None) -> TransportOptions:
+    """``options``, or the process environment's for a caller that passed none."""
+    return TransportOptions.from_environ() if options is None else options
+
+
+class HostCollectivesFactory(Protocol):
+    """What `Context.host_collectives` returns: called on each rank of one host's group (its
+    index ``rank`` of ``size``; ``group`` names the group apart from other hosts', ``ranks``
+    are the members' ranks in the communicator), it makes that rank's end; the caller then
+    calls ``connect(store)`` on it (collective). ``max_ranks``: the largest group it takes."""
+
+    @property
+    def max_ranks(self) -> int: ...
+
+    def __call__(
+        self,
+        rank: int,
+        size: int,
+        store: Any,
+        timeout: float,
+        group: str = "",
+        ranks: Sequence[int] | None = None,
+    ) -> Any: ...
 
 
 class DeviceView:
@@ -210,6 +285,11 @@ class Context(abc.ABC):
     def close(self) -> None:
         """Close every pair and release all resources (sockets, threads, segments)."""
 
+    def host_collectives(self) -> HostCollectivesFactory | None:
+        """What makes collectives among the ranks of one host run as a whole through this
+        transport (shm: its boards), or None: the transport has none (the default)."""
+        return None
+
 
 class Transport(abc.ABC):
     """A transport backend."""
@@ -219,8 +299,9 @@ class Transport(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def is_available(cls) -> tuple[bool, str]:
-        """Whether this transport can run in this process, and if not, why (an actionable reason)."""
+    def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:
+        """Whether this transport can run in this process, and if not, why (an actionable
+        reason). ``options``: as `create_context`'s."""
 
     @classmethod
     def prepare(cls) -> None:
@@ -235,14 +316,24 @@ class Transport(abc.ABC):
         """Whether this transport can link ``me`` and ``peer`` (e.g. shm: same host only)."""
 
     @abc.abstractmethod
-    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+    def create_context(
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
+    ) -> Context:
         """Create this rank's context. Addresses are exchanged through ``store``; ``timeout``
-        bounds connection set-up."""
+        bounds connection set-up; ``options`` is what the configuration says (None: the
+        process environment's, `options_or_default`). A transport with several network
+        adapters per host gives local rank i (``options.local_rank``) the (i mod A)-th (tcp:
+        ``socket_ifname``'s list)."""
 
     def create_context_local(
         self, rank: int, size: int, store: Store, timeout: float, local_rank: int
     ) -> Context:
-        """`create_context` for a rank that is local rank ``local_rank`` of its host (what the
-        communicator calls): a transport with several network adapters per host gives local
-        rank i the (i mod A)-th (tcp: ``DDL_SOCKET_IFNAME``'s list); by default the same."""
-        return self.create_context(rank, size, store, timeout)
+        """`create_context` with the process environment's options for local rank
+        ``local_rank`` (API version 1's way to pass it; kept for callers of that version)."""
+        options = TransportOptions.from_environ(local_rank=local_rank)
+        return self.create_context(rank, size, store, timeout, options)

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from ddlcore.transports.base import (
     ABORT_MISMATCH,
+    ABORT_OTHER,
     ABORT_PEER_FAILURE,
     ABORT_TIMEOUT,
     DeviceView,
@@ -151,6 +152,14 @@ def mismatch_error(
         "and host buffers on others, whose schedules are chunked differently unless "
         "DDL_CHUNK_BYTES is set"
     )
+
+
+def abort_code(exc: BaseException) -> int:
+    """The code an abort note carries for ``exc``: the one `abort_error` turns back into its
+    class, ABORT_OTHER for an error of none of them."""
+    if isinstance(exc, PeerFailureError):
+        return ABORT_PEER_FAILURE
+    return next((code for code, cls in ABORT_CLASS.items() if isinstance(exc, cls)), ABORT_OTHER)
 
 
 def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:

@@ -46,10 +46,11 @@ from ddlcore.transports.base import (
     Request,
     Store,
     Transport,
+    TransportOptions,
+    options_or_default,
 )
 from ddlcore.transports.common import abort_error, loaded_libraries
 
-from ddlcore import config
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -60,7 +61,6 @@ from ddlcore.errors import (
 
 _SLOT_BITS = 20
 _P2P_SHIFT, _P2P_SPACE = 29, 0b111  # `ddlcore.p2p`'s tags: the upper half's top three bits
-_LAUNCHER_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 _ERROR_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
 _ABORT_TAG = 1
 
@@ -260,7 +260,9 @@ class MpiPair(Pair):
 
 
 class MpiContext(Context):
-    def __init__(self, rank: int, size: int, store: Store, timeout: float) -> None:
+    def __init__(
+        self, rank: int, size: int, store: Store, timeout: float, options: TransportOptions
+    ) -> None:
         MPI = _mpi()
         self.rank, self.size = rank, size
         problem = thread_level_problem()
@@ -292,7 +294,7 @@ class MpiContext(Context):
         # (it did: heap corruption after a mismatch). `close` cancels them.
         self.receiving: dict[int, tuple[Any, Any]] = {}
         self._ranks_of = {m: r for r, m in enumerate(self._mpi_rank)}
-        direct = config.get("DDL_GPU_DIRECT")
+        direct = options.gpu_direct
         self.device_memory = direct == "on" or (direct == "auto" and cuda_aware())
 
     def pair(self, peer: int) -> Pair:
@@ -370,8 +372,8 @@ class MpiTransport(Transport):
     name = "mpi"
 
     @classmethod
-    def is_available(cls) -> tuple[bool, str]:
-        if not any(config.is_set(v) for v in _LAUNCHER_VARS):
+    def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:
+        if not options_or_default(options).mpi_launched:
             return False, (
                 "not launched by an MPI launcher (no PMI_RANK / OMPI_COMM_WORLD_RANK / "
                 "SLURM_PROCID); start the job with mpiexec"
@@ -390,5 +392,12 @@ class MpiTransport(Transport):
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return True
 
-    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
-        return MpiContext(rank, size, store, timeout)
+    def create_context(
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
+    ) -> Context:
+        return MpiContext(rank, size, store, timeout, options_or_default(options))

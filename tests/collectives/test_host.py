@@ -189,10 +189,11 @@ def test_silent_rank_times_out_with_its_name():
 def _sizes_across_paths(rank, size):
     """Direct reads off (Yama): 4 KB runs on the boards, 1 MB on the schedules. Ranks that
     disagree across that line still meet at a sync point on the boards and fail at once."""
-    import ddlcore
-    from ddlcore import hostcoll
+    from ddlcore.transports.shm import boards
 
-    hostcoll._cma_allowed = lambda: False
+    import ddlcore
+
+    boards.cma_allowed = lambda: False
     comm = ddlcore.init(timeout=TIMEOUT_S)
     comm.barrier()
     t0 = time.monotonic()
@@ -231,10 +232,11 @@ def test_reduce_scatter_into_its_own_block_of_the_input():
 
 
 def _no_direct_reads(rank, size):
-    import ddlcore
-    from ddlcore import hostcoll
+    from ddlcore.transports.shm import boards
 
-    hostcoll._cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
+    import ddlcore
+
+    boards.cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
     with ddlcore.init() as comm:
         assert not comm._host.direct
         assert comm.describe("allreduce", 4096).algorithm == "direct"

@@ -275,11 +275,12 @@ def test_a_rank_dying_mid_pipeline_fails_every_survivor_quickly():
 def _direct_reads_on_one_host_only(rank, size):
     import os
 
+    from ddlcore.transports.shm import boards
+
     import ddlcore
-    from ddlcore import hostcoll
 
     if os.environ["DDL_HOST_ID"] == "b":  # as under Yama ptrace_scope >= 1 on host b alone
-        hostcoll._cma_allowed = lambda: False
+        boards.cma_allowed = lambda: False
     with ddlcore.init() as comm:
         assert comm._node is not None and not comm._node.direct  # agreed across the hosts
         k = 1 << 20  # 4 MB a rank: past the slots, so direct reads would decide the path
@@ -350,10 +351,11 @@ def test_the_choice_names_the_host_path():
 
 
 def _without_direct_reads(rank, size):
-    import ddlcore
-    from ddlcore import hostcoll
+    from ddlcore.transports.shm import boards
 
-    hostcoll._cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
+    import ddlcore
+
+    boards.cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
     with ddlcore.init() as comm:
         assert comm.describe("allreduce", SMALL_MAX).host_path == "direct"  # the slots
         assert comm.describe("allreduce", 1 << 20).host_path == ""  # the schedule

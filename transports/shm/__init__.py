@@ -1,7 +1,9 @@
 """Shared-memory transport: ranks on one host exchange tag-matched messages through lock-free
 single-producer/single-consumer byte rings in ``/dev/shm``. The native half (atomics, futex,
 copies) is ``_shm.pyx`` / ``ddl_shm.h``; this package is laid out as ``segments`` (the files),
-``ring`` (layout, records, requests), ``pair`` and ``context``.
+``ring`` (layout, records, requests), ``pair`` and ``context``. Its capability beyond pairs, the
+host collectives (``boards``, native half ``_arena.pyx`` / ``ddl_arena.h``), is what
+`ShmContext.host_collectives` returns.
 
 Layout. Every rank owns one *inbox* segment, ``/dev/shm/ddl-<pid>-<random>-r<rank>``, made at
 context creation and published in the store (``shm/inbox/<rank>``: name, pid). It holds a
@@ -51,17 +53,18 @@ Device memory is host-staged above this layer; CUDA IPC handles are where it wou
 
 from ddlcore.transports.shm.context import ShmContext, ShmTransport
 from ddlcore.transports.shm.pair import ShmPair
-from ddlcore.transports.shm.ring import ShmRequest, _cma_allowed
+from ddlcore.transports.shm.ring import ShmRequest
 from ddlcore.transports.shm.segments import (
     _ORPHAN_MIN_AGE_S,
     PREFIX,
     SHM_DIR,
     _boot_time,
     _owner_gone,
-    _unlink_quietly,
+    cma_allowed,
     create_segment,
     remove_orphans,
     remove_segments_of,
+    unlink_quietly,
 )
 
 __all__ = [
@@ -73,10 +76,10 @@ __all__ = [
     "ShmTransport",
     "_ORPHAN_MIN_AGE_S",
     "_boot_time",
-    "_cma_allowed",
     "_owner_gone",
-    "_unlink_quietly",
+    "cma_allowed",
     "create_segment",
     "remove_orphans",
     "remove_segments_of",
+    "unlink_quietly",
 ]

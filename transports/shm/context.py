@@ -12,8 +12,16 @@ import time
 import weakref
 
 from ddlcore.transports import _shm
-from ddlcore.transports.base import Context, PeerInfo, Store, Transport
+from ddlcore.transports.base import (
+    Context,
+    HostCollectivesFactory,
+    PeerInfo,
+    Store,
+    Transport,
+    TransportOptions,
+)
 from ddlcore.transports.pairs import PairTableContext
+from ddlcore.transports.shm.boards import HostCollectives
 from ddlcore.transports.shm.pair import ShmPair
 from ddlcore.transports.shm.ring import (
     _CAP,
@@ -40,9 +48,9 @@ from ddlcore.transports.shm.ring import (
 from ddlcore.transports.shm.segments import (
     PREFIX,
     SHM_DIR,
-    _unlink_quietly,
     create_segment,
     remove_segments_of,
+    unlink_quietly,
 )
 
 from ddlcore.errors import DDLError, PeerFailureError
@@ -65,7 +73,7 @@ class ShmContext(PairTableContext):
             self.name, self._bytes, _INBOX_HEADER, f"rank {rank}'s inbox"
         )
         # A process that exits without close() still takes its segment's name with it.
-        self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, self.path)
+        self._unlink_at_exit = weakref.finalize(self, unlink_quietly, self.path)
         base = self._base
         _shm.store_u32(base + _OFF_VERSION, _VERSION)
         _shm.store_u32(base + _OFF_NSLOTS, size)
@@ -191,6 +199,11 @@ class ShmContext(PairTableContext):
                 p._peer_gone(f"rank {p.peer} (pid {p._peer_pid}) exited while")
 
     # --- shutdown ---------------------------------------------------------------------------
+    def host_collectives(self) -> HostCollectivesFactory:
+        """The boards (``boards.HostCollectives``): collectives of this host's ranks as one
+        native call each through shared memory."""
+        return HostCollectives
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -219,7 +232,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     @classmethod
-    def is_available(cls) -> tuple[bool, str]:
+    def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:
         if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
             return False, f"{SHM_DIR} is missing or not writable (mount a tmpfs there)"
         if not hasattr(os, "pidfd_open"):
@@ -229,5 +242,12 @@ class ShmTransport(Transport):
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return me.host_id == peer.host_id
 
-    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
+    def create_context(
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
+    ) -> Context:
         return ShmContext(rank, size, store, timeout)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from ddlcore.transports import _shm
 from ddlcore.transports.common import Message, ThreadRequest
 from ddlcore.transports.pairs import MatchedPair
+from ddlcore.transports.shm.segments import cma_allowed
 
 from ddlcore.errors import DDLError, PeerFailureError
 
@@ -103,17 +104,7 @@ class ShmRequest(ThreadRequest):
         super().wait(timeout)
 
 
-def _cma_allowed() -> bool:
-    """Whether this kernel lets a process read a same-user peer's memory (process_vm_readv):
-    Yama's ptrace_scope 1 and up forbids it between processes that are not parent and child."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return f.read().strip() == "0"
-    except OSError:  # no Yama: ordinary same-user ptrace rules, which allow it
-        return True
-
-
-_CMA_OK = _cma_allowed()
+_CMA_OK = cma_allowed()
 
 
 class Send:

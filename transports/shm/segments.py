@@ -46,7 +46,7 @@ def create_segment(name: str, nbytes: int, reserve: int, what: str) -> tuple[str
     """Create ``/dev/shm/<name>`` (owner-only) of ``nbytes``, its first ``reserve`` bytes
     allocated now, and map it; returns (path, address). Names start with `PREFIX` and the
     owner's pid, which is how `remove_segments_of` finds a dead rank's segments; the owner
-    holds a lock on it until `_unlink_quietly`, which is how `remove_orphans` tells a dead
+    holds a lock on it until `unlink_quietly`, which is how `remove_orphans` tells a dead
     owner's segment from a live one. First removes the orphans of earlier jobs (at most every
     `_SWEEP_EVERY_S`: a sweep costs about 0.1 ms per segment in /dev/shm)."""
     global _last_sweep
@@ -166,7 +166,18 @@ def remove_orphans() -> list[str]:
     return removed
 
 
-def _unlink_quietly(path: str) -> None:
+def cma_allowed() -> bool:
+    """Whether this kernel lets a process read a same-user peer's memory (process_vm_readv):
+    Yama's ptrace_scope 1 and up forbids it between processes that are not parent and child."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:  # no Yama: ordinary same-user ptrace rules, which allow it
+        return True
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove the segment at ``path`` (gone already is fine) and drop our lock on it."""
     try:
         os.unlink(path)
     except FileNotFoundError:  # a survivor took us for dead, or the launcher cleaned up

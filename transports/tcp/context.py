@@ -7,7 +7,14 @@ from __future__ import annotations
 import socket
 import time
 
-from ddlcore.transports.base import Context, PeerInfo, Store, Transport
+from ddlcore.transports.base import (
+    Context,
+    PeerInfo,
+    Store,
+    Transport,
+    TransportOptions,
+    options_or_default,
+)
 from ddlcore.transports.common import job_key_of
 from ddlcore.transports.pairs import PairTableContext
 from ddlcore.transports.sockets import (
@@ -33,7 +40,6 @@ from ddlcore.transports.tcp.protocol import (
     PROTOCOL_VERSION,
 )
 
-from ddlcore import config
 from ddlcore.auth import AuthenticationError
 from ddlcore.errors import RendezvousError
 
@@ -44,18 +50,28 @@ class TcpContext(PairTableContext):
     _label = "TCP"
 
     def __init__(
-        self, rank: int, size: int, store: Store, timeout: float, local_rank: int = 0
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        local_rank: int = 0,
+        *,
+        options: TransportOptions | None = None,
     ) -> None:
+        """``local_rank`` counts only without ``options`` (which then are the process
+        environment's)."""
+        if options is None:
+            options = TransportOptions.from_environ(local_rank=local_rank)
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} must be in [0, size={size})")
         self.rank, self.size, self.timeout, self.store = rank, size, float(timeout), store
-        self.nchannels: int = config.get("DDL_NCHANNELS")
-        if self.nchannels > 0xFFFF:
-            raise ValueError(f"DDL_NCHANNELS={self.nchannels} is more than 65535")
-        ifname = config.get("DDL_SOCKET_IFNAME")
+        self.nchannels = options.nchannels
+        if not 0 < self.nchannels <= 0xFFFF:
+            raise ValueError(f"DDL_NCHANNELS={self.nchannels} is not in [1, 65535]")
         # Several interfaces: local rank i's rail is the (i mod A)-th; it listens on and
         # publishes that address, so peers reach it through that adapter.
-        address = rail_address(ifname, rank, local_rank)
+        address = rail_address(options.socket_ifname, rank, options.local_rank)
         if address is not None:
             self.address = address
         else:
@@ -153,16 +169,18 @@ class TcpTransport(Transport):
     name = "tcp"
 
     @classmethod
-    def is_available(cls) -> tuple[bool, str]:
+    def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:
         return True, ""
 
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return True
 
-    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
-        return TcpContext(rank, size, store, timeout)
-
-    def create_context_local(
-        self, rank: int, size: int, store: Store, timeout: float, local_rank: int
+    def create_context(
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
     ) -> Context:
-        return TcpContext(rank, size, store, timeout, local_rank)
+        return TcpContext(rank, size, store, timeout, options=options_or_default(options))

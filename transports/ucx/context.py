@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ddlcore.transports.base import DeviceView, Store
+from ddlcore.transports.base import DeviceView, Store, TransportOptions
 from ddlcore.transports.common import job_key_of
 from ddlcore.transports.ucx.options import _features, _import_ucxx, cuda_memory, ucx_options
 from ddlcore.transports.ucx.pair import UcxPair
@@ -36,8 +36,6 @@ from ddlcore.transports.ucx.protocol import (
     UcxRequest,
 )
 
-from ddlcore import config
-
 
 class UcxContext(UcxProgress):
     """This rank's UCX context and worker, its progress thread and its pairs."""
@@ -45,7 +43,7 @@ class UcxContext(UcxProgress):
     _label = "UCX"
 
     def __init__(
-        self, rank: int, size: int, store: Store, timeout: float, local_rank: int = 0
+        self, rank: int, size: int, store: Store, timeout: float, options: TransportOptions
     ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} must be in [0, size={size})")
@@ -74,8 +72,9 @@ class UcxContext(UcxProgress):
         self._bound = False  # the progress thread was given a GPU to make current
         self._binds: deque[DeviceView] = deque()  # views whose GPU it is to make current
         try:
-            self._ucx = lib.UCXContext(ucx_options(local_rank=local_rank), _features(lib))
-            direct = config.get("DDL_GPU_DIRECT")
+            settings = ucx_options(options.ucx_environ, options.local_rank)
+            self._ucx = lib.UCXContext(settings, _features(lib))
+            direct = options.gpu_direct
             self.device_memory = direct == "on" or (direct == "auto" and cuda_memory(self._ucx))
             self._worker = lib.UCXWorker(self._ucx)
             self._worker.init_blocking_progress_mode()

@@ -64,6 +64,8 @@ def _import_ucxx() -> tuple[Any, Any]:
     inherit them. When this import is the first of ucxx in the process, the ``UCX_*`` variables
     are put back as they were before it.
     """
+    # The process environment, not the configuration's (`TransportOptions`): it is what ucxx
+    # writes into and what UCX reads its settings from.
     with _import_lock:
         first = "ucxx" not in sys.modules
         before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
@@ -84,7 +86,9 @@ def ucx_options(environ: Mapping[str, str] | None = None, local_rank: int = 0) -
     """The UCX config this transport passes to ``UCXContext``: our defaults, minus every name
     the user set as ``UCX_<NAME>`` (explicit environment wins; UCX reads it itself). When
     ``UCX_NET_DEVICES`` lists several devices (rails), local rank i's context takes the
-    (i mod A)-th alone (`net_device_rails`)."""
+    (i mod A)-th alone (`net_device_rails`). ``environ``: the ``UCX_*`` variables of the
+    configuration (`TransportOptions.ucx_environ`); None: the process environment, which is
+    where UCX itself reads them."""
     env = os.environ if environ is None else environ
     options = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in env}
     rails = net_device_rails(env)

@@ -4,9 +4,14 @@ UCX loaded, a context can be made) and its contexts.
 
 from __future__ import annotations
 
-import os
-
-from ddlcore.transports.base import Context, PeerInfo, Store, Transport
+from ddlcore.transports.base import (
+    Context,
+    PeerInfo,
+    Store,
+    Transport,
+    TransportOptions,
+    options_or_default,
+)
 from ddlcore.transports.ucx.context import UcxContext
 from ddlcore.transports.ucx.options import _features, _foreign_ucx, _import_ucxx, ucx_options
 
@@ -19,7 +24,8 @@ class UcxTransport(Transport):
     name = "ucx"
 
     @classmethod
-    def is_available(cls) -> tuple[bool, str]:
+    def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:
+        ucx_environ = options_or_default(options).ucx_environ
         clash = _foreign_ucx()
         if clash:
             return False, (
@@ -46,10 +52,10 @@ class UcxTransport(Transport):
             return False, f"ucxx failed to import: {exc!r}; reinstall ucxx-cu12 / libucx-cu12"
         # A trial context per process and UCX_* settings, not per question: every init asks
         # twice (`links.local_transports`), and a context costs ~0.1-0.5 s on a busy machine.
-        key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("UCX_")))
+        key = tuple(sorted(ucx_environ.items()))
         if key not in _TRIED:
             try:
-                lib.UCXContext(ucx_options(), _features(lib))
+                lib.UCXContext(ucx_options(ucx_environ), _features(lib))
                 _TRIED[key] = ""
             except Exception as exc:
                 _TRIED[key] = (
@@ -61,10 +67,12 @@ class UcxTransport(Transport):
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return True
 
-    def create_context(self, rank: int, size: int, store: Store, timeout: float) -> Context:
-        return UcxContext(rank, size, store, timeout)
-
-    def create_context_local(
-        self, rank: int, size: int, store: Store, timeout: float, local_rank: int
+    def create_context(
+        self,
+        rank: int,
+        size: int,
+        store: Store,
+        timeout: float,
+        options: TransportOptions | None = None,
     ) -> Context:
-        return UcxContext(rank, size, store, timeout, local_rank)
+        return UcxContext(rank, size, store, timeout, options_or_default(options))
