@@ -148,7 +148,9 @@ def test_int_avg_host_staged_mdring():
 
 def _on_device(rank, size, algo):
     import ddlcore
+    from tests.collectives.matrix import few_simulator_threads
 
+    few_simulator_threads()
     with ddlcore.init(algo=algo) as comm:
         return _cases(comm, rank, size, device=True)
 
