@@ -72,6 +72,16 @@ def rank_env(
     return out
 
 
+_PATCHED: list[tuple[Any, str, Any]] = []
+
+
+def patch(owner: Any, name: str, value: Any) -> None:
+    """In a rank: set ``owner.name`` to ``value`` for this job only (a pooled rank's next job
+    gets the original back), like pytest's monkeypatch in the parent."""
+    _PATCHED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
 def _run_job(
     fn: Callable[..., Any],
     rank: int,
@@ -83,7 +93,10 @@ def _run_job(
     before = dict(os.environ)
     try:
         _run_in_env(fn, rank, size, args, env, conn)
-    finally:  # a pooled rank's next job starts from the environment it was spawned with
+    finally:  # a pooled rank's next job starts as it was spawned
+        while _PATCHED:
+            owner, name, value = _PATCHED.pop()
+            setattr(owner, name, value)
         os.environ.clear()
         os.environ.update(before)
 

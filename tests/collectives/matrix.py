@@ -39,8 +39,11 @@ def few_simulator_threads() -> None:
     every thread taking more elements."""
     from ddlcore.kernels.cuda import runtime
 
+    from tests.harness import patch
+
     if runtime.simulated():
-        runtime.SIMULATOR_THREADS, runtime.SIMULATOR_MAX_BLOCKS = 4, 2
+        patch(runtime, "SIMULATOR_THREADS", 4)
+        patch(runtime, "SIMULATOR_MAX_BLOCKS", 2)
 
 
 def random_input(dtype, count: int, rank: int, seed: int, op: str) -> np.ndarray:
