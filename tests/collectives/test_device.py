@@ -142,7 +142,7 @@ def test_device_arrays_on_the_simulator(nprocs, pools):
 @pytest.mark.parametrize(
     "nprocs,algo,transport,thin",
     [
-        (3, "rhd", "tcp", False),
+        pytest.param(3, "rhd", "tcp", False, marks=pytest.mark.slow),
         (2, "ring", "tcp", True),
         (3, "ring", "shm", True),
         (3, "ring", "ucx", True),

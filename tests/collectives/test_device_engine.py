@@ -359,7 +359,7 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
 @pytest.mark.parametrize(
     "nprocs,box,transport,direct,algos,depth,thin",
     [
-        (3, "", "tcp", "off", ["ring", "rhd", "rd"], 3, False),
+        pytest.param(3, "", "tcp", "off", ["ring", "rhd", "rd"], 3, False, marks=pytest.mark.slow),
         (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1, True),
         (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2, True),
         (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2, True),

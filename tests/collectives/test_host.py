@@ -64,7 +64,9 @@ def _boundaries(rank, size, thin=False):
 
 # Every op on every dtype in the smallest world (the sizes, not the ops, are the subject); the
 # thin slice in the others, whose boundaries (and inputs) are larger.
-@pytest.mark.parametrize("nprocs,thin", [(2, False), (3, True), (4, True)])
+@pytest.mark.parametrize(
+    "nprocs,thin", [pytest.param(2, False, marks=pytest.mark.slow), (3, True), (4, True)]
+)
 def test_sizes_around_slot_and_chunk(nprocs, thin, pools):
     results = pools.run(_boundaries, nprocs, thin, env={"DDL_TRANSPORT": "shm"}, timeout=240)
     for rank in range(1, nprocs):

@@ -110,7 +110,9 @@ def _rs_ag_matrix(rank, size, thin=False):
 # The full matrix in one placement (abba: every block through the staging buffer); the others
 # (whose subject is the placement) run the thin slice.
 @pytest.mark.parametrize(
-    "hosts,thin", [("abba", False), ("abab", True), ("aaabbb", True), ("aabbcc", True)]
+    "hosts,thin",
+    [pytest.param("abba", False, marks=pytest.mark.slow)]
+    + [(hosts, True) for hosts in ("abab", "aaabbb", "aabbcc")],
 )
 def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts, thin, pools):
     """Cyclic placement (abab: the blocks are already in host-staged order), host by host
@@ -130,7 +132,9 @@ def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts, 
 
 
 @pytest.mark.parametrize(
-    "hosts,thin", [("abcabc", False), ("abab", True), ("aaabbb", True), ("aabbcc", True)]
+    "hosts,thin",
+    [pytest.param("abcabc", False, marks=pytest.mark.slow)]
+    + [(hosts, True) for hosts in ("abab", "aaabbb", "aabbcc")],
 )
 def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts, thin, pools):
     """2 x 2, 3 ranks x 2 hosts, 2 ranks x 3 hosts, placed cyclically (abab, abcabc: each
@@ -236,7 +240,9 @@ def test_reduce_scatter_and_allgather_across_hosts_and_racks(pools):
     )
 
 
-@pytest.mark.parametrize("hosts,thin", [("abab", False), ("aaabbb", True)])
+@pytest.mark.parametrize(
+    "hosts,thin", [pytest.param("abab", False, marks=pytest.mark.slow), ("aaabbb", True)]
+)
 def test_segments_pipelined_across_the_network(hosts, thin, pools):
     results = pools.run(
         _segmented,
