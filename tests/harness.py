@@ -92,7 +92,8 @@ def _run_job(
 ) -> None:
     before = dict(os.environ)
     try:
-        _run_in_env(fn, rank, size, args, env, conn)
+        _set_env(env)
+        _answer(conn, fn, rank, size, args)
     finally:  # a pooled rank's next job starts as it was spawned
         while _PATCHED:
             owner, name, value = _PATCHED.pop()
@@ -101,14 +102,7 @@ def _run_job(
         os.environ.update(before)
 
 
-def _run_in_env(
-    fn: Callable[..., Any],
-    rank: int,
-    size: int,
-    args: tuple,
-    env: Mapping[str, str | None],
-    conn: Any,
-) -> None:
+def _set_env(env: Mapping[str, str | None]) -> None:
     for key in [k for k in os.environ if k.startswith("DDL_")]:
         if key not in env:
             del os.environ[key]
@@ -117,6 +111,9 @@ def _run_in_env(
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _answer(conn: Any, fn: Callable[..., Any], rank: int, size: int, args: tuple) -> None:
     try:
         result = fn(rank, size, *args)
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
