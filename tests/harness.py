@@ -11,7 +11,8 @@ story. Every join has a deadline, so a hung rank fails the test instead of hangi
 Ranks listed in ``may_die`` are allowed to exit without reporting (tests that kill a rank).
 `event` and `barrier` make objects ranks share, to wait on each other instead of sleeping.
 `RankPool` keeps rank processes for many calls, where the processes are not the subject;
-`RankPools` keeps one per world size.
+`RankPools` keeps one per world size (and per process-wide setting: see `PROCESS_WIDE`), and the
+``pools`` fixture (tests/conftest.py) gives each test module its own.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def rank_env(
     return out
 
 
+_PATCHED: list[tuple[Any, str, Any]] = []
+
+
+def patch(owner: Any, name: str, value: Any) -> None:
+    """In a rank: set ``owner.name`` to ``value`` for this job only (a pooled rank's next job
+    gets the original back), like pytest's monkeypatch in the parent."""
+    _PATCHED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
 def _run_job(
     fn: Callable[..., Any],
     rank: int,
@@ -79,6 +90,19 @@ def _run_job(
     env: Mapping[str, str | None],
     conn: Any,
 ) -> None:
+    before = dict(os.environ)
+    try:
+        _set_env(env)
+        _answer(conn, fn, rank, size, args)
+    finally:  # a pooled rank's next job starts as it was spawned
+        while _PATCHED:
+            owner, name, value = _PATCHED.pop()
+            setattr(owner, name, value)
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def _set_env(env: Mapping[str, str | None]) -> None:
     for key in [k for k in os.environ if k.startswith("DDL_")]:
         if key not in env:
             del os.environ[key]
@@ -87,6 +111,9 @@ def _run_job(
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _answer(conn: Any, fn: Callable[..., Any], rank: int, size: int, args: tuple) -> None:
     try:
         result = fn(rank, size, *args)
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
@@ -270,6 +297,7 @@ class RankPool:
         *args: Any,
         timeout: float = 120.0,
         env: Mapping[str, str | None] | None = None,
+        rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
     ) -> list[Any]:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
@@ -277,7 +305,9 @@ class RankPool:
         port = free_port()
         try:
             for rank, conn in enumerate(self._conns):
-                conn.send((fn, args, rank_env(rank, self.nprocs, port, env)))
+                job_env = rank_env(rank, self.nprocs, port, env)
+                job_env.update((rank_envs or {}).get(rank, {}))
+                conn.send((fn, args, job_env))
             return _collect(self._procs, self._conns, timeout, set())
         except BaseException:
             self.close(kill=True)
@@ -301,18 +331,38 @@ class RankPool:
         self._procs, self._conns = [], []
 
 
+# Variables a process reads once (at an import, or its first context), not per call: jobs that
+# set them differently get processes of their own. Numba picks the simulator or the driver when
+# numba.cuda is first imported; UCX reads its UCX_* settings when the process's context is made.
+PROCESS_WIDE = ("NUMBA_ENABLE_CUDASIM", "UCX_")
+
+
 class RankPools:
-    """One `RankPool` per world size, made on first use: ``run(fn, nprocs, *args)`` is
-    `run_ranks` for a test module whose cases share processes (a module-scoped fixture
-    ``close``-s it)."""
+    """One `RankPool` per world size and per value of the `PROCESS_WIDE` variables, made on
+    first use: ``run(fn, nprocs, *args, env=..., rank_envs=...)`` is `run_ranks` for a test
+    module whose cases share processes (a module-scoped fixture ``close``-s it)."""
 
     def __init__(self) -> None:
-        self._pools: dict[int, RankPool] = {}
+        self._pools: dict[tuple, RankPool] = {}
 
-    def run(self, fn: Callable[..., Any], nprocs: int, *args: Any, **kw: Any) -> list[Any]:
-        if nprocs not in self._pools:
-            self._pools[nprocs] = RankPool(nprocs)
-        return self._pools[nprocs].run(fn, *args, **kw)
+    def run(
+        self,
+        fn: Callable[..., Any],
+        nprocs: int,
+        *args: Any,
+        env: Mapping[str, str | None] | None = None,
+        rank_envs: Mapping[int, Mapping[str, str | None]] | None = None,
+        **kw: Any,
+    ) -> list[Any]:
+        every = [dict(env or {})] + [dict(e) for e in (rank_envs or {}).values()]
+        wide = sorted(
+            {(k, v) for e in every for k, v in e.items() if k.startswith(PROCESS_WIDE)},
+            key=str,
+        )
+        key = (nprocs, tuple(wide))
+        if key not in self._pools:
+            self._pools[key] = RankPool(nprocs)
+        return self._pools[key].run(fn, *args, env=env, rank_envs=rank_envs, **kw)
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -30,6 +30,22 @@ OPS = ["sum", "avg", "prod", "min", "max"]
 COUNTS = [0, 1, 2, 3, 5, 7, 13, 31, 101, 1009, 4099, 65537]
 
 
+def few_simulator_threads() -> None:
+    """On Numba's CUDA simulator (a no-op on a GPU), launch the kernels on 2 blocks of 4 threads
+    instead of the library's 2 x 32. The simulator starts a Python thread per CUDA thread of
+    each launch, about a millisecond each: that was most of a device collective test's time.
+    For rank processes whose subject is the collectives, not the kernels' grid (which
+    tests/kernels/cuda runs as the library launches it); the same grid-stride code runs, with
+    every thread taking more elements."""
+    from ddlcore.kernels.cuda import runtime
+
+    from tests.harness import patch
+
+    if runtime.simulated():
+        patch(runtime, "SIMULATOR_THREADS", 4)
+        patch(runtime, "SIMULATOR_MAX_BLOCKS", 2)
+
+
 def random_input(dtype, count: int, rank: int, seed: int, op: str) -> np.ndarray:
     """Random, never all-zero data; for prod, magnitudes near 1 keep floats in range. A fresh
     (writable) copy of `_random_input`'s array."""

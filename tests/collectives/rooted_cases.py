@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.collectives.matrix import DTYPES, OPS, check_close, digest, random_input
+from tests.collectives.matrix import (
+    DTYPES,
+    OPS,
+    check_close,
+    digest,
+    few_simulator_threads,
+    random_input,
+)
 
 COUNTS = [0, 1, 7, 13, 1009]
 THIN_DTYPES = [np.float16, np.float32, np.int32]
@@ -180,6 +187,7 @@ def device_rooted(rank: int, size: int) -> bool:
 
     import ddlcore
 
+    few_simulator_threads()
     with ddlcore.init() as comm:
         for dtype in (np.float32, np.int8, np.float64):
             for count in (0, 1, 13, 300):

@@ -5,7 +5,8 @@ test_collectives.py; the reductions themselves are the kernels' tests.
 
 ``DDL_TOPOLOGY`` makes one host's ranks a box, so mdring runs its phases along each dimension;
 ``DDL_ALGO`` forces the algorithm. The symbolic tests (tests/unit/test_schedules.py) cover many
-more shapes and sizes without processes; these prove the engine and transports run them.
+more shapes and sizes without processes; these prove the engine and transports run them. The
+worlds of one size share their processes (`pools`): what runs in them is the subject here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import pytest
 
 from tests.collectives import matrix
-from tests.harness import run_ranks
 
 BOXES = {"2x2": 4, "2x3": 6, "2x2x2": 8, "4x2": 8}
 ALGOS = ["ring", "mdring", "rhd", "rd"]
@@ -63,7 +63,7 @@ CASES = [_case(a, b, nprocs=BOXES[b]) for a in ALGOS for b in BOXES if b != "4x2
 
 
 @pytest.mark.parametrize("algo,box", CASES)
-def test_algorithm_on_box(algo, box):
+def test_algorithm_on_box(algo, box, pools):
     nprocs = BOXES[box]
     env = {
         "DDL_ALGO": algo,
@@ -73,7 +73,7 @@ def test_algorithm_on_box(algo, box):
         "DDL_TIMEOUT": "60",
         "MATRIX_COUNTS": COUNTS,
     }
-    results = run_ranks(_run_all, nprocs, _collectives(algo), env=env, timeout=300)
+    results = pools.run(_run_all, nprocs, _collectives(algo), env=env, timeout=300)
     digests0, chosen = results[0]
     assert set(chosen.values()) == {algo}, chosen
     # every dtype at every count, for each collective (and every op on float32)
@@ -95,7 +95,7 @@ def test_algorithm_on_box(algo, box):
         for b, t in [("2x2", "shm"), ("2x2x2", "shm"), ("4x2", "shm"), ("2x2", "tcp")]
     ],
 )
-def test_mdring_pipelined_across_dimensions(box, transport):
+def test_mdring_pipelined_across_dimensions(box, transport, pools):
     """mdring's allreduce in segments whose phases overlap (one engine thread per stream):
     the matrix against NumPy, identical on every rank, on boxes of two and three dimensions."""
     nprocs = BOXES[box]
@@ -108,7 +108,7 @@ def test_mdring_pipelined_across_dimensions(box, transport):
         "DDL_TIMEOUT": "60",
         "MATRIX_COUNTS": COUNTS,
     }
-    results = run_ranks(_run_pipelined, nprocs, env=env, timeout=300)
+    results = pools.run(_run_pipelined, nprocs, env=env, timeout=300)
     digests0, choice = results[0]
     assert choice.algorithm == "mdring" and choice.segments == 3, choice
     for rank in range(1, nprocs):

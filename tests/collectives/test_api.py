@@ -106,13 +106,13 @@ def _memoryview_input(rank, size):
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
-def test_out_in_place_and_shapes(nprocs):
-    run_ranks(_out_and_shapes, nprocs, timeout=60)
+def test_out_in_place_and_shapes(nprocs, pools):
+    pools.run(_out_and_shapes, nprocs, timeout=60)
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
-def test_async_handles(nprocs):
-    run_ranks(_async, nprocs, timeout=60)
+def test_async_handles(nprocs, pools):
+    pools.run(_async, nprocs, timeout=60)
 
 
 @pytest.mark.parametrize("body", [_out_and_shapes, _async], ids=["shapes", "async"])
@@ -131,8 +131,8 @@ def test_torch_cpu_tensors():
     run_ranks(_torch_tensors, 2, timeout=60)
 
 
-def test_buffer_protocol_input():
-    run_ranks(_memoryview_input, 2, timeout=60)
+def test_buffer_protocol_input(pools):
+    pools.run(_memoryview_input, 2, timeout=60)
 
 
 def _bad_arguments(rank, size):
@@ -171,8 +171,8 @@ def _bad_arguments(rank, size):
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
-def test_bad_arguments_fail_before_communicating(nprocs):
-    run_ranks(_bad_arguments, nprocs, timeout=60)
+def test_bad_arguments_fail_before_communicating(nprocs, pools):
+    pools.run(_bad_arguments, nprocs, timeout=60)
 
 
 def _single(rank, size):

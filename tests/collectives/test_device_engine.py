@@ -201,9 +201,25 @@ def _region(array: np.ndarray):
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.float64]
 COUNTS = [1, 7, 131, 1000]
 OPS = ["sum", "avg", "min"]
+THIN_COUNT = 131  # 64-byte chunks: 2 to 17 of them, the last one partial, for each dtype
 
 
-def _orderings(rank, size, algos, depth, seed):
+def _cases(collective: str, thin: bool):
+    """(dtype, count, op): every dtype x count x op, or (``thin``) float32 at every count and op
+    and the other dtypes (sum) at a count of several chunks that ends in a partial one (each
+    message costs a round trip: the largest count is most of a world's time)."""
+    for dtype in DTYPES:
+        for count in COUNTS:
+            if thin and dtype is not np.float32 and count != THIN_COUNT:
+                continue
+            ops = OPS if collective in ("allreduce", "reduce_scatter") else [None]
+            if thin and dtype is not np.float32:
+                ops = ops[:1]
+            for op in ops:
+                yield dtype, count, op
+
+
+def _orderings(rank, size, algos, depth, seed, thin=False):
     from ddlcore.kernels.dtypes import dtype_code
 
     import ddlcore
@@ -226,133 +242,133 @@ def _orderings(rank, size, algos, depth, seed):
             for collective in collectives:
                 if collective == "broadcast" and algo != "ring":
                     continue
-                for dtype in DTYPES:
+                for dtype, count, op in _cases(collective, thin):
                     dt = np.dtype(dtype)
-                    for count in COUNTS:
-                        for op in OPS if collective in ("allreduce", "reduce_scatter") else [None]:
-                            n_in = count * size if collective == "reduce_scatter" else count
-                            n_out = {"reduce_scatter": count, "allgather": count * size}.get(
-                                collective, count
-                            )
-                            x = random_input(dt, n_in, rank, seed, op or "sum")
-                            # the cost model reads nccl-tests' size: an allgather's output
-                            choice = tuning.choose(
-                                collective,
-                                comm.topology,
-                                max(n_in, n_out) * dt.itemsize,
-                                algo,
-                                64,
-                                False,
-                            )
-                            sched = make_schedule(
-                                collective,
-                                choice,
-                                rank,
-                                size,
-                                n_in,
+                    n_in = count * size if collective == "reduce_scatter" else count
+                    n_out = {"reduce_scatter": count, "allgather": count * size}.get(
+                        collective, count
+                    )
+                    x = random_input(dt, n_in, rank, seed, op or "sum")
+                    # the cost model reads nccl-tests' size: an allgather's output
+                    choice = tuning.choose(
+                        collective,
+                        comm.topology,
+                        max(n_in, n_out) * dt.itemsize,
+                        algo,
+                        64,
+                        False,
+                    )
+                    sched = make_schedule(
+                        collective,
+                        choice,
+                        rank,
+                        size,
+                        n_in,
+                        dt.itemsize,
+                        size - 1,
+                        comm.topology,
+                    )
+                    rop = as_op(op) if op else None
+                    places = {"allreduce": [False, True], "broadcast": [True]}.get(
+                        collective, [False]
+                    )
+                    for in_place in places:
+                        outs = []
+                        for on_device in (False, True):
+                            seq += 1
+                            inp = x.copy()
+                            out = inp if in_place else np.full(n_out, 7, dt)
+                            coll = engine.Collective(
+                                seq,
+                                12345,
                                 dt.itemsize,
-                                size - 1,
-                                comm.topology,
+                                int(dtype_code(dt)),
+                                rop,
+                                f"{collective} {algo}",
                             )
-                            rop = as_op(op) if op else None
-                            places = {"allreduce": [False, True], "broadcast": [True]}.get(
-                                collective, [False]
-                            )
-                            for in_place in places:
-                                outs = []
-                                for on_device in (False, True):
-                                    seq += 1
-                                    inp = x.copy()
-                                    out = inp if in_place else np.full(n_out, 7, dt)
-                                    coll = engine.Collective(
-                                        seq,
-                                        12345,
-                                        dt.itemsize,
-                                        int(dtype_code(dt)),
-                                        rop,
-                                        f"{collective} {algo}",
-                                    )
-                                    if on_device:
-                                        # the caller's stream writes the input late: the
-                                        # collective must wait for it (``ready``)
-                                        inp.view(np.uint8)[:] = 0xEE
-                                        ops._enqueue(
-                                            ops.user,
-                                            functools.partial(
-                                                _put, inp.view(np.uint8), 0, x.view(np.uint8)
-                                            ),
-                                        )
-                                        bufs = {Buf.INPUT: _region(inp), Buf.OUTPUT: _region(out)}
-                                        if sched.scratch_count:
-                                            bufs[Buf.SCRATCH] = slots.scratch(
-                                                sched.scratch_count * dt.itemsize
-                                            )
-                                        device_engine.run(
-                                            sched,
-                                            coll,
-                                            bufs,
-                                            comm._links,
-                                            slots,
-                                            depth,
-                                            30.0,
-                                            ops.record(ops.user),
-                                        )
-                                        assert not ops.work_left(), (
-                                            "work left queued after the collective returned"
-                                        )
-                                    else:
-                                        bufs = {
-                                            Buf.INPUT: engine.Region.of(inp),
-                                            Buf.OUTPUT: engine.Region.of(out),
-                                        }
-                                        if sched.scratch_count:
-                                            bufs[Buf.SCRATCH] = comm._ctx.scratch_region(
-                                                sched.scratch_count * dt.itemsize
-                                            )
-                                        engine.run(
-                                            sched,
-                                            coll,
-                                            bufs,
-                                            comm._links,
-                                            comm._ctx.staging,
-                                            depth,
-                                            30.0,
-                                        )
-                                    outs.append(out.view(np.uint8).copy())
-                                    if not in_place and not on_device:
-                                        assert np.array_equal(
-                                            inp.view(np.uint8), x.view(np.uint8)
-                                        ), "input written"
-                                assert np.array_equal(outs[0], outs[1]), (
-                                    algo,
-                                    collective,
-                                    dt.name,
-                                    count,
-                                    op,
-                                    in_place,
+                            if on_device:
+                                # the caller's stream writes the input late: the
+                                # collective must wait for it (``ready``)
+                                inp.view(np.uint8)[:] = 0xEE
+                                ops._enqueue(
+                                    ops.user,
+                                    functools.partial(
+                                        _put, inp.view(np.uint8), 0, x.view(np.uint8)
+                                    ),
                                 )
-                                checked += 1
+                                bufs = {Buf.INPUT: _region(inp), Buf.OUTPUT: _region(out)}
+                                if sched.scratch_count:
+                                    bufs[Buf.SCRATCH] = slots.scratch(
+                                        sched.scratch_count * dt.itemsize
+                                    )
+                                device_engine.run(
+                                    sched,
+                                    coll,
+                                    bufs,
+                                    comm._links,
+                                    slots,
+                                    depth,
+                                    30.0,
+                                    ops.record(ops.user),
+                                )
+                                assert not ops.work_left(), (
+                                    "work left queued after the collective returned"
+                                )
+                            else:
+                                bufs = {
+                                    Buf.INPUT: engine.Region.of(inp),
+                                    Buf.OUTPUT: engine.Region.of(out),
+                                }
+                                if sched.scratch_count:
+                                    bufs[Buf.SCRATCH] = comm._ctx.scratch_region(
+                                        sched.scratch_count * dt.itemsize
+                                    )
+                                engine.run(
+                                    sched,
+                                    coll,
+                                    bufs,
+                                    comm._links,
+                                    comm._ctx.staging,
+                                    depth,
+                                    30.0,
+                                )
+                            outs.append(out.view(np.uint8).copy())
+                            if not in_place and not on_device:
+                                assert np.array_equal(inp.view(np.uint8), x.view(np.uint8)), (
+                                    "input written"
+                                )
+                        assert np.array_equal(outs[0], outs[1]), (
+                            algo,
+                            collective,
+                            dt.name,
+                            count,
+                            op,
+                            in_place,
+                        )
+                        checked += 1
         comm.barrier()
         direct = sum(bool(comm._links.pair(p).device_memory) for p in range(size) if p != rank)
     return checked, ops.ran, ops.views, direct
 
 
-# (ranks, box, transport, DDL_GPU_DIRECT, algorithms, pipeline depth). Direct transports
+# (ranks, box, transport, DDL_GPU_DIRECT, algorithms, pipeline depth, thin). Direct transports
 # (ucx, mpi with DDL_GPU_DIRECT=on) read and write the "device" buffers on their own threads;
 # "ucx+shm" is two hosts (DDL_HOST_ID): shm pairs stage within a host, ucx pairs go direct across.
+# The full dtype x count x op matrix runs once, on three ranks (uneven parts, rhd folding);
+# the other worlds, whose subject is their depth, box or transport, run the thin slice.
 @pytest.mark.parametrize(
-    "nprocs,box,transport,direct,algos,depth",
+    "nprocs,box,transport,direct,algos,depth,thin",
     [
-        (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1),
-        (3, "", "tcp", "off", ["ring", "rhd", "rd"], 3),
-        (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2),
-        (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2),
-        (4, "2x2", "ucx+shm", "on", ["mdring", "rhd"], 3),
-        (2, "", "mpi", "on", ["ring", "rhd"], 1),
+        pytest.param(3, "", "tcp", "off", ["ring", "rhd", "rd"], 3, False, marks=pytest.mark.slow),
+        (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1, True),
+        (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2, True),
+        (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2, True),
+        (4, "2x2", "ucx+shm", "on", ["mdring", "rhd"], 3, True),
+        (2, "", "mpi", "on", ["ring", "rhd"], 1, True),
     ],
 )
 def test_device_engine_matches_host_engine_under_reordering(
-    nprocs, box, transport, direct, algos, depth
+    nprocs, box, transport, direct, algos, depth, thin, pools
 ):
     env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "60", "DDL_GPU_DIRECT": direct}
     rank_envs = None
@@ -361,17 +377,14 @@ def test_device_engine_matches_host_engine_under_reordering(
         rank_envs = {r: {"DDL_HOST_ID": f"host{r // 2}"} for r in range(nprocs)}
     if box:
         env["DDL_TOPOLOGY"] = box
-    results = run_ranks(
-        _orderings,
-        nprocs,
-        algos,
-        depth,
-        11,
-        env=env,
-        timeout=280,
-        rank_envs=rank_envs,
-        launcher="mpiexec" if transport == "mpi" else "spawn",
-    )
+    if transport == "mpi":
+        results = run_ranks(
+            _orderings, nprocs, algos, depth, 11, thin, env=env, timeout=280, launcher="mpiexec"
+        )
+    else:
+        results = pools.run(
+            _orderings, nprocs, algos, depth, 11, thin, env=env, timeout=280, rank_envs=rank_envs
+        )
     for checked, ran, views, direct_pairs in results:
         assert checked > 100 and ran > 1000, (checked, ran)
         if direct == "off":
@@ -432,9 +445,9 @@ def _swaps(rank, size, seed, n):
 
 
 @pytest.mark.parametrize("transport,direct,n", [("tcp", "off", 1000), ("ucx", "on", 1 << 16)])
-def test_device_engine_orders_writes_after_pending_downloads(transport, direct, n):
+def test_device_engine_orders_writes_after_pending_downloads(transport, direct, n, pools):
     """Staged: the overwrite waits for the download; direct: for the send reading the span."""
-    run_ranks(
+    pools.run(
         _swaps,
         2,
         5,
@@ -501,8 +514,8 @@ def _legacy_stream(rank, size, seed):
 
 
 @pytest.mark.parametrize("transport,direct", [("tcp", "off"), ("ucx", "on")])
-def test_device_engine_waits_for_the_legacy_default_stream(transport, direct):
-    views = run_ranks(
+def test_device_engine_waits_for_the_legacy_default_stream(transport, direct, pools):
+    views = pools.run(
         _legacy_stream,
         2,
         7,
@@ -560,17 +573,13 @@ def _bursts(rank, size, algo):
 
 
 @pytest.mark.parametrize("algo,transport", [("rhd", "shm"), ("ring", "shm"), ("rhd", "mpi")])
-def test_device_engine_never_waits_for_a_send_to_free_a_slot(algo, transport):
+def test_device_engine_never_waits_for_a_send_to_free_a_slot(algo, transport, pools):
     """Over MPI a large send completes only once the peer posts the receive: waiting on one for
     its slot deadlocked rhd until DDL_TIMEOUT."""
     env = {"DDL_TRANSPORT": transport, "DDL_TIMEOUT": "30"}
-    nslots = run_ranks(
-        _bursts,
-        2,
-        algo,
-        env=env,
-        timeout=120,
-        launcher="mpiexec" if transport == "mpi" else "spawn",
-    )
+    if transport == "mpi":
+        nslots = run_ranks(_bursts, 2, algo, env=env, timeout=120, launcher="mpiexec")
+    else:
+        nslots = pools.run(_bursts, 2, algo, env=env, timeout=120)
     if algo == "rhd":
         assert min(nslots) > 2, nslots  # it took more send slots than the two it started with

@@ -1,5 +1,6 @@
 """No hang, ever: a dead rank, ranks that disagree, or a silent rank become a named DDLError on
-every surviving rank, within the timeout (seconds here)."""
+every surviving rank, within the timeout (seconds here). Ranks that only disagree share their
+processes (`pools`); the others are killed, stopped or left silent, so they get their own."""
 
 from __future__ import annotations
 
@@ -88,13 +89,15 @@ def _mismatched(rank, size, kind):
         call()
     except ddlcore.DDLError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - t0
+    finally:
+        comm.close()
     raise AssertionError(f"rank {rank}: no error for mismatched {kind}")
 
 
 @pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective"])
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_mismatch_raises_on_every_rank(kind, nprocs):
-    results = run_ranks(_mismatched, nprocs, kind, env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+def test_mismatch_raises_on_every_rank(kind, nprocs, pools):
+    results = pools.run(_mismatched, nprocs, kind, env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
     for rank, (name, message, elapsed) in enumerate(results):
         assert elapsed < TIMEOUT_S / 2, f"rank {rank} waited {elapsed:.1f} s: {message}"
         assert name in ("CollectiveMismatchError", "PeerFailureError"), (name, message)
@@ -103,17 +106,17 @@ def test_mismatch_raises_on_every_rank(kind, nprocs):
 def _debug_check(rank, size):
     import ddlcore
 
-    comm = ddlcore.init()
-    comm.allreduce(np.ones(10, np.float32))  # agreeing calls pass the check
-    try:
-        comm.allreduce(np.ones(10 + rank, np.float32))
-    except ddlcore.CollectiveMismatchError as exc:
-        return str(exc)
+    with ddlcore.init() as comm:
+        comm.allreduce(np.ones(10, np.float32))  # agreeing calls pass the check
+        try:
+            comm.allreduce(np.ones(10 + rank, np.float32))
+        except ddlcore.CollectiveMismatchError as exc:
+            return str(exc)
     raise AssertionError("DDL_DEBUG did not catch the mismatch")
 
 
-def test_debug_check_names_every_rank():
-    msgs = run_ranks(_debug_check, 3, env={"DDL_DEBUG": "1", "DDL_TIMEOUT": "20"}, timeout=60)
+def test_debug_check_names_every_rank(pools):
+    msgs = pools.run(_debug_check, 3, env={"DDL_DEBUG": "1", "DDL_TIMEOUT": "20"}, timeout=60)
     for msg in msgs:
         assert "rank 0: allreduce count=10" in msg and "rank 2: allreduce count=12" in msg, msg
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.collectives import matrix
 from tests.collectives.test_host import _dies
-from tests.harness import run_ranks
+from tests.harness import patch, run_ranks
 
 SMALL_MAX = 1 << 17  # hostcoll.SMALL_MAX: the slots below, direct reads above
 TIMEOUT_S = 20.0
@@ -25,9 +25,10 @@ def _hosts(*names):
 SLOW_NET = {"DDL_LINK_BW": "5e9,1e8", "DDL_LINK_LAT": "1e-6,1e-3"}
 
 
-def _matrix(rank, size):
+def _matrix(rank, size, thin=False):
     """Every op on float32, int32 and float64 at sizes 0, 1, primes, not divisible by the
-    ranks or by the hosts, on both sides of the slots' size; in and out of place."""
+    ranks or by the hosts, on both sides of the slots' size; in and out of place. ``thin``:
+    every op on float32, sum on the others."""
     from ddlcore.kernels import reference
 
     import ddlcore
@@ -42,7 +43,7 @@ def _matrix(rank, size):
             # Up to 64 KB the cost model picks recursive doubling; at 128 KB mdring through
             # the slots, above that through direct reads.
             for count in (0, 1, 7, 1009, SMALL_MAX // isz, SMALL_MAX // isz + 1, 300_007):
-                for op in matrix.OPS:
+                for op in matrix.OPS if dtype is np.float32 or not thin else ["sum"]:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
                     digests[case] = matrix.allreduce_both_ways(comm, dtype, count, op)
         # Reduce-scatter and allgather between these allreduces (`_rs_ag_matrix` has more).
@@ -57,21 +58,22 @@ def _matrix(rank, size):
     return digests
 
 
-def _rs_ag_matrix(rank, size):
+def _rs_ag_matrix(rank, size, thin=False):
     """Reduce-scatter (every op) and allgather of every dtype on the host-staged path, at
     per-rank counts 0, 1, primes and either side of the slots' size; results checked against
-    NumPy, inputs untouched. Returns digests for the bit-identity check."""
+    NumPy, inputs untouched. Returns digests for the bit-identity check. ``thin``: float32 at
+    every count and op, the other dtypes (sum) on either side of the slots' size."""
     from ddlcore.kernels import reference
 
     import ddlcore
     from ddlcore.paths import host_staged
 
     taken = []
-    for name, real in list(host_staged.RUN.items()):
-        host_staged.RUN[name] = lambda *a, _real=real, _name=name, **kw: (
-            taken.append(_name),
-            _real(*a, **kw),
-        )[1]
+    spied = {
+        name: lambda *a, _real=real, _name=name, **kw: (taken.append(_name), _real(*a, **kw))[1]
+        for name, real in host_staged.RUN.items()
+    }
+    patch(host_staged, "RUN", spied)
     digests = {}
     with ddlcore.init() as comm:
         for collective in ("reduce_scatter", "allgather"):
@@ -81,8 +83,11 @@ def _rs_ag_matrix(rank, size):
             assert choice.algorithm == "mdring" and choice.host_path == "direct", choice
         for dtype in matrix.DTYPES:
             isz = np.dtype(dtype).itemsize
-            for k in (0, 1, 7, 1009, SMALL_MAX // isz // size + 1, 30011):
-                for op in matrix.OPS:
+            above = SMALL_MAX // isz // size + 1
+            for k in (0, 1, 7, 1009, above, 30011):
+                if thin and dtype is not np.float32 and k not in (1009, above):
+                    continue
+                for op in matrix.OPS if dtype is np.float32 or not thin else ["sum"]:
                     case = f"reduce_scatter {np.dtype(dtype).name} {op} k={k}"
                     xs = [matrix.random_input(dtype, size * k, r, k, op) for r in range(size)]
                     x = xs[rank].copy()
@@ -102,14 +107,21 @@ def _rs_ag_matrix(rank, size):
     return digests
 
 
-@pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc", "abba"])
-def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts):
+# The full matrix in one placement (abba: every block through the staging buffer); the others
+# (whose subject is the placement) run the thin slice.
+@pytest.mark.parametrize(
+    "hosts,thin",
+    [pytest.param("abba", False, marks=pytest.mark.slow)]
+    + [(hosts, True) for hosts in ("abab", "aaabbb", "aabbcc")],
+)
+def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts, thin, pools):
     """Cyclic placement (abab: the blocks are already in host-staged order), host by host
     (aaabbb, aabbcc: a board call per host) and neither (abba: the blocks copied through a
     staging buffer); 2 and 3 hosts."""
-    results = run_ranks(
+    results = pools.run(
         _rs_ag_matrix,
         len(hosts),
+        thin,
         rank_envs=_hosts(*hosts),
         env={**SLOW_NET, "DDL_ALGO": "mdring"},
         timeout=300,
@@ -119,12 +131,19 @@ def test_reduce_scatter_and_allgather_with_host_dimensions_on_the_boards(hosts):
         assert {c: results[rank][c] for c in same} == {c: results[0][c] for c in same}
 
 
-@pytest.mark.parametrize("hosts", ["abab", "aaabbb", "aabbcc", "abcabc"])
-def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts):
+@pytest.mark.parametrize(
+    "hosts,thin",
+    [pytest.param("abcabc", False, marks=pytest.mark.slow)]
+    + [(hosts, True) for hosts in ("abab", "aaabbb", "aabbcc")],
+)
+def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts, thin, pools):
     """2 x 2, 3 ranks x 2 hosts, 2 ranks x 3 hosts, placed cyclically (abab, abcabc: each
     host's boards hold ranks that are not neighbours in rank order) or host by host: results
-    are right and the same bits on every rank."""
-    results = run_ranks(_matrix, len(hosts), rank_envs=_hosts(*hosts), env=SLOW_NET, timeout=300)
+    are right and the same bits on every rank. Every op on every dtype in one placement, the
+    thin slice in the others."""
+    results = pools.run(
+        _matrix, len(hosts), thin, rank_envs=_hosts(*hosts), env=SLOW_NET, timeout=300
+    )
     for rank in range(1, len(hosts)):
         assert results[rank] == results[0], f"rank {rank} differs from rank 0"
 
@@ -140,21 +159,23 @@ def _spy_on_pipeline():
         runs.append(nseg)
         return real(nseg, *args, **kw)
 
-    pipeline.run = spy
+    patch(pipeline, "run", spy)
     return runs
 
 
-def _segmented(rank, size):
+def _segmented(rank, size, thin=False):
     """The pipelined path (segments of the allreduce cross the network while the boards reduce
     the next and spread the previous), with segments made tiny so that every size takes
     several, of unequal lengths, down to segments shorter than a host's rank count (zero-length
-    parts) and segments on both sides of the boards' slots/direct switch."""
+    parts) and segments on both sides of the boards' slots/direct switch. ``thin``: int32
+    takes sum and avg (its own wider form) alone, and not the ~500 segments of 1009 elements
+    (float32 takes those, each segment one call on the boards and one on the network)."""
     import ddlcore
     from ddlcore.paths import host_staged
 
     # Tiny segments for the path itself; the cost model still prices the real ones.
     cap = [64]
-    host_staged.host_segments = lambda nbytes: max(1, min(cap[0], nbytes // 8))
+    patch(host_staged, "host_segments", lambda nbytes: max(1, min(cap[0], nbytes // 8)))
     runs = _spy_on_pipeline()
     digests = {}
     with ddlcore.init() as comm:
@@ -162,12 +183,15 @@ def _segmented(rank, size):
             isz = np.dtype(dtype).itemsize
             # (smaller sizes take the network dimension first: no host phases to pipeline)
             for count in (1009, 4099, SMALL_MAX // isz * 3, 300_007):
+                if thin and dtype is np.int32 and count == 1009:
+                    continue
                 # 1009: ~500 segments of 2 elements, fewer than aaabbb's 3 ranks per host;
                 # sum, and avg (whose integer form doubles the bytes, so the segments) there:
                 # three quarters of this test's time went to the other ops on that many
                 # segments, the same path as sum's (every op is pipelined at the other counts)
                 cap[0] = 600 if count == 1009 else 64
-                for op in ("sum", "avg") if count == 1009 else matrix.OPS:
+                thin_here = count == 1009 or (thin and dtype is np.int32)
+                for op in ("sum", "avg") if thin_here else matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
                     # integer avg runs as a sum of int64 (ddlcore.int_avg): twice the bytes
                     wide = 8 if op == "avg" and np.dtype(dtype).kind == "i" else isz
@@ -202,12 +226,12 @@ def _racked_rs_ag(rank, size):
             np.testing.assert_array_equal(got, np.concatenate([x[:k] for x in xs]))
 
 
-def test_reduce_scatter_and_allgather_across_hosts_and_racks():
+def test_reduce_scatter_and_allgather_across_hosts_and_racks(pools):
     """2 ranks x 2 hosts x 2 racks: two network dimensions, whose positions (host in rack,
     then rack) do not follow rank order; each network position's board call still finds the
     blocks of its ranks."""
     envs = {r: {"DDL_HOST_ID": "abcd"[r // 2], "DDL_RACK_ID": "xy"[r // 4]} for r in range(8)}
-    run_ranks(
+    pools.run(
         _racked_rs_ag,
         8,
         rank_envs=envs,
@@ -216,11 +240,14 @@ def test_reduce_scatter_and_allgather_across_hosts_and_racks():
     )
 
 
-@pytest.mark.parametrize("hosts", ["abab", "aaabbb"])
-def test_segments_pipelined_across_the_network(hosts):
-    results = run_ranks(
+@pytest.mark.parametrize(
+    "hosts,thin", [pytest.param("abab", False, marks=pytest.mark.slow), ("aaabbb", True)]
+)
+def test_segments_pipelined_across_the_network(hosts, thin, pools):
+    results = pools.run(
         _segmented,
         len(hosts),
+        thin,
         rank_envs=_hosts(*hosts),
         env={**SLOW_NET, "DDL_ALGO": "mdring"},
         timeout=300,
@@ -280,7 +307,7 @@ def _direct_reads_on_one_host_only(rank, size):
     import ddlcore
 
     if os.environ["DDL_HOST_ID"] == "b":  # as under Yama ptrace_scope >= 1 on host b alone
-        boards.cma_allowed = lambda: False
+        patch(boards, "cma_allowed", lambda: False)
     with ddlcore.init() as comm:
         assert comm._node is not None and not comm._node.direct  # agreed across the hosts
         k = 1 << 20  # 4 MB a rank: past the slots, so direct reads would decide the path
@@ -295,11 +322,11 @@ def _direct_reads_on_one_host_only(rank, size):
         )
 
 
-def test_direct_reads_are_agreed_across_hosts():
+def test_direct_reads_are_agreed_across_hosts(pools):
     """Host b cannot read its ranks' memory directly, host a can: every host then leaves
     large calls to the schedules (host a alone on the host-staged path, whose allreduce
     segments are not the schedule's messages, used to wait out DDL_TIMEOUT)."""
-    run_ranks(
+    pools.run(
         _direct_reads_on_one_host_only,
         4,
         rank_envs=_hosts(*"aabb"),
@@ -334,15 +361,15 @@ def _choices(rank, size):
         )
 
 
-def test_forced_ring_leaves_the_boards_out():
-    for has_node, text, _ in run_ranks(
+def test_forced_ring_leaves_the_boards_out(pools):
+    for has_node, text, _ in pools.run(
         _choices, 4, rank_envs=_hosts(*"abab"), env={**SLOW_NET, "DDL_ALGO": "ring"}, timeout=90
     ):
         assert not has_node and text.startswith("ring"), text
 
 
-def test_the_choice_names_the_host_path():
-    for has_node, text, other in run_ranks(
+def test_the_choice_names_the_host_path(pools):
+    for has_node, text, other in pools.run(
         _choices, 4, rank_envs=_hosts(*"abab"), env=SLOW_NET, timeout=90
     ):
         assert has_node and "host dimensions through shared memory (direct)" in text, text
@@ -355,7 +382,7 @@ def _without_direct_reads(rank, size):
 
     import ddlcore
 
-    boards.cma_allowed = lambda: False  # as under Yama ptrace_scope >= 1
+    patch(boards, "cma_allowed", lambda: False)  # as under Yama ptrace_scope >= 1
     with ddlcore.init() as comm:
         assert comm.describe("allreduce", SMALL_MAX).host_path == "direct"  # the slots
         assert comm.describe("allreduce", 1 << 20).host_path == ""  # the schedule
@@ -365,10 +392,10 @@ def _without_direct_reads(rank, size):
     return True
 
 
-def test_without_direct_reads_large_messages_take_the_whole_schedule():
+def test_without_direct_reads_large_messages_take_the_whole_schedule(pools):
     # mdring named: at 128 KB the cost model weighs it within 2% of recursive doubling
     assert all(
-        run_ranks(
+        pools.run(
             _without_direct_reads,
             4,
             rank_envs=_hosts(*"abab"),

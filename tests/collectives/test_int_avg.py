@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.collectives import matrix
-from tests.harness import require, run_ranks
+from tests.harness import require
 
 INT_DTYPES = [np.int8, np.uint8, np.int32, np.int64]
 SMALL_MAX = 1 << 17  # hostcoll.SMALL_MAX: the boards' slots below, direct reads above
@@ -101,8 +101,8 @@ def _identical(results):
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_int_avg_over_shm_every_algorithm(nprocs):
-    results = run_ranks(
+def test_int_avg_over_shm_every_algorithm(nprocs, pools):
+    results = pools.run(
         _every_algorithm,
         nprocs,
         ("auto", "ring", "rhd", "rd", "mdring"),
@@ -113,8 +113,8 @@ def test_int_avg_over_shm_every_algorithm(nprocs):
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_int_avg_over_tcp(nprocs):
-    results = run_ranks(
+def test_int_avg_over_tcp(nprocs, pools):
+    results = pools.run(
         _every_algorithm,
         nprocs,
         ("ring", "rhd", "rd"),
@@ -133,10 +133,10 @@ def _host_staged(rank, size):
         return _cases(comm, rank, size)
 
 
-def test_int_avg_host_staged_mdring():
+def test_int_avg_host_staged_mdring(pools):
     """Two "hosts" of two ranks (DDL_HOST_ID), a slow network: mdring through the boards."""
     envs = {r: {"DDL_HOST_ID": h} for r, h in enumerate("aabb")}
-    results = run_ranks(
+    results = pools.run(
         _host_staged,
         4,
         timeout=300,
@@ -148,18 +148,20 @@ def test_int_avg_host_staged_mdring():
 
 def _on_device(rank, size, algo):
     import ddlcore
+    from tests.collectives.matrix import few_simulator_threads
 
+    few_simulator_threads()
     with ddlcore.init(algo=algo) as comm:
         return _cases(comm, rank, size, device=True)
 
 
 @pytest.mark.parametrize("nprocs,algo", [(2, "auto"), (3, "ring")])
-def test_int_avg_device_arrays_on_the_simulator(nprocs, algo):
+def test_int_avg_device_arrays_on_the_simulator(nprocs, algo, pools):
     try:
         import numba.cuda  # noqa: F401
     except ImportError:
         require(False, "numba-cuda not installed (pip install 'ddlcore[cuda]')")
-    results = run_ranks(
+    results = pools.run(
         _on_device,
         nprocs,
         algo,

@@ -2,8 +2,8 @@
 CollectiveMismatchError on EVERY rank, on every path, transport and algorithm, within the
 timeout: never a silent wrong result, a timeout or a hang (`ddlcore.algorithms.agreement`).
 
-One spawned job runs many cases: a mismatch breaks the communicator, so each case makes a new
-one with ``ddlcore.init()``. The schedules' agreement properties are also checked symbolically
+One job runs many cases: a mismatch breaks the communicator, so each case makes a new one with
+``ddlcore.init()``; the worlds of one size share their processes (`pools`). The schedules' agreement properties are also checked symbolically
 for every algorithm, world size and count (no processes)."""
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ WORLDS = [
 
 
 @pytest.mark.parametrize("transport,algo,nprocs", WORLDS)
-def test_mismatch_raises_on_every_rank(transport, algo, nprocs):
+def test_mismatch_raises_on_every_rank(transport, algo, nprocs, pools):
     _transport_ready(transport)
     env = {
         "DDL_TIMEOUT": str(TIMEOUT_S),
@@ -191,14 +191,10 @@ def test_mismatch_raises_on_every_rank(transport, algo, nprocs):
         "DDL_CHUNK_BYTES": "1024",
         "DDL_TRANSPORT": transport,
     }
-    results = run_ranks(
-        _mismatch_cases,
-        nprocs,
-        ALL,
-        env=env,
-        timeout=240,
-        launcher="mpiexec" if transport == "mpi" else "spawn",
-    )
+    if transport == "mpi":
+        results = run_ranks(_mismatch_cases, nprocs, ALL, env=env, timeout=240, launcher="mpiexec")
+    else:
+        results = pools.run(_mismatch_cases, nprocs, ALL, env=env, timeout=240)
     _check(results, ALL)
 
 
@@ -239,10 +235,10 @@ PATTERN_WORLDS = [
 
 
 @pytest.mark.parametrize("transport,algo,pattern,call_a,call_b", PATTERN_WORLDS)
-def test_mismatch_of_groups_raises_on_every_rank(transport, algo, pattern, call_a, call_b):
+def test_mismatch_of_groups_raises_on_every_rank(transport, algo, pattern, call_a, call_b, pools):
     _transport_ready(transport)
     env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_TRANSPORT": transport}
-    results = run_ranks(_pattern_case, len(pattern), pattern, call_a, call_b, env=env, timeout=120)
+    results = pools.run(_pattern_case, len(pattern), pattern, call_a, call_b, env=env, timeout=120)
     _check(results, [pattern])
 
 
@@ -262,7 +258,7 @@ HOST_CASES = [
 
 
 @pytest.mark.parametrize("algo", ["auto", "mdring"])
-def test_mismatch_across_hosts(algo):
+def test_mismatch_across_hosts(algo, pools):
     """Two "hosts" of two ranks (DDL_HOST_ID): the boards within each, tcp between them,
     mdring's host-staged path or the schedules."""
     env = {
@@ -272,7 +268,7 @@ def test_mismatch_across_hosts(algo):
         "DDL_LINK_BW": "5e9,1e8",
         "DDL_LINK_LAT": "1e-6,1e-3",
     }
-    results = run_ranks(
+    results = pools.run(
         _mismatch_cases, 4, HOST_CASES, env=env, timeout=240, rank_envs=_hosts("a", "a", "b", "b")
     )
     _check(results, HOST_CASES)

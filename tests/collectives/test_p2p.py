@@ -259,7 +259,9 @@ def _device_job(rank, size):
     from numba import cuda
 
     import ddlcore
+    from tests.collectives.matrix import few_simulator_threads
 
+    few_simulator_threads()
     peer = 1 - rank
     with ddlcore.init() as comm:
         for i, name in enumerate(_DTYPES):
