@@ -407,6 +407,88 @@ def _throughput(name: str, backend: str, np_: int) -> float:
     )
 
 
+# --- torch.distributed's backend "ddl" -------------------------------------------------------
+
+
+def torch_ddp(*names: str) -> str:
+    """DDP steps and dist.all_reduce through the backend "ddl", beside gloo and the raw API."""
+    docs = [load(n) for n in _present(names)]
+    head = "```bash\n" + "\n".join(d["command"] for d in docs) + "\n```\n\n"
+    loads = ", ".join(
+        f"np = {d['nranks']}: {d['load_before'][0]:.1f} before, {d['load_after'][0]:.1f} after"
+        for d in docs
+    )
+    train = [
+        [
+            str(d["nranks"]),
+            str(r["batch_per_rank"]),
+            fmt(r["local"]["step_ms"], 1),
+            fmt(r["ddl"]["step_ms"], 1),
+            fmt(r["gloo"]["step_ms"], 1),
+            fmt(r["ddl"]["samples_per_s"], 1),
+            fmt(r["gloo"]["samples_per_s"], 1),
+            f"**{r['ratio']:.2f}**",
+        ]
+        for d in docs
+        for r in d.get("train", [])
+    ]
+    params = next((r["params"] for d in docs for r in d.get("train", [])), 0)
+    bw = [
+        [
+            str(d["nranks"]),
+            size_label(r["size"]),
+            fmt(r["ddl"]["busbw"]),
+            fmt(r["raw"]["busbw"]),
+            fmt(r["raw_async"]["busbw"]),
+            fmt(r["gloo"]["busbw"]),
+            f"**{r['ddl_over_raw']:.2f}**",
+            fmt(r["ddl_over_gloo"]),
+        ]
+        for d in docs
+        for r in d["allreduce"]
+    ]
+    return (
+        head
+        + f"Load average (1 min, 2 vCPUs) {loads}.\n\n"
+        + f"DDP, {params / 1e6:.1f} M parameters, step time in ms (the slowest rank's median):"
+        + "\n\n"
+        + table(
+            [
+                "np",
+                "batch per rank",
+                "local (no comm)",
+                "ddl",
+                "gloo",
+                "ddl samples/s",
+                "gloo samples/s",
+                "ddl / gloo",
+            ],
+            train,
+        )
+        + "\n\n`dist.all_reduce` busbw (GB/s), float32:\n\n"
+        + table(
+            [
+                "np",
+                "size",
+                "ddl",
+                "raw `comm.allreduce`",
+                "raw `allreduce_async().wait()`",
+                "gloo",
+                "ddl / raw",
+                "ddl / gloo",
+            ],
+            bw,
+        )
+    )
+
+
+def _torch_ddp_spans(names: Iterable[str]) -> tuple[tuple[float, float], tuple[float, float]]:
+    docs = [load(n) for n in _present(names)]
+    train = [r["ratio"] for d in docs for r in d.get("train", [])]
+    raw = [r["ddl_over_raw"] for d in docs for r in d["allreduce"]]
+    return (min(train), max(train)), (min(raw), max(raw))
+
+
 # --- the summary ------------------------------------------------------------------------------
 
 
@@ -474,6 +556,17 @@ def summary() -> str:
             "[Convergence](#convergence-and-scaling-with-pytorch)",
         ],
     ]
+    ddp_names = ["torch_ddp_np2.json", "torch_ddp_np4.json"]
+    if _present(ddp_names):
+        (tlo, thi), (rlo, rhi) = _torch_ddp_spans(ddp_names)
+        rows.append(
+            [
+                'torch.distributed backend "ddl": DDP, 25 M parameters, np = 2 and 4, CPU',
+                f"{span(tlo, thi, 2)}x gloo's samples/s; `dist.all_reduce` 1-64 MB at "
+                f"{span(rlo, rhi, 2)}x the raw API's busbw",
+                '[The backend "ddl"](#the-torchdistributed-backend-ddl)',
+            ]
+        )
     return table(["what", "result", "where"], rows, "lll")
 
 
@@ -488,6 +581,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "sweep_tables": sweep_tables,
     "auto_vs_best": auto_vs_best,
     "convergence": convergence,
+    "torch_ddp": torch_ddp,
 }
 
 PLACEHOLDER = re.compile(r"^\{\{\s*(\w+)((?:\s+[\w.\-]+)*)\s*\}\}$")
