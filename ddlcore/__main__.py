@@ -70,7 +70,7 @@ def job_choice(
     from ddlcore.paths import ON_BOARDS, host_staged
 
     if direct_reads is None:
-        direct_reads = hostcoll._cma_allowed()
+        direct_reads = hostcoll.cma_allowed()
 
     def mode(nbytes: int) -> int:
         if nbytes <= hostcoll.SMALL_MAX:

@@ -49,6 +49,7 @@ from ddlcore.rendezvous import RendezvousInfo
 from ddlcore.rooted import RootedCollectives
 from ddlcore.split import split_communicator
 from ddlcore.transports.base import PeerInfo
+from ddlcore.transports.common import abort_code
 
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
 # Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
@@ -236,7 +237,7 @@ class Communicator(RootedCollectives):
 
         record_failure(self.rank, exc)
         # The reason without our "rank R: " prefix.
-        code, reason = engine.abort_code(exc), engine.failure_reason(exc)
+        code, reason = abort_code(exc), engine.failure_reason(exc)
         for path in self._paths:
             path.abort(code, reason)
         if running is None and self._ctx.boards is not None:  # the checks before any path

@@ -43,12 +43,7 @@ from ddlcore.errors import (
     rewrap,
 )
 from ddlcore.ops import Op
-from ddlcore.transports.base import (
-    ABORT_MISMATCH,
-    ABORT_OTHER,
-    ABORT_PEER_FAILURE,
-    ABORT_TIMEOUT,
-)
+from ddlcore.transports.common import abort_code
 
 log = logging.getLogger("ddlcore")
 
@@ -89,20 +84,6 @@ class StagingPool:
             self._arrays = [np.empty(size, np.uint8) for _ in range(max(nslots, len(self._arrays)))]
             self.regions = [Region.of(a) for a in self._arrays]
         return self.regions
-
-
-_ABORT_CODE = {
-    DDLTimeoutError: ABORT_TIMEOUT,
-    CollectiveMismatchError: ABORT_MISMATCH,
-    PeerFailureError: ABORT_PEER_FAILURE,
-}
-
-
-def abort_code(exc: BaseException) -> int:
-    for cls, code in _ABORT_CODE.items():
-        if isinstance(exc, cls):
-            return code
-    return ABORT_OTHER
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -11,7 +11,6 @@ from ddlcore.transports.shm.segments import cma_allowed
 
 assert NAME == tuning.DIRECT  # DDL_ALGO's name for them, declared in both layers
 
-_cma_allowed = cma_allowed  # the name ``python -m ddlcore info`` asks
 
 __all__ = [
     "CHUNK_BYTES",

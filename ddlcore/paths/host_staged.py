@@ -46,6 +46,7 @@ from ddlcore.collectives import Collective
 from ddlcore.hostcoll import BoardKind, HostCollectives
 from ddlcore.paths.base import HOST_STAGED, Context, PathBase, Plan, board_bytes, label
 from ddlcore.topology import Topology
+from ddlcore.transports.common import abort_code
 from ddlcore.tuning import host_segments
 
 NAME = "host-staged"
@@ -205,7 +206,7 @@ def allreduce(
         return
 
     def abort(exc: BaseException) -> None:  # both paths: the other stage must fail fast
-        code, reason = engine.abort_code(exc), engine.failure_reason(exc)
+        code, reason = abort_code(exc), engine.failure_reason(exc)
         node.abort(code, reason)
         if ctx.links is not None:
             ctx.links.abort(code, reason)
