@@ -43,13 +43,16 @@ class Call:
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # alltoallv's (send, recv)
 
 
-def output(x: BufferDesc, out: Any, shape: tuple[int, ...]) -> tuple[BufferDesc, Any]:
+def output(
+    x: BufferDesc, out: Any, shape: tuple[int, ...], x_obj: Any = None
+) -> tuple[BufferDesc, Any]:
     """The output's descriptor and the object returned to the caller: ``out`` checked against
-    ``x`` (same memory and device, dtype, ``shape``'s element count, writable), or new."""
+    ``x`` (same memory and device, dtype, ``shape``'s element count, writable), or new.
+    ``x_obj``: the object ``x`` describes (in place, ``out is x_obj``: described once)."""
     if out is None:
         desc = empty_like(x, shape)
         return desc, desc.wrap(desc.array)
-    desc = as_buffer(out, "out")
+    desc = x if out is x_obj else as_buffer(out, "out")
     if (desc.memory, desc.device) != (x.memory, x.device):
         raise ValueError(
             f"out is in {desc.memory.value} memory (device {desc.device}) but x is "
@@ -110,7 +113,7 @@ def prepare(
     rop = as_op(op) if op is not None else None
     xd = as_buffer(x, "x")
     if collective == Collective.ALLREDUCE:
-        od, result = output(xd, out, xd.shape)
+        od, result = output(xd, out, xd.shape, x)
     elif collective == Collective.REDUCE_SCATTER:
         od, result = output(xd, out, split_shape(xd, size, "x", collective))
     elif collective == Collective.ALLGATHER:

@@ -17,15 +17,20 @@ import torch.distributed as dist
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 
 
+# ddlcore's op names by torch's reduction type (looked up by the type: its ``.name`` costs
+# ~10 us a call).
+_BY_TYPE = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in _OPS.items()}
+
+
 def _op(opts: Any, what: str) -> str:
     """ddlcore's name of the reduction in torch's ``opts``."""
-    red = opts.reduceOp.op.name
-    if red not in _OPS:
+    red = _BY_TYPE.get(opts.reduceOp.op)
+    if red is None:
         raise ValueError(
-            f"ddl backend, {what}: op=ReduceOp.{red} is not supported; ddlcore "
-            f"reduces with {', '.join('ReduceOp.' + n for n in _OPS)}"
+            f"ddl backend, {what}: op=ReduceOp.{opts.reduceOp.op.name} is not supported; "
+            f"ddlcore reduces with {', '.join('ReduceOp.' + n for n in _OPS)}"
         )
-    return _OPS[red]
+    return red
 
 
 def _data(t: torch.Tensor) -> torch.Tensor:
