@@ -49,17 +49,21 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     TestDistBackend,
 )
 
-# Tests the suite keeps for gloo alone although they ask nothing gloo-specific of a backend
-# (coalesced allreduce, DDP's no_sync, scatter_object_list): "ddl" runs them too. The
+# Tests the suite keeps for other backends although they ask nothing of a backend that "ddl"
+# lacks (coalesced allreduce, DDP's no_sync, get_future, scatter_object_list, all_to_all on
+# CPU tensors): "ddl" runs them too, by the reason torch gives for skipping. The
 # monitored_barrier tests stay gloo's: they test gloo's own API and its error messages.
 _ALSO_FOR_DDL = (
-    "test_all_reduce_coalesced_",
-    "test_grads_same_across_ranks_with_no_sync",
-    "test_scatter_object_list",
+    ("test_all_reduce_coalesced_", "to be one of {'gloo'}"),
+    ("test_grads_same_across_ranks_with_no_sync", "to be one of {'gloo'}"),
+    ("test_scatter_object_list", "to be one of {'gloo'}"),
+    ("test_all_to_all", "Only MPI supports CPU all_to_all_single"),
+    ("test_all_to_all", "Only MPI supports all_to_all"),
+    ("test_get_future", "get_future is only supported on mpi, nccl and gloo"),
 )
 for _name, _test in vars(DistributedTest._DistTestBase).items():
     _why = getattr(_test, "__unittest_skip_why__", "")
-    if _name.startswith(_ALSO_FOR_DDL) and _why.endswith("to be one of {'gloo'}"):
+    if any(_name.startswith(n) and _why.endswith(w) for n, w in _ALSO_FOR_DDL):
         _test.__unittest_skip__ = False
 
 
