@@ -69,6 +69,19 @@ def transport_tag(tag: int, slot: int) -> int:
     return ((P2P_SPACE | tag) << 32) | slot
 
 
+@dataclass(slots=True)
+class _Record:
+    """What the flight record shows of one send or receive (times on the wall clock)."""
+
+    op: str  # "send" or "recv"
+    peer: int | None  # None: a receive from any rank, not matched yet
+    tag: int
+    nbytes: int
+    posted: float
+    end: float = 0.0  # 0.0 while in flight
+    error: str | None = None  # the failure's type name
+
+
 @dataclass
 class _Job:
     handle: Handle
@@ -76,9 +89,7 @@ class _Job:
     buf: BufferDesc
     result: Any = None  # what wait() returns: a receive's x
     requests: tuple[Request, ...] = ()  # a send's: header and data
-    # What the flight record shows of it: op, peer (None: any rank), tag, bytes, posted, end
-    # (wall clock, 0.0 while in flight), the error's type name (None: none).
-    record: list[Any] = field(default_factory=list)
+    record: _Record | None = None  # what the flight record shows of it (None: internal)
 
 
 @dataclass
@@ -103,7 +114,7 @@ class PointToPoint:
         self._lock = threading.Lock()
         self._channels: dict[tuple[int, int, bool], _Channel] = {}
         self._any_next: dict[int, int] = {}  # per tag: where a receive from any rank looks first
-        self._history: deque[list[Any]] = deque(maxlen=HISTORY)  # the newest jobs' records
+        self._history: deque[_Record] = deque(maxlen=HISTORY)  # the newest jobs' records
         self._closed = False
 
     # --- arguments ------------------------------------------------------------------------------
@@ -189,8 +200,9 @@ class PointToPoint:
             return ch, job, self._enqueue(ch, job, inline)
 
     def _record(self, job: _Job, op: str, peer: int, tag: int) -> None:
-        job.record = [op, None if peer == ANY_SOURCE else peer, tag, job.buf.nbytes]
-        job.record += [time.time(), 0.0, None]
+        job.record = _Record(
+            op, None if peer == ANY_SOURCE else peer, tag, job.buf.nbytes, time.time()
+        )
         self._history.append(job.record)
 
     def _spare_header(self, ch: _Channel) -> None:
@@ -266,8 +278,9 @@ class PointToPoint:
                 error = None
             with self._lock:
                 ch.jobs.popleft()
-            if job.record:
-                job.record[5:] = [time.time(), None if error is None else type(error).__name__]
+            if job.record is not None:
+                job.record.end = time.time()
+                job.record.error = None if error is None else type(error).__name__
             job.handle._finish(result=result, error=error)
 
     def _remaining(self, job: _Job) -> float:
@@ -356,7 +369,7 @@ class PointToPoint:
             with self._lock:
                 self._open()
                 # Round-robin from the last sender, so no busy rank starves the others.
-                start = (self._any_next.get(ch.tag, 0)) % len(peers)
+                start = self._any_next.get(ch.tag, 0) % len(peers)
                 for peer in peers[start:] + peers[:start]:
                     src = self._channel(peer, ch.tag, False)
                     self._spare_header(src)
@@ -380,7 +393,9 @@ class PointToPoint:
                         break
             if claimed is not None:
                 self._drain(src, until=claimed)
-                job.handle.source = job.record[1] = src.peer
+                job.handle.source = src.peer
+                if job.record is not None:
+                    job.record.peer = src.peer
                 return claimed.handle.wait(0)
             if time.monotonic() >= job.deadline:
                 raise DDLTimeoutError(
@@ -397,7 +412,9 @@ class PointToPoint:
         record holds them: op, peer (None: any rank, not matched yet), tag, bytes, posted, end
         (None while in flight), state (started/completed/failed) and error (its type's name)."""
         with self._lock:
-            records = [list(r) for r in self._history]
+            records = [
+                (r.op, r.peer, r.tag, r.nbytes, r.posted, r.end, r.error) for r in self._history
+            ]
         return [
             {
                 "op": op,
