@@ -8,10 +8,10 @@ meets the other ranks through that store (``ddlcore.init(store=...)``), under an
 `ProcessGroupDDL` maps torch's collectives onto the `Communicator`: allreduce (SUM, AVG,
 PRODUCT, MIN, MAX), allreduce_coalesced, allgather (lists and into one tensor, coalesced too),
 reduce_scatter (likewise), broadcast, reduce, gather and scatter from any root, all_to_all and
-all_to_all_single (split sizes too), barrier, send/recv (from any rank too; and batch_isend_irecv), and groups
-over some of the ranks (a `Communicator.split` child). Each returns an asynchronous `WorkDDL`
-whose ``wait()`` blocks without the GIL and whose ``get_future()`` completes with the output
-tensors.
+all_to_all_single (split sizes too), barrier, send/recv (from any rank too; and
+batch_isend_irecv), and groups over some of the ranks (a `Communicator.split` child). Each
+returns an asynchronous `WorkDDL` whose ``wait()`` blocks without the GIL and whose
+``get_future()`` completes with the output tensors.
 """
 
 # torch's stubs overload some ProcessGroup methods and name arguments differently; the C++
@@ -19,6 +19,7 @@ tensors.
 # mypy: disable-error-code="override,assignment"
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -336,7 +337,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
-            offsets = [sum(nbytes[:i]) for i in range(len(nbytes))]
+            offsets = [0, *itertools.accumulate(nbytes)][: len(nbytes)]
             for t, at, n in zip(inputs, offsets, nbytes, strict=True):
                 flat[at : at + n].copy_(_contiguous(t).view(-1).view(torch.uint8))
             got = torch.empty(sum(nbytes) * size, dtype=torch.uint8, device=device)
