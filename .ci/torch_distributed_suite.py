@@ -29,6 +29,9 @@ if __name__ == "__main__":
     os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="ddl-torch-suite-")
     sys.argv = [sys.argv[0], *_rest]
 os.environ["BACKEND"] = "ddl"
+# torch's test runner takes CI=... for PyTorch's own CI: it would write XML reports through
+# xmlrunner (not installed) and load PyTorch's CI profiles. This is not that CI.
+os.environ.pop("CI", None)
 os.environ.setdefault("WORLD_SIZE", "2")
 # A failing rank fails its test in seconds, not after DDL_TIMEOUT's 600 s default; the suite's
 # own process-group timeouts (60 s, some 5 s) still apply through init_process_group.
