@@ -4,15 +4,17 @@ Collectives must run in the same order on every rank, so a communicator executes
 in the order they were called: synchronous calls run inline when nothing is queued, otherwise they
 queue behind the asynchronous ones. Async calls are queued to one worker thread per communicator
 and return a `Handle` at once; the caller computes while the worker (and the transports' threads)
-move and reduce the data.
+move and reduce the data. A caller that waits on a call the worker has not started yet, with
+nothing running before it, runs it itself: waking the worker would cost more than the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError
@@ -34,6 +36,7 @@ class Handle:
         self._default_timeout = default_timeout
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Handle], Any]] | None = []
+        self._job: _Job | None = None  # while queued on an executor: the job, which wait() may run
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -52,8 +55,9 @@ class Handle:
     def add_done_callback(self, fn: Callable[[Handle], Any]) -> None:
         """Call ``fn(handle)`` once the collective finishes, successfully or not.
 
-        ``fn`` runs on the communicator's worker thread (or at once, on this thread, if the
-        collective already finished); it should be short and must not start a collective of the
+        ``fn`` runs on the thread that ran the collective (the communicator's worker, or the
+        thread that waited for it and ran it there), or at once on this thread if the
+        collective already finished; it should be short and must not start a collective of the
         same communicator, which would wait behind the one that is calling it. Inside ``fn``,
         ``handle.wait(0)`` returns the result or raises the collective's error. An exception
         ``fn`` raises is logged, not propagated.
@@ -67,6 +71,14 @@ class Handle:
     def done(self) -> bool:
         """True once the collective finished (successfully or not); never blocks."""
         return self._event.is_set()
+
+    def run_here(self) -> None:
+        """Run the call on this thread now if it is queued, next in line and nothing runs: the
+        worker would take it just as well, only later (a thread's wake-up costs more than a
+        small call). Otherwise nothing happens; `wait` does this itself."""
+        job = self._job
+        if job is not None and not self._event.is_set():
+            job.executor.run_here(job)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its result.
@@ -84,6 +96,8 @@ class Handle:
         DDLError
             The collective failed; the error says which rank, collective and step.
         """
+        if timeout is None:
+            self.run_here()  # bounded by DDL_TIMEOUT, as on the worker
         limit = self._default_timeout if timeout is None else timeout
         if not self._event.wait(limit):
             raise DDLTimeoutError(f"{self.label} not complete after waiting {limit:g} s")
@@ -92,17 +106,42 @@ class Handle:
         return self._result
 
 
+class _Job:
+    """A queued call: ``run(seq)`` finishes ``handle``; ``started`` once a thread took it."""
+
+    __slots__ = ("executor", "handle", "run", "seq", "started")
+
+    def __init__(self, executor: Executor, run: Callable[[int], Any], seq: int, handle: Handle):
+        self.executor, self.run, self.seq, self.handle = executor, run, seq, handle
+        self.started = False
+
+    def execute(self) -> None:
+        """Run the call and finish its handle (with the call's error if it raised)."""
+        try:
+            result = self.run(self.seq)
+        except BaseException as exc:  # delivered to whoever waits on the handle
+            self.handle._job = None
+            self.handle._finish(error=exc)
+        else:
+            self.handle._job = None
+            self.handle._finish(result=result)
+
+
 class Executor:
-    """Runs jobs one at a time in submission order (inline when idle, else on a worker thread)."""
+    """Runs jobs one at a time in submission order (inline when idle, else on a worker thread,
+    or on the thread that waits for a job when it is next and the worker has not taken it)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._cv = threading.Condition()
-        self._queue: deque[tuple[Callable[[int], Any], int, Handle]] = deque()
+        lock = threading.Lock()
+        self._cv = threading.Condition(lock)  # the worker waits on it for jobs
+        self._idle = threading.Condition(lock)  # drain() waits on it for an empty queue
+        self._queue: deque[_Job] = deque()
         self._next_seq = 0
         self._run_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._holding = threading.local()  # .depth: inside hold() on this thread
 
     def _take_seq(self) -> int:
         seq = self._next_seq
@@ -114,23 +153,45 @@ class Executor:
         with self._cv:
             if self._closed:
                 raise CommunicatorClosedError(f"{handle.label}: the communicator is closed")
-            self._queue.append((job, self._take_seq(), handle))
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._worker.start()
-            self._cv.notify()
+            handle._job = _Job(self, job, self._take_seq(), handle)
+            self._queue.append(handle._job)
+            if not getattr(self._holding, "depth", 0):
+                self._wake()
         return handle
+
+    def _wake(self) -> None:
+        """Start the worker or wake it (holding ``_cv``)."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._worker.start()
+        self._cv.notify()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Jobs submitted from this thread inside the block do not wake the worker: the caller
+        means to wait for them at once (`Handle.run_here` runs them on its thread). Whatever
+        is still queued when the block ends goes to the worker then."""
+        self._holding.depth = getattr(self._holding, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._holding.depth -= 1
+            if not self._holding.depth:
+                with self._cv:
+                    if self._queue and not self._queue[0].started:
+                        self._wake()
 
     def run_inline(self, job: Callable[[int], Any], make_handle: Callable[[], Handle]) -> Any:
         """Run ``job(seq)`` now if nothing is queued (the fast path), else queue it behind the
         others with a handle from ``make_handle()`` and wait for it."""
         with self._cv:
-            if self._closed:
-                raise CommunicatorClosedError(f"{make_handle().label}: the communicator is closed")
-            idle = not self._queue and not self._run_lock.locked()
+            closed = self._closed
+            idle = not closed and not self._queue and not self._run_lock.locked()
             if idle:
                 self._run_lock.acquire()
                 seq = self._take_seq()
+        if closed:  # make_handle() takes the lock (the wait budget counts the queue)
+            raise CommunicatorClosedError(f"{make_handle().label}: the communicator is closed")
         if idle:
             try:
                 return job(seq)
@@ -138,27 +199,49 @@ class Executor:
                 self._run_lock.release()
         return self.submit(job, make_handle()).wait()
 
+    def run_here(self, job: _Job) -> None:
+        """Run ``job`` on this thread if it is next and nothing runs (else the worker will)."""
+        with self._cv:
+            if job.started or not self._queue or self._queue[0] is not job:
+                return
+            if not self._run_lock.acquire(blocking=False):  # an inline call is running:
+                self._wake()  # the worker takes the job after it (it may be held)
+                return
+            job.started = True
+        try:
+            job.execute()
+        finally:
+            self._run_lock.release()
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._cv:
+            self._queue.popleft()
+            if not self._queue:
+                self._idle.notify_all()
+            elif not self._queue[0].started:
+                self._cv.notify()  # not when the queue is empty: a wake-up costs a context switch
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                # Nothing queued, or a waiting caller runs the next job: wait.
+                while (self._queue and self._queue[0].started) or (
+                    not self._queue and not self._closed
+                ):
                     self._cv.wait()
                 if not self._queue:
                     return
-                job, seq, handle = self._queue[0]
+                job = self._queue[0]
+                job.started = True
             with self._run_lock:
-                try:
-                    handle._finish(result=job(seq))
-                except BaseException as exc:  # delivered to whoever waits on the handle
-                    handle._finish(error=exc)
-            with self._cv:
-                self._queue.popleft()
-                self._cv.notify_all()
+                job.execute()
+            self._finished()
 
     def drain(self, timeout: float) -> bool:
         """Wait until every queued job ran; False if ``timeout`` passed first."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue, timeout)
+            return self._idle.wait_for(lambda: not self._queue, timeout)
 
     def pending(self) -> int:
         with self._cv:

@@ -109,11 +109,20 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         what: str,
         outputs: list[torch.Tensor],
         start: Callable[[], tuple[list[Any], Callable[[], None] | None]],
+        opts: Any = None,
     ) -> WorkDDL:
-        """Start a collective (``start`` returns its handles and finishing step)."""
+        """Start a collective (``start`` returns its handles and finishing step). When torch
+        waits for it at once (``opts.asyncOp`` False: ``async_op=False``), it runs here, on
+        the calling thread, and the work returned is complete."""
         work = self._work(what, outputs)
         try:
-            handles, finish = start()
+            if not getattr(opts, "asyncOp", True):
+                with self._comm.hold_worker():
+                    handles, finish = start()
+                    for handle in handles:
+                        handle.run_here()
+            else:
+                handles, finish = start()
         except BaseException as exc:
             raise _dist_error(exc, what) from None
         return work._start(handles, finish)
@@ -128,28 +137,32 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         one = tensors[0]
         return _all_data(one) if isinstance(one, list) else _data(one)  # type: ignore[return-value]
 
-    def _in_place(self, what: str, t: torch.Tensor, run: Callable[[torch.Tensor], Any]) -> WorkDDL:
+    def _in_place(
+        self, what: str, t: torch.Tensor, run: Callable[[torch.Tensor], Any], opts: Any
+    ) -> WorkDDL:
         """Run ``run(buffer)`` on ``t``'s data (a contiguous copy when ``t`` is not)."""
 
         def start() -> tuple[list[Any], Callable[[], None] | None]:
             buf = _contiguous(t)
             return [run(buf)], _copier([] if buf is t else [(t, buf)])
 
-        return self._run(what, [t], start)
+        return self._run(what, [t], start, opts)
 
     # --- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
         t = self._one(tensors, "allreduce")
-        op = _op(opts or dist.AllreduceOptions(), "allreduce")
+        opts = opts or dist.AllreduceOptions()
+        op = _op(opts, "allreduce")
         return self._in_place(
-            "allreduce", t, lambda buf: self._comm.allreduce_async(buf, op=op, out=buf)
+            "allreduce", t, lambda buf: self._comm.allreduce_async(buf, op=op, out=buf), opts
         )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
         """One allreduce per dtype and device: the tensors packed into one flat buffer."""
         from ddlcore.integrations.torch._common import pack_into, unpack_from
 
-        op = _op(opts or dist.AllreduceCoalescedOptions(), "allreduce_coalesced")
+        opts = opts or dist.AllreduceCoalescedOptions()
+        op = _op(opts, "allreduce_coalesced")
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         tensors = _all_data(tensors)
         for t in tensors:
@@ -169,13 +182,14 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
             return handles, finish
 
-        return self._run("allreduce_coalesced", list(tensors), start)
+        return self._run("allreduce_coalesced", list(tensors), start, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
         t = self._one(tensors, "broadcast")
-        root = (opts or dist.BroadcastOptions()).rootRank
+        opts = opts or dist.BroadcastOptions()
+        root = opts.rootRank
         return self._in_place(
-            "broadcast", t, lambda buf: self._comm.broadcast_async(buf, root=root)
+            "broadcast", t, lambda buf: self._comm.broadcast_async(buf, root=root), opts
         )
 
     def barrier(self, opts: Any = None) -> WorkDDL:
@@ -218,7 +232,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
             return [handle], finish
 
-        return self._run("allgather", list(outputs), start)
+        return self._run("allgather", list(outputs), start, opts)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -241,7 +255,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
                     copies.append((out, buf))
             return handles, _copier(copies)
 
-        return self._run(what, list(outputs), start)
+        return self._run(what, list(outputs), start, opts)
 
     _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -281,7 +295,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
             handle = self._scatter_from("reduce_scatter", buf, flat, op)
             return [handle], _copier([] if buf is out else [(out, buf)])
 
-        return self._run("reduce_scatter", [out], start)
+        return self._run("reduce_scatter", [out], start, opts)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -305,7 +319,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
                     copies.append((out, buf))
             return handles, _copier(copies)
 
-        return self._run(what, list(outputs), start)
+        return self._run(what, list(outputs), start, opts)
 
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -352,7 +366,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
             return [handle], finish
 
-        return self._run(what, [o for lst in outputs for o in lst], start)
+        return self._run(what, [o for lst in outputs for o in lst], start, opts)
 
     # --- point-to-point (batch_isend_irecv calls these per op) ------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> WorkDDL:

@@ -61,12 +61,13 @@ class RootedCollectives:
             what: str,
             outputs: list[torch.Tensor],
             start: Callable[[], tuple[list[Any], Callable[[], None] | None]],
+            opts: Any = None,
         ) -> WorkDDL: ...
 
         def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor: ...
 
         def _in_place(
-            self, what: str, t: torch.Tensor, run: Callable[[torch.Tensor], Any]
+            self, what: str, t: torch.Tensor, run: Callable[[torch.Tensor], Any], opts: Any
         ) -> WorkDDL: ...
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
@@ -75,7 +76,10 @@ class RootedCollectives:
         opts = opts or dist.ReduceOptions()
         op, root = _op(opts, "reduce"), opts.rootRank
         return self._in_place(
-            "reduce", t, lambda buf: self._comm.reduce_async(buf, op=op, root=root, out=buf)
+            "reduce",
+            t,
+            lambda buf: self._comm.reduce_async(buf, op=op, root=root, out=buf),
+            opts,
         )
 
     def gather(
@@ -86,7 +90,8 @@ class RootedCollectives:
     ) -> WorkDDL:
         """``dist.gather``: every rank's tensor into the root's list (empty elsewhere)."""
         t = self._one(input_tensors, "gather")
-        root = (opts or dist.GatherOptions()).rootRank
+        opts = opts or dist.GatherOptions()
+        root = opts.rootRank
         outputs = [o for lst in output_tensors for o in lst]
         at_root = self.rank() == root
         if at_root and (
@@ -108,7 +113,7 @@ class RootedCollectives:
                 [(o, p.view_as(o)) for o, p in zip(outputs, pieces, strict=True)]
             )
 
-        return self._run("gather", outputs, start)
+        return self._run("gather", outputs, start, opts)
 
     def scatter(
         self,
@@ -120,7 +125,8 @@ class RootedCollectives:
         from ddlcore.integrations.torch._common import pack_into
 
         out = self._one(output_tensors, "scatter")
-        root = (opts or dist.ScatterOptions()).rootRank
+        opts = opts or dist.ScatterOptions()
+        root = opts.rootRank
         inputs = [_data(i) for lst in input_tensors for i in lst]
         at_root = self.rank() == root
         if at_root and (
@@ -140,7 +146,7 @@ class RootedCollectives:
             handle = self._comm.scatter_async(flat, root=root, out=buf.view(-1))
             return [handle], _copier([] if buf is out else [(out, buf)])
 
-        return self._run("scatter", [out], start)
+        return self._run("scatter", [out], start, opts)
 
     def alltoall(
         self,
@@ -169,7 +175,7 @@ class RootedCollectives:
             handle = self._comm.alltoallv_async(flat, send, recv, out=got)
             return [handle], lambda: unpack_from(got, list(output_tensors))
 
-        return self._run("all_to_all", list(output_tensors), start)
+        return self._run("all_to_all", list(output_tensors), start, opts)
 
     def all_to_all_single(
         self,
@@ -194,6 +200,6 @@ class RootedCollectives:
                 handle = self._comm.alltoallv_async(x, send, recv, out=buf.view(-1))
             return [handle], _copier([] if buf is output else [(output, buf)])
 
-        return self._run("all_to_all_single", [output], start)
+        return self._run("all_to_all_single", [output], start, opts)
 
     alltoall_base = all_to_all_single

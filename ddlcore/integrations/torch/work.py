@@ -90,6 +90,7 @@ class WorkDDL(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._receive: Any = None  # a receive's ddlcore handle: its ``source`` once done
+        self._handles: Sequence[Any] = ()
         devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
         self._cuda = bool(devices)
         # A future of CUDA tensors names their devices: completing it records an event on each
@@ -113,6 +114,7 @@ class WorkDDL(dist.Work):
                 self._complete(None)
 
         if handles:
+            self._handles = handles
             handles[-1].add_done_callback(settle)
         else:
             settle(None)
@@ -132,6 +134,9 @@ class WorkDDL(dist.Work):
         ``timeout`` (none: the process group's, for each collective queued before this one and
         this one) passing first raises ``DistBackendError``; the collective keeps running."""
         limit = _seconds(timeout)
+        if limit is None:
+            for handle in self._handles:  # run here what the worker has not started yet
+                handle.run_here()
         if not self._done.wait(self._timeout if limit is None else limit):
             raise dist.DistBackendError(
                 f"ddl backend, {self._what}: not complete after waiting "
