@@ -310,10 +310,11 @@ class Communicator(RootedCollectives):
         return lambda: self._before_collective.remove(fn)
 
     def hold_worker(self) -> contextlib.AbstractContextManager[None]:
-        """A block whose async calls do not wake the background worker, for a caller that waits
-        on them at once: their `Handle.wait()` runs them on the calling thread, which spares
-        the worker's wake-up (tens of microseconds, more on a busy machine). Whatever is still
-        queued when the block ends goes to the worker then.
+        """A block whose async calls run on the calling thread, for a caller that waits on
+        them at once: a call runs before ``*_async`` returns when nothing is queued before it,
+        else its `Handle.wait()` runs it when its turn comes. That spares the hand-off to the
+        background worker and back (tens of microseconds, more on a busy machine). Whatever is
+        still queued when the block ends goes to the worker then.
         """
         return self._executor.hold()
 

@@ -149,14 +149,23 @@ class Executor:
         return seq
 
     def submit(self, job: Callable[[int], Any], handle: Handle) -> Handle:
-        """Queue ``job(seq)``; the sequence number is taken now, in call order."""
+        """Queue ``job(seq)``; the sequence number is taken now, in call order. Inside `hold`
+        with nothing queued or running, the job runs now, on this thread."""
         with self._cv:
             if self._closed:
                 raise CommunicatorClosedError(f"{handle.label}: the communicator is closed")
+            held = getattr(self._holding, "depth", 0) > 0
+            now = held and not self._queue and self._run_lock.acquire(blocking=False)
             handle._job = _Job(self, job, self._take_seq(), handle)
-            self._queue.append(handle._job)
-            if not getattr(self._holding, "depth", 0):
-                self._wake()
+            if not now:
+                self._queue.append(handle._job)
+                if not held:
+                    self._wake()
+        if now:
+            try:
+                handle._job.execute()
+            finally:
+                self._run_lock.release()
         return handle
 
     def _wake(self) -> None:
@@ -168,9 +177,10 @@ class Executor:
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """Jobs submitted from this thread inside the block do not wake the worker: the caller
-        means to wait for them at once (`Handle.run_here` runs them on its thread). Whatever
-        is still queued when the block ends goes to the worker then."""
+        """For a caller that waits for its jobs at once: a job submitted from this thread inside
+        the block runs at once on this thread when nothing is queued or running, and otherwise
+        is queued without waking the worker (`Handle.run_here` or ``wait()`` runs it here when
+        its turn comes). Whatever is still queued when the block ends goes to the worker."""
         self._holding.depth = getattr(self._holding, "depth", 0) + 1
         try:
             yield
@@ -244,8 +254,9 @@ class Executor:
             return self._idle.wait_for(lambda: not self._queue, timeout)
 
     def pending(self) -> int:
-        with self._cv:
-            return len(self._queue)
+        """Jobs queued or running on the worker (a snapshot: read without the lock, as a
+        deque's length is read atomically)."""
+        return len(self._queue)
 
     def close(self, timeout: float) -> None:
         with self._cv:

@@ -41,20 +41,34 @@ def test_jobs_run_in_submission_order_with_their_results(executor):
     assert [seq for seq, _ in ran] == list(range(50))
 
 
-def test_a_held_job_runs_on_the_thread_that_waits_for_it(executor):
+def test_a_held_job_runs_at_once_on_this_thread_when_the_executor_is_idle(executor):
     ran, job = recorder()
     executor.submit(job, handle()).wait()  # the worker exists from here on
     with executor.hold():
         h = executor.submit(job, handle())
-        assert h.wait() == 10
-    assert ran[-1] == (1, threading.get_ident())
+        assert h.done() and ran[-1] == (1, threading.get_ident())
+        assert h.wait(0) == 10
+
+
+def test_an_unheld_job_is_the_worker_s_unless_its_waiter_comes_first(executor):
+    gate = threading.Event()
+    ran, job = recorder()
+    executor.submit(lambda seq: gate.wait(WAIT), handle("first"))
+    second = executor.submit(job, handle("second"))
+    gate.set()
+    assert second.wait() == 10  # run by whichever thread took it first
+    assert [seq for seq, _ in ran] == [1]
 
 
 def test_a_held_job_nobody_waits_for_goes_to_the_worker_at_the_block_end(executor):
+    gate = threading.Event()
     ran, job = recorder()
+    first = executor.submit(lambda seq: gate.wait(WAIT), handle("first"))
     with executor.hold():
-        h = executor.submit(job, handle())
-    assert h.wait(WAIT) == 0  # a timeout: no stealing, only the worker may run it
+        h = executor.submit(job, handle())  # queued behind "first", the worker not woken
+    gate.set()
+    assert first.wait(WAIT) is True
+    assert h.wait(WAIT) == 10  # a timeout: no stealing, only the worker may run it
     assert ran[0][1] != threading.get_ident()
 
 

@@ -119,8 +119,6 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
             if not getattr(opts, "asyncOp", True):
                 with self._comm.hold_worker():
                     handles, finish = start()
-                    for handle in handles:
-                        handle.run_here()
             else:
                 handles, finish = start()
         except BaseException as exc:
