@@ -135,24 +135,17 @@ def _torch_wrap(arr: np.ndarray) -> Any:
 
 
 def _torch_host_view(obj: Any) -> np.ndarray | None:
-    """A NumPy view of a PyTorch CPU bfloat16 tensor (NumPy's DLPack import refuses that dtype),
-    or None for anything else."""
-    import torch
-
-    if not isinstance(obj, torch.Tensor) or obj.dtype != torch.bfloat16 or obj.device.type != "cpu":
-        return None
-    from ml_dtypes import bfloat16
-
-    return np.from_dlpack(obj.detach().view(torch.int16)).view(bfloat16)
-
-
-def _torch_cpu_view(obj: Any) -> np.ndarray | None:
-    """``obj.numpy()`` for a PyTorch CPU tensor NumPy can hold (a third of the cost of DLPack
-    plus the CUDA-interface probe, per call); None for anything else, which takes the general
-    route (bfloat16, CUDA, a tensor that requires grad: that route names the problem)."""
+    """A NumPy view of a PyTorch CPU tensor: ``obj.numpy()`` (a third of the cost of DLPack
+    plus the CUDA-interface probe, per call), or for bfloat16, which NumPy's DLPack import
+    refuses, its bits as int16 viewed as ml_dtypes' bfloat16. None for anything else, which
+    takes the general route (CUDA, a tensor that requires grad: that route names the problem)."""
     torch = sys.modules["torch"]  # imported: obj is one of its objects
-    if not isinstance(obj, torch.Tensor) or obj.is_cuda or obj.dtype == torch.bfloat16:
+    if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
         return None
+    if obj.dtype == torch.bfloat16:
+        from ml_dtypes import bfloat16
+
+        return np.from_dlpack(obj.detach().view(torch.int16)).view(bfloat16)
     try:
         return obj.numpy()  # type: ignore[no-any-return]
     except (RuntimeError, TypeError):
@@ -171,14 +164,12 @@ def as_buffer(obj: Any, argname: str = "x") -> BufferDesc:
     """
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, argname, lambda a: a)
-    if type(obj).__module__.startswith("torch") and (arr := _torch_cpu_view(obj)) is not None:
+    if type(obj).__module__.startswith("torch") and (arr := _torch_host_view(obj)) is not None:
         return _from_numpy(arr, argname, _torch_wrap)
     if device.is_device_array(obj):
         return _from_device(obj, argname)
     if hasattr(obj, "__dlpack__"):
         module = type(obj).__module__.split(".")[0]
-        if module == "torch" and (arr := _torch_host_view(obj)) is not None:
-            return _from_numpy(arr, argname, _torch_wrap)
         try:
             arr = np.from_dlpack(obj)
         except (BufferError, TypeError, RuntimeError) as exc:

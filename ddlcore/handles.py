@@ -117,14 +117,13 @@ class _Job:
 
     def execute(self) -> None:
         """Run the call and finish its handle (with the call's error if it raised)."""
+        result, error = None, None
         try:
             result = self.run(self.seq)
         except BaseException as exc:  # delivered to whoever waits on the handle
-            self.handle._job = None
-            self.handle._finish(error=exc)
-        else:
-            self.handle._job = None
-            self.handle._finish(result=result)
+            error = exc
+        self.handle._job = None
+        self.handle._finish(result, error)
 
 
 class Executor:

@@ -19,6 +19,7 @@ returns an asynchronous `WorkDDL` whose ``wait()`` blocks without the GIL and wh
 # mypy: disable-error-code="override,assignment"
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -116,10 +117,8 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         the calling thread, and the work returned is complete."""
         work = self._work(what, outputs)
         try:
-            if not getattr(opts, "asyncOp", True):
-                with self._comm.hold_worker():
-                    handles, finish = start()
-            else:
+            waited_at_once = not getattr(opts, "asyncOp", True)
+            with self._comm.hold_worker() if waited_at_once else contextlib.nullcontext():
                 handles, finish = start()
         except BaseException as exc:
             raise _dist_error(exc, what) from None
