@@ -258,12 +258,21 @@ class NumbaStreams:
         self._kernels = kcuda
         self._device = 0 if is_simulator() else int(cuda.get_current_device().id)
         self.compute, self.d2h, self.h2d = cuda.stream(), cuda.stream(), cuda.stream()
+        # The simulator runs kernels by swapping module state: one thread at a time.
+        self.concurrent = not is_simulator()
         self._uploads = cuda.stream()  # transports' copies of early-arrived host payloads
         try:
             cuda.event(timing=False)
             self._event: Any = lambda: cuda.event(timing=False)
         except TypeError:  # the simulator's events take no arguments
             self._event = cuda.event
+
+    def sibling(self) -> NumbaStreams:
+        with self.bound():
+            return NumbaStreams()
+
+    def bound(self) -> Any:
+        return on_device(self._device)
 
     def record(self, stream: Any) -> Any:
         ev = self._event()

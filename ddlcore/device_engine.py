@@ -31,9 +31,14 @@ CUDA-aware MPI; ``Pair.device_memory``), that step skips the pinned slots::
     RECV_REDUCE  host:     irecv straight into a device slot; compute reduces from it
     RECV         host:     irecv into a device slot; compute copies it into the span
 
-A schedule with parts on several streams (mdring pipelined across dimensions) runs here in its
-program order, which is a valid serial order of its parts: correct, its chunks pipelined as
-above, but its segments' phases on different links do not yet overlap as on the host engine.
+A schedule with parts on several streams (mdring pipelined across dimensions) runs as on the
+host engine (`ddlcore.engine.run_parts`): each schedule stream on a host thread of its own with
+its own three CUDA streams and slots (`DeviceSlots.for_stream`), so one segment's phase on one
+link overlaps the next segment's phase on another. A part's streams wait (on the GPU) for the
+end event of each part it comes after; its host thread first waits for the end of the previous
+part on its own stream, whose slots it reuses. Where the device runs work at once and its kernels
+share module state (Numba's simulator: ``DeviceOps.concurrent`` false), the parts run in program
+order, a valid serial order of them.
 
 What touches CUDA is behind `DeviceOps` (`ddlcore.device.NumbaStreams` in production, Numba's
 simulator in CI); the tests also drive the engine with ops that run queued work in random valid
@@ -49,7 +54,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
-from ddlcore.engine import Collective, deadline_clock, failure, pair_cache, post_ahead
+from ddlcore.engine import (
+    Collective,
+    deadline_clock,
+    failure,
+    pair_cache,
+    post_ahead,
+    run_parts,
+)
 from ddlcore.errors import DDLError
 from ddlcore.kernels.dtypes import DType
 from ddlcore.ops import Op
@@ -77,6 +89,15 @@ class DeviceOps(Protocol):
     compute: Any
     d2h: Any
     h2d: Any
+    concurrent: bool  # whether a schedule's streams may run on threads of their own
+
+    def sibling(self) -> DeviceOps:
+        """Ops on the same device with three streams of their own."""
+        ...
+
+    def bound(self) -> Any:
+        """A context manager that makes this device current on the calling thread."""
+        ...
 
     def record(self, stream: Any) -> Any: ...
     def wait(self, stream: Any, event: Any) -> None: ...
@@ -126,6 +147,14 @@ class DeviceSlots:
         self.staged: list[DeviceRegion] = []
         self._scratch: DeviceRegion | None = None
         self._scratch_bytes = 0
+        self._streams: dict[int, DeviceSlots] = {}
+
+    def for_stream(self, stream: int) -> DeviceSlots:
+        """The slots, and streams, of a further stream of a schedule with parts."""
+        found = self._streams.get(stream)
+        if found is None:
+            found = self._streams[stream] = DeviceSlots(self.ops.sibling())
+        return found
 
     def ensure(self, nslots: int, nbytes: int) -> None:
         if len(self.recv) >= nslots and self.nbytes >= nbytes:
@@ -161,13 +190,58 @@ def run(
 
     ``ready`` is an event recorded on the caller's stream (None: the legacy default stream):
     every stream, and every direct send, waits for it, so work the caller queued before the
-    collective is seen. Returns when the result is in the
-    output buffer (the compute stream has been synchronised). Failures raise as in
-    `ddlcore.engine.run`, after aborting the links."""
-    steps = schedule.steps
-    nsteps = len(steps)
-    if nsteps == 0:
+    collective is seen. Returns when the result is in the output buffer (the streams have been
+    synchronised). Failures raise as in `ddlcore.engine.run`, after aborting the links."""
+    if not schedule.steps:
         return
+    remaining = deadline_clock(timeout)
+    first = [] if ready is None else [ready]
+    streams = schedule.streams()
+
+    def run_steps(steps, index, links, own: DeviceSlots, waits: list, finish: bool) -> Any:
+        return _run_steps(
+            schedule, steps, index, coll, buffers, links, own, depth, timeout, remaining,
+            waits, finish,
+        )  # fmt: skip
+
+    if len(streams) < 2 or not slots.ops.concurrent:
+        run_steps(schedule.steps, None, links, slots, first, True)
+        return
+    parts = schedule.parts
+    ends: list[Any] = [None] * len(parts)  # each part's end event on its compute stream
+    last_on: dict[int, Any] = {}  # each stream's last finished part's end event
+
+    def run_part(stream: int, p: int, links) -> None:
+        index, steps = schedule.part_steps[p]
+        own = slots if stream == parts[0].stream else slots.for_stream(stream)
+        before = last_on.get(stream)
+        if before is not None:  # its slots are ours again once its device work is done
+            own.ops.sync(before, remaining())
+        waits = [ends[q] for q in parts[p].after] + ([before] if before is not None else first)
+        last = p == streams[stream][-1]
+        ends[p] = last_on[stream] = run_steps(steps, index, links, own, waits, last)
+
+    run_parts(schedule, coll, links, remaining, run_part, slots.ops.bound)
+
+
+def _run_steps(
+    schedule: Schedule,
+    steps,
+    index,
+    coll: Collective,
+    buffers: dict[Buf, DeviceRegion],
+    links,
+    slots: DeviceSlots,
+    depth: int,
+    timeout: float,
+    remaining,
+    waits: list,
+    finish: bool,
+) -> Any:
+    """Run ``steps`` (all of ``schedule``'s, or one part's, ``index`` then giving each one's
+    place in the schedule for messages) in program order, after the events ``waits``; returns
+    the event that ends their device work (waited for first when ``finish``)."""
+    nsteps = len(steps)
     ops = slots.ops
     compute, d2h, h2d = ops.compute, ops.d2h, ops.h2d
     isz = coll.itemsize
@@ -191,7 +265,7 @@ def run(
     posted: list = [None] * nsteps
     recv_slot = [-1] * nsteps
     pair = pair_cache(links)
-    remaining = deadline_clock(timeout)
+    ready: Any = None  # fires after ``waits``: set first thing below
     i = 0
 
     def is_direct(peer: int) -> bool:
@@ -313,13 +387,15 @@ def run(
 
     nxt = 0  # next step to consider for early posting
     try:
-        if ready is None:
-            # The caller's work is on the legacy default stream: our streams are blocking, so
-            # their copies wait for it implicitly, but a direct transport's reads do not. An
-            # event on ``compute`` fires after it (and is what a direct send of input waits for).
-            ready = ops.record(compute)
-        for stream in (compute, d2h, h2d):
-            ops.wait(stream, ready)
+        # With no events to wait for, the caller's work is on the legacy default stream: our
+        # streams are blocking, so their copies wait for it implicitly, but a direct
+        # transport's reads do not. An event on ``compute`` fires after it and after ``waits``
+        # (and is what a direct send of input waits for).
+        for ev in waits:
+            ops.wait(compute, ev)
+        ready = ops.record(compute)
+        ops.wait(d2h, ready)
+        ops.wait(h2d, ready)
         for i in range(nsteps):
             nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)
             send_queued(False)
@@ -404,13 +480,16 @@ def run(
             inflight.popleft()[1].wait(remaining())
         for _, _, req in direct_sends:
             req.wait(remaining())
-        ops.sync(ops.record(compute), remaining())
+        end = ops.record(compute)
+        if finish:
+            ops.sync(end, remaining())
+        return end
     except BaseException as exc:
         if not isinstance(exc, DDLError):  # a CUDA error, say: the peers must hear of it too
             if not isinstance(exc, Exception):
                 raise
             exc = DDLError(f"{type(exc).__name__}: {exc}")
-        err = failure(schedule, coll, i, exc, links)
+        err = failure(schedule, coll, i if index is None else index[i], exc, links)
         # Let queued device work finish before the slots it uses can be reused or freed (the
         # communicator is broken from now on); best effort, the error above is what counts.
         for stream in (compute, d2h, h2d):

@@ -12,8 +12,9 @@ safe.
 
 A schedule with parts on several streams (`ddlcore.algorithms.schedule`: mdring pipelined
 across the box's dimensions) runs each stream on a thread of its own, each with its staging
-slots; a part starts once the parts it comes after have finished, sends included. The kernels
-and the transports' waits release the GIL, so the streams' work overlaps.
+slots (`run_parts`, which the device engine shares); a part starts once the parts it comes
+after have finished, sends included. The kernels and the transports' waits release the GIL, so
+the streams' work overlaps.
 
 Every wait has a deadline. A failure (timeout, lost peer, mismatch) is re-raised with the rank,
 the collective, its sequence number and the step, after telling the peers (``links.abort``) so
@@ -22,6 +23,7 @@ that every rank fails fast instead of waiting out its own timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -155,21 +157,19 @@ def run(
 ) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
     failure (after aborting the links so the peers fail fast too). A schedule with parts runs
-    each stream on a thread of its own (`_run_streams`)."""
+    each stream on a thread of its own (`run_parts`)."""
+    remaining = deadline_clock(timeout)
     if schedule.parts:
-        _run_streams(schedule, coll, buffers, links, staging, depth, deadline_clock(timeout))
+
+        def run_part(stream: int, p: int, links) -> None:
+            index, steps = schedule.part_steps[p]
+            if steps:
+                pool = staging if stream == schedule.parts[0].stream else staging.for_stream(stream)
+                _run_steps(schedule, steps, index, coll, buffers, links, pool, depth, remaining)
+
+        run_parts(schedule, coll, links, remaining, run_part)
     elif schedule.steps:
-        _run_steps(
-            schedule,
-            schedule.steps,
-            None,
-            coll,
-            buffers,
-            links,
-            staging,
-            depth,
-            deadline_clock(timeout),
-        )
+        _run_steps(schedule, schedule.steps, None, coll, buffers, links, staging, depth, remaining)
 
 
 def _run_steps(
@@ -293,18 +293,19 @@ def _run_steps(
         raise failure(schedule, coll, i if index is None else index[i], exc, links) from None
 
 
-def _run_streams(
+def run_parts(
     schedule: Schedule,
     coll: Collective,
-    buffers: dict[Buf, Region],
     links,
-    staging: StagingPool,
-    depth: int,
     remaining: Callable[[], float],
+    run_part: Callable[[int, int, Any], None],
+    thread_context: Callable[[], Any] = contextlib.nullcontext,
 ) -> None:
-    """Run each stream of ``schedule`` on a thread (the first on this one), a part once the
-    parts it comes after have finished. The first failure aborts the links (so the other
-    streams' waits end at once), the other threads are joined, and it is raised here."""
+    """Run each stream of ``schedule`` (a schedule with parts) on a thread (the first on this
+    one, the others inside ``thread_context()``): ``run_part(stream, part, links)`` for each of
+    the stream's parts in order, a part once the parts it comes after have finished. The first
+    failure aborts the links (so the other streams' waits end at once), the other threads are
+    joined, and it is raised here."""
     parts, groups = schedule.parts, schedule.part_steps
     done = [False] * len(parts)
     failed: list[BaseException] = []
@@ -324,14 +325,11 @@ def _run_streams(
             return not failed
 
     def run_stream(stream: int, mine: list[int]) -> None:
-        pool = staging if stream == parts[0].stream else staging.for_stream(stream)
         try:
             for p in mine:
                 if not wait_for(p):
                     return
-                index, steps = groups[p]
-                if steps:
-                    _run_steps(schedule, steps, index, coll, buffers, links, pool, depth, remaining)
+                run_part(stream, p, links)
                 with cond:
                     done[p] = True
                     cond.notify_all()
@@ -343,10 +341,14 @@ def _run_streams(
                 failed.insert(0 if links.first == threading.get_ident() else len(failed), exc)
                 cond.notify_all()
 
+    def run_thread(stream: int, mine: list[int]) -> None:
+        with thread_context():
+            run_stream(stream, mine)
+
     streams = schedule.streams()
     first = parts[0].stream
     threads = [
-        threading.Thread(target=run_stream, args=(k, mine), daemon=True, name=f"ddlcore-stream-{k}")
+        threading.Thread(target=run_thread, args=(k, mine), daemon=True, name=f"ddlcore-stream-{k}")
         for k, mine in streams.items()
         if k != first
     ]

@@ -70,6 +70,10 @@ MAX_PERMUTED_DIMS = 4
 # to 30% on 4x2 boxes, and each segment costs the engine a few Python-level waits per phase.
 SEGMENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_BYTES = 8 << 20
+# ... and at least this many pipeline chunks: a segment of fewer has too little to pipeline
+# within each step. On the GPU (4 MiB chunks, 2x2 box, one H200), 64 MB: 8 segments 1.9 GB/s
+# busbw, 4 segments 2.4-2.8, 2 segments 2.6 (BENCHMARKS).
+SEGMENT_CHUNKS = 4
 # mdring with host phases on the boards (``ddlcore.paths.host_staged``) splits an allreduce into
 # segments of at least this many bytes, at most _HOST_SEGMENTS of them, pipelined on two
 # threads (``ddlcore.pipeline``): on the netns testbed at 4x2, 1 Gbit/s, 64 MB went from
@@ -123,9 +127,11 @@ def host_segments(nbytes: int) -> int:
     return max(1, min(_HOST_SEGMENTS, int(nbytes) // _HOST_SEGMENT_BYTES))
 
 
-def segment_counts(nbytes: float) -> list[int]:
-    """The pipelined segment counts worth pricing for an allreduce of ``nbytes``."""
-    return [s for s in SEGMENT_COUNTS if s == 1 or nbytes / s >= MIN_SEGMENT_BYTES]
+def segment_counts(nbytes: float, chunk_bytes: int = 0) -> list[int]:
+    """The pipelined segment counts worth pricing for an allreduce of ``nbytes`` in chunks of
+    ``chunk_bytes``."""
+    smallest = max(MIN_SEGMENT_BYTES, SEGMENT_CHUNKS * chunk_bytes)
+    return [s for s in SEGMENT_COUNTS if s == 1 or nbytes / s >= smallest]
 
 
 def best_mdring(
@@ -136,15 +142,16 @@ def best_mdring(
     reduce_bw: float,
     host_path: bool,
     segments: int = 0,
+    chunk_bytes: int = 0,
 ) -> tuple[float, int]:
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
-    else the best count (the host-staged path's own where it runs)."""
+    else the best count for ``chunk_bytes`` (the host-staged path's own where it runs)."""
     if collective != Collective.ALLREDUCE:
         counts = [1]
     elif host_path and host_first(topo, order):
         counts = [host_segments(int(nbytes))]
     else:
-        counts = [segments] if segments > 0 else segment_counts(nbytes)
+        counts = [segments] if segments > 0 else segment_counts(nbytes, chunk_bytes)
     return min(
         (
             predict(
@@ -172,10 +179,15 @@ def dim_orders(topo: Topology) -> list[tuple[int, ...]]:
 
 
 def candidates(
-    collective: str, topo: Topology, nbytes: float, host_path: bool = False, segments: int = 0
+    collective: str,
+    topo: Topology,
+    nbytes: float,
+    host_path: bool = False,
+    segments: int = 0,
+    chunk_bytes: int = 0,
 ) -> list[Choice]:
     """Every (algorithm, dimension order) for ``collective`` with its predicted time, best
-    first; mdring with its best segment count (or ``segments``, if > 0)."""
+    first; mdring with its best segment count for ``chunk_bytes`` (or ``segments``, if > 0)."""
     out = []
     for name in ALGORITHMS[collective]:
         if name == "mdring":
@@ -185,7 +197,7 @@ def candidates(
                 continue  # in rank order, a box with one dimension makes mdring the ring
             for order in dim_orders(topo):
                 t, nseg = best_mdring(
-                    collective, topo, nbytes, order, REDUCE_BW, host_path, segments
+                    collective, topo, nbytes, order, REDUCE_BW, host_path, segments, chunk_bytes
                 )
                 out.append(Choice(name, 0, order, t, segments=nseg))
         else:
@@ -215,7 +227,7 @@ def choose(
             best = min(
                 (
                     c
-                    for c in candidates(collective, topo, nbytes, host_path, segments)
+                    for c in candidates(collective, topo, nbytes, host_path, segments, chunk_bytes)
                     if c.algorithm == algo
                 ),
                 key=lambda c: c.predicted_s,
@@ -235,7 +247,7 @@ def choose(
                 key=lambda c: c.predicted_s,
             )
         return Choice(algo, chunk_bytes, None, predict(collective, algo, topo, nbytes))
-    ranked = candidates(collective, topo, nbytes, host_path, segments)
+    ranked = candidates(collective, topo, nbytes, host_path, segments, chunk_bytes)
     # Within TIE of the best, the simplest (registry order: ring, mdring, rhd, rd) wins; but
     # where ranks are not placed host by host, the ring in box order (mdring) goes before the
     # ring in rank order: it never crosses more host boundaries, and a flat box (uneven hosts)

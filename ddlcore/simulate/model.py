@@ -274,7 +274,9 @@ def simulate(
     if choice.algorithm != "mdring":
         order, nseg = None, 1
     elif dim_order is not None and segments <= 0:  # the best count for the order asked
-        nseg = tuning.best_mdring(collective, topo, nbytes, dim_order, reduce_bw, False)[1]
+        nseg = tuning.best_mdring(
+            collective, topo, nbytes, dim_order, reduce_bw, False, chunk_bytes=chunk_bytes
+        )[1]
     if program is None:
         program = compile_program(
             collective,

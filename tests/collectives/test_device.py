@@ -73,10 +73,13 @@ def _uploader(dtype):
 
 
 def _device_collectives(rank, size, engine_expected=None, direct=False, thin=False):
+    import os
+
     from ddlcore.kernels import reference
     from numba import cuda
 
     import ddlcore
+    from ddlcore.device import is_simulator
     from tests.collectives.matrix import check_close, random_input
 
     few_simulator_threads()
@@ -119,6 +122,9 @@ def _device_collectives(rank, size, engine_expected=None, direct=False, thin=Fal
         np.testing.assert_array_equal(h.wait().copy_to_host(), size * (size + 1) / 2)
         if engine_expected is not None:  # which data path the calls took
             assert bool(comm._device_path.slots) == engine_expected
+        if os.environ.get("DDL_SEGMENTS") and not is_simulator():
+            # a pipelined mdring: its schedule streams ran on CUDA streams of their own
+            assert any(s._streams for s in comm._device_path.slots.values())
         if direct:  # the transport moved the device arrays' bytes itself (no pinned slots)
             assert all(comm._links.pair(p).device_memory for p in range(size) if p != rank)
         try:
@@ -218,12 +224,14 @@ def _frameworks(rank, size):
 
 
 @pytest.mark.parametrize(
-    "nprocs,algo,transport", [(1, "", ""), (2, "", ""), (2, "ring", "tcp"), (2, "ring", "ucx")]
+    "nprocs,algo,transport",
+    [(1, "", ""), (2, "", ""), (2, "ring", "tcp"), (2, "ring", "ucx"), (4, "mdring", "shm")],
 )
 def test_device_arrays_on_a_gpu(nprocs, algo, transport):
     """On a real GPU: the board path (default on one host), the stream engine (ring) staging
-    through pinned memory (tcp), and UCX moving device memory itself (DDL_GPU_DIRECT=auto:
-    direct when UCX reports CUDA support)."""
+    through pinned memory (tcp), UCX moving device memory itself (DDL_GPU_DIRECT=auto: direct
+    when UCX reports CUDA support), and mdring pipelined in segments on a 2x2 box (its
+    schedule's streams on host threads and CUDA streams of their own)."""
     # Checked here, not at import: rank processes import this module before they set
     # NUMBA_ENABLE_CUDASIM, and numba must not be imported before that.
     if not _gpu_present():
@@ -235,6 +243,8 @@ def test_device_arrays_on_a_gpu(nprocs, algo, transport):
         )
     # Small chunks: calls of one chunk or less are staged whole, not run on the streams.
     env = {"DDL_ALGO": algo, "DDL_TRANSPORT": transport, "DDL_CHUNK_BYTES": "256"} if algo else {}
+    if algo == "mdring":
+        env.update(DDL_TOPOLOGY="2x2", DDL_SEGMENTS="4")
     run_ranks(
         _device_collectives,
         nprocs,

@@ -13,7 +13,9 @@ bit, for every algorithm, collective, dtype and op, in and out of place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections import deque
 
 import ml_dtypes
@@ -38,9 +40,22 @@ class _Stream:
         self.queue: deque = deque()  # (fn, event it waits for or None)
 
 
+def _locked(method):
+    """One engine thread at a time in the deferred GPU (a schedule's streams run on several)."""
+
+    @functools.wraps(method)
+    def locked(self, *args):
+        with self.lock:
+            return method(self, *args)
+
+    return locked
+
+
 class DeferredStreams:
     """`DeviceOps` whose work runs late and in random valid orders (host NumPy memory plays
     device memory)."""
+
+    concurrent = True
 
     def __init__(self, seed, legacy: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
@@ -49,9 +64,20 @@ class DeferredStreams:
         self.legacy = legacy
         self.compute, self.d2h, self.h2d = _Stream("compute"), _Stream("d2h"), _Stream("h2d")
         self.user = _Stream("user")  # the caller's stream, producing the input
-        self.streams = (self.compute, self.d2h, self.h2d, self.user)
+        self.streams = [self.compute, self.d2h, self.h2d, self.user]
         self.ran = 0
         self.views = 0  # device views handed to direct transports
+        self.siblings = 0
+        self.lock = threading.RLock()
+
+    def sibling(self):
+        """Three more streams on the same deferred GPU (work on any stream may run whenever
+        any engine thread asks an event)."""
+        self.siblings += 1
+        return _Sibling(self)
+
+    def bound(self):
+        return contextlib.nullcontext()
 
     def _enqueue(self, stream: _Stream, fn, blocker: _Event | None = None) -> None:
         stream.queue.append((fn, blocker))
@@ -75,24 +101,29 @@ class DeferredStreams:
         self.ran += 1
         return True
 
+    @_locked
     def record(self, stream: _Stream) -> _Event:
         ev = _Event(stream)
         self._enqueue(stream, functools.partial(setattr, ev, "fired", True))
         return ev
 
+    @_locked
     def wait(self, stream: _Stream, event: _Event) -> None:
         self._enqueue(stream, _noop, event)
 
+    @_locked
     def work_left(self) -> bool:
         """Whether a copy or kernel is still queued (waits for the caller's stream may stay on
         streams nothing synchronised since: they hold no work)."""
         return any(fn is not _noop for s in self.streams for fn, _ in s.queue)
 
+    @_locked
     def done(self, event: _Event) -> bool:
         if self.rng.random() < 0.3:
             self._step()
         return event.fired
 
+    @_locked
     def sync(self, event: _Event, timeout: float) -> None:
         """Run only what ``event`` needs (its stream up to it, and the events that waits on),
         or, half the time, random work until it fires."""
@@ -116,17 +147,21 @@ class DeferredStreams:
             fn()
             self.ran += 1
 
+    @_locked
     def download(self, src, off, host, stream) -> None:
         self._enqueue(stream, functools.partial(_copy, host, src.array, off, host.size))
 
+    @_locked
     def upload(self, host, dst, off, stream) -> None:
         self._enqueue(stream, functools.partial(_put, dst.array, off, host))
 
+    @_locked
     def copy(self, dst, dst_off, src, src_off, nbytes, stream) -> None:
         self._enqueue(
             stream, functools.partial(_move, dst.array, dst_off, src.array, src_off, nbytes)
         )
 
+    @_locked
     def reduce(self, dst, dst_off, a, a_off, b, b_off, count, code, op, stream) -> None:
         from ddlcore import kernels
 
@@ -143,6 +178,7 @@ class DeferredStreams:
             ),
         )
 
+    @_locked
     def scale(self, dst, off, count, code, divisor, stream) -> None:
         from ddlcore import kernels
 
@@ -151,12 +187,15 @@ class DeferredStreams:
             functools.partial(kernels.avg_finalize, dst.ptr + off, count, int(code), divisor),
         )
 
+    @_locked
     def pinned(self, nbytes: int) -> np.ndarray:
         return np.full(nbytes, 0xAB, np.uint8)  # garbage, so a read before the write shows
 
+    @_locked
     def device(self, nbytes: int):
         return _region(np.full(nbytes, 0xCD, np.uint8))
 
+    @_locked
     def view(self, region, off, nbytes):
         """What a direct transport gets: the "device" bytes themselves. The transport reads and
         writes them on its own threads whenever it likes, as a NIC or UCX's CUDA copies would;
@@ -165,6 +204,19 @@ class DeferredStreams:
 
         self.views += 1
         return DeviceView(region.ptr + off if nbytes else 0, nbytes, 0, _upload)
+
+
+class _Sibling:
+    """`DeferredStreams.sibling`: its own streams, everything else the first one's."""
+
+    def __init__(self, root: DeferredStreams) -> None:
+        n = len(root.streams)
+        self.compute, self.d2h, self.h2d = (_Stream(f"{k}{n}") for k in ("compute", "d2h", "h2d"))
+        root.streams += [self.compute, self.d2h, self.h2d]
+        self._root = root
+
+    def __getattr__(self, name):
+        return getattr(self._root, name)
 
 
 def _noop():
@@ -233,7 +285,9 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
     with ddlcore.init() as comm:
         ops = DeferredStreams([seed, rank])
         slots = device_engine.DeviceSlots(ops)
-        for algo in algos:
+        for name in algos:
+            # "mdring:4": mdring's allreduce pipelined in 4 segments (parts on several streams)
+            algo, _, segments = name.partition(":")
             collectives = (
                 ["allreduce"]
                 if algo == "rd"
@@ -257,6 +311,7 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
                         algo,
                         64,
                         False,
+                        int(segments or 0),
                     )
                     sched = make_schedule(
                         collective,
@@ -348,7 +403,7 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
                         checked += 1
         comm.barrier()
         direct = sum(bool(comm._links.pair(p).device_memory) for p in range(size) if p != rank)
-    return checked, ops.ran, ops.views, direct
+    return checked, ops.ran, ops.views, direct, ops.siblings
 
 
 # (ranks, box, transport, DDL_GPU_DIRECT, algorithms, pipeline depth, thin). Direct transports
@@ -361,9 +416,9 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
     [
         pytest.param(3, "", "tcp", "off", ["ring", "rhd", "rd"], 3, False, marks=pytest.mark.slow),
         (2, "", "tcp", "off", ["ring", "rhd", "rd"], 1, True),
-        (4, "2x2", "tcp", "off", ["mdring", "rhd"], 2, True),
+        (4, "2x2", "tcp", "off", ["mdring", "mdring:4", "rhd"], 2, True),
         (3, "", "ucx", "on", ["ring", "rhd", "rd"], 2, True),
-        (4, "2x2", "ucx+shm", "on", ["mdring", "rhd"], 3, True),
+        (4, "2x2", "ucx+shm", "on", ["mdring", "mdring:3", "rhd"], 3, True),
         (2, "", "mpi", "on", ["ring", "rhd"], 1, True),
     ],
 )
@@ -385,8 +440,10 @@ def test_device_engine_matches_host_engine_under_reordering(
         results = pools.run(
             _orderings, nprocs, algos, depth, 11, thin, env=env, timeout=280, rank_envs=rank_envs
         )
-    for checked, ran, views, direct_pairs in results:
+    for checked, ran, views, direct_pairs, siblings in results:
         assert checked > 100 and ran > 1000, (checked, ran)
+        # the pipelined mdring's streams ran on streams of their own
+        assert (siblings > 0) == any(":" in a for a in algos), siblings
         if direct == "off":
             assert views == 0 and direct_pairs == 0
         else:  # every pair direct, or (ucx+shm) those to the other host

@@ -26,6 +26,21 @@ def test_mdring_wins_large_messages_on_a_slow_network():
     assert rhd > best.predicted_s * (1 + tuning.TIE)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4 << 20, 16 << 20])
+def test_pipelined_segments_hold_several_chunks(chunk_bytes):
+    """A segment is at least MIN_SEGMENT_BYTES and SEGMENT_CHUNKS chunks (the device path's
+    larger chunks take fewer, larger segments), whatever the model would otherwise pick."""
+    smallest = max(tuning.MIN_SEGMENT_BYTES, tuning.SEGMENT_CHUNKS * chunk_bytes)
+    topo = _two_level()
+    for nbytes in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
+        counts = tuning.segment_counts(nbytes, chunk_bytes)
+        assert counts[0] == 1 and all(nbytes / s >= smallest for s in counts[1:])
+        assert all(s in counts for s in tuning.SEGMENT_COUNTS if nbytes / s >= smallest)
+        best = tuning.choose("allreduce", topo, nbytes, "auto", chunk_bytes)
+        assert best.segments in counts
+        assert best.segments == 1 or nbytes / best.segments >= smallest
+
+
 def test_small_messages_take_the_fewest_steps():
     topo = topology.box((8,), [5e9], [15e-6], ["host"])
     assert tuning.choose("allreduce", topo, 64, "auto", 1 << 20).algorithm == "rd"
