@@ -30,7 +30,10 @@ class Handle:
         # A point-to-point receive's: the rank its message came from (known once it completed,
         # when the receive named ANY_SOURCE); None for sends and collectives.
         self.source: int | None = None
-        self._event = threading.Event()
+        self._finished = False
+        # Made by the first waiter that must block (most handles finish before anyone waits:
+        # an Event costs a Condition and a Lock per call).
+        self._event: threading.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self._default_timeout = default_timeout
@@ -41,8 +44,11 @@ class Handle:
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         with self._lock:
-            self._event.set()
+            self._finished = True
+            event = self._event
             callbacks, self._callbacks = self._callbacks or [], None
+        if event is not None:
+            event.set()
         for fn in callbacks:
             self._call(fn)
 
@@ -70,14 +76,14 @@ class Handle:
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not); never blocks."""
-        return self._event.is_set()
+        return self._finished
 
     def run_here(self) -> None:
         """Run the call on this thread now if it is queued, next in line and nothing runs: the
         worker would take it just as well, only later (a thread's wake-up costs more than a
         small call). Otherwise nothing happens; `wait` does this itself."""
         job = self._job
-        if job is not None and not self._event.is_set():
+        if job is not None and not self._finished:
             job.executor.run_here(job)
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -99,11 +105,21 @@ class Handle:
         if timeout is None:
             self.run_here()  # bounded by DDL_TIMEOUT, as on the worker
         limit = self._default_timeout if timeout is None else timeout
-        if not self._event.wait(limit):
+        if not self._finished and not self._block(limit):
             raise DDLTimeoutError(f"{self.label} not complete after waiting {limit:g} s")
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _block(self, limit: float) -> bool:
+        """Wait up to ``limit`` seconds for the collective to finish; whether it did."""
+        with self._lock:
+            if self._finished:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(limit)
 
 
 class _Job:

@@ -178,3 +178,20 @@ def test_a_closed_executor_refuses_inline_calls_with_the_handle_s_label(executor
 
     with pytest.raises(CommunicatorClosedError, match="late inline"):
         executor.run_inline(lambda seq: seq, make)
+
+
+def test_waiters_blocked_before_the_finish_are_woken_by_it():
+    """Threads that block on a handle before it finishes (the handle makes its Event only
+    then) all see the result; a wait that times out first leaves the handle usable."""
+    h = handle()
+    with pytest.raises(DDLTimeoutError):
+        h.wait(0.01)
+    got: list[object] = []
+    waiters = [threading.Thread(target=lambda: got.append(h.wait(WAIT))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    assert not h.done()
+    h._finish(42)
+    for t in waiters:
+        t.join(WAIT)
+    assert got == [42] * 4 and h.done() and h.wait(0) == 42

@@ -87,17 +87,22 @@ class WorkDDL(dist.Work):
         self._what = what
         self._outputs = outputs
         self._timeout = timeout
-        self._done = threading.Event()
+        # Most works complete before anyone waits (torch's async_op=False runs them on the
+        # calling thread): the Event and the future are made only when needed.
+        self._lock = threading.Lock()
+        self._completed = False
+        self._done: threading.Event | None = None
         self._error: BaseException | None = None
         self._receive: Any = None  # a receive's ddlcore handle: its ``source`` once done
         self._handles: Sequence[Any] = ()
+        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
         devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
         self._cuda = bool(devices)
-        # A future of CUDA tensors names their devices: completing it records an event on each
-        # device's current stream, and whoever waits on it makes its stream wait for that.
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
-            devices=list(devices) or None
-        )
+        if devices:
+            # A future of CUDA tensors names their devices: completing it records an event on
+            # each device's current stream (the one current when the copies were queued), and
+            # whoever waits on it makes its stream wait for that.
+            self._future = torch.futures.Future(devices=list(devices))
 
     def _start(self, handles: Sequence[Any], finish: Callable[[], None] | None) -> WorkDDL:
         """Complete once every handle (they finish in order) did and ``finish`` ran."""
@@ -122,11 +127,19 @@ class WorkDDL(dist.Work):
 
     def _complete(self, error: BaseException | None) -> None:
         self._error = error
-        if error is None:
-            self._future.set_result(self._outputs)
+        with self._lock:
+            self._completed = True
+            future, done = self._future, self._done
+        if future is not None:
+            self._settle(future)
+        if done is not None:
+            done.set()
+
+    def _settle(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
+        if self._error is None:
+            future.set_result(self._outputs)
         else:
-            self._future.set_exception(error)  # type: ignore[arg-type]  # the stub says list
-        self._done.set()
+            future.set_exception(self._error)  # type: ignore[arg-type]  # the stub says list
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block (without the GIL) until the collective finished; raise its error if it failed.
@@ -137,20 +150,38 @@ class WorkDDL(dist.Work):
         if limit is None:
             for handle in self._handles:  # run here what the worker has not started yet
                 handle.run_here()
-        if not self._done.wait(self._timeout if limit is None else limit):
+        if not self._completed and not self._block(self._timeout if limit is None else limit):
             raise dist.DistBackendError(
                 f"ddl backend, {self._what}: not complete after waiting "
                 f"{self._timeout if limit is None else limit:g} s"
             )
         if self._error is not None:
             raise self._error
-        if self._cuda:  # the caller's current streams wait for the copies the worker queued
-            self._future.wait()
+        if self._future is not None and self._cuda:
+            self._future.wait()  # the caller's current streams wait for the queued copies
         return True
+
+    def _block(self, limit: float) -> bool:
+        """Wait up to ``limit`` seconds for completion; whether it came."""
+        with self._lock:
+            if self._completed:
+                return True
+            if self._done is None:
+                self._done = threading.Event()
+            done = self._done
+        return done.wait(limit)
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """A future completed with the output tensors (or the collective's error)."""
-        return self._future
+        with self._lock:
+            future, made = self._future, self._future is None
+            if made:
+                future = self._future = torch.futures.Future()
+            completed = self._completed
+        assert future is not None
+        if made and completed:  # _complete ran before it existed: settle it here
+            self._settle(future)
+        return future
 
     def _source_rank(self) -> int:
         """The rank a completed receive's message came from (``dist.recv(src=None)``)."""
@@ -159,10 +190,10 @@ class WorkDDL(dist.Work):
         return int(self._receive.source)
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._completed
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._completed and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
