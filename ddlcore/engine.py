@@ -103,7 +103,13 @@ class Collective:
     itemsize: int
     dtype_code: int
     op: Op | None
-    label: str  # e.g. "allreduce #12 (1000 x float32, sum)"
+    # e.g. "allreduce #12 (1000 x float32, sum)"; or a function that makes it: messages are
+    # rare, and formatting one costs a call ~10 us
+    name: str | Callable[[], str]
+
+    @property
+    def label(self) -> str:
+        return self.name if isinstance(self.name, str) else self.name()
 
 
 def pair_cache(links) -> Callable[[int], Any]:

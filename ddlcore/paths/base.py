@@ -6,6 +6,7 @@ through host memory, and on failure telling the peers the failing step did not r
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import zlib
@@ -339,13 +340,13 @@ class PathBase:
         """Run ``planned``'s schedule of ``call`` on host memory over the links."""
         self._on_boards = False
         ctx = self.ctx
-        name = label(call, seq)
+        name = functools.partial(label, call, seq)
         choice, sched = planned
         if ctx.debug:
             log.debug(
                 "rank %d: %s via %s, box %s, %d steps, %d messages out",
                 ctx.rank,
-                name,
+                name(),
                 choice.describe(),
                 ctx.topology.shape,
                 len(sched.steps),
