@@ -22,6 +22,34 @@ from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError
 _log = logging.getLogger("ddlcore")
 
 
+class Completion:
+    """Whether a call finished, and a wait for it. Most calls finish before anyone waits, so the
+    Event behind a wait (a Condition and a Lock) is made only by a waiter that must block."""
+
+    __slots__ = ("_event", "finished", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # also guards the owner's other completion state
+        self.finished = False
+        self._event: threading.Event | None = None
+
+    def mark(self) -> threading.Event | None:
+        """With ``lock`` held: record the finish; returns the Event to set once it is released
+        (None: nobody blocks)."""
+        self.finished = True
+        return self._event
+
+    def wait(self, limit: float) -> bool:
+        """Wait up to ``limit`` seconds for the finish; whether it came."""
+        with self.lock:
+            if self.finished:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(limit)
+
+
 class Handle:
     """The pending result of an async collective: `wait(timeout)` returns it, `done()` polls."""
 
@@ -30,22 +58,17 @@ class Handle:
         # A point-to-point receive's: the rank its message came from (known once it completed,
         # when the receive named ANY_SOURCE); None for sends and collectives.
         self.source: int | None = None
-        self._finished = False
-        # Made by the first waiter that must block (most handles finish before anyone waits:
-        # an Event costs a Condition and a Lock per call).
-        self._event: threading.Event | None = None
+        self._done = Completion()
         self._result: Any = None
         self._error: BaseException | None = None
         self._default_timeout = default_timeout
-        self._lock = threading.Lock()
         self._callbacks: list[Callable[[Handle], Any]] | None = []
         self._job: _Job | None = None  # while queued on an executor: the job, which wait() may run
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        with self._lock:
-            self._finished = True
-            event = self._event
+        with self._done.lock:
+            event = self._done.mark()
             callbacks, self._callbacks = self._callbacks or [], None
         if event is not None:
             event.set()
@@ -68,7 +91,7 @@ class Handle:
         ``handle.wait(0)`` returns the result or raises the collective's error. An exception
         ``fn`` raises is logged, not propagated.
         """
-        with self._lock:
+        with self._done.lock:
             if self._callbacks is not None:
                 self._callbacks.append(fn)
                 return
@@ -76,14 +99,14 @@ class Handle:
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not); never blocks."""
-        return self._finished
+        return self._done.finished
 
     def run_here(self) -> None:
         """Run the call on this thread now if it is queued, next in line and nothing runs: the
         worker would take it just as well, only later (a thread's wake-up costs more than a
         small call). Otherwise nothing happens; `wait` does this itself."""
         job = self._job
-        if job is not None and not self._finished:
+        if job is not None and not self._done.finished:
             job.executor.run_here(job)
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -105,21 +128,11 @@ class Handle:
         if timeout is None:
             self.run_here()  # bounded by DDL_TIMEOUT, as on the worker
         limit = self._default_timeout if timeout is None else timeout
-        if not self._finished and not self._block(limit):
+        if not self._done.finished and not self._done.wait(limit):
             raise DDLTimeoutError(f"{self.label} not complete after waiting {limit:g} s")
         if self._error is not None:
             raise self._error
         return self._result
-
-    def _block(self, limit: float) -> bool:
-        """Wait up to ``limit`` seconds for the collective to finish; whether it did."""
-        with self._lock:
-            if self._finished:
-                return True
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        return event.wait(limit)
 
 
 class _Job:

@@ -6,13 +6,14 @@ results back).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ddlcore.handles import Completion
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 
@@ -89,9 +90,7 @@ class WorkDDL(dist.Work):
         self._timeout = timeout
         # Most works complete before anyone waits (torch's async_op=False runs them on the
         # calling thread): the Event and the future are made only when needed.
-        self._lock = threading.Lock()
-        self._completed = False
-        self._done: threading.Event | None = None
+        self._done = Completion()
         self._error: BaseException | None = None
         self._receive: Any = None  # a receive's ddlcore handle: its ``source`` once done
         self._handles: Sequence[Any] = ()
@@ -127,13 +126,13 @@ class WorkDDL(dist.Work):
 
     def _complete(self, error: BaseException | None) -> None:
         self._error = error
-        with self._lock:
-            self._completed = True
-            future, done = self._future, self._done
+        with self._done.lock:
+            event = self._done.mark()
+            future = self._future
         if future is not None:
             self._settle(future)
-        if done is not None:
-            done.set()
+        if event is not None:
+            event.set()
 
     def _settle(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
         if self._error is None:
@@ -150,7 +149,9 @@ class WorkDDL(dist.Work):
         if limit is None:
             for handle in self._handles:  # run here what the worker has not started yet
                 handle.run_here()
-        if not self._completed and not self._block(self._timeout if limit is None else limit):
+        if not self._done.finished and not self._done.wait(
+            self._timeout if limit is None else limit
+        ):
             raise dist.DistBackendError(
                 f"ddl backend, {self._what}: not complete after waiting "
                 f"{self._timeout if limit is None else limit:g} s"
@@ -161,23 +162,13 @@ class WorkDDL(dist.Work):
             self._future.wait()  # the caller's current streams wait for the queued copies
         return True
 
-    def _block(self, limit: float) -> bool:
-        """Wait up to ``limit`` seconds for completion; whether it came."""
-        with self._lock:
-            if self._completed:
-                return True
-            if self._done is None:
-                self._done = threading.Event()
-            done = self._done
-        return done.wait(limit)
-
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """A future completed with the output tensors (or the collective's error)."""
-        with self._lock:
+        with self._done.lock:
             future, made = self._future, self._future is None
             if made:
                 future = self._future = torch.futures.Future()
-            completed = self._completed
+            completed = self._done.finished
         assert future is not None
         if made and completed:  # _complete ran before it existed: settle it here
             self._settle(future)
@@ -190,10 +181,10 @@ class WorkDDL(dist.Work):
         return int(self._receive.source)
 
     def is_completed(self) -> bool:
-        return self._completed
+        return self._done.finished
 
     def is_success(self) -> bool:
-        return self._completed and self._error is None
+        return self._done.finished and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
