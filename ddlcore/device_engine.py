@@ -216,7 +216,10 @@ def run(
         own = slots if stream == parts[0].stream else slots.for_stream(stream)
         before = last_on.get(stream)
         if before is not None:  # its slots are ours again once its device work is done
-            own.ops.sync(before, remaining())
+            try:
+                own.ops.sync(before, remaining())
+            except DDLError as exc:  # the peers must hear of it too
+                raise failure(schedule, coll, index[0] if index else 0, exc, links) from None
         waits = [ends[q] for q in parts[p].after] + ([before] if before is not None else first)
         last = p == streams[stream][-1]
         ends[p] = last_on[stream] = run_steps(steps, index, links, own, waits, last)
