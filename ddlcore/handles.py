@@ -40,7 +40,10 @@ class Completion:
         return self._event
 
     def wait(self, limit: float) -> bool:
-        """Wait up to ``limit`` seconds for the finish; whether it came."""
+        """Wait up to ``limit`` seconds for the finish; whether it came (at once, without the
+        lock, when it already did)."""
+        if self.finished:
+            return True
         with self.lock:
             if self.finished:
                 return True
@@ -128,7 +131,7 @@ class Handle:
         if timeout is None:
             self.run_here()  # bounded by DDL_TIMEOUT, as on the worker
         limit = self._default_timeout if timeout is None else timeout
-        if not self._done.finished and not self._done.wait(limit):
+        if not self._done.wait(limit):
             raise DDLTimeoutError(f"{self.label} not complete after waiting {limit:g} s")
         if self._error is not None:
             raise self._error

@@ -149,9 +149,7 @@ class WorkDDL(dist.Work):
         if limit is None:
             for handle in self._handles:  # run here what the worker has not started yet
                 handle.run_here()
-        if not self._done.finished and not self._done.wait(
-            self._timeout if limit is None else limit
-        ):
+        if not self._done.wait(self._timeout if limit is None else limit):
             raise dist.DistBackendError(
                 f"ddl backend, {self._what}: not complete after waiting "
                 f"{self._timeout if limit is None else limit:g} s"
