@@ -6,6 +6,7 @@ store, learns which ranks share a host (``topology``), picks a transport per pee
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
@@ -57,6 +58,18 @@ def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str]:
 _servers: dict[tuple[str, int], Any] = {}
 _servers_lock = threading.Lock()
 _generation: dict[tuple[str, int], int] = {}
+
+
+@atexit.register
+def _stop_serving() -> None:
+    """At exit, close the stores this process serves while Python still runs their threads: a
+    later exit step (MPI_Finalize, which waits for every rank) would freeze them with their
+    sockets open, and a rank still asking would wait out its socket timeout instead of hearing
+    at once that the store is gone."""
+    with _servers_lock:
+        servers = list(_servers.values())
+    for server in servers:
+        server.close(timeout=1.0)
 
 
 def _store_connections(size: int) -> int:

@@ -20,6 +20,9 @@ communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError
 * MPI messages carry no check word: size mismatches are caught (a short message by its count,
   a long one by MPI's truncation error); DDL_DEBUG's agreement check catches the rest.
 * Waits poll ``MPI_Test`` with a deadline (MPI_Wait has none), so no wait can hang.
+* A closed context's communicators are freed one context later, after whatever a peer sent on
+  them and nobody received is drained: MPI reuses a freed communicator's context id, and such a
+  message would otherwise be received by the next communicator's matching receive.
 * MPI must run at ``MPI_THREAD_MULTIPLE`` (mpi4py's default request): collectives run on the
   communicator's worker and pipeline threads, and an abort can be sent from one thread while
   another waits. A lower level makes the transport unavailable, with the reason.
@@ -32,6 +35,7 @@ communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from typing import Any
 
@@ -259,6 +263,41 @@ class MpiPair(Pair):
         pass  # MPI owns the connection; the context frees the communicators
 
 
+# Closed contexts' communicators, oldest first. MPI reuses a freed communicator's context id,
+# and a message a peer sent on it that was never received (the receiver failed, or gave up)
+# would match the next communicator's receive with that source and tag: a stranger's bytes in a
+# result. So a closed context's communicators are freed only once emptied, one context later.
+_retired: list[tuple[Any, ...]] = []
+_retired_lock = threading.Lock()
+
+
+def _retire(comms: tuple[Any, ...]) -> None:
+    with _retired_lock:
+        _retired.append(comms)
+
+
+def _free_retired(keep: int) -> None:
+    """Receive and drop what is left in the retired communicators but the ``keep`` newest, then
+    free them. Called once every rank is past the collective Dup of a newer context, so every
+    message of an older one has been sent (and, but for a message still on the wire, arrived)."""
+    with _retired_lock:
+        old = _retired[: max(0, len(_retired) - keep)]
+        del _retired[: len(old)]
+    MPI = _mpi()
+    status = MPI.Status()
+    for comms in old:
+        for comm in comms:
+            try:
+                while True:
+                    message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                    if message is None:
+                        break
+                    message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+                comm.Free()
+            except Exception:  # noqa: BLE001 - best effort: a failed job is ending anyway
+                pass
+
+
 class MpiContext(Context):
     def __init__(
         self, rank: int, size: int, store: Store, timeout: float, options: TransportOptions
@@ -277,6 +316,7 @@ class MpiContext(Context):
         self.data = world.Dup()
         self.ctrl = world.Dup()
         self.p2p = world.Dup()
+        _free_retired(keep=1)  # after the Dups: every rank has closed the contexts before
         for comm in (self.data, self.ctrl, self.p2p):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.tag_ub = int(world.Get_attr(MPI.TAG_UB))
@@ -361,11 +401,7 @@ class MpiContext(Context):
             except Exception:
                 pass
         self.receiving.clear()
-        for comm in (self.data, self.ctrl, self.p2p):
-            try:
-                comm.Free()
-            except Exception:
-                pass
+        _retire((self.data, self.ctrl, self.p2p))
 
 
 class MpiTransport(Transport):

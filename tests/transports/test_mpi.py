@@ -146,3 +146,42 @@ def test_a_thread_level_known_only_after_mpi_init():
         _init_with, 2, env={**low, "DDL_TRANSPORT": "auto:mpi,tcp"}, rank_envs=hosts
     ):
         assert (outcome, pair) == ("ok", "TcpPair")
+
+
+def _stale_messages(rank, size, name, rounds):
+    """Rank 1 sends a message rank 0 never receives, both close, and the next communicator's
+    receive of that (source, tag) must get the next communicator's message: MPI reuses a freed
+    communicator's context id, and a message left in the old one must not match in the new."""
+    import os
+
+    import numpy as np
+
+    import ddlcore
+
+    os.environ.update({"DDL_TRANSPORT": name, "DDL_TIMEOUT": "30"})
+    got = []
+    for r in range(rounds):
+        with ddlcore.init() as comm:
+            if rank == 1:
+                comm.send(np.full(4, -1.0 - r), 0, tag=7)  # never received
+            comm.allreduce(np.ones(1000, np.float32))
+            comm.barrier()
+        with ddlcore.init() as comm:
+            y = np.zeros(4)
+            if rank == 1:
+                comm.send(np.full(4, float(r)), 0, tag=7)
+            elif rank == 0:
+                comm.recv(y, 1, tag=7)
+            got.append(float(y[0]))
+            x = np.arange(1000, dtype=np.float32) + rank
+            total = comm.allreduce(x)
+            assert np.array_equal(
+                total, sum(np.arange(1000, dtype=np.float32) + q for q in range(size))
+            )
+    return got
+
+
+def test_a_closed_communicators_messages_stay_in_it():
+    rounds = 4
+    got = _mpi(_stale_messages, 2, rounds)
+    assert got[0] == [float(r) for r in range(rounds)], got[0]
