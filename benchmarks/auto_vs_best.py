@@ -2,7 +2,7 @@
 
 For each box up to 256 GPUs (the paper's links: hosts of 4 GPUs at 20 GB/s, 10 GB/s in a rack, 9.5 GB/s across
 racks, one network adapter per host) and allreduce size, every candidate of
-`ddlcore.tuning.candidates` (ring, rhd, rd, and mdring in every dimension order with its
+`ddlcore.planning.tuning.candidates` (ring, rhd, rd, and mdring in every dimension order with its
 pipelined segment count) runs in the simulator; the table gives auto's simulated time over the
 best candidate's. Candidates over the simulator's step budget are left out and counted.
 
@@ -16,7 +16,8 @@ import argparse
 import json
 import sys
 
-from ddlcore import config, simulate, topology, tuning
+from ddlcore import config, simulate
+from ddlcore.planning import topology, tuning
 
 BW = (20e9, 10e9, 9.5e9)
 LAT = (5e-6, 10e-6, 20e-6)

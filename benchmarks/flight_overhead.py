@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 import ddlcore
-from ddlcore import calls, flight
+from ddlcore import calls
+from ddlcore.trace import flight
 
 
 def recorder_alone(n: int = 200_000) -> float:

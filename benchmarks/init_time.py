@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 def _store_rank(rank: int, size: int, port: int, cycles: int, out) -> None:
     """init's conversation with the store, alone (see ``bootstrap.init``)."""
-    from ddlcore.store import StoreClient, StoreServer
+    from ddlcore.job.store import StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", port) if rank == 0 else None
     line = StoreClient("127.0.0.1", port, 120.0, rank=rank, size=size)
@@ -158,7 +158,7 @@ def measure_netns(shape: str, rate: str | None, cycles: int, transport: str) -> 
 
 
 def store_connects(n: int) -> list[float]:
-    from ddlcore.store import StoreClient, StoreServer
+    from ddlcore.job.store import StoreClient, StoreServer
 
     times = []
     with StoreServer("127.0.0.1", 0) as server:

@@ -77,7 +77,7 @@ def _rank(
     from ddlcore.transports import load
 
     names = usable(names, rank)
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer(host, port) if rank == 0 else None
     client = StoreClient(host, port, 60.0, rank=rank, size=2)

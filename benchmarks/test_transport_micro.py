@@ -18,7 +18,7 @@ import pytest
 from membw import best_seconds  # benchmarks/ is the script's directory
 
 from ddlcore import transports
-from ddlcore.store import PrefixStore, StoreClient, StoreServer
+from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
 SIZES = [4 << 10, 1 << 20, 64 << 20]
 

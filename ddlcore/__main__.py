@@ -17,9 +17,11 @@ import platform
 import sys
 
 import ddlcore.transports as transports
-from ddlcore import __version__, config, links, probe, topology, tuning
+from ddlcore import __version__, config
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.errors import TransportUnavailableError
+from ddlcore.job import links, probe
+from ddlcore.planning import topology, tuning
 
 _OPTIONAL = ("numpy", "ml_dtypes", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
 # Needed to build the extensions from source only, never at run time.
@@ -65,9 +67,9 @@ def job_choice(
     the cost model's choice (`tuning.choose`). ``host_transport``: what two ranks of one host
     talk; ``direct_reads``: whether process_vm_readv works between them (default: what this
     kernel's Yama setting allows)."""
-    from ddlcore import hostcoll
     from ddlcore.algorithms import mdring
-    from ddlcore.paths import ON_BOARDS, host_staged
+    from ddlcore.execution import hostcoll
+    from ddlcore.execution.paths import ON_BOARDS, host_staged
 
     if direct_reads is None:
         direct_reads = hostcoll.cma_allowed()
@@ -118,11 +120,11 @@ def _links_source(joined: bool, nhosts: int) -> str:
     if probe.wanted(mode, nhosts):
         if joined:
             which = "" if mode == "1" else " across hosts"
-            return f"links{which}: measured at init (DDL_LINK_PROBE={mode}, ddlcore.probe)"
+            return f"links{which}: measured at init (DDL_LINK_PROBE={mode}, ddlcore.job.probe)"
         which = "every link" if mode == "1" else "the links across hosts"
         return (
             f"links: defaults; a job on {nhosts} host(s) measures {which} at init "
-            f"(DDL_LINK_PROBE={mode}, ddlcore.probe) and chooses from the measurement"
+            f"(DDL_LINK_PROBE={mode}, ddlcore.job.probe) and chooses from the measurement"
         )
     if config.get("DDL_LINK_BW") and config.get("DDL_LINK_LAT"):
         return "links: given (DDL_LINK_BW, DDL_LINK_LAT)"
@@ -218,7 +220,7 @@ def info(argv: list[str]) -> int:
     print(f"  {_links_source(comm is not None, nhosts)}")
     print(
         f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
-        f"ddlcore.tuning):"
+        f"ddlcore.planning.tuning):"
     )
     chosen = {}
     for coll in ALGORITHMS:

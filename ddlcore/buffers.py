@@ -21,7 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ddlcore import device
+from ddlcore.execution import device
 from ddlcore.kernels.cpu import array_address
 from ddlcore.kernels.dtypes import SUPPORTED_DTYPES, DType, dtype_code
 

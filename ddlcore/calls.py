@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.collectives import HAS_ROOT, Collective
+from ddlcore.execution import device
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op, as_op
 

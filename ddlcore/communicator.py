@@ -1,9 +1,9 @@
-"""The public API's `Communicator` and its collectives (`ddlcore.bootstrap.init` makes one).
+"""The public API's `Communicator` and its collectives (`ddlcore.job.bootstrap.init` makes one).
 
 Each collective validates its arguments before any communication (``calls``: bad input is a
 ValueError/TypeError naming the argument) and turns buffers into descriptors (``buffers``). Then
 the first execution path that accepts the call runs it on the communicator's executor thread
-(``ddlcore.paths``): all ranks on this host, as one call through the shared boards; mdring
+(``ddlcore.execution.paths``): all ranks on this host, as one call through the shared boards; mdring
 across hosts with its host dimensions on the boards; device buffers as a schedule on CUDA
 streams; or otherwise the tuner's algorithm as a schedule over the transports. Every path
 compares the ranks' calls as it runs, so ranks that disagree raise CollectiveMismatchError, all
@@ -20,39 +20,23 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
-from ddlcore import (
-    calls,
-    config,
-    device,
-    device_engine,
-    engine,
-    flight,
-    hostcoll,
-    int_avg,
-    p2p,
-    paths,
-    topology,
-    tuning,
-)
-from ddlcore.algorithms import ALGORITHMS, Buf
+from ddlcore import calls, config, p2p
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
-from ddlcore.errors import CollectiveMismatchError, CommunicatorClosedError
+from ddlcore.errors import CommunicatorClosedError
+from ddlcore.execution import checks, device, device_engine, engine, hostcoll, int_avg, paths
 from ddlcore.handles import Executor, Handle
-from ddlcore.hostcoll import BoardKind
-from ddlcore.links import Links
+from ddlcore.job.links import Links
+from ddlcore.job.rendezvous import RendezvousInfo
 from ddlcore.ops import Op
-from ddlcore.paths.base import check_word, label
-from ddlcore.rendezvous import RendezvousInfo
+from ddlcore.planning import topology, tuning
 from ddlcore.rooted import RootedCollectives
 from ddlcore.split import split_communicator
+from ddlcore.trace import flight
 from ddlcore.transports.base import PeerInfo
 from ddlcore.transports.common import abort_code
 
-_DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
 # Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
 # ranks compare their calls explicitly before each collective (`engine.agree`).
 _log = logging.getLogger("ddlcore")
@@ -123,7 +107,7 @@ class Communicator(RootedCollectives):
         self._staged_path = paths.HostStagedPath(self._ctx)
         self._device_path = paths.DevicePath(self._ctx)
         self._schedule_path = paths.SchedulePath(self._ctx)
-        # In the order they are asked (`ddlcore.paths.PATHS`): the first that accepts runs it.
+        # In the order they are asked (`ddlcore.execution.paths.PATHS`): the first that accepts runs it.
         self._paths: tuple[paths.Path, ...] = (
             self._boards_path,
             self._staged_path,
@@ -141,7 +125,7 @@ class Communicator(RootedCollectives):
         self._closed = False
         self._close_lock = threading.Lock()
         # Each call runs through the flight recorder (its last collectives, written out when one
-        # fails: ddlcore.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
+        # fails: ddlcore.trace.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
         self._flight = flight.FlightRecorder.for_communicator(
             self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ
         )
@@ -186,21 +170,6 @@ class Communicator(RootedCollectives):
         )
 
     # --- execution ------------------------------------------------------------------------------
-    def _agree(self, call: Call, seq: int) -> None:
-        """Over links without check words: compare this call with every rank's (`engine.agree`)
-        before it runs."""
-        engine.agree(
-            self.rank,
-            self.size,
-            seq & 0x7FFFFFFF,
-            check_word(call),
-            calls.fingerprint(call),
-            self._links,
-            self.timeout,
-            label(call, seq),
-            calls.describe_fingerprint,
-        )
-
     def _execute(self, call: Call, seq: int) -> Any:
         if self._broken is not None:
             raise CommunicatorClosedError(
@@ -215,9 +184,11 @@ class Communicator(RootedCollectives):
         running: paths.Path | None = None
         try:
             if self._debug and self.size > 1:
-                self._check_agreement(call, seq, label(call, seq))
+                checks.compare_calls(
+                    call, seq, self.rank, self.size, self._links, self._ctx, self.timeout
+                )
             if self._agree_explicitly and self._host is None:
-                self._agree(call, seq)
+                checks.agree(call, seq, self.rank, self.size, self._links, self.timeout)
             for path in self._paths:
                 plan = path.plan(call)
                 if plan is not None:
@@ -234,7 +205,7 @@ class Communicator(RootedCollectives):
         its call in progress that the failing step did not (that step told its own: the boards'
         or the links'), so that nobody waits out its deadline."""
         self._broken = str(exc) or type(exc).__name__
-        from ddlcore.launcher_job import record_failure  # for ddlrun: who failed first
+        from ddlcore.launcher.job import record_failure  # for ddlrun: who failed first
 
         record_failure(self.rank, exc)
         # The reason without our "rank R: " prefix.
@@ -255,47 +226,6 @@ class Communicator(RootedCollectives):
             int_avg.run(call, self.size, host, lambda wide: self._execute(wide, seq))
             self._ctx.pinned().upload(host[1], call.out.array)
         return call.result
-
-    def _check_agreement(self, call: Call, seq: int, label: str) -> None:
-        """DDL_DEBUG: allgather every rank's (kind, dtype, op, count, root) and compare."""
-        mine = np.array(
-            [
-                BoardKind.of(call.collective),
-                int(call.inp.code) if call.inp else -1,
-                int(call.op) if call.op is not None else -1,
-                call.count,
-                call.root,
-            ],
-            np.int64,
-        )
-        every = np.empty(self.size * mine.size, np.int64)
-        sched = ALGORITHMS[Collective.ALLGATHER]["ring"](
-            self.rank, self.size, mine.size, 8, 1 << 20
-        )
-        coll = engine.Collective(
-            (seq & 0x7FFFFFFF) | _DEBUG_SEQ, 0, 8, 7, None, f"{label} agreement check"
-        )
-        engine.run(
-            sched,
-            coll,
-            {Buf.INPUT: engine.Region.of(mine), Buf.OUTPUT: engine.Region.of(every)},
-            self._links,
-            self._ctx.staging,
-            self._ctx.depth,
-            self.timeout,
-        )
-        rows = every.reshape(self.size, mine.size)
-        if not (rows == mine).all():
-            names = {int(k): k.label for k in BoardKind}
-            lines = [
-                f"rank {r}: {names.get(int(k), '?')} count={c} dtype_code={d} op_code={o} "
-                f"root={root}"
-                for r, (k, d, o, c, root) in enumerate(rows.tolist())
-            ]
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: {label}: ranks called different collectives "
-                f"(DDL_DEBUG check):\n  " + "\n  ".join(lines)
-            )
 
     def add_before_collective(self, fn: Callable[[], Any]) -> Callable[[], None]:
         """Call ``fn()`` on the calling thread before each collective this communicator starts

@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer
 from ddlcore.errors import (
     CollectiveMismatchError,
@@ -51,6 +50,7 @@ from ddlcore.errors import (
     DDLError,
     DDLTimeoutError,
 )
+from ddlcore.execution import device
 from ddlcore.handles import Handle
 from ddlcore.kernels.dtypes import DType
 from ddlcore.transports.base import Request

@@ -4,7 +4,7 @@ with an in-tree fallback so a source checkout works without installed metadata.
 `load(name)` returns a transport class after checking its API version; `available()` says, for
 every known transport, whether it can run here and why not. `is_available` and `create_context`
 call a transport the way its API version expects (version 1 took no `TransportOptions`).
-Choosing a transport per peer pair is the job of ``ddlcore.links``.
+Choosing a transport per peer pair is the job of ``ddlcore.job.links``.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ Semantics every transport keeps (the conformance suite in ``tests/transports`` c
   host memory and the reverse: the bytes are the same.
 
 Options reach a transport as a value, `TransportOptions` (as gloo's ``transport::tcp::attr``
-reaches ``CreateDevice``): ``ddlcore.links`` builds them once from the configuration (the
+reaches ``CreateDevice``): ``ddlcore.job.links`` builds them once from the configuration (the
 mapping given to ``ddlcore.init(environ=...)``, else ``os.environ``) and passes them to
 `Transport.is_available` and `Transport.create_context`; no transport reads the environment.
 A caller that passes none (a test, a benchmark) gets `TransportOptions.from_environ`'s.
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ddlcore.auth import JobKey
+    from ddlcore.job.auth import JobKey
 
 API_VERSION = 2
 # The versions `ddlcore.transports.load` accepts: 1 is called without options (see above).
@@ -87,10 +87,10 @@ MAX_ABORT_REASON_BYTES = 4096
 
 
 class Store(Protocol):
-    """The rendezvous key-value store as transports see it (see ``ddlcore.store``)."""
+    """The rendezvous key-value store as transports see it (see ``ddlcore.job.store``)."""
 
     host: str  # the master's address: transports find their outgoing interface from it
-    # The job's key (`ddlcore.auth.JobKey`): a transport that opens its own connections (tcp,
+    # The job's key (`ddlcore.job.auth.JobKey`): a transport that opens its own connections (tcp,
     # ucx) proves it on each one; with None they refuse to start (`common.job_key_of`).
     job_key: JobKey | None
 
@@ -112,7 +112,7 @@ class PeerInfo:
 
 @dataclass(frozen=True)
 class TransportOptions:
-    """What a transport is told of the configuration (``ddlcore.links.transport_options``
+    """What a transport is told of the configuration (``ddlcore.job.links.transport_options``
     builds it from ``ddlcore.config``; the defaults are the variables' defaults)."""
 
     nchannels: int = 1  # DDL_NCHANNELS: TCP connections per pair

@@ -27,7 +27,6 @@ from ddlcore.transports.base import (
     Store,
 )
 
-from ddlcore.auth import JobKey
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
@@ -38,6 +37,7 @@ from ddlcore.errors import (
     parse_reason,
     root_cause,
 )
+from ddlcore.job.auth import JobKey
 
 _T = TypeVar("_T")
 
@@ -77,14 +77,14 @@ def job_key_of(store: Store, transport: str) -> JobKey:
     Raises
     ------
     DDLError
-        The store has none (a store object made outside ``ddlcore.store``).
+        The store has none (a store object made outside ``ddlcore.job.store``).
     """
     key = getattr(store, "job_key", None)
     if not isinstance(key, JobKey):
         raise DDLError(
             f"the {transport} transport authenticates its connections with the job's "
             f"key, but the rendezvous store it was given ({type(store).__name__}) has "
-            "no job_key; pass a ddlcore.store.StoreClient (or a PrefixStore over one)"
+            "no job_key; pass a ddlcore.job.store.StoreClient (or a PrefixStore over one)"
         )
     return key
 

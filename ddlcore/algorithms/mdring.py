@@ -1,6 +1,6 @@
 """The multi-dimensional ring (PowerAI DDL, section 4.3): ring phases along each box dimension.
 
-The ranks form a box d1 x d2 x ... x dk (`ddlcore.topology`), d1 the ranks sharing the fastest
+The ranks form a box d1 x d2 x ... x dk (`ddlcore.planning.topology`), d1 the ranks sharing the fastest
 link. The box comes from the hosts, not from rank numbers: where the launcher dealt ranks
 round-robin over the hosts (ranks 0, 2 on one, 1, 3 on the other), ``Topology.order`` maps box
 positions to ranks and every ring here runs along box coordinates, while reduce-scatter's and
@@ -33,7 +33,7 @@ first; so they work in a scratch buffer in that order, with one local copy of th
 or out (AG). ``dim_order`` processes the dimensions in another order (the tuner may choose one).
 
 Where ranks share hosts, the communicator runs the host dimensions through shared memory
-instead of as rings (``ddlcore.hostcoll``: each local rank reduces its part of the host's inputs
+instead of as rings (``ddlcore.execution.hostcoll``: each local rank reduces its part of the host's inputs
 straight out of the others' buffers, and copies the others' final parts back at the end); the
 ``*_across_hosts`` schedules are then what runs between: the network dimensions' phases on that
 part. For an allreduce the part is any 1/M of the buffer. For reduce-scatter and allgather it is
@@ -63,7 +63,7 @@ from ddlcore.algorithms.schedule import (
     split,
 )
 from ddlcore.collectives import Collective
-from ddlcore.topology import Topology, flat
+from ddlcore.planning.topology import Topology, flat
 
 NAME = "mdring"
 
@@ -145,7 +145,7 @@ def allreduce_across_hosts(
     dim_order: Sequence[int] | None = None,
 ) -> Schedule:
     """The phases along the dimensions that leave the host, on ``count`` elements: the middle
-    of an allreduce whose host dimensions run through shared memory (``ddlcore.hostcoll``'s
+    of an allreduce whose host dimensions run through shared memory (``ddlcore.execution.hostcoll``'s
     part reduce-scatter before it and part allgather after it). The rings keep this rank's
     host coordinates, so each carries the part this rank reduced inside its host."""
     return _allreduce_along(

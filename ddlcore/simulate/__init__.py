@@ -1,7 +1,7 @@
 """The simulator: runs the SAME schedules the engine runs against a link model, to predict a
 collective's time at scales this machine cannot run (e.g. 64 hosts x 4 GPUs in 4 racks).
 
-What it models (the link model of `ddlcore.tuning`, so the two can be compared):
+What it models (the link model of `ddlcore.planning.tuning`, so the two can be compared):
 
 * A message from rank a to rank b crosses box dimension j = ``topo.dim_between(a, b)``. It holds
   its ports for ``nbytes / bw[j]`` and then is in flight for ``lat[j]`` (latency occupies
@@ -13,7 +13,7 @@ What it models (the link model of `ddlcore.tuning`, so the two can be compared):
 * Ports are FIFO servers: messages reserve all their ports in the order they are issued (ties
   by rank) and start when every port is free; no backfilling, no fair sharing (a message that
   waits for its ingress port keeps its egress port idle and later messages behind it).
-* Each rank executes its schedule in program order, as `ddlcore.engine` does: ``SEND`` issues at
+* Each rank executes its schedule in program order, as `ddlcore.execution.engine` does: ``SEND`` issues at
   the rank's current time and the rank goes on; ``RECV`` waits for the message's arrival;
   ``RECV_REDUCE`` waits, then keeps the rank busy ``nbytes / reduce_bw``; ``COPY`` keeps it busy
   ``nbytes / copy_bw``. A rank's reductions and copies are serial; its messages overlap them.

@@ -1,6 +1,6 @@
 """The link model and the actors that run programs on it: a discrete-event simulation of every
 rank's (or stream's) program against per-rank and per-adapter FIFO ports, as the package
-docstring describes. `simulate` ties it together: the choice `ddlcore.tuning` makes, the
+docstring describes. `simulate` ties it together: the choice `ddlcore.planning.tuning` makes, the
 compiled program, its simulated time and the cost model's prediction beside it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import heapq
 import math
 from dataclasses import asdict, dataclass
 
-from ddlcore import topology, tuning
 from ddlcore.algorithms import Kind
 from ddlcore.collectives import Collective
+from ddlcore.planning import topology, tuning
 from ddlcore.simulate.program import (
     _AFTER,
     _DONE,

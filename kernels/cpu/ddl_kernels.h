@@ -185,7 +185,7 @@ static inline int ddl_reduce(void *dst, const void *a, const void *b, int64_t n,
 }
 
 /* Integer division rounded down (floor, toward minus infinity: integer avg's rounding), float
- * division rounded once. The collectives hand integers to it only summed wide (ddlcore/int_avg.py);
+ * division rounded once. The collectives hand integers to it only summed wide (ddlcore/execution/int_avg.py);
  * given a sum that wrapped, it divides what it is given. */
 #define DDL_DIV_INT(T)                                                                        \
     { T *p = (T *)dst;                                                                        \

@@ -244,7 +244,7 @@ def _move(dst, dst_off, src, src_off, n):
 def _region(array: np.ndarray):
     from ddlcore.kernels import array_address
 
-    from ddlcore.device_engine import DeviceRegion
+    from ddlcore.execution.device_ops import DeviceRegion
 
     flat = array.reshape(-1).view(np.uint8)
     return DeviceRegion(array_address(flat) if flat.size else 0, flat)
@@ -275,16 +275,17 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
     from ddlcore.kernels.dtypes import dtype_code
 
     import ddlcore
-    from ddlcore import device_engine, engine, tuning
     from ddlcore.algorithms import Buf
+    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution.paths.schedule import make_schedule
     from ddlcore.ops import as_op
-    from ddlcore.paths.schedule import make_schedule
+    from ddlcore.planning import tuning
 
     checked = 0
     seq = 1 << 20
     with ddlcore.init() as comm:
         ops = DeferredStreams([seed, rank])
-        slots = device_engine.DeviceSlots(ops)
+        slots = device_ops.DeviceSlots(ops)
         for name in algos:
             # "mdring:4": mdring's allreduce pipelined in 4 segments (parts on several streams)
             algo, _, segments = name.partition(":")
@@ -458,14 +459,14 @@ def _swaps(rank, size, seed, n):
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
-    from ddlcore import device_engine, engine
     from ddlcore.algorithms import Buf
     from ddlcore.algorithms.schedule import Kind, Schedule, Step
+    from ddlcore.execution import device_engine, device_ops, engine
 
     peer = 1 - rank
     with ddlcore.init() as comm:
         ops = DeferredStreams([seed, rank])
-        slots = device_engine.DeviceSlots(ops)
+        slots = device_ops.DeviceSlots(ops)
         for trial in range(40):
             mine = np.random.default_rng([seed, rank, trial]).standard_normal(n)
             theirs = np.random.default_rng([seed, peer, trial]).standard_normal(n)
@@ -521,14 +522,15 @@ def _legacy_stream(rank, size, seed):
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
-    from ddlcore import device_engine, engine, tuning
     from ddlcore.algorithms import Buf
-    from ddlcore.paths.schedule import make_schedule
+    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution.paths.schedule import make_schedule
+    from ddlcore.planning import tuning
 
     n = 4096
     with ddlcore.init() as comm:
         ops = DeferredStreams([seed, rank], legacy=True)
-        slots = device_engine.DeviceSlots(ops)
+        slots = device_ops.DeviceSlots(ops)
         for algo in ("ring", "rhd"):
             choice = tuning.choose("allreduce", comm.topology, n * 4, algo, 1024, False)
             sched = make_schedule("allreduce", choice, rank, size, n, 4, 0, comm.topology)
@@ -588,14 +590,15 @@ def _bursts(rank, size, algo):
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
-    from ddlcore import device_engine, engine, tuning
     from ddlcore.algorithms import Buf
-    from ddlcore.paths.schedule import make_schedule
+    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution.paths.schedule import make_schedule
+    from ddlcore.planning import tuning
 
     count, chunk = 1 << 20, 512 << 10  # 4 MB of float32: halves of 4 chunks of 512 KiB
     with ddlcore.init() as comm:
         ops = DeferredStreams([3, rank])
-        slots = device_engine.DeviceSlots(ops)
+        slots = device_ops.DeviceSlots(ops)
         x = random_input(np.float32, count, rank, 3, "sum")
         choice = tuning.choose("allreduce", comm.topology, count * 4, algo, chunk, False)
         sched = make_schedule("allreduce", choice, rank, size, count, 4, 0, comm.topology)

@@ -1,4 +1,4 @@
-"""The host collectives (``ddlcore.hostcoll``): every rank on one host over shm runs each
+"""The host collectives (``ddlcore.execution.hostcoll``): every rank on one host over shm runs each
 collective through shared boards, small inputs through the slots and large ones by reading the
 peers' buffers. The collective matrix (test_collectives.py, transport shm) covers dtype x op x
 count on both paths; this file covers what is particular to them: sizes at the slot and chunk

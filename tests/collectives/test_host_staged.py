@@ -66,7 +66,7 @@ def _rs_ag_matrix(rank, size, thin=False):
     from ddlcore.kernels import reference
 
     import ddlcore
-    from ddlcore.paths import host_staged
+    from ddlcore.execution.paths import host_staged
 
     taken = []
     spied = {
@@ -150,7 +150,7 @@ def test_every_op_and_size_with_host_dimensions_on_the_boards(hosts, thin, pools
 
 def _spy_on_pipeline():
     """Record the segment count of every pipelined call (so a test knows the path it took)."""
-    from ddlcore import pipeline
+    from ddlcore.execution import pipeline
 
     runs = []
     real = pipeline.run
@@ -171,7 +171,7 @@ def _segmented(rank, size, thin=False):
     takes sum and avg (its own wider form) alone, and not the ~500 segments of 1009 elements
     (float32 takes those, each segment one call on the boards and one on the network)."""
     import ddlcore
-    from ddlcore.paths import host_staged
+    from ddlcore.execution.paths import host_staged
 
     # Tiny segments for the path itself; the cost model still prices the real ones.
     cap = [64]
@@ -193,7 +193,7 @@ def _segmented(rank, size, thin=False):
                 thin_here = count == 1009 or (thin and dtype is np.int32)
                 for op in ("sum", "avg") if thin_here else matrix.OPS:
                     case = f"{np.dtype(dtype).name} {op} count={count}"
-                    # integer avg runs as a sum of int64 (ddlcore.int_avg): twice the bytes
+                    # integer avg runs as a sum of int64 (ddlcore.execution.int_avg): twice the bytes
                     wide = 8 if op == "avg" and np.dtype(dtype).kind == "i" else isz
                     nseg = host_staged.host_segments(count * wide)
                     del runs[:]
@@ -343,7 +343,8 @@ def _choices(rank, size):
         np.testing.assert_array_equal(comm.allreduce(x), np.full(50_000, size * (size + 1) / 2))
         gather = comm.describe("allgather", 1 << 20)
         # the cost model reads an allgather's output: 1 MB in from each rank is size MB out
-        from ddlcore import config, tuning
+        from ddlcore import config
+        from ddlcore.planning import tuning
 
         model = tuning.choose(
             "allgather",
@@ -472,7 +473,7 @@ def _interrupted(rank, size):
     import time
 
     import ddlcore
-    from ddlcore import hostcoll
+    from ddlcore.execution import hostcoll
 
     if rank == 0:
         real, calls = hostcoll.HostCollectives.run, []

@@ -72,7 +72,7 @@ CASES = [
     ),
     ("allgather dtype", ("allgather", 100, F32, None, 0), ("allgather", 100, I32, None, 0), "last"),
     ("broadcast count", ("broadcast", 70, F32, None, 0), ("broadcast", 77, F32, None, 0), "last"),
-    # an integer avg runs as a sum of int64s (`ddlcore.int_avg`): its call still differs
+    # an integer avg runs as a sum of int64s (`ddlcore.execution.int_avg`): its call still differs
     (
         "int32 avg vs int64 sum",
         ("allreduce", 1000, I32, "avg", 0),
@@ -288,9 +288,9 @@ def test_schedules_make_first_contact_and_pair_up():
     """After `agreement.agreed`, every rank's first step sends slot 0 to rank + 1 and its first
     receive is slot 0 from rank - 1; and every message sent is received (same slot, same
     count) by its peer."""
-    from ddlcore import topology
     from ddlcore.algorithms import ALGORITHMS, agreement
     from ddlcore.algorithms.schedule import Kind
+    from ddlcore.planning import topology
 
     for size, collective, name, count in _symbolic_worlds():
         make = ALGORITHMS[collective][name]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ddlcore import topology
+from ddlcore.planning import topology
 from tests.harness import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -94,8 +94,8 @@ def _peer_dies_in_the_probe(rank, size):
     import time
 
     import ddlcore
-    from ddlcore import probe
     from ddlcore.errors import DDLError
+    from ddlcore.job import probe
 
     if rank == 2:  # the far end of the network dimension's pair dies as its probe begins
         probe._ping_pong = lambda *args: os._exit(3)

@@ -19,11 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from ddlcore import store_wire as wire
-from ddlcore.auth import JobKey, new_secret
 from ddlcore.errors import RendezvousError
-from ddlcore.store import StoreAuthenticationError, StoreClient, StoreServer
-from ddlcore.store_server import MAX_PENDING_PER_SOURCE
+from ddlcore.job import store_wire as wire
+from ddlcore.job.auth import JobKey, new_secret
+from ddlcore.job.store import StoreAuthenticationError, StoreClient, StoreServer
+from ddlcore.job.store_server import MAX_PENDING_PER_SOURCE
 from tests.harness import free_port, mpiexec_path, require, run_ranks
 
 _HELLO = struct.Struct("<IHH")
@@ -35,8 +35,8 @@ _SERVER = """
 import resource, sys
 if len(sys.argv) > 2:  # a cap on this process's fds
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]),) * 2)
-from ddlcore.auth import JobKey
-from ddlcore.store import StoreServer
+from ddlcore.job.auth import JobKey
+from ddlcore.job.store import StoreServer
 srv = StoreServer("127.0.0.1", 0, job_key=JobKey(sys.argv[1].encode(), "job"))
 print(srv.port, flush=True)
 sys.stdin.read()
@@ -472,7 +472,7 @@ def test_slow_and_idle_connections_do_not_delay_init(tmp_path):
 
 def _mpi_job(rank, size):
     import ddlcore
-    from ddlcore.rendezvous import SECRET_ORIGIN_MPI
+    from ddlcore.job.rendezvous import SECRET_ORIGIN_MPI
 
     assert not os.environ.get("DDL_SECRET") and not os.environ.get("DDL_SECRET_FILE")
     with ddlcore.init(timeout=60) as comm:

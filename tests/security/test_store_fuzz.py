@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from ddlcore import store_wire as wire
-from ddlcore.auth import MAX_CLAIM_BYTES, new_secret
+from ddlcore.job import store_wire as wire
+from ddlcore.job.auth import MAX_CLAIM_BYTES, new_secret
 from tests.harness import free_port, run_ranks
 
 _HELLO = struct.Struct("<IHH")

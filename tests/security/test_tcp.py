@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddlcore import auth, config
+from ddlcore import config
+from ddlcore.job import auth
 from tests.harness import run_ranks
 from tests.transports.conformance import rank_env
 
@@ -408,7 +409,7 @@ def test_ranks_holding_different_secrets_are_told_so():
     from ddlcore.transports.tcp import TcpTransport
 
     from ddlcore.errors import DDLTimeoutError
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", 0)
     clients = [StoreClient("127.0.0.1", server.port, 5.0, rank=r, size=2) for r in range(2)]

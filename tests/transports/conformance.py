@@ -39,7 +39,7 @@ from ddlcore.errors import (
     DDLTimeoutError,
     PeerFailureError,
 )
-from ddlcore.store import PrefixStore, StoreClient, StoreServer
+from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
 # Transport name -> "module:class". A new transport is one line here plus its name in
 # test_conformance.TRANSPORTS; classes are imported lazily so a missing optional one only skips.

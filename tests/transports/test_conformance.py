@@ -197,7 +197,7 @@ def _tcp_context(environ: dict[str, str]):
 
     from ddlcore.transports.tcp import TcpTransport
 
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)
@@ -265,10 +265,10 @@ def test_device_views(name, direct):
 @pytest.mark.parametrize("name", ["tcp", "ucx"])
 def test_a_store_without_the_job_key_is_refused(name):
     """Transports that open their own connections prove the job's key on them: a store that
-    carries none (made outside ddlcore.store) is refused at once, saying so."""
+    carries none (made outside ddlcore.job.store) is refused at once, saying so."""
     require(*conf.transport_class(name).is_available())
     from ddlcore.errors import DDLError, RendezvousError
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)

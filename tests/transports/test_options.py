@@ -94,7 +94,7 @@ def test_only_shm_offers_host_collectives():
     from ddlcore.transports.shm.boards import MAX_RANKS, HostCollectives
     from ddlcore.transports.tcp import TcpTransport
 
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)

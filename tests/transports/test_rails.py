@@ -60,7 +60,7 @@ def test_one_name_is_every_local_ranks():
 
 
 def _context(ifname: str, local_rank: int) -> TcpContext:
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=2)
@@ -106,7 +106,7 @@ def test_ucx_context_is_given_its_rails_device():
 
 _RANK = textwrap.dedent("""
     import sys, numpy as np
-    from ddlcore.store import PrefixStore, StoreClient
+    from ddlcore.job.store import PrefixStore, StoreClient
     from ddlcore.transports.tcp import TcpTransport
     rank, local = int(sys.argv[1]), int(sys.argv[2])
     client = StoreClient("127.0.0.1", int(sys.argv[3]), 20.0, rank=rank, size=2)
@@ -170,7 +170,7 @@ def _run_pair(ns: str, script, tmp_path) -> list[str]:
     """Serve a store in the namespace, run ranks 0 and 1 as local ranks 0 and 1 there."""
     code = textwrap.dedent(f"""
         import subprocess, sys
-        from ddlcore.store import StoreServer
+        from ddlcore.job.store import StoreServer
         server = StoreServer("127.0.0.1", 0)
         env = dict(__import__("os").environ, DDL_SOCKET_IFNAME="rail0,rail1")
         procs = [subprocess.Popen([sys.executable, {str(script)!r}, str(r), str(r),

@@ -73,7 +73,7 @@ def _one_rank_context(environ: dict[str, str], look=None):
     """(UCX config, the published worker address), or what ``look(ctx)`` says of the context."""
     from ddlcore.transports.ucx import UcxTransport
 
-    from ddlcore.store import PrefixStore, StoreClient, StoreServer
+    from ddlcore.job.store import PrefixStore, StoreClient, StoreServer
 
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient("127.0.0.1", server.port, 2.0, rank=0, size=1)

@@ -1,4 +1,4 @@
-"""The job-key handshake (``ddlcore.auth``): the right key passes both ways, a wrong key or a
+"""The job-key handshake (``ddlcore.job.auth``): the right key passes both ways, a wrong key or a
 tampered claim is refused on both ends, malformed hellos are refused before anything else is
 read, deadlines hold against a peer that dribbles bytes, and where the secret comes from."""
 
@@ -14,7 +14,8 @@ from unittest.mock import patch
 
 import pytest
 
-from ddlcore.auth import (
+from ddlcore.errors import DDLError
+from ddlcore.job.auth import (
     MAX_CLAIM_BYTES,
     NONCE_BYTES,
     Acceptor,
@@ -23,7 +24,6 @@ from ddlcore.auth import (
     job_secret,
     new_secret,
 )
-from ddlcore.errors import DDLError
 
 _HELLO = struct.Struct("<IHH")
 _MAGIC = 0xDD1A7E57

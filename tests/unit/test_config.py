@@ -126,6 +126,6 @@ def test_link_probe_is_auto_on_or_off(text, mode):
     ],
 )
 def test_link_probe_runs_when_the_job_spans_hosts(mode, hosts, env, probes):
-    from ddlcore import probe
+    from ddlcore.job import probe
 
     assert probe.wanted(mode, hosts, env) is probes

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from ddlcore import engine
 from ddlcore.algorithms.schedule import Buf, Kind, Part, Schedule, Step
 from ddlcore.errors import DDLError, DDLTimeoutError, PeerFailureError
+from ddlcore.execution import engine
 
 
 class _Request:

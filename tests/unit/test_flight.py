@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import ddlcore
-from ddlcore import calls, flight, trace
+from ddlcore import calls, trace
 from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError, PeerFailureError
+from ddlcore.trace import flight
 
 RNG = np.random.default_rng(19)
 

@@ -118,9 +118,9 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_the_import_graph_sees_the_known_edges():
     edges = graph()
-    assert "ddlcore.paths.base" in edges["ddlcore.communicator"]
-    assert "ddlcore.hostcoll" in edges["ddlcore.paths.base"]
-    assert "ddlcore.transports.base" in edges["ddlcore.device"]  # a package-dir module
+    assert "ddlcore.execution.paths.base" in edges["ddlcore.execution.checks"]
+    assert "ddlcore.execution.hostcoll" in edges["ddlcore.execution.paths.base"]
+    assert "ddlcore.transports.base" in edges["ddlcore.execution.device"]  # a package-dir module
 
 
 def test_annotations_among_siblings_are_not_edges():
@@ -136,6 +136,8 @@ def test_no_import_cycles():
 
 def test_the_paths_sit_below_the_communicator():
     edges = graph()
-    below = {t for m, ts in edges.items() if m.startswith("ddlcore.paths") for t in ts}
+    below = {t for m, ts in edges.items() if m.startswith("ddlcore.execution.paths") for t in ts}
     assert "ddlcore.communicator" not in below
-    assert not any(t.startswith("ddlcore.paths") for t in edges["ddlcore.hostcoll"])
+    assert not any(
+        t.startswith("ddlcore.execution.paths") for t in edges["ddlcore.execution.hostcoll"]
+    )

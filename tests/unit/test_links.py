@@ -6,8 +6,8 @@ import ddlcore.transports as transports
 import pytest
 from ddlcore.transports.base import PeerInfo
 
-from ddlcore import links
 from ddlcore.errors import TransportUnavailableError
+from ddlcore.job import links
 
 
 class _Fake:

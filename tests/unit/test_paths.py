@@ -9,11 +9,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddlcore import calls, hostcoll, paths, topology
+from ddlcore import calls
 from ddlcore.buffers import MemoryKind
 from ddlcore.collectives import Collective
 from ddlcore.errors import DDLError, PeerFailureError
-from ddlcore.paths.base import ON_BOARDS
+from ddlcore.execution import hostcoll, paths
+from ddlcore.execution.paths.base import ON_BOARDS
+from ddlcore.planning import topology
 
 
 class FakeBoards:

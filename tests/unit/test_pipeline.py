@@ -1,4 +1,4 @@
-"""`ddlcore.pipeline`: the stage order every rank relies on, overlap of the middle stage, and
+"""`ddlcore.execution.pipeline`: the stage order every rank relies on, overlap of the middle stage, and
 failures of either thread raised on the caller after the abort, with the helper ended."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from ddlcore import pipeline
 from ddlcore.errors import DDLError, DDLTimeoutError
+from ddlcore.execution import pipeline
 
 
 def _recorder():

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from ddlcore import topology
 from ddlcore.algorithms import (
     ALGORITHMS,
     Buf,
@@ -28,6 +27,7 @@ from ddlcore.algorithms import (
 )
 from ddlcore.algorithms.schedule import Schedule, split
 from ddlcore.collectives import Collective
+from ddlcore.planning import topology
 
 
 def interpret(
@@ -210,7 +210,7 @@ ODD_ORDERS = [
 
 
 def _placed(host_ids):
-    """The box ``ddlcore.topology.build`` finds for ranks on these hosts (rank r on host_ids[r])."""
+    """The box ``ddlcore.planning.topology.build`` finds for ranks on these hosts (rank r on host_ids[r])."""
     return topology.build(host_ids, [""] * len(host_ids), {"host": "shm", "network": "tcp"}, {})
 
 
@@ -430,7 +430,8 @@ def test_cost_model_and_simulator_see_the_rank_order_ring_cross_hosts(per_host, 
     """Cyclic placement: each host's M ranks all send out of it, so the rank-order ring takes
     M times as long as with block placement, mdring the same; auto takes mdring. The simulator
     runs the same schedules on the same rank -> host map and agrees with the cost model."""
-    from ddlcore import simulate, tuning
+    from ddlcore import simulate
+    from ddlcore.planning import tuning
 
     p, n = per_host * hosts, 64 << 20
     cyclic = _slow_network(_cyclic(per_host, hosts))
@@ -448,7 +449,7 @@ def test_auto_keeps_uneven_cyclic_hosts_together():
     """A flat box cannot price the host boundaries: where the ranks are not in box order, auto
     prefers the ring in box order (mdring) to the rank-order ring at a tie; in rank order,
     mdring on one dimension is the ring and is not offered."""
-    from ddlcore import tuning
+    from ddlcore.planning import tuning
 
     cyclic, block = _placed(list("ababa")), _placed(list("aaabb"))
     assert tuning.choose("allreduce", cyclic, 64 << 20, "auto", 1 << 20).algorithm == "mdring"
@@ -578,7 +579,7 @@ def test_host_staged_arrangement_copies_only_irregular_placements():
     """Cyclic: the blocks lie in host-staged order; host by host: one board call per network
     position on the caller's buffer (starting at that host's first rank) or a copy; otherwise
     a copy."""
-    from ddlcore.paths import host_staged
+    from ddlcore.execution.paths import host_staged
 
     assert host_staged._arrangement(_cyclic(2, 3), None) == host_staged._Arrangement()
     block = host_staged._arrangement(_placed(list("aaabbb")), None)
@@ -596,7 +597,7 @@ def test_host_staged_arrangement_copies_only_irregular_placements():
 def _host_first_orders(topo):
     import itertools
 
-    from ddlcore import tuning
+    from ddlcore.planning import tuning
 
     return [o for o in itertools.permutations(range(len(topo.dims))) if tuning.host_first(topo, o)]
 

@@ -1,5 +1,5 @@
 """The simulator (`ddlcore.simulate`): exact times on hand-made schedules, port contention, errors
-instead of hangs, the CLI, and agreement with the cost model (`ddlcore.tuning`) it shares its
+instead of hangs, the CLI, and agreement with the cost model (`ddlcore.planning.tuning`) it shares its
 link model with.
 
 The cost model and the simulator agree on every box here; the gaps they showed were fixed in the
@@ -15,8 +15,9 @@ import math
 
 import pytest
 
-from ddlcore import simulate, topology, tuning
+from ddlcore import simulate
 from ddlcore.algorithms import ALGORITHMS, Buf, Kind, Schedule, Step
+from ddlcore.planning import topology, tuning
 
 BW, LAT = 10e9, 10e-6
 NB = 1_000_000  # bytes of one hand-made message

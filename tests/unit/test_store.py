@@ -11,8 +11,8 @@ import time
 import pytest
 
 from ddlcore.errors import RendezvousError
-from ddlcore.store import MAX_KEY_BYTES, MAX_VALUE_BYTES, PrefixStore, StoreClient, StoreServer
-from ddlcore.store_wire import encode_claim
+from ddlcore.job.store import MAX_KEY_BYTES, MAX_VALUE_BYTES, PrefixStore, StoreClient, StoreServer
+from ddlcore.job.store_wire import encode_claim
 from tests.harness import free_port
 
 
@@ -242,7 +242,7 @@ def test_close_lingers_until_clients_leave():
 
 
 def test_unreachable_store_error_is_a_distinct_rendezvous_error():
-    from ddlcore.store import StoreUnreachableError
+    from ddlcore.job.store import StoreUnreachableError
 
     with pytest.raises(StoreUnreachableError):
         StoreClient("127.0.0.1", free_port(), 0.2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddlcore import topology
+from ddlcore.planning import topology
 
 
 def _build(hosts, racks=None, env=None, transports=None):
@@ -169,7 +169,7 @@ def test_default_network_is_never_faster_than_the_host(host, network):
 def test_default_links_make_auto_go_host_first():
     """With the defaults, a 2-host job's allreduce runs mdring with the host dimension first,
     the order that stays near the bound on a slow network (issue 21)."""
-    from ddlcore import tuning
+    from ddlcore.planning import tuning
 
     for per_host in (2, 4):
         hosts = [f"h{r // per_host}" for r in range(2 * per_host)]
@@ -188,7 +188,7 @@ def test_default_links_make_auto_go_host_first():
 
 def test_the_link_probe_sees_past_a_burst_and_a_disturbed_round():
     """`probe.rate`: 125 MB/s links (1 Gbit/s) with 100 us of latency, as the testbed's."""
-    from ddlcore import probe
+    from ddlcore.job import probe
 
     bw, lat, burst = 125e6, 100e-6, 128 << 10
 
@@ -255,7 +255,7 @@ def test_adapter_of_is_the_engines_local_rank_mod_rails(hosts, rails):
 
 
 def test_two_rails_halve_the_predicted_network_time():
-    from ddlcore import tuning
+    from ddlcore.planning import tuning
 
     hosts = ["a"] * 4 + ["b"] * 4
     one, two = (

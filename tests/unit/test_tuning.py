@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddlcore import topology, tuning
+from ddlcore.planning import topology, tuning
 
 
 def _two_level(hosts=2, per_host=4, net_bw=125e6):

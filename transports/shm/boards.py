@@ -31,12 +31,12 @@ path off and runs the schedules over the shm transport instead.
 
 When the ranks span several hosts, each host's ranks get boards of their own, and a collective
 that the tuner runs as mdring with the host dimensions first takes its host phases here
-(``ddlcore.paths.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
+(``ddlcore.execution.paths.host_staged``). An allreduce: the "host reduce-scatter" (rank r reduces part r of
 every local input into its output, as above but without writing it out), then the rings across
 hosts on that part (schedules), then the "host allgather" (each rank reads the others' final
 parts out of their outputs); four sync points, and nobody touches the memory a network phase
 uses while it runs. Large allreduces do this per segment, the boards' phases of one segment
-beside the network phase of another (``ddlcore.pipeline``); each call here then covers one
+beside the network phase of another (``ddlcore.execution.pipeline``); each call here then covers one
 segment of the buffers. A reduce-scatter or allgather runs plain reduce_scatter or allgather
 calls here, on the blocks of the ranks at one network position at a time. Whether direct
 reads are on is agreed by every host (``bootstrap``), so all ranks take the same path.
@@ -79,7 +79,7 @@ from ddlcore.errors import (
 
 log = logging.getLogger("ddlcore")
 
-NAME = "direct"  # what DDL_ALGO calls them (``ddlcore.tuning.DIRECT``)
+NAME = "direct"  # what DDL_ALGO calls them (``ddlcore.planning.tuning.DIRECT``)
 MAX_RANKS = _arena.MAX_RANKS
 # Inputs up to this size go through the boards' slots (one copy in, every rank reduces all of
 # them); larger ones are read directly. Measured on the 2-vCPU VM, np = 2, float32 sum: the slots

@@ -54,7 +54,7 @@ from ddlcore.transports.shm.segments import (
 )
 
 from ddlcore.errors import DDLError, PeerFailureError
-from ddlcore.store import StoreUnreachableError
+from ddlcore.job.store import StoreUnreachableError
 
 
 class ShmContext(PairTableContext):

@@ -40,8 +40,8 @@ from ddlcore.transports.tcp.protocol import (
     PROTOCOL_VERSION,
 )
 
-from ddlcore.auth import AuthenticationError
 from ddlcore.errors import RendezvousError
+from ddlcore.job.auth import AuthenticationError
 
 
 class TcpContext(PairTableContext):

@@ -43,7 +43,6 @@ from ddlcore.transports.tcp.protocol import (
     shutdown_quietly,
 )
 
-from ddlcore.auth import AuthenticationError
 from ddlcore.errors import (
     CommunicatorClosedError,
     DDLError,
@@ -51,7 +50,8 @@ from ddlcore.errors import (
     PeerFailureError,
     RendezvousError,
 )
-from ddlcore.store import StoreUnreachableError
+from ddlcore.job.auth import AuthenticationError
+from ddlcore.job.store import StoreUnreachableError
 
 if TYPE_CHECKING:
     from ddlcore.transports.tcp.context import TcpContext

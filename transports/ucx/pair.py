@@ -49,7 +49,7 @@ from ddlcore.errors import (
     PeerFailureError,
     RendezvousError,
 )
-from ddlcore.store import StoreUnreachableError
+from ddlcore.job.store import StoreUnreachableError
 
 if TYPE_CHECKING:
     from ddlcore.transports.ucx.context import UcxContext

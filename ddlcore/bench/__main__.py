@@ -1,0 +1,7 @@
+"""``python -m ddlcore.bench``."""
+
+import sys
+
+from ddlcore.bench import main
+
+sys.exit(main())
