@@ -133,6 +133,18 @@ def _link_probe(text: str) -> str:
         raise ValueError(f"expected auto, 1 or 0, got {text!r}") from None
 
 
+def _auto_or_off(text: str) -> str:
+    """``auto``, or ``off`` for any false boolean ("0", "off", "false", "no")."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        if not parse_bool(text):
+            return "off"
+    except ValueError:
+        pass
+    raise ValueError(f"expected auto or off (0), got {text!r}") from None
+
+
 def _gpu_direct(text: str) -> str:
     value = text.strip().lower()
     if value in ("auto", "on", "off"):
@@ -220,6 +232,15 @@ _declare(
     "ms per dimension on a 1 Gbit/s link) instead of using transport defaults: 'auto' "
     "those that cross hosts when the job spans hosts, 1 every dimension, 0 none. "
     "DDL_LINK_BW / DDL_LINK_LAT, where given, win over the measurement.",
+)
+_declare(
+    "DDL_HOST_COLLECTIVES",
+    _auto_or_off,
+    "auto",
+    "Whether the shm transport's host collectives (the shared-memory boards) run the part of "
+    "a collective inside a host: 'auto' wherever shm links a host's ranks (a one-host job's "
+    "collectives, mdring's host phases), 'off' never: the schedules then run over the shm "
+    "pairs (to compare the paths, or to step around a problem in the boards).",
 )
 _declare(
     "DDL_TIMEOUT",

@@ -44,17 +44,36 @@ _MAX_PEER_RECORD = 4096
 _LINGER_S = 5.0
 
 
-def _encode_peer(host_id: str, names: tuple[str, ...], rack_id: str) -> bytes:
-    return f"{host_id}\n{','.join(names)}\n{rack_id}".encode()
+def _encode_peer(host_id: str, names: tuple[str, ...], rack_id: str, settings: str) -> bytes:
+    return f"{host_id}\n{','.join(names)}\n{rack_id}\n{settings}".encode()
 
 
-def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str]:
-    """A rank's init record: (what transports need to know of it, its rack id)."""
+def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str, str]:
+    """A rank's init record: (what transports need to know of it, its rack id, the settings
+    every rank must share)."""
     if len(raw) > _MAX_PEER_RECORD:
         raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
     host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
-    names, _, rack_id = rest.partition("\n")
-    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id
+    names, _, rest = rest.partition("\n")
+    rack_id, _, settings = rest.partition("\n")
+    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id, settings
+
+
+def _shared_settings(environ: Mapping[str, str] | None) -> str:
+    """The settings that choose a path, which ranks must not differ in."""
+    return f"DDL_HOST_COLLECTIVES={config.get('DDL_HOST_COLLECTIVES', environ)}"
+
+
+def _check_settings(rank: int, settings: list[str]) -> None:
+    if len(set(settings)) > 1:
+        ranks: dict[str, list[int]] = {}
+        for r, s in enumerate(settings):
+            ranks.setdefault(s, []).append(r)
+        listed = "; ".join(f"{s} on ranks {rs}" for s, rs in ranks.items())
+        raise DDLError(
+            f"rank {rank}: the ranks were started with different settings ({listed}); set the "
+            "same on every rank"
+        )
 
 
 _servers: dict[tuple[str, int], Any] = {}
@@ -326,18 +345,21 @@ def _join(
         # Read once by every rank, then freed by the store.
         store.set(
             f"peer/{info.rank}",
-            _encode_peer(host_id, names, topology.rack_identity(environ)),
+            _encode_peer(
+                host_id, names, topology.rack_identity(environ), _shared_settings(environ)
+            ),
             readers=info.size,
         )
         store.barrier("init", info.rank, info.size, timeout)
         records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
-        peers = [peer for peer, _ in records]
+        peers = [peer for peer, _, _ in records]
         # Every rank has read every record before any can fail on the topology (a box that does
         # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
         store.barrier("peers", info.rank, info.size, timeout)
+        _check_settings(info.rank, [settings for _, _, settings in records])
         topo = topology.build(
             [p.host_id for p in peers],
-            [rack for _, rack in records],
+            [rack for _, rack, _ in records],
             level_transports(spec, peers),
             environ,
         )
@@ -349,12 +371,17 @@ def _join(
                 topo, info.rank, links, store, timeout, host_ids, environ, in_host=probing == "1"
             )
         algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
-        host = _host_collectives(info, peers, links, store, timeout, algo_name)
-        node = (
-            None
-            if host is not None
-            else _node_collectives(info, peers, topo, links, store, timeout, algo_name)
-        )
+        host = node = None
+        if config.get("DDL_HOST_COLLECTIVES", environ) == "off":
+            if algo_name == tuning.DIRECT:
+                raise ValueError(
+                    f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
+                    "DDL_HOST_COLLECTIVES=off turns off; unset one of them"
+                )
+        else:
+            host = _host_collectives(info, peers, links, store, timeout, algo_name)
+            if host is None:
+                node = _node_collectives(info, peers, topo, links, store, timeout, algo_name)
         comm = Communicator(
             info,
             peers,

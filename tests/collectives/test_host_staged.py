@@ -516,3 +516,54 @@ def test_an_interrupt_mid_pipeline_breaks_the_communicator_and_tells_the_peers()
         message, elapsed = results[rank]
         assert elapsed < TIMEOUT_S / 2, (rank, elapsed, message)
         assert "KeyboardInterrupt" in message, (rank, message)
+
+
+def _paths_taken(rank, size):
+    """(node boards?, one-host boards?, the allreduce's choice, results right) for one
+    communicator; the allreduce at a size the cost model pipelines (mdring, 2 segments)."""
+    import ddlcore
+
+    with ddlcore.init() as comm:
+        ok = True
+        for n in (0, 1, 7919, 4_200_001):
+            x = np.random.default_rng(n + rank).standard_normal(n).astype(np.float32)
+            want = sum(
+                np.random.default_rng(n + r).standard_normal(n).astype(np.float32)
+                for r in range(size)
+            )
+            ok &= np.allclose(comm.allreduce(x), want, rtol=1e-5, atol=1e-5)
+        return (
+            comm._node is not None,
+            comm._host is not None,
+            comm.describe("allreduce", 4_200_001 * 4).describe(),
+            bool(ok),
+        )
+
+
+def test_host_collectives_off_runs_the_schedules_over_shm_pairs(pools):
+    env = {**SLOW_NET, "DDL_HOST_COLLECTIVES": "off"}
+    for node, host, text, ok in pools.run(
+        _paths_taken, 4, rank_envs=_hosts(*"aabb"), env=env, timeout=120
+    ):
+        assert ok and not node and not host, (node, host)
+        assert text.startswith("mdring") and "shared memory" not in text, text
+    for node, host, _, ok in pools.run(
+        _paths_taken, 3, env={"DDL_HOST_COLLECTIVES": "0"}, timeout=120
+    ):
+        assert ok and not node and not host
+
+
+def test_ranks_with_different_host_collectives_settings_are_told(pools):
+    envs = {0: {"DDL_HOST_COLLECTIVES": "off"}}
+    with pytest.raises(Exception) as failed:
+        pools.run(_paths_taken, 3, rank_envs=envs, env={"DDL_TIMEOUT": "20"}, timeout=60)
+    text = str(failed.value)
+    assert text.count("started with different settings") == 3, text
+    assert "DDL_HOST_COLLECTIVES=off on ranks [0]" in text, text
+
+
+def test_direct_with_host_collectives_off_is_refused(pools):
+    env = {"DDL_HOST_COLLECTIVES": "off", "DDL_ALGO": "direct", "DDL_TIMEOUT": "20"}
+    with pytest.raises(Exception) as failed:
+        pools.run(_paths_taken, 2, env=env, timeout=60)
+    assert str(failed.value).count("DDL_HOST_COLLECTIVES=off turns off") == 2, failed.value
