@@ -59,6 +59,7 @@ def job_choice(
     chunk_bytes: int,
     host_transport: str | None,
     direct_reads: bool | None = None,
+    host_collectives: bool = True,
 ) -> tuning.Choice:
     """What `Communicator.describe` says in a job of ``topo``'s shape for a collective of
     ``in_bytes`` of input, without joining one: every rank on one host over shm runs
@@ -66,7 +67,7 @@ def job_choice(
     host and network dimensions, mdring may run its host dimensions on the boards; otherwise
     the cost model's choice (`tuning.choose`). ``host_transport``: what two ranks of one host
     talk; ``direct_reads``: whether process_vm_readv works between them (default: what this
-    kernel's Yama setting allows)."""
+    kernel's Yama setting allows); ``host_collectives``: False under DDL_HOST_COLLECTIVES=off."""
     from ddlcore.algorithms import mdring
     from ddlcore.execution import hostcoll
     from ddlcore.execution.paths import ON_BOARDS, host_staged
@@ -80,7 +81,7 @@ def job_choice(
         return hostcoll.DIRECT if direct_reads else hostcoll.SYNC_ONLY
 
     size, per_node = topo.size, topo.ranks_per_node
-    shm = host_transport == "shm"
+    shm = host_transport == "shm" and host_collectives  # the boards: shm's capability
     one_host = per_node == size
     if (
         one_host
@@ -227,7 +228,15 @@ def info(argv: list[str]) -> int:
         choice = (
             comm.describe(coll, int(args.bytes))
             if comm is not None
-            else job_choice(coll, topo, int(args.bytes), algo, chunk, level_transports.get("host"))
+            else job_choice(
+                coll,
+                topo,
+                int(args.bytes),
+                algo,
+                chunk,
+                level_transports.get("host"),
+                host_collectives=config.get("DDL_HOST_COLLECTIVES") != "off",
+            )
         )
         chosen[coll] = choice
         print(f"  {coll:15s} {choice.describe()}")

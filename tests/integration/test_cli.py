@@ -387,6 +387,21 @@ def test_info_choice_is_the_choice_of_a_real_job(nprocs, env, rank_envs):
                 assert line in res.stdout.splitlines(), (line, res.stdout)
 
 
+def test_info_without_host_collectives_plans_schedules():
+    """DDL_HOST_COLLECTIVES=off: info plans what such a job runs (the test above compares
+    info with a real job; test_host_staged runs one with the setting)."""
+    lines = {}
+    for setting in ("auto", "off"):
+        res = _run(
+            [sys.executable, "-m", "ddlcore", "info", "--np", "3", "--bytes", "1000"],
+            env={"DDL_HOST_COLLECTIVES": setting},
+        )
+        assert res.returncode == 0, res.stderr
+        lines[setting] = [s for s in res.stdout.splitlines() if s.startswith("  allreduce ")]
+    assert lines["auto"][0].split()[1] == "direct,", lines
+    assert lines["off"][0].split()[1] != "direct,", lines
+
+
 def test_p2p_benchmark_under_mpiexec_runs_and_says_what_it_skips():
     """The README's command: every transport named that can run is measured; one that cannot
     (ucx beside the MPICH wheel's own UCX) is skipped with the reason, as info reports it."""
