@@ -20,9 +20,10 @@ communicators use ``MPI.ERRORS_RETURN``, and every MPI error becomes a `DDLError
 * MPI messages carry no check word: size mismatches are caught (a short message by its count,
   a long one by MPI's truncation error); DDL_DEBUG's agreement check catches the rest.
 * Waits poll ``MPI_Test`` with a deadline (MPI_Wait has none), so no wait can hang.
-* A closed context's communicators are freed one context later, after whatever a peer sent on
-  them and nobody received is drained: MPI reuses a freed communicator's context id, and such a
-  message would otherwise be received by the next communicator's matching receive.
+* A closed context's communicators are freed only once every rank has closed that context,
+  one newer context later, and after receives are posted for whatever a peer sent on them that
+  nobody received: MPI reuses a freed communicator's context id, and such a message would
+  otherwise be received by the next communicator's matching receive.
 * MPI must run at ``MPI_THREAD_MULTIPLE`` (mpi4py's default request): collectives run on the
   communicator's worker and pipeline threads, and an abort can be sent from one thread while
   another waits. A lower level makes the transport unavailable, with the reason.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ddlcore.transports.base import (
@@ -263,37 +265,53 @@ class MpiPair(Pair):
         pass  # MPI owns the connection; the context frees the communicators
 
 
-# Closed contexts' communicators, oldest first. MPI reuses a freed communicator's context id,
-# and a message a peer sent on it that was never received (the receiver failed, or gave up)
-# would match the next communicator's receive with that source and tag: a stranger's bytes in a
-# result. So a closed context's communicators are freed only once emptied, one context later.
-_retired: list[tuple[Any, ...]] = []
+# Closed contexts' communicators. MPI reuses a freed communicator's context id, and a message a
+# peer sent on it that was never received (the receiver failed, or gave up) would match the next
+# communicator's receive with that source and tag: a stranger's bytes in a result. So a closed
+# context's communicators are freed only once every rank has closed it (a barrier each rank
+# joins as it closes, polled, never waited on), one newer context later (so that what was sent
+# on it has arrived), and after what is left in them is received: receives that complete when
+# their senders make progress, kept with their buffers until then.
+@dataclass
+class _Retired:
+    comms: tuple[Any, ...]
+    everyone_closed: Any  # an Ibarrier request, or None: not provable, never freed
+
+
+_retired: list[_Retired] = []
+_leftovers: list[tuple[Any, bytearray]] = []  # receives of what the retired held
 _retired_lock = threading.Lock()
 
 
 def _retire(comms: tuple[Any, ...]) -> None:
+    try:
+        barrier = comms[0].Ibarrier() if comms else None
+    except Exception:  # noqa: BLE001 - then it is never freed: a leak, not a wrong match
+        barrier = None
     with _retired_lock:
-        _retired.append(comms)
+        _retired.append(_Retired(comms, barrier))
 
 
 def _free_retired(keep: int) -> None:
-    """Receive and drop what is left in the retired communicators but the ``keep`` newest, then
-    free them. Called once every rank is past the collective Dup of a newer context, so every
-    message of an older one has been sent (and, but for a message still on the wire, arrived)."""
-    with _retired_lock:
-        old = _retired[: max(0, len(_retired) - keep)]
-        del _retired[: len(old)]
+    """Free the retired communicators every rank has closed, but the ``keep`` newest, after
+    posting receives for what is left in them. Never blocks."""
     MPI = _mpi()
+    with _retired_lock:
+        older = _retired[: max(0, len(_retired) - keep)]
+        ready = [r for r in older if r.everyone_closed is not None and r.everyone_closed.Test()]
+        for r in ready:
+            _retired.remove(r)
+        _leftovers[:] = [(req, buf) for req, buf in _leftovers if not req.Test()]
     status = MPI.Status()
-    for comms in old:
-        for comm in comms:
+    for r in ready:
+        for comm in r.comms:
             try:
-                while True:
-                    message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-                    if message is None:
-                        break
-                    message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
-                comm.Free()
+                while (message := comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+                    buf = bytearray(status.Get_count(MPI.BYTE))
+                    request = message.Irecv([buf, MPI.BYTE])
+                    with _retired_lock:
+                        _leftovers.append((request, buf))
+                comm.Free()  # freed for good once the receives above complete
             except Exception:  # noqa: BLE001 - best effort: a failed job is ending anyway
                 pass
 
@@ -313,15 +331,19 @@ class MpiContext(Context):
                 f"rank {rank}: MPI_COMM_WORLD has {world.Get_size()} ranks but the job "
                 f"has {size}; start every rank with one mpiexec"
             )
-        self.data = world.Dup()
-        self.ctrl = world.Dup()
-        self.p2p = world.Dup()
-        _free_retired(keep=1)  # after the Dups: every rank has closed the contexts before
-        for comm in (self.data, self.ctrl, self.p2p):
-            comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.tag_ub = int(world.Get_attr(MPI.TAG_UB))
-        store.set(f"mpi/rank/{rank}", str(world.Get_rank()).encode())
-        self._mpi_rank = [int(store.get(f"mpi/rank/{r}", timeout)) for r in range(size)]
+        comms: list[Any] = []
+        try:
+            for _ in range(3):
+                comms.append(world.Dup())
+                comms[-1].Set_errhandler(MPI.ERRORS_RETURN)
+            self.data, self.ctrl, self.p2p = comms
+            _free_retired(keep=1)
+            self.tag_ub = int(world.Get_attr(MPI.TAG_UB))
+            store.set(f"mpi/rank/{rank}", str(world.Get_rank()).encode())
+            self._mpi_rank = [int(store.get(f"mpi/rank/{r}", timeout)) for r in range(size)]
+        except BaseException:
+            _retire(tuple(comms))
+            raise
         self._pairs: dict[int, MpiPair] = {}
         self.failure: DDLError | None = None
         self._abort_buf = bytearray(8 + MAX_ABORT_REASON_BYTES)
@@ -384,6 +406,8 @@ class MpiContext(Context):
         if self._closed:
             return
         self._closed = True
+        if self.failure is None:  # a request made after this fails at its wait, saying so
+            self.failure = CommunicatorClosedError(f"rank {self.rank}: the MPI context is closed")
         deadline = time.monotonic() + 2.0
         for req, _ in self._sent_aborts:  # let abort notices leave before freeing
             while not req.Test() and time.monotonic() < deadline:

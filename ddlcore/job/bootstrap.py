@@ -55,13 +55,14 @@ def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str, str]:
         raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
     host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
     names, _, rest = rest.partition("\n")
-    rack_id, _, settings = rest.partition("\n")
+    rack_id, _, settings = rest.rpartition("\n")
     return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id, settings
 
 
-def _shared_settings(environ: Mapping[str, str] | None) -> str:
-    """The settings that choose a path, which ranks must not differ in."""
-    return f"DDL_HOST_COLLECTIVES={config.get('DDL_HOST_COLLECTIVES', environ)}"
+def _shared_settings(algo: str, boards: str) -> str:
+    """The settings that choose a path, which ranks must not differ in (a rank that set up the
+    boards would wait for one that did not until DDL_TIMEOUT)."""
+    return f"DDL_ALGO={algo} DDL_HOST_COLLECTIVES={boards}"
 
 
 def _check_settings(rank: int, settings: list[str]) -> None:
@@ -342,11 +343,13 @@ def _join(
     links: Links | None = None
     host = node = None
     try:
+        algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
+        boards = config.get("DDL_HOST_COLLECTIVES", environ)
         # Read once by every rank, then freed by the store.
         store.set(
             f"peer/{info.rank}",
             _encode_peer(
-                host_id, names, topology.rack_identity(environ), _shared_settings(environ)
+                host_id, names, topology.rack_identity(environ), _shared_settings(algo_name, boards)
             ),
             readers=info.size,
         )
@@ -357,6 +360,11 @@ def _join(
         # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
         store.barrier("peers", info.rank, info.size, timeout)
         _check_settings(info.rank, [settings for _, _, settings in records])
+        if boards == "off" and algo_name == tuning.DIRECT:
+            raise ValueError(
+                f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
+                "DDL_HOST_COLLECTIVES=off turns off; unset one of them"
+            )
         topo = topology.build(
             [p.host_id for p in peers],
             [rack for _, rack, _ in records],
@@ -370,15 +378,7 @@ def _join(
             topo = probe.measure(
                 topo, info.rank, links, store, timeout, host_ids, environ, in_host=probing == "1"
             )
-        algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
-        host = node = None
-        if config.get("DDL_HOST_COLLECTIVES", environ) == "off":
-            if algo_name == tuning.DIRECT:
-                raise ValueError(
-                    f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
-                    "DDL_HOST_COLLECTIVES=off turns off; unset one of them"
-                )
-        else:
+        if boards != "off":
             host = _host_collectives(info, peers, links, store, timeout, algo_name)
             if host is None:
                 node = _node_collectives(info, peers, topo, links, store, timeout, algo_name)

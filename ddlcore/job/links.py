@@ -21,6 +21,7 @@ directly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
@@ -172,14 +173,20 @@ class Links:
         options = dataclasses.replace(
             transport_options() if options is None else options, local_rank=local_rank
         )
-        for name in sorted(set(self.choice.values())):
-            ctx = self.contexts[name] = transports.create_context(
-                instances[name], rank, size, store, timeout, options
-            )
-            try:
-                ctx.on_abort = self._heard_abort
-            except AttributeError:  # a context that cannot take it: it only fails less promptly
-                pass
+        try:
+            for name in sorted(set(self.choice.values())):
+                ctx = self.contexts[name] = transports.create_context(
+                    instances[name], rank, size, store, timeout, options
+                )
+                try:
+                    ctx.on_abort = self._heard_abort
+                except AttributeError:  # a context that cannot take it: fails less promptly
+                    pass
+        except BaseException:
+            for made in self.contexts.values():  # nobody else holds them yet
+                with contextlib.suppress(Exception):
+                    made.close()
+            raise
         self._pairs: dict[int, Pair] = {}
 
     def host_collectives(self, group: Sequence[int]) -> tuple[HostCollectivesFactory | None, str]:

@@ -185,3 +185,72 @@ def test_a_closed_communicators_messages_stay_in_it():
     rounds = 4
     got = _mpi(_stale_messages, 2, rounds)
     assert got[0] == [float(r) for r in range(rounds)], got[0]
+
+
+def _large_leftover(rank, size, name):
+    """A 4 MB message left unreceived (MPI's rendezvous protocol: its data moves only when the
+    sender's MPI makes progress) must not stall the contexts that come after it."""
+    import os
+
+    import numpy as np
+
+    import ddlcore
+
+    os.environ.update({"DDL_TRANSPORT": name, "DDL_TIMEOUT": "30"})
+    big = np.arange(1 << 20, dtype=np.float32)
+    with ddlcore.init() as comm:
+        if rank == 1:
+            comm._pair(0).isend(memoryview(big).cast("B"), 5)  # never received, never awaited
+        comm.barrier()
+    sums = []
+    for _ in range(3):
+        with ddlcore.init() as comm:
+            sums.append(float(comm.allreduce(np.full(3, rank + 1.0))[0]))
+    return sums
+
+
+def test_a_large_message_left_behind_stalls_nothing():
+    got = _mpi(_large_leftover, 2, env={"MPIR_CVAR_CH4_CMA_ENABLE": "0"})
+    assert got == [[3.0, 3.0, 3.0]] * 2, got
+
+
+def _closed_in_different_orders(rank, size, name):
+    """Two communicators open at once, closed by the ranks in different orders: rank 0 still
+    sends on one that rank 1 has closed, and that message must reach no later communicator.
+    (Rank 1 closes first: rank 0, which serves the store, would wait at close for the others.)"""
+    import os
+
+    import numpy as np
+
+    import ddlcore
+
+    os.environ.update({"DDL_TRANSPORT": name, "DDL_TIMEOUT": "30"})
+    a = ddlcore.init()
+    b = ddlcore.init()
+    if rank == 1:
+        a.close()
+    c = ddlcore.init()
+    if rank == 1:
+        b.close()
+    d = ddlcore.init()
+    if rank == 0:
+        a.send(np.full(4, -7.0), 1, tag=9)  # rank 1 closed `a` long ago: nobody receives it
+        a.close()
+        b.close()
+    got = []
+    for _ in range(3):
+        with ddlcore.init() as e:
+            y = np.zeros(4)
+            if rank == 0:
+                e.send(np.full(4, 42.0), 1, tag=9)
+            else:
+                e.recv(y, 0, tag=9)
+            got.append(float(y[0]))
+    c.close()
+    d.close()
+    return got
+
+
+def test_communicators_closed_in_different_orders_keep_their_messages():
+    got = _mpi(_closed_in_different_orders, 2)
+    assert got[1] == [42.0] * 3, got[1]

@@ -1,4 +1,4 @@
-"""flight.py (the recorder's ring, its JSON file) and trace.py's verdict on made-up records."""
+"""ddlcore.trace.flight (the recorder's ring, its JSON file) and ddlcore.trace's verdict on made-up records."""
 
 from __future__ import annotations
 
