@@ -4,7 +4,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import RankPools
+from tests.harness import RankPools, start_fork_server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> None:
+    """Rank processes fork from one server (tests/harness.py), started before any test runs."""
+    start_fork_server()
 
 
 @pytest.fixture(scope="module")

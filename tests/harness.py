@@ -1,7 +1,6 @@
 """Spawn real rank processes for multi-rank tests.
 
-`run_ranks(fn, nprocs, *args)` starts ``nprocs`` fresh interpreters (multiprocessing "spawn",
-never fork), sets the rendezvous variables (``DDL_RANK``, ``DDL_SIZE``, ``DDL_MASTER_ADDR``,
+`run_ranks(fn, nprocs, *args)` starts ``nprocs`` rank processes, sets the rendezvous variables (``DDL_RANK``, ``DDL_SIZE``, ``DDL_MASTER_ADDR``,
 ``DDL_MASTER_PORT``, ``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``) plus any ``env`` given, and calls
 ``fn(rank, size, *args)`` in each. It returns the list of return values, ordered by rank.
 
@@ -9,6 +8,14 @@ When a rank raises, its traceback is forwarded; the others get a short grace per
 their own errors, then the whole group is killed and `RankFailure` is raised with every rank's
 story. Every join has a deadline, so a hung rank fails the test instead of hanging the suite.
 Ranks listed in ``may_die`` are allowed to exit without reporting (tests that kill a rank).
+
+Rank processes come from a fork server (multiprocessing "forkserver"): one single-threaded
+process per test session (per pytest-xdist worker) that has done what every rank does first
+(tests/fork_preload.py: NumPy, ml_dtypes, pytest and ddlcore's API imported; never numba, ucxx,
+mpi4py or torch, which read their settings at import) and forks a fresh child per rank. Each
+child then takes the parent's environment as it is at that call and the parent's standard output
+and error, as a spawned interpreter would; what fork skips is an interpreter start and ~0.5 s of
+imports per rank. Never a fork of the pytest process itself, which runs threads.
 `event` and `barrier` make objects ranks share, to wait on each other instead of sleeping.
 `RankPool` keeps rank processes for many calls, where the processes are not the subject;
 `RankPools` keeps one per world size (and per process-wide setting: see `PROCESS_WIDE`), and the
@@ -31,6 +38,56 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 GRACE_S = 5.0
+
+# What the fork server does once for every rank it forks (imports, caches).
+PRELOAD = ["tests.fork_preload"]
+
+
+def _context() -> Any:
+    """The multiprocessing context rank processes come from (see the module doc)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (the session fixture does, before any test changes the
+    environment), rather than at the first rank of whichever test comes first."""
+    _context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+class _InheritedFd:
+    """A file descriptor of the parent that a rank process gets a duplicate of (passed while
+    the process starts, as multiprocessing passes a Connection's)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_detach_fd, (reduction.DupFd(self.fd),))
+
+
+def _detach_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def _inherit(parent: dict[str, str], stdio: tuple[int, int]) -> None:
+    """In a new rank process: the parent's environment and standard output and error."""
+    os.environ.clear()
+    os.environ.update(parent)
+    for fd, target in zip(stdio, (1, 2), strict=True):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _stdio() -> tuple[_InheritedFd, _InheritedFd]:
+    return (_InheritedFd(1), _InheritedFd(2))
 
 
 def require(available: bool, reason: str) -> None:
@@ -126,14 +183,23 @@ def _answer(conn: Any, fn: Callable[..., Any], rank: int, size: int, args: tuple
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, size: int, args: tuple, env: dict[str, str | None], conn: Any
+    fn: Callable[..., Any],
+    rank: int,
+    size: int,
+    args: tuple,
+    env: dict[str, str | None],
+    conn: Any,
+    parent: dict[str, str],
+    stdio: tuple[int, int],
 ) -> None:
+    _inherit(parent, stdio)
     _run_job(fn, rank, size, args, env, conn)
     conn.close()
 
 
-def _serve(rank: int, size: int, conn: Any) -> None:
+def _serve(rank: int, size: int, conn: Any, parent: dict[str, str], stdio: tuple[int, int]) -> None:
     """A `RankPool` rank: run the jobs the parent sends, one at a time, until it sends None."""
+    _inherit(parent, stdio)
     while (job := conn.recv()) is not None:
         fn, args, env = job
         _run_job(fn, rank, size, args, env, conn)
@@ -159,14 +225,14 @@ def run_ranks(
     may_die: Iterable[int] = (),
     launcher: str = "spawn",
 ) -> list[Any]:
-    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes; see the module doc.
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` new processes; see the module doc.
 
     ``launcher="mpiexec"`` starts the ranks with mpiexec instead (for the MPI transport); a rank
     dying then ends the whole job, as MPI launchers do, so ``may_die`` does not apply.
     """
     if launcher == "mpiexec":
         return _run_mpiexec(fn, nprocs, args, timeout, env, rank_envs)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     procs, conns = [], []
     for rank in range(nprocs):
@@ -175,7 +241,7 @@ def run_ranks(
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_child,
-            args=(fn, rank, nprocs, args, child_env, child_end),
+            args=(fn, rank, nprocs, args, child_env, child_end, dict(os.environ), _stdio()),
             name=f"rank{rank}",
             daemon=True,
         )
@@ -252,21 +318,21 @@ def _collect(procs: list, conns: list, timeout: float, allowed_dead: set[int]) -
 
 
 def event() -> Any:
-    """An event that ranks of `run_ranks` (spawn launcher) share when passed as an argument: a
+    """An event that ranks of `run_ranks` share when passed as an argument: a
     rank waits for what another rank did (``ev.wait(deadline)``) instead of sleeping long enough
     to be (probably) after it."""
-    return mp.get_context("spawn").Event()
+    return _context().Event()
 
 
 def barrier(parties: int) -> Any:
     """A barrier shared like `event`: e.g. the rank serving the store leaves only after every
     rank has had its answer."""
-    return mp.get_context("spawn").Barrier(parties)
+    return _context().Barrier(parties)
 
 
 class RankPool:
-    """``nprocs`` rank processes kept for many `run` calls: `run_ranks` without a spawn (and the
-    imports) per call. Each call gets a fresh rendezvous port and environment, as `run_ranks`
+    """``nprocs`` rank processes kept for many `run` calls: `run_ranks` without a new process
+    per call. Each call gets a fresh rendezvous port and environment, as `run_ranks`
     gives; a call that fails kills the ranks, and the next call spawns new ones. Only for tests
     whose subject is not the processes themselves (a test that kills a rank, or is about what a
     process leaves behind, uses `run_ranks`); ``close`` when done."""
@@ -277,12 +343,12 @@ class RankPool:
         self._conns: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         for rank in range(self.nprocs):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_serve,
-                args=(rank, self.nprocs, child_end),
+                args=(rank, self.nprocs, child_end, dict(os.environ), _stdio()),
                 name=f"pooled-rank{rank}",
                 daemon=True,
             )

@@ -9,6 +9,7 @@ Choosing a transport per peer pair is the job of ``ddlcore.job.links``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from importlib import metadata
@@ -39,6 +40,13 @@ NETWORK_ORDER = ("ucx", "mpi", "tcp")
 
 
 def _entry_points() -> dict[str, str]:
+    return dict(_installed())
+
+
+# Once per process: reading every distribution's metadata costs ~30 ms with torch installed, and
+# every communicator asks (tests and users that make many saw it at each init).
+@functools.cache
+def _installed() -> dict[str, str]:
     found = dict(IN_TREE)
     try:
         for ep in metadata.entry_points(group=GROUP):
