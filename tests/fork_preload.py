@@ -2,7 +2,8 @@
 that every rank makes, and the transport registry's scan of the installed metadata.
 
 Nothing here may read a process-wide setting (``harness.PROCESS_WIDE``: numba, ucxx read theirs
-at import) or start a thread: ranks are forked from this state.
+at import) or start a thread that does not survive a fork (OpenBLAS's, which NumPy starts, stop
+and restart around it): ranks are forked from this state.
 """
 
 import ddlcore.transports

@@ -15,7 +15,9 @@ process per test session (per pytest-xdist worker) that has done what every rank
 mpi4py or torch, which read their settings at import) and forks a fresh child per rank. Each
 child then takes the parent's environment as it is at that call and the parent's standard output
 and error, as a spawned interpreter would; what fork skips is an interpreter start and ~0.5 s of
-imports per rank. Never a fork of the pytest process itself, which runs threads.
+imports per rank. Never a fork of the pytest process itself, which runs threads. Unlike
+processes that launchers start, forked ranks share the server's string hash seed, so their sets
+iterate alike (ddlrun's and torchrun's tests start interpreters of their own).
 `event` and `barrier` make objects ranks share, to wait on each other instead of sleeping.
 `RankPool` keeps rank processes for many calls, where the processes are not the subject;
 `RankPools` keeps one per world size (and per process-wide setting: see `PROCESS_WIDE`), and the
@@ -24,6 +26,7 @@ imports per rank. Never a fork of the pytest process itself, which runs threads.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
@@ -56,7 +59,18 @@ def start_fork_server() -> None:
     _context()
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+    # The server finds tests/fork_preload.py through PYTHONPATH (it takes no sys.path from
+    # here, and skips a preload it cannot import without a word), wherever pytest runs from.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([before] if before else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 class _InheritedFd:
@@ -182,6 +196,12 @@ def _answer(conn: Any, fn: Callable[..., Any], rank: int, size: int, args: tuple
             conn.send(("error", traceback.format_exc()))
 
 
+def _exit_like_an_interpreter() -> None:
+    """What a spawned interpreter did at its end and a forked child (which leaves with
+    os._exit) does not: the atexit functions, the shm segments' finalizers among them."""
+    atexit._run_exitfuncs()
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
@@ -193,17 +213,23 @@ def _child(
     stdio: tuple[int, int],
 ) -> None:
     _inherit(parent, stdio)
-    _run_job(fn, rank, size, args, env, conn)
-    conn.close()
+    try:
+        _run_job(fn, rank, size, args, env, conn)
+        conn.close()
+    finally:
+        _exit_like_an_interpreter()
 
 
 def _serve(rank: int, size: int, conn: Any, parent: dict[str, str], stdio: tuple[int, int]) -> None:
     """A `RankPool` rank: run the jobs the parent sends, one at a time, until it sends None."""
     _inherit(parent, stdio)
-    while (job := conn.recv()) is not None:
-        fn, args, env = job
-        _run_job(fn, rank, size, args, env, conn)
-    conn.close()
+    try:
+        while (job := conn.recv()) is not None:
+            fn, args, env = job
+            _run_job(fn, rank, size, args, env, conn)
+        conn.close()
+    finally:
+        _exit_like_an_interpreter()
 
 
 def _remove_shared_memory(procs: list) -> None:
