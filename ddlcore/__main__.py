@@ -30,7 +30,7 @@ _OPTIONAL = ("numpy", "ml_dtypes", "mpi4py", "ucxx", "numba", "numba_cuda", "tor
 _BUILD_ONLY = ("Cython",)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _distributions() -> Mapping[str, list[str]]:
     # Reads every installed distribution's file list (~0.5 s with torch installed): once.
     return importlib.metadata.packages_distributions()

@@ -1,7 +1,8 @@
 """Spawn real rank processes for multi-rank tests.
 
-`run_ranks(fn, nprocs, *args)` starts ``nprocs`` rank processes, sets the rendezvous variables (``DDL_RANK``, ``DDL_SIZE``, ``DDL_MASTER_ADDR``,
-``DDL_MASTER_PORT``, ``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``) plus any ``env`` given, and calls
+`run_ranks(fn, nprocs, *args)` starts ``nprocs`` rank processes, sets the rendezvous variables
+(``DDL_RANK``, ``DDL_SIZE``, ``DDL_MASTER_ADDR``, ``DDL_MASTER_PORT``, ``DDL_LOCAL_RANK``,
+``DDL_LOCAL_SIZE``) plus any ``env`` given, and calls
 ``fn(rank, size, *args)`` in each. It returns the list of return values, ordered by rank.
 
 When a rank raises, its traceback is forwarded; the others get a short grace period to report
@@ -27,6 +28,7 @@ iterate alike (ddlrun's and torchrun's tests start interpreters of their own).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 GRACE_S = 5.0
@@ -196,10 +198,18 @@ def _answer(conn: Any, fn: Callable[..., Any], rank: int, size: int, args: tuple
             conn.send(("error", traceback.format_exc()))
 
 
-def _exit_like_an_interpreter() -> None:
-    """What a spawned interpreter did at its end and a forked child (which leaves with
-    os._exit) does not: the atexit functions, the shm segments' finalizers among them."""
-    atexit._run_exitfuncs()
+@contextlib.contextmanager
+def _rank_process(parent: dict[str, str], stdio: tuple[int, int], conn: Any) -> Iterator[None]:
+    """The life of a new rank process around its jobs: first the parent's environment and
+    standard output and error (`_inherit`); last, ``conn`` closed and what a spawned interpreter
+    did at its end and a forked child (which leaves with os._exit) does not: the atexit
+    functions, the shm segments' finalizers among them."""
+    _inherit(parent, stdio)
+    try:
+        yield
+        conn.close()
+    finally:
+        atexit._run_exitfuncs()
 
 
 def _child(
@@ -212,24 +222,16 @@ def _child(
     parent: dict[str, str],
     stdio: tuple[int, int],
 ) -> None:
-    _inherit(parent, stdio)
-    try:
+    with _rank_process(parent, stdio, conn):
         _run_job(fn, rank, size, args, env, conn)
-        conn.close()
-    finally:
-        _exit_like_an_interpreter()
 
 
 def _serve(rank: int, size: int, conn: Any, parent: dict[str, str], stdio: tuple[int, int]) -> None:
     """A `RankPool` rank: run the jobs the parent sends, one at a time, until it sends None."""
-    _inherit(parent, stdio)
-    try:
+    with _rank_process(parent, stdio, conn):
         while (job := conn.recv()) is not None:
             fn, args, env = job
             _run_job(fn, rank, size, args, env, conn)
-        conn.close()
-    finally:
-        _exit_like_an_interpreter()
 
 
 def _remove_shared_memory(procs: list) -> None:
