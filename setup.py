@@ -1,4 +1,5 @@
-"""Build only the Cython extensions (CPU kernels, the shm transport's and the host collectives' native halves); everything
+"""Build only the Cython extensions (CPU kernels, the shm transport's and the host collectives' native halves, the
+communicator's compiled front end); everything
 else is declared in pyproject.toml."""
 
 import numpy
@@ -27,6 +28,13 @@ extensions = [
         extra_compile_args=COMPILE_ARGS,
     ),
     Extension(
+        "ddlcore.execution._frontend",
+        ["ddlcore/execution/_frontend.pyx"],
+        include_dirs=["transports", "kernels/cpu", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=COMPILE_ARGS,
+    ),
+    Extension(
         "ddlcore.transports._shm",
         ["transports/_shm.pyx"],
         include_dirs=["transports"],
@@ -38,5 +46,6 @@ setup(
     ext_modules=cythonize(
         extensions,
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
+        include_path=["transports"],  # ddl_arena_api.pxd: the boards' engine, for two modules
     )
 )

@@ -25,7 +25,16 @@ from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
 from ddlcore.errors import CommunicatorClosedError
-from ddlcore.execution import checks, device, device_engine, engine, hostcoll, int_avg, paths
+from ddlcore.execution import (
+    checks,
+    device,
+    device_engine,
+    engine,
+    frontend,
+    hostcoll,
+    int_avg,
+    paths,
+)
 from ddlcore.handles import Executor, Handle
 from ddlcore.job.links import Links
 from ddlcore.job.rendezvous import RendezvousInfo
@@ -130,6 +139,15 @@ class Communicator(RootedCollectives):
             self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ
         )
         self._execute_recorded = self._flight.recording(self._execute)
+        # Calls a one-host communicator's boards take, in one native step (``frontend``);
+        # with DDL_DEBUG every call is compared in Python first.
+        self._front = (
+            None
+            if self._debug
+            else frontend.build(
+                host, self._executor, self._flight, self.size, timeout, self._front_end_failed
+            )
+        )
         # send/recv (`ddlcore.p2p`) and split (`ddlcore.split`); ``prefixed``: this communicator's
         # namespace in the store, where closes are counted.
         self._p2p = p2p.PointToPoint(self.rank, self.size, self._pair, timeout)
@@ -205,6 +223,7 @@ class Communicator(RootedCollectives):
         its call in progress that the failing step did not (that step told its own: the boards'
         or the links'), so that nobody waits out its deadline."""
         self._broken = str(exc) or type(exc).__name__
+        self._front_end_update()
         from ddlcore.launcher.job import record_failure  # for ddlrun: who failed first
 
         record_failure(self.rank, exc)
@@ -237,7 +256,44 @@ class Communicator(RootedCollectives):
         completed before a collective the training loop issues between backward and ``step()``.
         """
         self._before_collective.append(fn)
-        return lambda: self._before_collective.remove(fn)
+        self._front_end_update()
+
+        def remove() -> None:
+            self._before_collective.remove(fn)
+            self._front_end_update()
+
+        return remove
+
+    def _front_end_update(self) -> None:
+        """The front end takes calls only while the Python path would add nothing: no hooks
+        to call, not failed, not closing."""
+        if self._front is not None:
+            self._front.enabled = not (
+                self._before_collective or self._broken is not None or self._closed
+            )
+
+    def _front_end_failed(
+        self,
+        status: int,
+        kind: int,
+        seq: int,
+        slot: int,
+        x: Any,
+        out: Any,
+        op: Op | None,
+        root: int,
+        mode: int,
+    ) -> None:
+        """A call of the front end failed with native ``status``: raise its error as the
+        Python path would (the peers told, the communicator broken, the call recorded)."""
+        collective = frontend.KINDS[kind]
+        call = calls.prepare(collective, x, op, out, root, self.size)
+        assert self._host is not None
+        err = self._host.failed(status, paths.label(call, seq), mode, (x, out))
+        self._fail(err, None)
+        if self._flight.enabled:
+            self._flight.call_failed(err, slot)
+        raise err
 
     def hold_worker(self) -> contextlib.AbstractContextManager[None]:
         """A block whose async calls run on the calling thread, for a caller that waits on
@@ -316,6 +372,11 @@ class Communicator(RootedCollectives):
         DDLError
             A peer failed, ranks disagree, or ``DDL_TIMEOUT`` passed.
         """
+        front = self._front
+        if front is not None:
+            result = front.allreduce(x, op, out)
+            if result is not frontend.DECLINED:
+                return result
         return self._run(calls.prepare(Collective.ALLREDUCE, x, op, out, 0, self.size))
 
     def allreduce_async(self, x: Any, op: str | Op = "sum", out: Any = None) -> Handle:
@@ -345,6 +406,11 @@ class Communicator(RootedCollectives):
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         """Copy root's ``x`` into ``x`` on every rank (in place); returns ``x``."""
+        front = self._front
+        if front is not None:
+            result = front.broadcast(x, root)
+            if result is not frontend.DECLINED:
+                return result
         return self._run(calls.prepare(Collective.BROADCAST, x, None, None, root, self.size))
 
     def broadcast_async(self, x: Any, root: int = 0) -> Handle:
@@ -352,6 +418,8 @@ class Communicator(RootedCollectives):
 
     def barrier(self) -> None:
         """Return only after every rank has entered the barrier."""
+        if self._front is not None and self._front.barrier():
+            return
         self._run(calls.prepare(Collective.BARRIER, None, None, None, 0, self.size))
 
     # --- lifetime -------------------------------------------------------------------------------
@@ -367,6 +435,7 @@ class Communicator(RootedCollectives):
             if self._closed:
                 return
             self._closed = True
+            self._front_end_update()
         try:
             if self._broken is None:
                 self._executor.drain(self.timeout)

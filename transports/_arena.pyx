@@ -11,49 +11,28 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 
-cdef extern from "ddl_arena.h" nogil:
-    enum: DDL_ARENA_MAX
-    enum: DDL_A_HEADER
-    enum: DDL_A_ABORT_CODE
-    enum: DDL_A_ABORT_LEN
-    enum: DDL_A_ABORT
-    enum: DDL_E_COUNT
-    enum: DDL_E_KIND
-    enum: DDL_E_DTYPE
-    enum: DDL_E_OP
-    enum: DDL_E_ROOT
-    ctypedef struct ddl_arena:
-        int rank, size
-        uint8_t *boards[64]
-        int pids[64]
-        int pidfds[64]
-        uint64_t slot_bytes
-        uint64_t epoch
-        uint64_t chunk
-        uint8_t *temp[3]
-        uint64_t exposed
-        int saved
-        int bad_rank
-        int64_t err
-    ctypedef struct ddl_call:
-        int kind, dtype, op, root
-        int64_t count
-        int itemsize
-        int64_t divisor
-        uint64_t check
-        uint8_t *inp "in"
-        uint8_t *out
-        int64_t deadline_ns
-    int ddl_arena_small(ddl_arena *a, const ddl_call *c)
-    int ddl_arena_sync(ddl_arena *a, const ddl_call *c, const void *inp, const void *out)
-    int ddl_arena_settle(ddl_arena *a, int64_t deadline_ns)
-    void ddl_arena_abort(ddl_arena *a, uint32_t code, const uint8_t *reason, uint32_t len)
-    uint8_t *ddl_entry(const ddl_arena *a, int q, uint64_t epoch)
-    uint32_t ddl_load_acquire_u32(const void *p)
-    uint64_t ddl_get_u64(const uint8_t *p)
-
-cdef extern from "ddl_arena_direct.h" nogil:
-    int ddl_arena_direct(ddl_arena *a, const ddl_call *c)
+from ddl_arena_api cimport (
+    DDL_A_ABORT,
+    DDL_A_ABORT_CODE,
+    DDL_A_ABORT_LEN,
+    DDL_A_HEADER,
+    DDL_ARENA_MAX,
+    DDL_E_COUNT,
+    DDL_E_DTYPE,
+    DDL_E_KIND,
+    DDL_E_OP,
+    DDL_E_ROOT,
+    ddl_arena,
+    ddl_arena_abort,
+    ddl_arena_direct,
+    ddl_arena_settle,
+    ddl_arena_small,
+    ddl_arena_sync,
+    ddl_call,
+    ddl_entry,
+    ddl_get_u64,
+    ddl_load_acquire_u32,
+)
 
 MAX_RANKS = DDL_ARENA_MAX
 HEADER_BYTES = DDL_A_HEADER
@@ -122,6 +101,12 @@ cdef class Arena:
         with nogil:
             ok = ddl_arena_settle(&self.a, ns)
         return bool(ok)
+
+    @property
+    def address(self):
+        """Where this handle's ``ddl_arena`` lives: the compiled front end
+        (``ddlcore.execution._frontend``) runs the same bodies on it, holding this object."""
+        return <uintptr_t>&self.a
 
     @property
     def bad_rank(self):

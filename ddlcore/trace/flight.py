@@ -216,13 +216,24 @@ class FlightRecorder:
             try:
                 result = execute(call, seq)
             except BaseException as exc:
-                ends[slot] = -clock()
-                recorder.failed(exc, slot)
+                recorder.call_failed(exc, slot)
                 raise
             ends[slot] = clock()
             return result
 
         return run
+
+    def slots(self) -> tuple[list[Any], list[float]] | None:
+        """The lists `recording` writes, for the compiled front end
+        (``ddlcore.execution._frontend``), which records its calls the same way: slot ``seq %
+        capacity`` of the first gets (seq, collective, count, dtype, op, root, memory, start),
+        of the second 0.0, then the end time. None when recording is off."""
+        return (self._calls, self._ends) if self.enabled else None
+
+    def call_failed(self, exc: BaseException, slot: int) -> None:
+        """The call recorded in ``slot`` raised ``exc``: its end is the failure's time."""
+        self._ends[slot] = -time.time()
+        self.failed(exc, slot)
 
     # --- reading ----------------------------------------------------------------------------------
     def entries(self) -> list[dict[str, Any]]:

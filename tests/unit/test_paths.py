@@ -216,3 +216,21 @@ def test_collective_reads_as_its_name():
     assert logging.makeLogRecord({"msg": "%s", "args": (c,)}).getMessage() == "reduce_scatter"
     assert json.dumps({"collective": c}) == '{"collective": "reduce_scatter"}'
     assert calls.prepare("barrier", None, None, None, 0, 2).collective is Collective.BARRIER
+
+
+def test_check_word_is_the_crc32_of_the_packed_call():
+    """One native function computes the word for both front ends: zlib's CRC-32 of the call
+    packed as ``<BBBqqq`` (kind, dtype, op, count, root, chunk bytes), made odd."""
+    import struct
+    import zlib
+
+    from ddlcore.execution.frontend import check_word
+
+    rng = np.random.default_rng(5)
+    cases = [(5, 255, 255, 0, 0, 0), (1, 2, 0, 1, -3, 1 << 20), (255, 0, 4, -(2**63), 2**63 - 1, 0)]
+    for _ in range(500):
+        small = rng.integers(0, 256, 3)
+        big = rng.integers(-(2**63), 2**63 - 1, 3, dtype=np.int64)
+        cases.append((*map(int, small), *map(int, big)))
+    for case in cases:
+        assert check_word(*case) == zlib.crc32(struct.pack("<BBBqqq", *case)) | 1, case

@@ -275,6 +275,11 @@ class HostCollectives:
                 return False
         return True
 
+    @property
+    def arena(self) -> Any:
+        """The native handle (``_arena.Arena``) once connected, else None."""
+        return self._arena
+
     # --- collectives --------------------------------------------------------------------------
     def mode(self, in_bytes: int) -> int:
         """How a call of ``in_bytes`` runs: `SLOTS`, `DIRECT`, or `SYNC_ONLY` (too large for the
@@ -313,15 +318,23 @@ class HostCollectives:
                 time.monotonic() + self.timeout,
             )
             if st:
-                err = self._error(st, label())
-                self.abort(abort_code(err), abort_reason(err, str(err).split(": ", 1)[1]))
-                if mode == DIRECT and not self._arena.settle(time.monotonic() + _SETTLE_FAILED_S):
-                    # A stopped peer may still write into them: never give them back.
-                    self._pinned.append(call.keep)
-                raise err
+                raise self.failed(st, label(), mode, call.keep)
         finally:
             with self._lock:
                 self._busy -= 1
+
+    def failed(self, status: int, label: str, mode: int, keep: Any) -> DDLError:
+        """After a call (``label``, run in ``mode`` on the buffers ``keep``) ended with native
+        ``status``: leave the abort note the peers see at once, make sure none of them still
+        touches our buffers (or keep them for good), and return the error to raise. The
+        compiled front end (``ddlcore.execution._frontend``) calls it too, while the call
+        still counts as in progress."""
+        err = self._error(status, label)
+        self.abort(abort_code(err), abort_reason(err, str(err).split(": ", 1)[1]))
+        if mode == DIRECT and not self._arena.settle(time.monotonic() + _SETTLE_FAILED_S):
+            # A stopped peer may still write into them: never give them back.
+            self._pinned.append(keep)
+        return err
 
     def _error(self, status: int, label: str) -> DDLError:
         q = self._arena.bad_rank

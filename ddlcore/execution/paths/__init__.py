@@ -13,7 +13,7 @@ Each owns its caches and staging; what they share is the `Context` they are made
 
 from __future__ import annotations
 
-from ddlcore.execution.paths.base import ON_BOARDS, Context, Path, Plan
+from ddlcore.execution.paths.base import ON_BOARDS, Context, Path, Plan, label
 from ddlcore.execution.paths.boards import BoardsPath
 from ddlcore.execution.paths.device import DevicePath
 from ddlcore.execution.paths.host_staged import HostStagedPath
@@ -32,4 +32,5 @@ __all__ = [
     "Path",
     "Plan",
     "SchedulePath",
+    "label",
 ]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,7 +18,7 @@ from ddlcore.algorithms import Buf, Schedule
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import HAS_ROOT, Collective
-from ddlcore.execution import device, engine, hostcoll, int_avg
+from ddlcore.execution import _frontend, device, engine, hostcoll, int_avg
 from ddlcore.execution.hostcoll import BoardCall, BoardKind, HostCollectives
 from ddlcore.job.links import Links
 from ddlcore.kernels.cpu import array_address
@@ -182,18 +180,14 @@ def check_word(call: Call, kind: BoardKind | None = None, chunk_bytes: int = 0) 
     schedule's messages fold in its ``chunk_bytes``: ranks whose schedules cut the buffer
     differently (device buffers on one rank, host buffers on another: `schedule_chunk`) are
     told, not left to misread each other's chunks."""
-    code = int(call.inp.code) if call.inp is not None else 255
-    op = int(call.op) if call.op is not None else 255
-    raw = struct.pack(
-        "<BBBqqq",
+    return _frontend.check_word(
         kind or BoardKind.of(call.collective),
-        code,
-        op,
+        int(call.inp.code) if call.inp is not None else 255,
+        int(call.op) if call.op is not None else 255,
         call.count,
         call.root,
         chunk_bytes,
     )
-    return zlib.crc32(raw) | 1
 
 
 def schedule_chunk(ctx: Context, call: Call) -> int:

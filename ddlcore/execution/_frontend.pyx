@@ -1,0 +1,287 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The compiled front end of a one-host communicator's collectives (issue: a 4 KB allreduce paid
+~35 us of Python on each rank, the boards' native call 3 us). For the common call -- a
+C-contiguous NumPy array of a supported dtype, nothing queued on the communicator -- `FrontEnd`
+does in one native step what `calls.prepare`, the executor, the flight recorder and the boards
+path do in Python: check the arguments, take the sequence number, record the call, run it
+through the boards (``transports/ddl_arena.h``) with the GIL released. Anything else it declines
+(`DECLINED`, before anything is taken or sent) and the Python path runs the call, so both paths
+produce the same check words, sequence numbers and errors; a failed call is handed to Python
+(``on_failure``), which names it as the Python path would.
+
+Also here: `check_word`, the word every message and sync point of a call carries (both paths).
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.time cimport timespec
+
+cnp.import_array()
+
+cdef extern from "<time.h>" nogil:
+    int clock_gettime(int clk, timespec *ts)
+    enum: CLOCK_MONOTONIC
+    enum: CLOCK_REALTIME
+
+from ddl_arena_api cimport ddl_arena, ddl_arena_direct, ddl_arena_small, ddl_call
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_NewLikeArray(cnp.ndarray prototype, int order, void *descr, int subok)
+
+import numpy as np
+
+# What the front end returns for a call it does not take (the Python path runs it).
+DECLINED = object()
+
+# ddl_arena.h's DDL_K_* (transports/shm/board_calls.BoardKind) and the modes of Arena.run.
+DEF K_ALLREDUCE = 1
+DEF K_BROADCAST = 4
+DEF K_BARRIER = 5
+DEF SLOTS = 0
+DEF DIRECT = 1
+DEF NONE_CODE = 255  # no dtype (barrier), no op: as in the check word of the Python path
+# Op codes (ddlcore.ops.Op) and the first integer dtype code (kernels.dtypes.DType).
+DEF OP_SUM = 0
+DEF OP_AVG = 4
+DEF FIRST_INT_CODE = 4
+DEF N_CODES = 8
+
+cdef uint32_t _crc_table[256]
+
+
+cdef void _init_crc():
+    cdef uint32_t c
+    cdef int i, k
+    for i in range(256):
+        c = <uint32_t>i
+        for k in range(8):
+            c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)
+        _crc_table[i] = c
+
+
+_init_crc()
+
+
+cdef inline void _put_i64(uint8_t *p, int64_t v) noexcept nogil:
+    cdef uint64_t u = <uint64_t>v
+    cdef int i
+    for i in range(8):
+        p[i] = <uint8_t>(u >> (8 * i))
+
+
+cdef uint64_t _check_word(int kind, int code, int op, int64_t count, int64_t root,
+                          int64_t chunk) noexcept nogil:
+    # CRC-32 (zlib's) of struct.pack("<BBBqqq", kind, code, op, count, root, chunk), odd.
+    cdef uint8_t raw[27]
+    cdef uint32_t crc = ~(<uint32_t>0)
+    cdef int i
+    raw[0] = <uint8_t>kind
+    raw[1] = <uint8_t>code
+    raw[2] = <uint8_t>op
+    _put_i64(raw + 3, count)
+    _put_i64(raw + 11, root)
+    _put_i64(raw + 19, chunk)
+    for i in range(27):
+        crc = _crc_table[<uint8_t>(crc ^ raw[i])] ^ (crc >> 8)
+    crc = ~crc
+    return crc | 1
+
+
+def check_word(int kind, int code, int op, int64_t count, int64_t root, int64_t chunk):
+    """The check word of a call: board kind, dtype code, op code (255: none), element count,
+    root and the schedule's chunk bytes (0 on the boards), as one odd 32-bit number."""
+    return _check_word(kind, code, op, count, root, chunk)
+
+
+cdef inline int64_t _now_ns(int clk) noexcept nogil:
+    cdef timespec ts
+    clock_gettime(clk, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef class FrontEnd:
+    """One communicator's front end on its boards. ``arena``: the boards' `Arena`; ``host``:
+    their `HostCollectives` (its ``_closed`` and ``_busy`` are shared with close()); the
+    communicator's ``executor`` (its lock, queue and sequence numbers, as ``run_inline`` takes
+    them); the flight recorder's ``calls``/``ends`` lists (None: not recording); ``dtypes`` the
+    NumPy dtypes by kernel code; ``ops`` the `Op` members by name and the `Op` type; ``names``: the
+    collectives' and memory kind's objects the recorder keeps; ``on_failure(status, kind, seq,
+    slot, x, out, op, root, mode)`` raises the call's error. Set ``enabled`` False while the
+    communicator must see every call (hooks registered, failed, closing)."""
+
+    cdef ddl_arena *a
+    cdef object arena, host, executor, cv_acquire, cv_release, queue, run_acquire, run_release
+    cdef list calls, ends
+    cdef Py_ssize_t capacity
+    cdef object on_failure, by_name, op_type, allreduce_name, broadcast_name, barrier_name
+    cdef object host_memory
+    cdef tuple descrs
+    cdef int size
+    cdef int64_t timeout_ns
+    cdef bint direct
+    cdef uint64_t barrier_check
+    cdef public bint enabled
+
+    def __init__(self, arena, host, executor, calls, ends, dtypes, ops, names, int size,
+                 double timeout, bint direct, on_failure):
+        cdef int i
+        self.arena = arena
+        self.a = <ddl_arena *><uintptr_t>arena.address
+        self.host, self.executor = host, executor
+        self.cv_acquire, self.cv_release = executor._cv.acquire, executor._cv.release
+        self.queue = executor._queue
+        self.run_acquire = executor._run_lock.acquire
+        self.run_release = executor._run_lock.release
+        self.calls, self.ends = calls, ends
+        self.capacity = len(calls) if calls is not None else 0
+        self.descrs = tuple(dtypes)
+        assert len(self.descrs) == N_CODES
+        self.by_name, self.op_type = ops
+        self.allreduce_name, self.broadcast_name, self.barrier_name, self.host_memory = names
+        self.size = size
+        self.timeout_ns = <int64_t>(min(timeout, 1e8) * 1e9)  # years: never overflow
+        self.direct = direct
+        self.on_failure = on_failure
+        self.barrier_check = _check_word(K_BARRIER, NONE_CODE, NONE_CODE, 0, 0, 0)
+        self.enabled = True
+
+    cdef int _code(self, cnp.ndarray x):
+        # The kernel code of x's dtype (-1: not one of ours, or not C-contiguous).
+        cdef object descr = <object>cnp.PyArray_DESCR(x)
+        cdef int i
+        if not cnp.PyArray_IS_C_CONTIGUOUS(x):
+            return -1
+        for i in range(N_CODES):
+            if <object>self.descrs[i] is descr:
+                return i
+        return -1
+
+    cdef int _mode(self, Py_ssize_t nbytes):
+        if <uint64_t>nbytes <= self.a.slot_bytes:
+            return SLOTS
+        return DIRECT if self.direct else -1
+
+    def allreduce(self, x, op, out):
+        """`Communicator.allreduce` (the result), or `DECLINED`."""
+        cdef cnp.ndarray xa, oa
+        cdef int code, mode, opc, kop
+        cdef int64_t divisor = 0
+        if not self.enabled or type(x) is not np.ndarray:
+            return DECLINED
+        xa = <cnp.ndarray>x
+        code = self._code(xa)
+        if code < 0:
+            return DECLINED
+        opm = self.by_name.get(op) if type(op) is str else op
+        if type(opm) is not self.op_type:
+            return DECLINED
+        opc = kop = <int>opm
+        if opc == OP_AVG:
+            if code >= FIRST_INT_CODE:  # an integer avg: exact, in a wider type (int_avg)
+                return DECLINED
+            divisor, kop = self.size, OP_SUM
+        mode = self._mode(cnp.PyArray_NBYTES(xa))
+        if mode < 0:
+            return DECLINED
+        if out is None:
+            oa = PyArray_NewLikeArray(xa, cnp.NPY_CORDER, NULL, 0)
+        elif (
+            type(out) is np.ndarray
+            and <object>cnp.PyArray_DESCR(<cnp.ndarray>out) is <object>cnp.PyArray_DESCR(xa)
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
+            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)
+            and cnp.PyArray_SIZE(<cnp.ndarray>out) == cnp.PyArray_SIZE(xa)
+        ):
+            oa = <cnp.ndarray>out
+        else:
+            return DECLINED
+        if self._run(K_ALLREDUCE, code, opc, kop, divisor, 0, xa, oa, mode, opm):
+            return oa
+        return DECLINED
+
+    def broadcast(self, x, root):
+        """`Communicator.broadcast` (x), or `DECLINED`."""
+        cdef cnp.ndarray xa
+        cdef int code, mode
+        if not self.enabled or type(x) is not np.ndarray or type(root) is not int:
+            return DECLINED
+        xa = <cnp.ndarray>x
+        code = self._code(xa)
+        if code < 0 or not cnp.PyArray_ISWRITEABLE(xa) or not 0 <= root < self.size:
+            return DECLINED
+        mode = self._mode(cnp.PyArray_NBYTES(xa))
+        if mode < 0:
+            return DECLINED
+        if self._run(K_BROADCAST, code, NONE_CODE, OP_SUM, 0, root, xa, xa, mode, None):
+            return x
+        return DECLINED
+
+    def barrier(self):
+        """`Communicator.barrier`: True once done, False when declined."""
+        if not self.enabled:
+            return False
+        return self._run(K_BARRIER, -1, NONE_CODE, OP_SUM, 0, 0, None, None, SLOTS, None)
+
+    cdef bint _run(self, int kind, int code, int opc, int kop, int64_t divisor, int root,
+                   cnp.ndarray x, cnp.ndarray out, int mode, object opm) except? False:
+        """Take the executor as ``run_inline`` does, record, run; False: declined (nothing
+        taken). Raises the call's error (``on_failure``)."""
+        cdef ddl_call c
+        cdef int st
+        cdef Py_ssize_t seq, slot = 0
+        cdef object executor = self.executor, host = self.host
+        # The executor idle, as run_inline finds it (under its lock; never wait for it).
+        if not self.cv_acquire(False):
+            return False
+        try:
+            if self.queue or executor._closed or host._closed or not self.run_acquire(False):
+                return False
+            seq = executor._next_seq
+            executor._next_seq = seq + 1
+            host._busy += 1  # close() waits for calls in native code
+        finally:
+            self.cv_release()
+        try:
+            if self.capacity:
+                slot = seq % self.capacity
+                now = _now_ns(CLOCK_REALTIME) * 1e-9
+                if kind == K_BARRIER:
+                    entry = (seq, self.barrier_name, 0, None, None, 0, None, now)
+                else:
+                    entry = (
+                        seq,
+                        self.allreduce_name if kind == K_ALLREDUCE else self.broadcast_name,
+                        cnp.PyArray_SIZE(x),
+                        <object>cnp.PyArray_DESCR(x),
+                        opm,
+                        root,
+                        self.host_memory,
+                        now,
+                    )
+                self.calls[slot] = entry
+                self.ends[slot] = 0.0
+            c.kind, c.op, c.root, c.divisor = kind, kop, root, divisor
+            if x is None:
+                c.dtype, c.count, c.itemsize, c.inp, c.out = 0, 0, 1, NULL, NULL
+                c.check = self.barrier_check
+            else:
+                c.dtype, c.count = code, cnp.PyArray_SIZE(x)
+                c.itemsize = <int>cnp.PyArray_ITEMSIZE(x)
+                c.inp = <uint8_t *>cnp.PyArray_DATA(x)
+                c.out = <uint8_t *>cnp.PyArray_DATA(out)
+                c.check = _check_word(kind, code, opc, c.count, root, 0)
+            self.a.bad_rank, self.a.err = -1, 0
+            with nogil:
+                c.deadline_ns = _now_ns(CLOCK_MONOTONIC) + self.timeout_ns
+                if mode == DIRECT:
+                    st = ddl_arena_direct(self.a, &c)
+                else:
+                    st = ddl_arena_small(self.a, &c)
+            if st:
+                self.on_failure(st, kind, seq, slot, x, out, opm, root, mode)
+            if self.capacity:
+                self.ends[slot] = _now_ns(CLOCK_REALTIME) * 1e-9
+        finally:
+            host._busy -= 1
+            self.run_release()
+        return True
