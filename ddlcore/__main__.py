@@ -83,12 +83,13 @@ def job_choice(
     if direct_reads is None:
         direct_reads = hostcoll.cma_allowed()
 
-    def mode(nbytes: int) -> int:
-        if nbytes <= hostcoll.SMALL_MAX:
+    size, per_node = topo.size, topo.ranks_per_node
+
+    def mode(nbytes: int) -> int:  # as this host's boards take it (per_node ranks)
+        if nbytes <= hostcoll.slots_max(per_node):
             return hostcoll.SLOTS
         return hostcoll.DIRECT if direct_reads else hostcoll.SYNC_ONLY
 
-    size, per_node = topo.size, topo.ranks_per_node
     shm = host_transport == "shm" and host_collectives  # the boards: shm's capability
     one_host = per_node == size
     if (

@@ -119,7 +119,7 @@ cdef class FrontEnd:
     cdef int size
     cdef int64_t timeout_ns
     cdef bint direct
-    cdef uint64_t barrier_check
+    cdef uint64_t slots_max, barrier_check
     cdef public bint enabled
 
     def __init__(self, arena, host, executor, calls, ends, dtypes, ops, names, int size,
@@ -141,6 +141,7 @@ cdef class FrontEnd:
         self.size = size
         self.timeout_ns = <int64_t>(min(timeout, 1e8) * 1e9)  # years: never overflow
         self.direct = direct
+        self.slots_max = host.slots_max
         self.on_failure = on_failure
         self.barrier_check = _check_word(K_BARRIER, NONE_CODE, NONE_CODE, 0, 0, 0)
         self.enabled = True
@@ -157,7 +158,7 @@ cdef class FrontEnd:
         return -1
 
     cdef int _mode(self, Py_ssize_t nbytes):
-        if <uint64_t>nbytes <= self.a.slot_bytes:
+        if <uint64_t>nbytes <= self.slots_max:  # as HostCollectives.mode
             return SLOTS
         return DIRECT if self.direct else -1
 

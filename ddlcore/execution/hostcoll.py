@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from ddlcore.planning import tuning
 from ddlcore.transports.shm.board_calls import DIRECT, SLOTS, SYNC_ONLY, BoardCall, BoardKind
-from ddlcore.transports.shm.boards import CHUNK_BYTES, MAX_RANKS, NAME, SMALL_MAX, HostCollectives
+from ddlcore.transports.shm.boards import (
+    CHUNK_BYTES,
+    MAX_RANKS,
+    NAME,
+    SMALL_MAX,
+    HostCollectives,
+    slots_max,
+)
 from ddlcore.transports.shm.segments import cma_allowed
 
 assert NAME == tuning.DIRECT  # DDL_ALGO's name for them, declared in both layers
@@ -19,6 +26,7 @@ __all__ = [
     "NAME",
     "SLOTS",
     "SMALL_MAX",
+    "slots_max",
     "SYNC_ONLY",
     "BoardCall",
     "BoardKind",

@@ -13,7 +13,7 @@ from tests.collectives import matrix
 from tests.collectives.test_host import _dies
 from tests.harness import patch, run_ranks
 
-SMALL_MAX = 1 << 17  # hostcoll.SMALL_MAX: the slots below, direct reads above
+SMALL_MAX = 1 << 18  # hostcoll.slots_max of 2-4 ranks a host: the slots up to it, then direct
 TIMEOUT_S = 20.0
 
 
@@ -40,8 +40,8 @@ def _matrix(rank, size, thin=False):
         assert comm._node is not None and comm._node.size == comm.local_size
         for dtype in (np.float32, np.int32, np.float64):
             isz = np.dtype(dtype).itemsize
-            # Up to 64 KB the cost model picks recursive doubling; at 128 KB mdring through
-            # the slots, above that through direct reads.
+            # Up to 64 KB the cost model picks recursive doubling; up to 256 KB mdring
+            # through the slots, above that through direct reads.
             for count in (0, 1, 7, 1009, SMALL_MAX // isz, SMALL_MAX // isz + 1, 300_007):
                 for op in matrix.OPS if dtype is np.float32 or not thin else ["sum"]:
                     case = f"{np.dtype(dtype).name} {op} count={count}"

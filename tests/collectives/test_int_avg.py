@@ -12,7 +12,7 @@ from tests.collectives import matrix
 from tests.harness import require
 
 INT_DTYPES = [np.int8, np.uint8, np.int32, np.int64]
-SMALL_MAX = 1 << 17  # hostcoll.SMALL_MAX: the boards' slots below, direct reads above
+SMALL_MAX = 1 << 18  # hostcoll.SMALL_MAX: the boards' slots below, direct reads above
 TIMEOUT_S = 30.0
 
 

@@ -310,7 +310,7 @@ def test_bench_without_a_gpu_says_so_in_one_line():
     assert len(lines) == 1 and "--memory cuda" in lines[0] and "GPU" in lines[0], res.stderr
 
 
-SIZES = (0, 1000, 1 << 17, (1 << 17) + 8, 16_000_000)
+SIZES = (0, 1000, 1 << 18, (1 << 18) + 8, 16_000_000)  # around the slots of 2-4 ranks
 
 
 def _real_choices(rank, size):

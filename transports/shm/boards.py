@@ -6,7 +6,7 @@ Each rank owns a *board* (``/dev/shm/ddl-<pid>-<random>-board-r<rank>``) that ev
 maps; the protocol is in ``transports/ddl_arena.h``, its native engine ``transports/_arena.pyx``.
 Two paths, chosen by size (the same on every rank):
 
-* **small** (input up to `SMALL_MAX` bytes): each rank copies its input into its board's slot,
+* **small** (input up to `slots_max` bytes): each rank copies its input into its board's slot,
   one sync point, then every rank reduces all slots in rank order (or copies them, for allgather
   and broadcast). One copy in, P - 1 reductions, ~1 sync: a few microseconds where the engine's
   messages cost tens.
@@ -81,11 +81,20 @@ log = logging.getLogger("ddlcore")
 
 NAME = "direct"  # what DDL_ALGO calls them (``ddlcore.planning.tuning.DIRECT``)
 MAX_RANKS = _arena.MAX_RANKS
-# Inputs up to this size go through the boards' slots (one copy in, every rank reduces all of
-# them); larger ones are read directly. Measured on the 2-vCPU VM, np = 2, float32 sum: the slots
-# win below (16 KB: 19 vs 21 us, 64 KB: 26 vs 29 us), the two tie at 128 KB (38 us), direct
-# reads win above (256 KB: 54 vs 63 us, 1 MB: 218 vs 278 us).
-SMALL_MAX = 1 << 17
+# Each board's slot (two per board): the largest input the slots take (`slots_max`).
+SMALL_MAX = 1 << 18
+
+
+def slots_max(size: int) -> int:
+    """Inputs up to this many bytes go through the slots among ``size`` ranks (one copy in,
+    every rank reduces all of them: P - 1 reductions of the whole input each); larger ones are
+    read directly (each rank reduces 1/P of it). Medians on the 2-vCPU VM, float32 sum, with
+    the compiled front end: np 2, 256 KB slots 35-44 us vs direct 53-54, 1 MB 145-148 vs 163-192
+    (a 1 MB slot only for that: not taken); np 4, 128 KB 85 vs 89 us, 256 KB 144 vs 199, 512 KB
+    349 vs 333, 1 MB 1230 vs 585. More ranks reduce more slots: 128 KB there, as measured before
+    the front end (np 2 then tied at 128 KB)."""
+    return SMALL_MAX if size <= 4 else SMALL_MAX // 2
+
 # Direct reads and writes move this much per system call; three such chunks stay in L2 (4 MiB
 # here) while reduced. 128 KiB to 1 MiB measured within 10% of each other from 1 MB up.
 CHUNK_BYTES = 1 << 18
@@ -141,6 +150,7 @@ class HostCollectives:
         if not 1 < size <= _arena.MAX_RANKS:
             raise ValueError(f"host collectives take 2 to {_arena.MAX_RANKS} ranks, not {size}")
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.slots_max = slots_max(size)
         self._key = f"board/{group}"
         # The communicator's rank of each member, for messages (``rank`` and ``q`` index them).
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
@@ -284,9 +294,9 @@ class HostCollectives:
     def mode(self, in_bytes: int) -> int:
         """How a call of ``in_bytes`` runs: `SLOTS`, `DIRECT`, or `SYNC_ONLY` (too large for the
         slots and direct reads are off: the schedules run it, after a sync point here that
-        compares the ranks' calls, so a size mismatch across `SMALL_MAX` is still caught at
+        compares the ranks' calls, so a size mismatch across `slots_max` is still caught at
         once)."""
-        if in_bytes <= SMALL_MAX:
+        if in_bytes <= self.slots_max:
             return SLOTS
         return DIRECT if self.direct else SYNC_ONLY
 

@@ -42,6 +42,24 @@ from ddlcore.integrations.torch.work import (
 
 BACKEND_NAME = "ddl"
 _DEVICES = ["cpu", "cuda"]
+# CPU tensors NumPy views as one of ddlcore's dtypes (bfloat16 it cannot).
+_NUMPY_VIEWABLE = frozenset(
+    {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+)
+
+
+def _waited_host_view(t: torch.Tensor, opts: Any) -> Any:
+    """``t``'s memory as a NumPy array where torch waits for the call at once
+    (``async_op=False``) and ``t`` is a contiguous CPU tensor NumPy can view; else None. Such
+    a call runs as the communicator's synchronous one (on one host, its compiled front end)."""
+    if (
+        getattr(opts, "asyncOp", True)
+        or t.device.type != "cpu"
+        or t.dtype not in _NUMPY_VIEWABLE
+        or not t.is_contiguous()
+    ):
+        return None
+    return t.numpy()
 
 
 def register() -> None:
@@ -124,6 +142,15 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
             raise _dist_error(exc, what) from None
         return work._start(handles, finish)
 
+    def _now(self, what: str, outputs: list[torch.Tensor], call: Callable[[], Any]) -> WorkDDL:
+        """Run ``call`` (a synchronous collective) now; the work returned is complete."""
+        work = self._work(what, outputs)
+        try:
+            call()
+        except BaseException as exc:
+            raise _dist_error(exc, what)  # noqa: B904  (its cause is set: ddlcore's error)
+        return work._start((), None)
+
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         """The one tensor of a call, detached (see `_data`)."""
         if len(tensors) != 1:
@@ -150,6 +177,9 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         t = self._one(tensors, "allreduce")
         opts = opts or dist.AllreduceOptions()
         op = _op(opts, "allreduce")
+        view = _waited_host_view(t, opts)
+        if view is not None:
+            return self._now("allreduce", [t], lambda: self._comm.allreduce(view, op=op, out=view))
         return self._in_place(
             "allreduce", t, lambda buf: self._comm.allreduce_async(buf, op=op, out=buf), opts
         )
@@ -185,6 +215,9 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         t = self._one(tensors, "broadcast")
         opts = opts or dist.BroadcastOptions()
         root = opts.rootRank
+        view = _waited_host_view(t, opts)
+        if view is not None:
+            return self._now("broadcast", [t], lambda: self._comm.broadcast(view, root=root))
         return self._in_place(
             "broadcast", t, lambda buf: self._comm.broadcast_async(buf, root=root), opts
         )
