@@ -108,6 +108,42 @@ def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[fl
     return min(ratios), max(ratios)
 
 
+def latency(*names: str) -> str:
+    """``allreduce_loop.py --mpi`` results (latency_<size>_np<N>_<quiet|busy>.json): medians
+    and tails of ddlcore and MPI_Allreduce in the same processes, and busy against quiet."""
+    docs = {name: load(name) for name in names}
+    quiet = {
+        d["ranks"]: d["ddlcore"]["median_us"] for n, d in docs.items() if n.endswith("_quiet.json")
+    }
+    head = [
+        "ranks",
+        "beside the job",
+        "ddlcore median (µs)",
+        "p90",
+        "MPI median (µs)",
+        "p90",
+        "MPI / ddlcore (median)",
+        "ddlcore busy / quiet",
+    ]
+    rows = []
+    for name, d in docs.items():
+        busy = name.endswith("_busy.json")
+        ours, mpi = d["ddlcore"], d["mpi"]
+        rows.append(
+            [
+                str(d["ranks"]),
+                "one busy process" if busy else "nothing (quiet)",
+                fmt(ours["median_us"], 1),
+                fmt(ours["p90_us"], 1),
+                fmt(mpi["median_us"], 1),
+                fmt(mpi["p90_us"], 1),
+                fmt(mpi["median_us"] / ours["median_us"]),
+                fmt(ours["median_us"] / quiet[d["ranks"]]) if busy and d["ranks"] in quiet else "",
+            ]
+        )
+    return table(head, rows)
+
+
 # --- point-to-point ---------------------------------------------------------------------------
 
 
@@ -509,6 +545,7 @@ def summary() -> str:
     np2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20))
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))
     gloo2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20), "gloo")
+    lat = {state: load(f"latency_4k_np2_{state}.json") for state in ("quiet", "busy")}
     conv = _throughput("convergence.json", "ddlcore", 2) / _throughput(
         "convergence.json", "gloo", 2
     )
@@ -551,6 +588,14 @@ def summary() -> str:
             "[One host](#one-host-allreduce-beside-mpi-and-gloo)",
         ],
         [
+            "One host, 4 KB allreduce, median, np = 2",
+            f"{lat['quiet']['ddlcore']['median_us']:.1f} µs (MPICH "
+            f"{lat['quiet']['mpi']['median_us']:.1f} µs); beside a busy process "
+            f"{lat['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
+            f"{lat['busy']['mpi']['median_us']:.1f} µs)",
+            "[Latency](#small-message-latency-medians-beside-mpich)",
+        ],
+        [
             "Training (MLP, DDP-style, np = 2, CPU)",
             f"{conv:.2f}x gloo's samples/s, same accuracy at the same epoch",
             "[Convergence](#convergence-and-scaling-with-pytorch)",
@@ -573,6 +618,7 @@ def summary() -> str:
 RENDERERS: dict[str, Callable[..., str]] = {
     "summary": summary,
     "host_allreduce": host_allreduce,
+    "latency": latency,
     "p2p": p2p,
     "testbed_auto": testbed_auto,
     "testbed_schedule": testbed_schedule,

@@ -95,6 +95,7 @@ def slots_max(size: int) -> int:
     the front end (np 2 then tied at 128 KB)."""
     return SMALL_MAX if size <= 4 else SMALL_MAX // 2
 
+
 # Direct reads and writes move this much per system call; three such chunks stay in L2 (4 MiB
 # here) while reduced. 128 KiB to 1 MiB measured within 10% of each other from 1 MB up.
 CHUNK_BYTES = 1 << 18
