@@ -54,7 +54,7 @@ def _waited_host_view(t: torch.Tensor, opts: Any) -> Any:
     a call runs as the communicator's synchronous one (on one host, its compiled front end)."""
     if (
         getattr(opts, "asyncOp", True)
-        or t.device.type != "cpu"
+        or not t.is_cpu
         or t.dtype not in _NUMPY_VIEWABLE
         or not t.is_contiguous()
     ):
@@ -143,8 +143,9 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         return work._start(handles, finish)
 
     def _now(self, what: str, outputs: list[torch.Tensor], call: Callable[[], Any]) -> WorkDDL:
-        """Run ``call`` (a synchronous collective) now; the work returned is complete."""
-        work = self._work(what, outputs)
+        """Run ``call`` (a synchronous collective) now; the work returned is complete (no
+        wait budget: nothing will wait on it)."""
+        work = WorkDDL(what, outputs, 0.0)
         try:
             call()
         except BaseException as exc:
