@@ -145,9 +145,16 @@ class Communicator(RootedCollectives):
             None
             if self._debug
             else frontend.build(
-                host, self._executor, self._flight, self.size, timeout, self._front_end_failed
+                host,
+                self._executor,
+                self._flight,
+                self.size,
+                timeout,
+                self._front_end_failed,
+                self._front_end_broken,
             )
         )
+        self._front_lock = threading.Lock()
         # send/recv (`ddlcore.p2p`) and split (`ddlcore.split`); ``prefixed``: this communicator's
         # namespace in the store, where closes are counted.
         self._p2p = p2p.PointToPoint(self.rank, self.size, self._pair, timeout)
@@ -268,29 +275,33 @@ class Communicator(RootedCollectives):
         """The front end takes calls only while the Python path would add nothing: no hooks
         to call, not failed, not closing."""
         if self._front is not None:
-            self._front.enabled = not (
-                self._before_collective or self._broken is not None or self._closed
-            )
+            with self._front_lock:  # a failure on another thread must not be undone
+                self._front.enabled = not (
+                    self._before_collective or self._broken is not None or self._closed
+                )
 
     def _front_end_failed(
         self,
         status: int,
         kind: int,
         seq: int,
-        slot: int,
         x: Any,
         out: Any,
         op: Op | None,
         root: int,
         mode: int,
-    ) -> None:
-        """A call of the front end failed with native ``status``: raise its error as the
-        Python path would (the peers told, the communicator broken, the call recorded)."""
-        collective = frontend.KINDS[kind]
-        call = calls.prepare(collective, x, op, out, root, self.size)
+    ) -> BaseException:
+        """A call of the front end failed with native ``status``: its error, as the Python
+        path names it, with the boards' peers told (`HostCollectives.failed`)."""
+        call = calls.prepare(frontend.KINDS[kind], x, op, out, root, self.size)
         assert self._host is not None
-        err = self._host.failed(status, paths.label(call, seq), mode, (x, out))
-        self._fail(err, None)
+        return self._host.failed(status, paths.label(call, seq), mode, (x, out))
+
+    def _front_end_broken(self, err: BaseException, slot: int) -> None:
+        """Then: break the communicator as the Python path does after a failed board step
+        (its links told too), record the call as failed, raise ``err``."""
+        self._boards_path.failed_on_boards()
+        self._fail(err, self._boards_path)
         if self._flight.enabled:
             self._flight.call_failed(err, slot)
         raise err

@@ -23,7 +23,8 @@ class FrontEnd:
         size: int,
         timeout: float,
         direct: bool,
-        on_failure: Callable[..., None],
+        failed: Callable[..., BaseException],
+        broken: Callable[[BaseException, int], None],
     ) -> None: ...
     def allreduce(self, x: Any, op: Any, out: Any) -> Any: ...
     def broadcast(self, x: Any, root: Any) -> Any: ...

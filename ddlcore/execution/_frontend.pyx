@@ -7,7 +7,7 @@ path do in Python: check the arguments, take the sequence number, record the cal
 through the boards (``transports/ddl_arena.h``) with the GIL released. Anything else it declines
 (`DECLINED`, before anything is taken or sent) and the Python path runs the call, so both paths
 produce the same check words, sequence numbers and errors; a failed call is handed to Python
-(``on_failure``), which names it as the Python path would.
+(``failed``, then ``broken``), which names it as the Python path would.
 
 Also here: `check_word`, the word every message and sync point of a call carries (both paths).
 """
@@ -105,15 +105,21 @@ cdef class FrontEnd:
     communicator's ``executor`` (its lock, queue and sequence numbers, as ``run_inline`` takes
     them); the flight recorder's ``calls``/``ends`` lists (None: not recording); ``dtypes`` the
     NumPy dtypes by kernel code; ``ops`` the `Op` members by name and the `Op` type; ``names``: the
-    collectives' and memory kind's objects the recorder keeps; ``on_failure(status, kind, seq,
-    slot, x, out, op, root, mode)`` raises the call's error. Set ``enabled`` False while the
-    communicator must see every call (hooks registered, failed, closing)."""
+    collectives' and memory kind's objects the recorder keeps. After a failed native call,
+    ``failed(status, kind, seq, x, out, op, root, mode)`` returns its error (the peers told,
+    while the call still counts as in progress on the boards), then ``broken(error, slot)``
+    breaks the communicator and raises it (the executor still held). Set ``enabled`` False
+    while the communicator must see every call (hooks registered, failed, closing).
+
+    The executor's and the boards' counters are read and written with the GIL held and no
+    Python code run in between (as their Python owners do under their locks): this relies on
+    the GIL, as CPython with it."""
 
     cdef ddl_arena *a
     cdef object arena, host, executor, cv_acquire, cv_release, queue, run_acquire, run_release
     cdef list calls, ends
     cdef Py_ssize_t capacity
-    cdef object on_failure, by_name, op_type, allreduce_name, broadcast_name, barrier_name
+    cdef object failed, broken, by_name, op_type, allreduce_name, broadcast_name, barrier_name
     cdef object host_memory
     cdef tuple descrs
     cdef int size
@@ -123,7 +129,7 @@ cdef class FrontEnd:
     cdef public bint enabled
 
     def __init__(self, arena, host, executor, calls, ends, dtypes, ops, names, int size,
-                 double timeout, bint direct, on_failure):
+                 double timeout, bint direct, failed, broken):
         cdef int i
         self.arena = arena
         self.a = <ddl_arena *><uintptr_t>arena.address
@@ -142,7 +148,7 @@ cdef class FrontEnd:
         self.timeout_ns = <int64_t>(min(timeout, 1e8) * 1e9)  # years: never overflow
         self.direct = direct
         self.slots_max = host.slots_max
-        self.on_failure = on_failure
+        self.failed, self.broken = failed, broken
         self.barrier_check = _check_word(K_BARRIER, NONE_CODE, NONE_CODE, 0, 0, 0)
         self.enabled = True
 
@@ -226,11 +232,12 @@ cdef class FrontEnd:
     cdef bint _run(self, int kind, int code, int opc, int kop, int64_t divisor, int root,
                    cnp.ndarray x, cnp.ndarray out, int mode, object opm) except? False:
         """Take the executor as ``run_inline`` does, record, run; False: declined (nothing
-        taken). Raises the call's error (``on_failure``)."""
+        taken). Raises the call's error (``failed``, ``broken``)."""
         cdef ddl_call c
         cdef int st
         cdef Py_ssize_t seq, slot = 0
         cdef object executor = self.executor, host = self.host
+        cdef bint busy = True
         # The executor idle, as run_inline finds it (under its lock; never wait for it).
         if not self.cv_acquire(False):
             return False
@@ -279,10 +286,14 @@ cdef class FrontEnd:
                 else:
                     st = ddl_arena_small(self.a, &c)
             if st:
-                self.on_failure(st, kind, seq, slot, x, out, opm, root, mode)
+                error = self.failed(st, kind, seq, x, out, opm, root, mode)
+                host._busy -= 1  # as HostCollectives.run: only the failure's note in the call
+                busy = False
+                self.broken(error, slot)  # raises
             if self.capacity:
                 self.ends[slot] = _now_ns(CLOCK_REALTIME) * 1e-9
         finally:
-            host._busy -= 1
+            if busy:
+                host._busy -= 1
             self.run_release()
         return True

@@ -28,7 +28,8 @@ def build(
     recorder: FlightRecorder,
     size: int,
     timeout: float,
-    on_failure: Callable[..., None],
+    failed: Callable[..., BaseException],
+    broken: Callable[[BaseException, int], None],
 ) -> FrontEnd | None:
     """The front end of a communicator whose ranks all share this host (``host``: its
     connected boards), or None without boards."""
@@ -47,5 +48,6 @@ def build(
         size,
         timeout,
         host.direct,
-        on_failure,
+        failed,
+        broken,
     )

@@ -50,7 +50,9 @@ def _same_as_python_path(rank, size):
         checked = 0
         for dtype in matrix.DTYPES:
             isz = np.dtype(dtype).itemsize
-            for count in (0, 1, 7, 1021, comm._host.slots_max // isz + 5):
+            # Past the slots only where direct reads work (else the schedules run it).
+            past = [comm._host.slots_max // isz + 5] if comm._host.direct else []
+            for count in (0, 1, 7, 1021, *past):
                 for op in matrix.OPS:
                     if op == "avg" and np.dtype(dtype).kind in "iu":
                         continue  # the exact integer avg runs in Python (int_avg)
@@ -71,9 +73,11 @@ def _same_as_python_path(rank, size):
                     for other in (into, inplace, slow):
                         assert other.tobytes() == got.tobytes(), what
                     checked += 1
+                before = len(python_calls)
                 b = xs[rank].copy()
                 assert comm.broadcast(b, root=size - 1) is b
                 np.testing.assert_array_equal(b, xs[size - 1])
+                assert len(python_calls) == before, f"{dtype} broadcast: Python path"
         before = len(python_calls)
         comm.barrier()
         assert len(python_calls) == before
@@ -91,6 +95,7 @@ def _mixed_paths(rank, size):
     at the same sync points with the same check words and sequence numbers."""
     import ddlcore
 
+    python_calls = _count_python_calls()
     with ddlcore.init(timeout=TIMEOUT_S) as comm:
         vals = [float(rank + 1 + i) for i in range(11)]
         x = np.array(vals, np.float32) if rank == 0 else array.array("f", vals)
@@ -100,6 +105,8 @@ def _mixed_paths(rank, size):
         comm.broadcast(b, root=1)
         assert list(b) == [1] * 5
         comm.barrier()
+        # Rank 0 took the front end for all three, the others the Python path (not barrier's).
+        assert len(python_calls) == (0 if rank == 0 else 2), python_calls
         # A mismatch across the paths: named on both sides, with the same sequence number.
         n = 10 if rank == 0 else 12
         y = np.ones(n, np.float32) if rank == 0 else array.array("f", [1.0] * n)
@@ -125,6 +132,26 @@ def test_ranks_on_different_paths_agree_and_disagree_alike():
     for rank, message in enumerate(messages):
         assert f"rank {rank}: allreduce #3 (" in message, message
         assert "allreduce of 10 elements" in message and "allreduce of 12 elements" in message
+
+
+def _links_told(rank, size):
+    """A failure on the front end breaks the links too, as after the Python path's failed
+    board step: a receive afterwards fails at once instead of waiting out DDL_TIMEOUT."""
+    import ddlcore
+
+    with ddlcore.init(timeout=TIMEOUT_S) as comm:
+        comm.allreduce(np.ones(4, np.float32))
+        with pytest.raises(ddlcore.CollectiveMismatchError):
+            comm.allreduce(np.ones(10 + rank, np.float32))  # both on the front end
+        t0 = time.monotonic()
+        with pytest.raises(ddlcore.DDLError):
+            comm.recv(np.empty(1, np.float32), 1 - rank)
+        return time.monotonic() - t0
+
+
+def test_a_failure_on_the_front_end_tells_the_links():
+    for elapsed in run_ranks(_links_told, 2, env=SHM, timeout=60):
+        assert elapsed < TIMEOUT_S / 4, elapsed
 
 
 def _declined(rank, size):
@@ -164,24 +191,25 @@ def _declined(rank, size):
         assert hooked == [1, 1] and not comm._front.enabled
         remove()
         assert comm._front.enabled
-        before = len(python_calls)
         handle = comm.allreduce_async(np.full(200_000, rank, np.float32))
         mid = comm.allreduce(np.ones(3, np.float32))  # behind the queued one
         np.testing.assert_array_equal(handle.wait(), np.full(200_000, size * (size - 1) / 2))
         np.testing.assert_array_equal(mid, np.full(3, size, np.float32))
-        assert len(python_calls) >= before + 1
         record = comm.flight_record()["entries"]
         seqs = [e["seq"] for e in record]
-        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    return [(e["collective"], e["count"], e["dtype"], e["op"], e["state"]) for e in record]
+        # No sequence number lost to a declined call: the calls that ran, one after another.
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    return [
+        (e["seq"], e["collective"], e["count"], e["dtype"], e["op"], e["state"]) for e in record
+    ]
 
 
 def test_declines_what_it_does_not_handle_with_nothing_taken(pools):
     records = pools.run(_declined, 3, env=SHM, timeout=120)
     assert records[0] == records[1] == records[2]
     assert all(state == "completed" for *_, state in records[0])
-    assert ("allreduce", 12, "float32", "sum", "completed") in records[0]
-    assert ("barrier", 0, None, None, "completed") in records[0]
+    assert any(r[1:] == ("allreduce", 12, "float32", "sum", "completed") for r in records[0])
+    assert any(r[1:] == ("barrier", 0, None, None, "completed") for r in records[0])
 
 
 def _failure_recorded(rank, size):

@@ -223,6 +223,11 @@ class PathBase:
     def _run(self, plan: Plan, call: Call, seq: int) -> None:
         raise NotImplementedError
 
+    def failed_on_boards(self) -> None:
+        """A call of this path's failed on the boards outside `run` (the compiled front end):
+        `abort` then tells the links, as after a failed board step of `run`."""
+        self._busy, self._on_boards = True, True
+
     def abort(self, code: int, reason: str) -> None:
         if not self._busy:
             return

@@ -57,6 +57,7 @@ def _waited_host_view(t: torch.Tensor, opts: Any) -> Any:
         or not t.is_cpu
         or t.dtype not in _NUMPY_VIEWABLE
         or not t.is_contiguous()
+        or t.is_neg()  # a lazily negated view: .numpy() refuses it
     ):
         return None
     return t.numpy()
