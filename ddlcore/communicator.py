@@ -148,8 +148,6 @@ class Communicator(RootedCollectives):
                 host,
                 self._executor,
                 self._flight,
-                self.size,
-                timeout,
                 self._front_end_failed,
                 self._front_end_broken,
             )
@@ -293,7 +291,7 @@ class Communicator(RootedCollectives):
     ) -> BaseException:
         """A call of the front end failed with native ``status``: its error, as the Python
         path names it, with the boards' peers told (`HostCollectives.failed`)."""
-        call = calls.prepare(frontend.KINDS[kind], x, op, out, root, self.size)
+        call = calls.prepare(frontend.KINDS[hostcoll.BoardKind(kind)], x, op, out, root, self.size)
         assert self._host is not None
         return self._host.failed(status, paths.label(call, seq), mode, (x, out))
 

@@ -12,7 +12,6 @@ class FrontEnd:
     enabled: bool
     def __init__(
         self,
-        arena: Any,
         host: Any,
         executor: Any,
         calls: list[Any] | None,
@@ -20,9 +19,6 @@ class FrontEnd:
         dtypes: Sequence[Any],
         ops: tuple[Mapping[str, Any], type],
         names: tuple[Any, Any, Any, Any],
-        size: int,
-        timeout: float,
-        direct: bool,
         failed: Callable[..., BaseException],
         broken: Callable[[BaseException, int], None],
     ) -> None: ...

@@ -100,8 +100,9 @@ cdef inline int64_t _now_ns(int clk) noexcept nogil:
 
 
 cdef class FrontEnd:
-    """One communicator's front end on its boards. ``arena``: the boards' `Arena`; ``host``:
-    their `HostCollectives` (its ``_closed`` and ``_busy`` are shared with close()); the
+    """One communicator's front end on its boards. ``host``: their `HostCollectives`, connected
+    (its native handle, ranks, deadline, slot size and direct reads are the front end's too; its
+    ``_closed`` and ``_busy`` are shared with close()); the
     communicator's ``executor`` (its lock, queue and sequence numbers, as ``run_inline`` takes
     them); the flight recorder's ``calls``/``ends`` lists (None: not recording); ``dtypes`` the
     NumPy dtypes by kernel code; ``ops`` the `Op` members by name and the `Op` type; ``names``: the
@@ -128,11 +129,9 @@ cdef class FrontEnd:
     cdef uint64_t slots_max, barrier_check
     cdef public bint enabled
 
-    def __init__(self, arena, host, executor, calls, ends, dtypes, ops, names, int size,
-                 double timeout, bint direct, failed, broken):
-        cdef int i
-        self.arena = arena
-        self.a = <ddl_arena *><uintptr_t>arena.address
+    def __init__(self, host, executor, calls, ends, dtypes, ops, names, failed, broken):
+        self.arena = host.arena
+        self.a = <ddl_arena *><uintptr_t>self.arena.address
         self.host, self.executor = host, executor
         self.cv_acquire, self.cv_release = executor._cv.acquire, executor._cv.release
         self.queue = executor._queue
@@ -144,9 +143,9 @@ cdef class FrontEnd:
         assert len(self.descrs) == N_CODES
         self.by_name, self.op_type = ops
         self.allreduce_name, self.broadcast_name, self.barrier_name, self.host_memory = names
-        self.size = size
-        self.timeout_ns = <int64_t>(min(timeout, 1e8) * 1e9)  # years: never overflow
-        self.direct = direct
+        self.size = host.size
+        self.timeout_ns = <int64_t>(min(host.timeout, 1e8) * 1e9)  # years: never overflow
+        self.direct = host.direct
         self.slots_max = host.slots_max
         self.failed, self.broken = failed, broken
         self.barrier_check = _check_word(K_BARRIER, NONE_CODE, NONE_CODE, 0, 0, 0)

@@ -11,23 +11,25 @@ from typing import Any
 from ddlcore.buffers import MemoryKind
 from ddlcore.collectives import Collective
 from ddlcore.execution._frontend import DECLINED, FrontEnd, check_word
-from ddlcore.execution.hostcoll import HostCollectives
+from ddlcore.execution.hostcoll import BoardKind, HostCollectives
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
 from ddlcore.trace.flight import FlightRecorder
 
 __all__ = ["DECLINED", "FrontEnd", "build", "check_word"]
 
-# The board kinds the front end runs (BoardKind's values), as the collectives they are.
-KINDS = {1: Collective.ALLREDUCE, 4: Collective.BROADCAST, 5: Collective.BARRIER}
+# The board kinds the front end runs, as the collectives they are.
+KINDS = {
+    BoardKind.ALLREDUCE: Collective.ALLREDUCE,
+    BoardKind.BROADCAST: Collective.BROADCAST,
+    BoardKind.BARRIER: Collective.BARRIER,
+}
 
 
 def build(
     host: HostCollectives | None,
     executor: Any,
     recorder: FlightRecorder,
-    size: int,
-    timeout: float,
     failed: Callable[..., BaseException],
     broken: Callable[[BaseException, int], None],
 ) -> FrontEnd | None:
@@ -37,7 +39,6 @@ def build(
         return None
     calls, ends = recorder.slots() or (None, None)
     return FrontEnd(
-        host.arena,
         host,
         executor,
         calls,
@@ -45,9 +46,6 @@ def build(
         tuple(numpy_dtype(code) for code in DType),
         ({op.name.lower(): op for op in Op}, Op),
         (Collective.ALLREDUCE, Collective.BROADCAST, Collective.BARRIER, MemoryKind.HOST),
-        size,
-        timeout,
-        host.direct,
         failed,
         broken,
     )
