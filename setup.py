@@ -1,5 +1,5 @@
 """Build only the Cython extensions (CPU kernels, the shm transport's and the host collectives' native halves, the
-communicator's compiled front end); everything
+communicator's compiled front end, the tcp transport's native steps); everything
 else is declared in pyproject.toml."""
 
 import numpy
@@ -32,6 +32,12 @@ extensions = [
         ["ddlcore/execution/_frontend.pyx"],
         include_dirs=["transports", "kernels/cpu", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=COMPILE_ARGS,
+    ),
+    Extension(
+        "ddlcore.transports.tcp._steps",
+        ["transports/tcp/_steps.pyx"],
+        include_dirs=["kernels/cpu"],
         extra_compile_args=COMPILE_ARGS,
     ),
     Extension(

@@ -77,6 +77,9 @@ API_VERSION = 2
 # The versions `ddlcore.transports.load` accepts: 1 is called without options (see above).
 SUPPORTED_API_VERSIONS = (1, 2)
 
+# The columns of the step rows `Context.run_steps` takes (``ddlcore.algorithms.schedule.StepTable``).
+STEP_COLUMNS = ("kind", "peer", "slot", "count", "src", "src_off", "dst", "dst_off", "flags")
+
 # Error codes carried by an abort message, so the peer raises the same class we did.
 ABORT_PEER_FAILURE = 0
 ABORT_MISMATCH = 1
@@ -289,6 +292,32 @@ class Context(abc.ABC):
         """What makes collectives among the ranks of one host run as a whole through this
         transport (shm: its boards), or None: the transport has none (the default)."""
         return None
+
+    def run_steps(
+        self,
+        rows: Any,
+        max_count: int,
+        tag_base: int,
+        check: int,
+        bufs: Any,
+        staging: int,
+        itemsize: int,
+        dtype: int,
+        op: int,
+        divisor: int,
+        timeout: float,
+    ) -> int:
+        """Run a collective's steps natively, as far as they go at once (tcp: small messages
+        over its sockets), with the messages the engine would send, so that peers running
+        theirs in Python meet them. ``rows``: int64 array, a step per row, columns
+        `STEP_COLUMNS` (kind as the engine's: 0 send, 1 recv, 2 recv-reduce, 3 copy; flags:
+        1 finalize, 2 staged first), peers all of this context; ``max_count``: its largest
+        step's elements; ``tag_base``: the call's tags less the slot; ``bufs``: the buffers'
+        addresses by buffer number (uint64 array); ``staging``: room for the largest
+        recv-reduce; ``dtype``/``op``: kernel codes (sum for avg); ``divisor``: avg's
+        finalize, 0 for none. Returns the index of the first step not done, which the
+        engine then runs itself: 0, the default, where the transport has no such path."""
+        return 0
 
 
 class Transport(abc.ABC):

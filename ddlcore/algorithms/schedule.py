@@ -40,6 +40,10 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
+from ddlcore.transports.base import STEP_COLUMNS
+
 
 class Kind(enum.IntEnum):
     SEND = 0
@@ -117,6 +121,11 @@ class Schedule:
             index[s.part].append(i)
         return tuple((tuple(ix), tuple(self.steps[i] for i in ix)) for ix in index)
 
+    @functools.cached_property
+    def table(self) -> StepTable:
+        """The steps as one integer array, for native executors (`StepTable`)."""
+        return StepTable.of(self.steps)
+
     def streams(self) -> dict[int, list[int]]:
         """Each stream's parts in the order it runs them (the first part's stream first); a
         schedule without parts is part 0 on stream 0."""
@@ -142,6 +151,41 @@ class Schedule:
             after = f" after {','.join(map(str, part.after))}" if part.after else ""
             lines.append(f"  {i:4d} [part {s.part} stream {part.stream}{after}] {s.describe()}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """A schedule's steps as an int64 array with one row per step, columns as the transports
+    take them (``transports.base.STEP_COLUMNS``; flags: 1 finalize, 2 staged first), for
+    executors written in C; ``max_count`` and ``max_reduced``: the largest step's element
+    count, and the largest ``RECV_REDUCE``'s."""
+
+    rows: np.ndarray
+    max_count: int
+    max_reduced: int
+
+    @classmethod
+    def of(cls, steps: tuple[Step, ...]) -> StepTable:
+        rows = np.array(
+            [
+                (
+                    s.kind,
+                    s.peer,
+                    s.slot,
+                    s.count,
+                    s.src,
+                    s.src_off,
+                    s.dst,
+                    s.dst_off,
+                    int(s.finalize) | int(s.staged_first) << 1,
+                )
+                for s in steps
+            ],
+            dtype=np.int64,
+        ).reshape(len(steps), len(STEP_COLUMNS))
+        rows.flags.writeable = False
+        reduced = [s.count for s in steps if s.kind == Kind.RECV_REDUCE]
+        return cls(rows, max((s.count for s in steps), default=0), max(reduced, default=0))
 
 
 def split(count: int, parts: int) -> list[tuple[int, int]]:

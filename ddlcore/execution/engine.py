@@ -175,7 +175,18 @@ def run(
 
         run_parts(schedule, coll, links, remaining, run_part)
     elif schedule.steps:
-        _run_steps(schedule, schedule.steps, None, coll, buffers, links, staging, depth, remaining)
+        _run_steps(
+            schedule,
+            schedule.steps,
+            None,
+            coll,
+            buffers,
+            links,
+            staging,
+            depth,
+            remaining,
+            getattr(links, "run_steps", None),
+        )
 
 
 def _run_steps(
@@ -188,9 +199,11 @@ def _run_steps(
     staging: StagingPool,
     depth: int,
     remaining: Callable[[], float],
+    native: Callable[..., int] | None = None,
 ) -> None:
     """Run ``steps`` (all of ``schedule``'s, or one part's, ``index`` then giving each one's
-    place in the schedule for messages) in program order."""
+    place in the schedule for messages) in program order; ``native``: the links' runner of
+    whole schedules (`Context.run_steps`), which goes first, as far as it goes."""
     nsteps = len(steps)
     isz = coll.itemsize
     tag_base = (coll.seq & 0xFFFFFFFF) << 32
@@ -251,9 +264,25 @@ def _run_steps(
         posted[j] = pair(s.peer).irecv(view, tag_base | s.slot, check)
         return True
 
-    nxt = 0  # next step to consider for early posting
+    i = start = 0
     try:
-        for i in range(nsteps):
+        if native is not None:
+            table = schedule.table
+            start = native(
+                table.rows,
+                table.max_count,
+                tag_base,
+                check,
+                _addresses(buffers),
+                slots[0].ptr if slots else 0,
+                isz,
+                code,
+                kop,
+                schedule.size if divide else 0,
+                remaining(),
+            )
+        nxt = start  # next step to consider for early posting
+        for i in range(start, nsteps):
             nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)
             while sends and sends[0][2].test():
                 sends.popleft()
@@ -297,6 +326,11 @@ def _run_steps(
             req.wait(remaining())
     except DDLError as exc:
         raise failure(schedule, coll, i if index is None else index[i], exc, links) from None
+
+
+def _addresses(buffers: dict[Buf, Region]) -> np.ndarray:
+    """The buffers' addresses by `Buf` number (0: none), for a native runner."""
+    return np.array([buffers[b].ptr if b in buffers else 0 for b in Buf], np.uint64)
 
 
 def run_parts(

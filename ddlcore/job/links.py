@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
@@ -188,6 +188,13 @@ class Links:
                     made.close()
             raise
         self._pairs: dict[int, Pair] = {}
+        # Where one transport links this rank with every peer and runs steps natively
+        # (`Context.run_steps`), the engine hands it a call's steps first.
+        self.run_steps: Callable[..., int] | None = None
+        if len(self.contexts) == 1:
+            only = next(iter(self.contexts.values()))
+            if type(only).run_steps is not Context.run_steps:
+                self.run_steps = only.run_steps
 
     def host_collectives(self, group: Sequence[int]) -> tuple[HostCollectivesFactory | None, str]:
         """What runs collectives among ``group`` (ranks of this host, this one among them) as

@@ -17,7 +17,9 @@ SOURCES = {"ddlcore": "ddlcore", "transports": "ddlcore.transports", "kernels": 
 def modules() -> dict[str, pathlib.Path]:
     found = {}
     for folder, package in SOURCES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
+        # Compiled modules count as modules (``from pkg._native import f`` names them), with
+        # no ddlcore imports of their own.
+        for path in sorted([*(ROOT / folder).rglob("*.py"), *(ROOT / folder).rglob("*.pyx")]):
             parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -28,6 +30,8 @@ def modules() -> dict[str, pathlib.Path]:
 def imports(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> set[str]:
     """The ddlcore modules ``name`` imports (the closest module each statement names; the
     package ``ddlcore`` itself, which imports the public API, is left out)."""
+    if path.suffix == ".pyx":
+        return set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
     typing_only = {

@@ -35,6 +35,13 @@ one from the receiver thread to the waiter cost two thread wake-ups of tens of Â
 frame being read is kept on the channel (`Inbound`): a waiter reads without blocking and leaves
 at its deadline even half-way through a frame, and the next reader carries on from there.
 
+A collective's small steps (messages up to 64 KB) run natively when the engine hands them over
+(`Context.run_steps`, ``steps.py`` and ``_steps.pyx``): the sockets they use are leased (sends
+from other threads queue, the receiver thread stays parked), each send is one ``sendmsg`` and
+each receive reads its frame straight off the socket, all in one call without the GIL. It stops
+before any frame it does not expect, or a receive that has not begun within 20 ms, leaving the
+rest to the Python engine: the frames are the same, so ranks on either path meet.
+
 Frame header (little endian, 28 bytes): magic u32 | kind u16 | reserved u16 | check u32 |
 tag u64 | nbytes u64, then ``nbytes`` of payload. DATA carries a message; ABORT carries an error
 code (``ABORT_*``) in ``check`` and a UTF-8 reason of at most MAX_ABORT_REASON_BYTES; CLOSE says

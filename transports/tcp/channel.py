@@ -31,6 +31,18 @@ if TYPE_CHECKING:
     from ddlcore.transports.tcp.pair import TcpPair
 
 
+# How long a lease that reads waits for the receiver thread to leave poll() (it does within
+# microseconds; an eventfd wake-up of a thread that is not running takes tens on a VM).
+_LEASE_WAIT_S = 0.002
+
+
+class _Lease:
+    """What `Channel.driving` holds while the socket is leased (no request drives it then)."""
+
+
+_LEASED: TcpRequest = _Lease()  # type: ignore[assignment]
+
+
 class TcpRequest(ThreadRequest):
     """A send or receive; a receive's waiter reads the socket itself (`Channel.drive`) while
     it can, and otherwise waits on the lock like any `ThreadRequest`."""
@@ -195,6 +207,64 @@ class Channel:
                     req._fail(pair._error_for(self, req))
                 else:
                     req._complete()
+
+    # --- leasing (`ddlcore.transports.tcp.steps`) ----------------------------------------------
+    def lease(self, reads: bool) -> int:
+        """Take the socket's writing, and its reading too if ``reads``, for the calling thread
+        alone, if nobody writes now and nothing is queued (or, for reading, held for a
+        receive): its descriptor, else -1. Give it back with `unlease`. Meanwhile sends from
+        other threads queue; a lease that reads asks the receiver thread out, which then stays
+        parked (as while a waiter drives)."""
+        with self.scond:
+            sock = self.sock
+            if sock is None or self.busy or self.queue or self.stopping:
+                return -1
+            self.busy = True
+        if reads and not self._lease_reads():
+            self._end_send_lease()
+            return -1
+        return sock.fileno()
+
+    def _lease_reads(self) -> bool:
+        with self.rcond:
+            if (
+                self.driving is not None
+                or self.failure is not None
+                or self.pair._failure is not None
+            ):
+                return False
+            self.driving = _LEASED
+            if self.reading:  # ask the receiver thread out; it leaves between frames
+                self._ring_locked()
+                self.rcond.wait_for(lambda: not self.reading, _LEASE_WAIT_S)
+            if self.reading or self.inbound.hgot or self.matcher.unexpected:
+                self._end_read_lease_locked()  # busy, half-way in a frame, or a message kept
+                return False
+        return True
+
+    def unlease(self) -> None:
+        if self.driving is _LEASED:  # only the lease holder sets or clears it
+            with self.rcond:
+                self._end_read_lease_locked()
+        self._end_send_lease()
+
+    def _end_read_lease_locked(self) -> None:
+        self.driving = None
+        self.resume_at = time.monotonic() + _LINGER_S
+        if self.reading:
+            self.rcond.notify_all()
+        if self.pair._closed:  # the pair's close() left the eventfd to us
+            self.release_wake_locked()
+
+    def _end_send_lease(self) -> None:
+        with self.scond:
+            self.busy = False
+            if self.queue or self.stopping:
+                self.scond.notify()
+
+    @property
+    def leased(self) -> bool:
+        return self.driving is _LEASED
 
     # --- receiving ------------------------------------------------------------------------------
     def recv_loop(self) -> None:

@@ -23,6 +23,7 @@ from ddlcore.transports.sockets import (
     rail_address,
     route_address,
 )
+from ddlcore.transports.tcp import steps
 from ddlcore.transports.tcp.pair import TcpPair
 from ddlcore.transports.tcp.protocol import (
     _ACK,
@@ -143,6 +144,9 @@ class TcpContext(PairTableContext):
                 )
             return False
         return self._pair_for(src)._accept(index, conn) == _ACK_OK
+
+    # `Context.run_steps`: small messages natively over the leased sockets.
+    run_steps = steps.run_steps
 
     def _new_pair(self, peer: int) -> TcpPair:
         return TcpPair(self, peer)
