@@ -546,6 +546,7 @@ def summary() -> str:
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))
     gloo2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20), "gloo")
     lat = {state: load(f"latency_4k_np2_{state}.json") for state in ("quiet", "busy")}
+    tcp = {state: load(f"latency_4k_np2_tcp_{state}.json") for state in ("quiet", "busy")}
     conv = _throughput("convergence.json", "ddlcore", 2) / _throughput(
         "convergence.json", "gloo", 2
     )
@@ -594,6 +595,14 @@ def summary() -> str:
             f"{lat['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
             f"{lat['busy']['mpi']['median_us']:.1f} µs)",
             "[Latency](#small-message-latency-medians-beside-mpich)",
+        ],
+        [
+            "Over TCP (loopback), 4 KB allreduce, median, np = 2",
+            f"{tcp['quiet']['ddlcore']['median_us']:.1f} µs (MPICH over TCP "
+            f"{tcp['quiet']['mpi']['median_us']:.1f} µs); beside a busy process "
+            f"{tcp['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
+            f"{tcp['busy']['mpi']['median_us']:.1f} µs)",
+            "[Over TCP](#over-tcp-beside-mpi-over-tcp)",
         ],
         [
             "Training (MLP, DDP-style, np = 2, CPU)",

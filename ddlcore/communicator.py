@@ -150,6 +150,11 @@ class Communicator(RootedCollectives):
                 self._flight,
                 self._front_end_failed,
                 self._front_end_broken,
+                frontend.OnLinks(
+                    self.size, self._paths, self._schedule_path, self._front_end_links_failed
+                )
+                if host is None and not self._agree_explicitly
+                else None,
             )
         )
         self._front_lock = threading.Lock()
@@ -300,6 +305,14 @@ class Communicator(RootedCollectives):
         (its links told too), record the call as failed, raise ``err``."""
         self._boards_path.failed_on_boards()
         self._fail(err, self._boards_path)
+        if self._flight.enabled:
+            self._flight.call_failed(err, slot)
+        raise err
+
+    def _front_end_links_failed(self, err: BaseException, slot: int) -> None:
+        """A call of the front end failed on the links (the engine told them): break the
+        communicator as the Python path does, record the call as failed, raise ``err``."""
+        self._fail(err, self._schedule_path)
         if self._flight.enabled:
             self._flight.call_failed(err, slot)
         raise err

@@ -155,6 +155,22 @@ def patch(owner: Any, name: str, value: Any) -> None:
     setattr(owner, name, value)
 
 
+def count_python_calls() -> list[Any]:
+    """In a rank: the collectives that go through the communicator's Python path from now on
+    (``calls.prepare``, which the compiled front end skips), in a list that grows."""
+    from ddlcore import calls, communicator
+
+    seen: list[Any] = []
+    real = calls.prepare
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen.append(args[0])
+        return real(*args, **kwargs)
+
+    patch(communicator.calls, "prepare", counted)
+    return seen
+
+
 def _run_job(
     fn: Callable[..., Any],
     rank: int,

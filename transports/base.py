@@ -306,7 +306,7 @@ class Context(abc.ABC):
         op: int,
         divisor: int,
         timeout: float,
-    ) -> int:
+    ) -> tuple[int, Request | None]:
         """Run a collective's steps natively, as far as they go at once (tcp: small messages
         over its sockets), with the messages the engine would send, so that peers running
         theirs in Python meet them. ``rows``: int64 array, a step per row, columns
@@ -316,8 +316,10 @@ class Context(abc.ABC):
         addresses by buffer number (uint64 array); ``staging``: room for the largest
         recv-reduce; ``dtype``/``op``: kernel codes (sum for avg); ``divisor``: avg's
         finalize, 0 for none. Returns the index of the first step not done, which the
-        engine then runs itself: 0, the default, where the transport has no such path."""
-        return 0
+        engine then runs itself (0, the default, where the transport has no such path), and
+        the request of the send before it if that send is still going out (the engine waits
+        for it as for its own sends), else None."""
+        return 0, None
 
 
 class Transport(abc.ABC):

@@ -9,6 +9,12 @@ through the boards (``transports/ddl_arena.h``) with the GIL released. Anything 
 produce the same check words, sequence numbers and errors; a failed call is handed to Python
 (``failed``, then ``broken``), which names it as the Python path would.
 
+Where no boards run the collectives but one transport with a native runner links every peer
+(tcp: ``Context.run_steps``), the front end takes allreduces the same way up to the run, which
+``links`` (`frontend.OnLinks`) does: each call shape is planned once by the Python path's rules
+(None: declined), then each call is handed to the links' runner, the engine finishing whatever
+it leaves. Broadcast and barrier there take the Python path.
+
 Also here: `check_word`, the word every message and sync point of a call carries (both paths).
 """
 
@@ -109,8 +115,10 @@ cdef class FrontEnd:
     collectives' and memory kind's objects the recorder keeps. After a failed native call,
     ``failed(status, kind, seq, x, out, op, root, mode)`` returns its error (the peers told,
     while the call still counts as in progress on the boards), then ``broken(error, slot)``
-    breaks the communicator and raises it (the executor still held). Set ``enabled`` False
-    while the communicator must see every call (hooks registered, failed, closing).
+    breaks the communicator and raises it (the executor still held). Without boards (``host``
+    None), ``links`` (`frontend.OnLinks`: its ``size``, ``plan`` and ``run``) takes allreduces
+    instead. Set ``enabled`` False while the communicator must see every call (hooks
+    registered, failed, closing).
 
     The executor's and the boards' counters are read and written with the GIL held and no
     Python code run in between (as their Python owners do under their locks): this relies on
@@ -123,16 +131,29 @@ cdef class FrontEnd:
     cdef object failed, broken, by_name, op_type, allreduce_name, broadcast_name, barrier_name
     cdef object host_memory
     cdef tuple descrs
+    cdef object links_plan, links_run
+    cdef dict plans
     cdef int size
     cdef int64_t timeout_ns
     cdef bint direct
     cdef uint64_t slots_max, barrier_check
     cdef public bint enabled
 
-    def __init__(self, host, executor, calls, ends, dtypes, ops, names, failed, broken):
-        self.arena = host.arena
-        self.a = <ddl_arena *><uintptr_t>self.arena.address
+    def __init__(self, host, executor, calls, ends, dtypes, ops, names, failed, broken,
+                 links=None):
         self.host, self.executor = host, executor
+        if host is not None:
+            self.arena = host.arena
+            self.a = <ddl_arena *><uintptr_t>self.arena.address
+            self.size = host.size
+            self.timeout_ns = <int64_t>(min(host.timeout, 1e8) * 1e9)  # years: never overflow
+            self.direct = host.direct
+            self.slots_max = host.slots_max
+        else:  # on the links: ``links`` plans and runs each call (`OnLinks`)
+            self.a = NULL
+            self.size = links.size
+            self.links_plan, self.links_run = links.plan, links.run
+        self.plans = {}
         self.cv_acquire, self.cv_release = executor._cv.acquire, executor._cv.release
         self.queue = executor._queue
         self.run_acquire = executor._run_lock.acquire
@@ -143,10 +164,6 @@ cdef class FrontEnd:
         assert len(self.descrs) == N_CODES
         self.by_name, self.op_type = ops
         self.allreduce_name, self.broadcast_name, self.barrier_name, self.host_memory = names
-        self.size = host.size
-        self.timeout_ns = <int64_t>(min(host.timeout, 1e8) * 1e9)  # years: never overflow
-        self.direct = host.direct
-        self.slots_max = host.slots_max
         self.failed, self.broken = failed, broken
         self.barrier_check = _check_word(K_BARRIER, NONE_CODE, NONE_CODE, 0, 0, 0)
         self.enabled = True
@@ -170,7 +187,7 @@ cdef class FrontEnd:
     def allreduce(self, x, op, out):
         """`Communicator.allreduce` (the result), or `DECLINED`."""
         cdef cnp.ndarray xa, oa
-        cdef int code, mode, opc, kop
+        cdef int code, mode = SLOTS, opc, kop
         cdef int64_t divisor = 0
         if not self.enabled or type(x) is not np.ndarray:
             return DECLINED
@@ -186,9 +203,10 @@ cdef class FrontEnd:
             if code >= FIRST_INT_CODE:  # an integer avg: exact, in a wider type (int_avg)
                 return DECLINED
             divisor, kop = self.size, OP_SUM
-        mode = self._mode(cnp.PyArray_NBYTES(xa))
-        if mode < 0:
-            return DECLINED
+        if self.a != NULL:
+            mode = self._mode(cnp.PyArray_NBYTES(xa))
+            if mode < 0:
+                return DECLINED
         if out is None:
             oa = PyArray_NewLikeArray(xa, cnp.NPY_CORDER, NULL, 0)
         elif (
@@ -201,15 +219,42 @@ cdef class FrontEnd:
             oa = <cnp.ndarray>out
         else:
             return DECLINED
+        if self.a == NULL:
+            return self._on_links(xa, oa, code, opc, opm)
         if self._run(K_ALLREDUCE, code, opc, kop, divisor, 0, xa, oa, mode, opm):
             return oa
         return DECLINED
+
+    cdef object _on_links(self, cnp.ndarray xa, cnp.ndarray oa, int code, int opc, object opm):
+        """An allreduce on the links: the plan of its shape (made once, by the Python path's
+        rules; None: the front end does not take it), then the call, run by ``links_run``."""
+        cdef Py_ssize_t seq, slot
+        key = (cnp.PyArray_SIZE(xa), code, opc)
+        plan = self.plans.get(key, DECLINED)
+        if plan is DECLINED:
+            plan = self.links_plan(*key)
+            if len(self.plans) >= 256:  # shapes come and go: keep the recent
+                self.plans.clear()
+            self.plans[key] = plan
+        if plan is None:
+            return DECLINED
+        seq = self._take()
+        if seq < 0:
+            return DECLINED
+        try:
+            slot = self._record(seq, K_ALLREDUCE, xa, opm, 0)
+            self.links_run(plan, seq, slot, xa, oa, opm)  # raises the call's error
+            if self.capacity:
+                self.ends[slot] = _now_ns(CLOCK_REALTIME) * 1e-9
+        finally:
+            self.run_release()
+        return oa
 
     def broadcast(self, x, root):
         """`Communicator.broadcast` (x), or `DECLINED`."""
         cdef cnp.ndarray xa
         cdef int code, mode
-        if not self.enabled or type(x) is not np.ndarray or type(root) is not int:
+        if not self.enabled or self.a == NULL or type(x) is not np.ndarray or type(root) is not int:
             return DECLINED
         xa = <cnp.ndarray>x
         code = self._code(xa)
@@ -224,9 +269,57 @@ cdef class FrontEnd:
 
     def barrier(self):
         """`Communicator.barrier`: True once done, False when declined."""
-        if not self.enabled:
+        if not self.enabled or self.a == NULL:
             return False
         return self._run(K_BARRIER, -1, NONE_CODE, OP_SUM, 0, 0, None, None, SLOTS, None)
+
+    cdef Py_ssize_t _take(self) except -2:
+        """The call's sequence number, taken as ``run_inline`` takes it, the executor's run
+        lock held (and on the boards, the call counted busy); -1: the executor is not idle,
+        nothing taken (never wait for it)."""
+        cdef object executor = self.executor, host = self.host
+        cdef Py_ssize_t seq
+        if not self.cv_acquire(False):
+            return -1
+        try:
+            if (
+                self.queue
+                or executor._closed
+                or (host is not None and host._closed)
+                or not self.run_acquire(False)
+            ):
+                return -1
+            seq = executor._next_seq
+            executor._next_seq = seq + 1
+            if host is not None:
+                host._busy += 1  # close() waits for calls in native code
+        finally:
+            self.cv_release()
+        return seq
+
+    cdef Py_ssize_t _record(self, Py_ssize_t seq, int kind, cnp.ndarray x, object opm,
+                            int root):
+        """The flight recorder's entry of the call, as ``recording()`` writes it; its slot."""
+        cdef Py_ssize_t slot = 0
+        if self.capacity:
+            slot = seq % self.capacity
+            now = _now_ns(CLOCK_REALTIME) * 1e-9
+            if kind == K_BARRIER:
+                entry = (seq, self.barrier_name, 0, None, None, 0, None, now)
+            else:
+                entry = (
+                    seq,
+                    self.allreduce_name if kind == K_ALLREDUCE else self.broadcast_name,
+                    cnp.PyArray_SIZE(x),
+                    <object>cnp.PyArray_DESCR(x),
+                    opm,
+                    root,
+                    self.host_memory,
+                    now,
+                )
+            self.calls[slot] = entry
+            self.ends[slot] = 0.0
+        return slot
 
     cdef bint _run(self, int kind, int code, int opc, int kop, int64_t divisor, int root,
                    cnp.ndarray x, cnp.ndarray out, int mode, object opm) except? False:
@@ -234,39 +327,14 @@ cdef class FrontEnd:
         taken). Raises the call's error (``failed``, ``broken``)."""
         cdef ddl_call c
         cdef int st
-        cdef Py_ssize_t seq, slot = 0
-        cdef object executor = self.executor, host = self.host
+        cdef Py_ssize_t seq, slot
+        cdef object host = self.host
         cdef bint busy = True
-        # The executor idle, as run_inline finds it (under its lock; never wait for it).
-        if not self.cv_acquire(False):
+        seq = self._take()
+        if seq < 0:
             return False
         try:
-            if self.queue or executor._closed or host._closed or not self.run_acquire(False):
-                return False
-            seq = executor._next_seq
-            executor._next_seq = seq + 1
-            host._busy += 1  # close() waits for calls in native code
-        finally:
-            self.cv_release()
-        try:
-            if self.capacity:
-                slot = seq % self.capacity
-                now = _now_ns(CLOCK_REALTIME) * 1e-9
-                if kind == K_BARRIER:
-                    entry = (seq, self.barrier_name, 0, None, None, 0, None, now)
-                else:
-                    entry = (
-                        seq,
-                        self.allreduce_name if kind == K_ALLREDUCE else self.broadcast_name,
-                        cnp.PyArray_SIZE(x),
-                        <object>cnp.PyArray_DESCR(x),
-                        opm,
-                        root,
-                        self.host_memory,
-                        now,
-                    )
-                self.calls[slot] = entry
-                self.ends[slot] = 0.0
+            slot = self._record(seq, kind, x, opm, root)
             c.kind, c.op, c.root, c.divisor = kind, kop, root, divisor
             if x is None:
                 c.dtype, c.count, c.itemsize, c.inp, c.out = 0, 0, 1, NULL, NULL

@@ -160,10 +160,14 @@ def run(
     staging: StagingPool,
     depth: int,
     timeout: float,
+    start: int = 0,
+    pending: Any = None,
 ) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
     failure (after aborting the links so the peers fail fast too). A schedule with parts runs
-    each stream on a thread of its own (`run_parts`)."""
+    each stream on a thread of its own (`run_parts`). ``start``: the steps before it are done
+    (a schedule without parts; the links' native runner ran them), but for the send before it
+    if ``pending`` (its request)."""
     remaining = deadline_clock(timeout)
     if schedule.parts:
 
@@ -185,7 +189,9 @@ def run(
             staging,
             depth,
             remaining,
-            getattr(links, "run_steps", None),
+            None if start else getattr(links, "run_steps", None),
+            start,
+            pending,
         )
 
 
@@ -199,11 +205,14 @@ def _run_steps(
     staging: StagingPool,
     depth: int,
     remaining: Callable[[], float],
-    native: Callable[..., int] | None = None,
+    native: Callable[..., tuple[int, Any]] | None = None,
+    start: int = 0,
+    pending: Any = None,
 ) -> None:
     """Run ``steps`` (all of ``schedule``'s, or one part's, ``index`` then giving each one's
-    place in the schedule for messages) in program order; ``native``: the links' runner of
-    whole schedules (`Context.run_steps`), which goes first, as far as it goes."""
+    place in the schedule for messages) in program order from ``start`` (``pending``: the
+    request of the send before it, still going out); ``native``: the links' runner of whole
+    schedules (`Context.run_steps`), which goes first, as far as it goes."""
     nsteps = len(steps)
     isz = coll.itemsize
     tag_base = (coll.seq & 0xFFFFFFFF) << 32
@@ -264,11 +273,11 @@ def _run_steps(
         posted[j] = pair(s.peer).irecv(view, tag_base | s.slot, check)
         return True
 
-    i = start = 0
+    i = start
     try:
         if native is not None:
             table = schedule.table
-            start = native(
+            start, pending = native(
                 table.rows,
                 table.max_count,
                 tag_base,
@@ -281,6 +290,9 @@ def _run_steps(
                 schedule.size if divide else 0,
                 remaining(),
             )
+        if pending is not None:  # the runner's last send: a region not to write yet
+            s = steps[start - 1]
+            sends.append((*span(s.src, s.src_off, s.count), pending))
         nxt = start  # next step to consider for early posting
         for i in range(start, nsteps):
             nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)

@@ -1,6 +1,6 @@
-"""A one-host communicator's compiled front end (``_frontend.FrontEnd``: checked arguments,
-sequence number, flight record and the boards' native call in one step), built from the
-communicator's parts. The Python path stays the reference: the front end declines whatever it
+"""A communicator's compiled front end (``_frontend.FrontEnd``: checked arguments, sequence
+number, flight record and, on one host, the boards' native call in one step; on the links, the
+links' native runner through `OnLinks`), built from the communicator's parts. The Python path stays the reference: the front end declines whatever it
 does not handle, before anything is taken or sent."""
 
 from __future__ import annotations
@@ -8,15 +8,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ddlcore.buffers import MemoryKind
+from ddlcore.calls import prepare
 from ddlcore.collectives import Collective
 from ddlcore.execution._frontend import DECLINED, FrontEnd, check_word
 from ddlcore.execution.hostcoll import BoardKind, HostCollectives
+from ddlcore.execution.paths import Path
+from ddlcore.execution.paths.schedule import NativePlan, SchedulePath
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
 from ddlcore.trace.flight import FlightRecorder
 
-__all__ = ["DECLINED", "FrontEnd", "build", "check_word"]
+__all__ = ["DECLINED", "FrontEnd", "OnLinks", "build", "check_word"]
 
 # The board kinds the front end runs, as the collectives they are.
 KINDS = {
@@ -26,16 +31,58 @@ KINDS = {
 }
 
 
+class OnLinks:
+    """The front end's Python half for allreduces on the links: which shapes it takes (those
+    the Python path runs as a schedule the links' native runner takes whole: `plan`, once per
+    shape) and running one (`run`); a failure breaks the communicator as the Python path's
+    does (``fail(error, slot)``, which raises)."""
+
+    def __init__(
+        self,
+        size: int,
+        paths: tuple[Path, ...],
+        schedule_path: SchedulePath,
+        fail: Callable[[BaseException, int], None],
+    ) -> None:
+        self.size, self.paths, self.schedule_path, self.fail = size, paths, schedule_path, fail
+
+    def plan(self, count: int, code: int, op: int) -> NativePlan | None:
+        """The plan of an allreduce of ``count`` elements of dtype ``code`` with ``op``, if
+        the path the Python path would take is the schedule path, and it runs natively."""
+        call = prepare(
+            Collective.ALLREDUCE,
+            np.empty(count, numpy_dtype(DType(code))),
+            Op(op),
+            None,
+            0,
+            self.size,
+        )
+        taker = next((p for p in self.paths if p.plan(call) is not None), None)
+        return self.schedule_path.native_plan(call) if taker is self.schedule_path else None
+
+    def run(
+        self, plan: NativePlan, seq: int, slot: int, x: np.ndarray, out: np.ndarray, op: Op
+    ) -> None:
+        try:
+            self.schedule_path.run_native(plan, seq, x, out, op)
+        except BaseException as exc:
+            self.fail(exc, slot)  # raises
+
+
 def build(
     host: HostCollectives | None,
     executor: Any,
     recorder: FlightRecorder,
     failed: Callable[..., BaseException],
     broken: Callable[[BaseException, int], None],
+    links: OnLinks | None = None,
 ) -> FrontEnd | None:
     """The front end of a communicator whose ranks all share this host (``host``: its
-    connected boards), or None without boards."""
-    if host is None or host.arena is None:
+    connected boards), or of one whose allreduces can run on the links' native runner
+    (``links``); None for others."""
+    if host is not None and host.arena is None:
+        return None
+    if host is None and links is None:
         return None
     calls, ends = recorder.slots() or (None, None)
     return FrontEnd(
@@ -48,4 +95,5 @@ def build(
         (Collective.ALLREDUCE, Collective.BROADCAST, Collective.BARRIER, MemoryKind.HOST),
         failed,
         broken,
+        links,
     )

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ddlcore.transports as transports
 from ddlcore.errors import TransportUnavailableError
@@ -190,7 +191,7 @@ class Links:
         self._pairs: dict[int, Pair] = {}
         # Where one transport links this rank with every peer and runs steps natively
         # (`Context.run_steps`), the engine hands it a call's steps first.
-        self.run_steps: Callable[..., int] | None = None
+        self.run_steps: Callable[..., tuple[int, Any]] | None = None
         if len(self.contexts) == 1:
             only = next(iter(self.contexts.values()))
             if type(only).run_steps is not Context.run_steps:

@@ -14,25 +14,10 @@ import numpy as np
 import pytest
 
 from tests.collectives import matrix
-from tests.harness import patch, run_ranks
+from tests.harness import count_python_calls, run_ranks
 
 SHM = {"DDL_TRANSPORT": "shm"}
 TIMEOUT_S = 20.0
-
-
-def _count_python_calls():
-    """Count the calls that go through the Python path (``calls.prepare``)."""
-    from ddlcore import calls, communicator
-
-    seen = []
-    real = calls.prepare
-
-    def counted(*args, **kwargs):
-        seen.append(args[0])
-        return real(*args, **kwargs)
-
-    patch(communicator.calls, "prepare", counted)
-    return seen
 
 
 def _same_as_python_path(rank, size):
@@ -43,7 +28,7 @@ def _same_as_python_path(rank, size):
 
     import ddlcore
 
-    python_calls = _count_python_calls()
+    python_calls = count_python_calls()
     with ddlcore.init() as comm:
         front = comm._front
         assert front is not None and front.enabled
@@ -95,7 +80,7 @@ def _mixed_paths(rank, size):
     at the same sync points with the same check words and sequence numbers."""
     import ddlcore
 
-    python_calls = _count_python_calls()
+    python_calls = count_python_calls()
     with ddlcore.init(timeout=TIMEOUT_S) as comm:
         vals = [float(rank + 1 + i) for i in range(11)]
         x = np.array(vals, np.float32) if rank == 0 else array.array("f", vals)
@@ -159,7 +144,7 @@ def _declined(rank, size):
     argument errors, the integer avg, other array types, queued async calls, hooks."""
     import ddlcore
 
-    python_calls = _count_python_calls()
+    python_calls = count_python_calls()
     with ddlcore.init() as comm:
         x = np.arange(12, dtype=np.float32) + rank
         bad = [

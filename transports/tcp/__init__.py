@@ -40,7 +40,8 @@ A collective's small steps (messages up to 64 KB) run natively when the engine h
 from other threads queue, the receiver thread stays parked), each send is one ``sendmsg`` and
 each receive reads its frame straight off the socket, all in one call without the GIL. It stops
 before any frame it does not expect, or a receive that has not begun within 20 ms, leaving the
-rest to the Python engine: the frames are the same, so ranks on either path meet.
+rest to the Python engine: the frames are the same, so ranks on either path meet. A send the
+socket takes only part of ends the run too, its rest queued first for the sender thread.
 
 Frame header (little endian, 28 bytes): magic u32 | kind u16 | reserved u16 | check u32 |
 tag u64 | nbytes u64, then ``nbytes`` of payload. DATA carries a message; ABORT carries an error

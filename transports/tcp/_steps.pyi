@@ -9,6 +9,7 @@ COLUMNS: Final[tuple[str, ...]]
 OK: Final[int]
 BROKEN: Final[int]
 STALLED: Final[int]
+PARTIAL: Final[int]
 
 def run(
     table: np.ndarray,

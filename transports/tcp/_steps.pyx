@@ -10,8 +10,10 @@ run stops before a step it cannot do at once and cleanly -- a send the socket wo
 frame that is not the one expected (another tag, a check word or size that differs, an abort,
 a close, EOF), a receive that has not begun within ``stop_ns``, the eventfd rung -- and returns
 that step's index with nothing of it done: the Python engine goes on from there and names
-whatever is wrong. Only a frame broken half-way (the socket failing inside it, or no progress
-until the deadline) ends the run with an error status: the stream is then unusable.
+whatever is wrong. A send the socket takes only part of ends the run too (the caller hands
+the rest to the channel's sender thread). Only a frame broken half-way while reading (the
+socket failing inside it, or no progress until the deadline) ends it with an error status: the
+stream is then unusable.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -52,6 +54,9 @@ cdef extern from "<poll.h>" nogil:
     enum: POLLIN
     enum: POLLOUT
 
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
 cdef extern from "ddl_kernels.h" nogil:
     int ddl_reduce(void *dst, const void *a, const void *b, int64_t n, int dtype, int op)
     int ddl_divide(void *dst, int64_t n, int dtype, int64_t divisor)
@@ -72,14 +77,20 @@ DEF C_DST_OFF = 7
 DEF C_FLAGS = 8
 DEF F_FINALIZE = 1
 DEF F_STAGED_FIRST = 2
+# A receive peeks this long, then yields the core between peeks until ``spin_ns``, then sleeps
+# in poll(): the boards' wait (ddl_arena.h's DDL_A_PAUSE_NS), so that ranks sharing cores with
+# other work hand it the core instead of spinning out their slice.
+DEF PAUSE_NS = 2000
 DEF HEADER = 28  # protocol._HEADER.size: magic u32, kind u16, 0 u16, check u32, tag u64, nbytes u64
 
 COLUMNS = ("kind", "peer", "slot", "count", "src", "src_off", "dst", "dst_off", "flags")
 
-# Statuses: all done or stopped cleanly at the returned step; a frame broken half-way.
+# Statuses: all done or stopped cleanly at the returned step; a frame broken half-way (the
+# socket failed inside it, or no progress until the deadline); a send the socket took part of.
 OK = 0
 BROKEN = 1
 STALLED = 2
+PARTIAL = 3
 
 
 cdef inline int64_t _now_ns() noexcept nogil:
@@ -124,13 +135,13 @@ cdef inline int _wait(int fd, short events, int wake, int64_t until_ns) noexcept
             return 1
 
 
-cdef int _send(int fd, const uint8_t *h, const uint8_t *data, int64_t n, int64_t deadline,
-               int *err) noexcept nogil:
-    """0 sent; 1 the socket would not take it (nothing written); -1 broken half-way."""
+cdef int _send(int fd, const uint8_t *h, const uint8_t *data, int64_t n,
+               int64_t *written) noexcept nogil:
+    """0 sent; 1 the socket would not take it (nothing written); 2 it took ``written`` bytes
+    of the frame, the rest is the caller's to send."""
     cdef iovec iov[2]
     cdef msghdr msg
     cdef ssize_t r
-    cdef int64_t total = HEADER + n, done = 0, off
     iov[0].iov_base, iov[0].iov_len = <void *>h, HEADER
     iov[1].iov_base, iov[1].iov_len = <void *>data, <size_t>n
     msg.msg_name, msg.msg_namelen = NULL, 0
@@ -138,36 +149,22 @@ cdef int _send(int fd, const uint8_t *h, const uint8_t *data, int64_t n, int64_t
     msg.msg_control, msg.msg_controllen, msg.msg_flags = NULL, 0, 0
     while True:
         r = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
-        if r >= 0:
+        if r >= 0 or errno != EINTR:
             break
-        if errno == EINTR:
-            continue
-        if errno == EAGAIN:
-            return 1
-        return 1  # the Python path meets the same error and names it
-    done = r
-    while done < total:  # rare: the socket took part of the frame; the rest must follow
-        if done < HEADER:
-            iov[0].iov_base, iov[0].iov_len = <void *>(h + done), <size_t>(HEADER - done)
-            iov[1].iov_base, iov[1].iov_len = <void *>data, <size_t>n
-            msg.msg_iov, msg.msg_iovlen = iov, 2 if n else 1
-        else:
-            off = done - HEADER
-            iov[0].iov_base, iov[0].iov_len = <void *>(data + off), <size_t>(n - off)
-            msg.msg_iov, msg.msg_iovlen = iov, 1
-        r = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
-        if r >= 0:
-            done += r
-            continue
-        if errno == EINTR:
-            continue
-        if errno != EAGAIN:
-            err[0] = errno
-            return -1
-        if _wait(fd, POLLOUT, -1, deadline) == 0:
-            err[0] = 0
-            return -1
+    if r < 0:  # would block, or an error the Python path meets again and names
+        return 1
+    if r < HEADER + n:
+        written[0] = r
+        return 2
     return 0
+
+
+cdef inline bint _rung(int wake) noexcept nogil:
+    cdef pollfd p
+    if wake < 0:
+        return False
+    p.fd, p.events, p.revents = wake, POLLIN, 0
+    return poll(&p, 1, 0) > 0
 
 
 cdef int _recv_frame(int fd, int wake, const uint8_t *want, uint8_t *sink, int64_t n,
@@ -177,8 +174,10 @@ cdef int _recv_frame(int fd, int wake, const uint8_t *want, uint8_t *sink, int64
     frame first, none by ``stop_ns``, EOF, the eventfd: nothing read); -1 broken half-way."""
     cdef uint8_t got[HEADER]
     cdef ssize_t r
-    cdef int64_t start = _now_ns(), have = 0
+    cdef int64_t start = _now_ns(), have = 0, waited
     cdef int w
+    if _rung(wake):  # the pair failed or closes: the Python engine meets it
+        return 1
     while True:  # the header, peeked: it stays in the socket unless it is the one expected
         r = recv(fd, got, HEADER, MSG_PEEK | MSG_DONTWAIT)
         if r == HEADER:
@@ -187,7 +186,11 @@ cdef int _recv_frame(int fd, int wake, const uint8_t *want, uint8_t *sink, int64
             return 1
         if r < 0 and errno != EAGAIN and errno != EINTR:
             return 1
-        if _now_ns() - start < spin_ns:
+        waited = _now_ns() - start
+        if waited < PAUSE_NS:
+            continue
+        if waited < spin_ns:  # the peer, or whoever shares our core, may need it
+            sched_yield()
             continue
         w = _wait(fd, POLLIN, wake, start + stop_ns)
         if w <= 0:
@@ -227,11 +230,12 @@ def run(const int64_t[:, ::1] table, Py_ssize_t start, const int32_t[::1] fds,
     """Run ``table``'s steps from ``start`` (``fds``/``wakes``: each step's leased socket and
     its eventfd; ``bufs``: the schedule's buffers' addresses by `Buf`; ``staging``: room for
     the largest reduced receive; ``divisor``: avg's, 0 for none). Returns (status, step,
-    errno): `OK` with the first step not done (len(table): all), or `BROKEN`/`STALLED` with
-    the step whose frame broke."""
+    errno): `OK` with the first step not done (len(table): all), `BROKEN`/`STALLED` with the
+    step whose frame broke, or `PARTIAL` with the send step the socket took only part of and,
+    instead of the errno, how many bytes of its frame (header included) it took."""
     cdef Py_ssize_t i, nsteps = table.shape[0]
     cdef int kind, fd, r = 0, err = 0, stalled = 0
-    cdef int64_t n, count, flags
+    cdef int64_t n, count, flags, written = 0
     cdef uint8_t h[HEADER]
     cdef uint8_t *src
     cdef uint8_t *dst
@@ -253,7 +257,9 @@ def run(const int64_t[:, ::1] table, Py_ssize_t start, const int32_t[::1] fds,
                 continue
             _header(h, magic, data_kind, check, tag_base | <uint64_t>table[i, C_SLOT], n)
             if kind == K_SEND:
-                r = _send(fd, h, src, n, deadline_ns, &err)
+                r = _send(fd, h, src, n, &written)
+                if r == 2:
+                    break
             elif kind == K_RECV:
                 r = _recv_frame(fd, wakes[i], h, dst, n, spin_ns, stop_ns, deadline_ns, &err,
                                 &stalled)
@@ -271,6 +277,8 @@ def run(const int64_t[:, ::1] table, Py_ssize_t start, const int32_t[::1] fds,
                 break
         else:
             i = nsteps
+    if r == 2:
+        return PARTIAL, i, written
     if r < 0:
         return (STALLED if stalled else BROKEN), i, err
     return OK, i, 0

@@ -208,6 +208,12 @@ class Channel:
                 else:
                     req._complete()
 
+    def send_first(self, item: Frame) -> None:
+        """Queue ``item`` before everything else: a frame begun by the lease holder, whose
+        rest the sender thread writes once the lease ends."""
+        with self.scond:
+            self.queue.appendleft(item)
+
     # --- leasing (`ddlcore.transports.tcp.steps`) ----------------------------------------------
     def lease(self, reads: bool) -> int:
         """Take the socket's writing, and its reading too if ``reads``, for the calling thread
@@ -217,16 +223,28 @@ class Channel:
         parked (as while a waiter drives)."""
         with self.scond:
             sock = self.sock
-            if sock is None or self.busy or self.queue or self.stopping:
+            if (
+                sock is None
+                or self.busy
+                or self.queue
+                or self.stopping
+                or self.failure is not None
+                or self.pair._failure is not None
+            ):
                 return -1
             self.busy = True
-        if reads and not self._lease_reads():
-            self._end_send_lease()
-            return -1
+        try:
+            if reads and not self._lease_reads():
+                self._end_send_lease()
+                return -1
+        except BaseException:  # e.g. Ctrl-C while the receiver thread leaves
+            self.unlease()
+            raise
         return sock.fileno()
 
     def _lease_reads(self) -> bool:
         with self.rcond:
+            # Checked under rcond: a pair that fails after this rings the lease (`ring_lease`).
             if (
                 self.driving is not None
                 or self.failure is not None
@@ -262,9 +280,11 @@ class Channel:
             if self.queue or self.stopping:
                 self.scond.notify()
 
-    @property
-    def leased(self) -> bool:
-        return self.driving is _LEASED
+    def ring_lease(self) -> None:
+        """The pair failed: a lease holder waiting in poll() stops and meets the failure."""
+        with self.rcond:
+            if self.driving is _LEASED:
+                self._ring_locked()
 
     # --- receiving ------------------------------------------------------------------------------
     def recv_loop(self) -> None:

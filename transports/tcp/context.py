@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 from ddlcore.transports.base import (
     Context,
@@ -84,6 +85,7 @@ class TcpContext(PairTableContext):
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._init_pairs()
         self._closed = False
+        self.step_lanes: dict[int, Any] = {}  # `steps.run_steps`: the sockets of a step table
         self._handshakes: HandshakeListener | None = None
         try:
             listener.bind((self.address, 0))

@@ -252,8 +252,7 @@ class TcpPair(LazyPair, Pair):
         for ch in self._channels:
             ch.matcher.fail(error, ch.take_sends)
             ch.inbound.abandon(lambda req: copy_error(error))
-            if ch.leased:  # its holder may sleep in poll(): it stops and meets the failure
-                ch.ring()
+            ch.ring_lease()
 
     def abort(self, code: int, reason: str) -> None:
         raw = reason.encode("utf-8", "replace")[:MAX_ABORT_REASON_BYTES]

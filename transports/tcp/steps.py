@@ -1,30 +1,39 @@
 """A collective's small steps run natively over this rank's TCP sockets (`run_steps`, offered to
 the engine as the context's ``run_steps``): lease the sockets the steps use, run the steps in
 `_steps.run` with the GIL released, give the sockets back, and say from which step the Python engine
-goes on. On a quiet socket a 4 KB exchange then costs two system calls and a reduction instead
+goes on (and which send, if any, the channel's sender thread finishes). On a quiet socket a 4 KB exchange then costs two system calls and a reduction instead
 of a request object, the matcher and a poll loop in Python per message.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from ddlcore.transports.base import STEP_COLUMNS
-from ddlcore.transports.tcp._steps import COLUMNS, OK, STALLED, run
-from ddlcore.transports.tcp.protocol import _DATA, _HEADER, _MAGIC, _SPIN_S
+from ddlcore.transports.base import STEP_COLUMNS, Request
+from ddlcore.transports.tcp._steps import COLUMNS, OK, PARTIAL, STALLED, run
+from ddlcore.transports.tcp.channel import Channel, TcpRequest
+from ddlcore.transports.tcp.protocol import (
+    _DATA,
+    _HEADER,
+    _MAGIC,
+    Frame,
+    shutdown_quietly,
+)
 
 if TYPE_CHECKING:
-    from ddlcore.transports.tcp.channel import Channel
     from ddlcore.transports.tcp.context import TcpContext
 
 # The layouts _steps reads and writes.
 assert _HEADER.size == 28 and _HEADER.format == "<IHHIQQ"
 assert COLUMNS == STEP_COLUMNS
 
-# The largest message run natively: one frame that any socket's send buffer takes whole (Linux
-# gives at least 16 KB, 2.5 MB by default on loopback), so a send never has to wait half-way.
+# The largest message run natively. A send the socket takes only part of (a full send buffer)
+# hands the rest to the channel's sender thread, so any size is safe; past this the engine's
+# pipelining of a message's chunks is worth more than the system calls saved.
 MAX_STEP_BYTES = 1 << 16
 # The most steps run natively (the small-message schedules have 2 log2(P) + a few).
 MAX_STEPS = 64
@@ -33,7 +42,11 @@ MAX_STEPS = 64
 # only this long, so another thread's send waits at most this long behind a late peer.
 _STOP_S = 0.02
 _STOP_NS = int(_STOP_S * 1e9)
-_SPIN_NS = int(_SPIN_S * 1e9)
+# A receive's wait: it peeks at the socket, yielding the core between peeks, this long before it
+# sleeps in poll() (the boards' DDL_A_YIELD_NS): a reply usually comes within microseconds,
+# and a sleeping rank's wake-up costs tens on a VM.
+_YIELD_NS = 100_000
+_COPY, _SEND = 3, 0
 
 
 def run_steps(
@@ -49,37 +62,27 @@ def run_steps(
     op: int,
     divisor: int,
     timeout: float,
-) -> int:
+) -> tuple[int, Request | None]:
     """`Context.run_steps` (the arguments are described there): the steps as far as they go
-    natively; returns the index of the first step not done (0: none, the sockets were not free
-    or the messages too large)."""
+    natively (0: none, the sockets were not free or the messages too large)."""
     nsteps = len(rows)
     if not nsteps or nsteps > MAX_STEPS or max_count * itemsize > MAX_STEP_BYTES:
-        return 0
-    fds = np.empty(nsteps, np.int32)
-    wakes = np.empty(nsteps, np.int32)
-    leased: dict[Channel, int] = {}
+        return 0, None
+    lanes = _lanes(ctx, rows, tag_base)
+    if lanes is None:
+        return 0, None
+    channels = lanes.channels
+    leased: list[Channel] = []
     try:
-        used: dict[Channel, bool] = {}  # each socket the steps use: whether they read it
-        channels = []
-        for kind, peer, slot in rows[:, :3].tolist():
-            ch = None
-            if kind != 3:  # COPY: no socket
-                ch = ctx.pair(peer)._channel_for(tag_base | slot)  # type: ignore[attr-defined]
-                used[ch] = used.get(ch, False) or kind != 0
-            channels.append(ch)
-        for ch, reads in used.items():
-            fd = ch.lease(reads)
-            if fd < 0:
-                return 0
-            leased[ch] = fd
-        for i, ch in enumerate(channels):
-            fds[i], wakes[i] = (leased[ch], ch.wake_fd) if ch is not None else (-1, -1)
+        for ch, reads in lanes.used:
+            if ch.lease(reads) < 0:
+                return 0, None
+            leased.append(ch)
         status, step, err = run(
             rows,
             0,
-            fds,
-            wakes,
+            lanes.fds,
+            lanes.wakes,
             bufs,
             staging,
             itemsize,
@@ -90,19 +93,98 @@ def run_steps(
             dtype,
             op,
             divisor,
-            _SPIN_NS,
+            _YIELD_NS,
             _STOP_NS,
-            time.monotonic_ns() + int(timeout * 1e9),
+            time.monotonic_ns() + int(min(timeout, 1e8) * 1e9),  # no overflow for inf
         )
+        pending = None
+        if status == PARTIAL:
+            pending = _send_the_rest(
+                channels[step], rows[step], tag_base, check, bufs, itemsize, err
+            )
+            step += 1
+        elif status != OK:  # a frame broke half-way: this socket's stream is unusable
+            _broken(channels[step], status, err, timeout)
     finally:
         for ch in leased:
             ch.unlease()
-    if status != OK:  # a frame broke half-way: this socket's stream is unusable
-        ch = ctx.pair(int(rows[step, 1]))._channel_for(tag_base | int(rows[step, 2]))  # type: ignore[attr-defined]
-        why: BaseException = (
-            TimeoutError(f"no progress inside a message within {timeout:g} s")
-            if status == STALLED
-            else OSError(err, "EOF or error inside a message")
-        )
-        ch.broken(why, None)
-    return step
+    return step, pending
+
+
+@dataclass
+class _Lanes:
+    """The sockets a step table uses: each step's channel (None: a copy), each channel once
+    with whether the steps read it, and each step's socket and eventfd for `_steps.run`."""
+
+    rows: np.ndarray  # held, so that its id stays this table's while cached
+    channels: list[Channel | None]
+    used: list[tuple[Channel, bool]]
+    fds: np.ndarray
+    wakes: np.ndarray
+
+
+def _lanes(ctx: TcpContext, rows: np.ndarray, tag_base: int) -> _Lanes | None:
+    """``rows``' sockets (None: one is not connected yet). Kept per table where a step's
+    channel does not depend on the call's tags (``tag % nchannels``: a power-of-two count)."""
+    nch = ctx.nchannels
+    cached = (nch & (nch - 1)) == 0
+    cache = ctx.step_lanes
+    lanes = cache.get(id(rows)) if cached else None
+    if lanes is not None:
+        return lanes
+    channels: list[Channel | None] = []
+    reads: dict[Channel, bool] = {}
+    nsteps = len(rows)
+    fds = np.full(nsteps, -1, np.int32)
+    wakes = np.full(nsteps, -1, np.int32)
+    for i, (kind, peer, slot) in enumerate(rows[:, :3].tolist()):
+        ch = None
+        if kind != _COPY:
+            ch = ctx.pair(peer)._channel_for(tag_base | slot)  # type: ignore[attr-defined]
+            if ch.sock is None or ch.wake_fd < 0:
+                return None
+            reads[ch] = reads.get(ch, False) or kind != _SEND
+            fds[i], wakes[i] = ch.sock.fileno(), ch.wake_fd
+        channels.append(ch)
+    lanes = _Lanes(rows, channels, list(reads.items()), fds, wakes)
+    if cached:
+        if len(cache) >= 256:  # schedules come and go: keep the recent
+            cache.clear()
+        cache[id(rows)] = lanes
+    return lanes
+
+
+def _send_the_rest(
+    ch: Channel | None,
+    row: np.ndarray,
+    tag_base: int,
+    check: int,
+    bufs: np.ndarray,
+    itemsize: int,
+    written: int,
+) -> Request:
+    """The socket took ``written`` bytes of the frame of the send ``row``: the rest goes first
+    when the channel's sender thread runs again; returns the send's request."""
+    assert ch is not None
+    _, _, slot, count, src, src_off = row[:6].tolist()
+    nbytes = count * itemsize
+    data = (ctypes.c_char * nbytes).from_address(int(bufs[src]) + src_off * itemsize)
+    view = memoryview(data).cast("B")
+    tag = tag_base | slot
+    req = TcpRequest(ch.pair, view, tag, check, True)
+    ch.send_first(Frame(_HEADER.pack(_MAGIC, _DATA, 0, check, tag, nbytes), view, req, written))
+    return req
+
+
+def _broken(ch: Channel | None, status: int, err: int, timeout: float) -> None:
+    """The frame being read broke half-way: fail the channel and shut its socket (the lease
+    still held, so that no other reader takes the middle of a frame for a header)."""
+    assert ch is not None
+    why: BaseException = (
+        TimeoutError(f"no progress inside a message within {timeout:g} s")
+        if status == STALLED
+        else OSError(err, "EOF or error inside a message")
+    )
+    ch.broken(why, None)
+    if ch.sock is not None:
+        shutdown_quietly(ch.sock)

@@ -336,8 +336,11 @@ class PathBase:
         host_out: np.ndarray | None,
         itemsize: int,
         timeout: float | None = None,
+        start: int = 0,
+        pending: Any = None,
     ) -> None:
-        """Run ``planned``'s schedule of ``call`` on host memory over the links."""
+        """Run ``planned``'s schedule of ``call`` on host memory over the links (from step
+        ``start``: those before it are done, but for the send ``pending`` still going out)."""
         self._on_boards = False
         ctx = self.ctx
         name = functools.partial(label, call, seq)
@@ -375,6 +378,8 @@ class PathBase:
             ctx.staging,
             ctx.depth,
             ctx.timeout if timeout is None else timeout,
+            start,
+            pending,
         )
 
     def in_host_memory(
