@@ -362,10 +362,14 @@ def all_pairs(rank: int, size: int, transport: str, rounds: int = 3) -> None:
 def sends_do_not_wait_for_the_receiver(rank: int, size: int, transport: str) -> None:
     """Posting a send or receive never waits for the peer's program to reach its side: rank 2
     sends to 1 before 0, rank 1 talks to 0 before 2, rank 0 waits for 2 first. A transport
-    whose ``pair()`` or ``isend`` blocked until the peer connects would deadlock here."""
+    whose ``pair()`` or ``isend`` blocked until the peer connects would deadlock here. At the
+    end ranks 0 and 1 tell rank 2 they have its message: a send completes once its bytes are
+    the transport's, not the peer's, so rank 2 closing at once could take them away (shm: its
+    segment) from a peer that has not connected yet."""
     with rank_env(rank, size, transport) as env:
         ctx = env.context()
         msg = {2: np.arange(100, dtype=np.uint8), 1: np.arange(50, dtype=np.uint8)}
+        done = np.ones(1, np.uint8)
         if rank == 2:
             wait_all(
                 [
@@ -373,17 +377,20 @@ def sends_do_not_wait_for_the_receiver(rank: int, size: int, transport: str) -> 
                     ctx.pair(0).isend(memoryview(msg[2]), 20),
                 ]
             )
+            wait_all([ctx.pair(p).irecv(memoryview(np.empty(1, np.uint8)), 99) for p in (0, 1)])
         elif rank == 1:
             send = ctx.pair(0).isend(memoryview(msg[1]), 10)
             got = np.empty(100, np.uint8)
             ctx.pair(2).irecv(memoryview(got), 21).wait(TIMEOUT_S)
             send.wait(TIMEOUT_S)
             assert np.array_equal(got, msg[2])
+            ctx.pair(2).isend(memoryview(done), 99).wait(TIMEOUT_S)
         else:
             got2, got1 = np.empty(100, np.uint8), np.empty(50, np.uint8)
             ctx.pair(2).irecv(memoryview(got2), 20).wait(TIMEOUT_S)
             ctx.pair(1).irecv(memoryview(got1), 10).wait(TIMEOUT_S)
             assert np.array_equal(got2, msg[2]) and np.array_equal(got1, msg[1])
+            ctx.pair(2).isend(memoryview(done), 99).wait(TIMEOUT_S)
 
 
 def concurrent_waiters(
