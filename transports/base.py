@@ -306,6 +306,7 @@ class Context(abc.ABC):
         op: int,
         divisor: int,
         timeout: float,
+        keep: Any = None,
     ) -> tuple[int, Request | None]:
         """Run a collective's steps natively, as far as they go at once (tcp: small messages
         over its sockets), with the messages the engine would send, so that peers running
@@ -315,7 +316,8 @@ class Context(abc.ABC):
         step's elements; ``tag_base``: the call's tags less the slot; ``bufs``: the buffers'
         addresses by buffer number (uint64 array); ``staging``: room for the largest
         recv-reduce; ``dtype``/``op``: kernel codes (sum for avg); ``divisor``: avg's
-        finalize, 0 for none. Returns the index of the first step not done, which the
+        finalize, 0 for none; ``keep``: what owns the buffers, held while a send of theirs is
+        still going out after the return. Returns the index of the first step not done, which the
         engine then runs itself (0, the default, where the transport has no such path), and
         the request of the send before it if that send is still going out (the engine waits
         for it as for its own sends), else None."""

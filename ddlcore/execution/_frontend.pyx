@@ -232,7 +232,7 @@ cdef class FrontEnd:
         key = (cnp.PyArray_SIZE(xa), code, opc)
         plan = self.plans.get(key, DECLINED)
         if plan is DECLINED:
-            plan = self.links_plan(*key)
+            plan = self.links_plan(xa, oa, opm)
             if len(self.plans) >= 256:  # shapes come and go: keep the recent
                 self.plans.clear()
             self.plans[key] = plan
@@ -288,6 +288,9 @@ cdef class FrontEnd:
                 or (host is not None and host._closed)
                 or not self.run_acquire(False)
             ):
+                return -1
+            if not self.enabled:  # failed or closed since the caller looked: (the failing
+                self.run_release()  # call had the run lock, so this sees it)
                 return -1
             seq = executor._next_seq
             executor._next_seq = seq + 1

@@ -162,12 +162,14 @@ def run(
     timeout: float,
     start: int = 0,
     pending: Any = None,
+    native: bool = True,
 ) -> None:
     """Execute ``schedule`` within ``timeout`` seconds; raise a `DDLError` with full context on
     failure (after aborting the links so the peers fail fast too). A schedule with parts runs
     each stream on a thread of its own (`run_parts`). ``start``: the steps before it are done
     (a schedule without parts; the links' native runner ran them), but for the send before it
-    if ``pending`` (its request)."""
+    if ``pending`` (its request); ``native``: hand the steps to the links' runner first (False:
+    it has had them)."""
     remaining = deadline_clock(timeout)
     if schedule.parts:
 
@@ -189,7 +191,7 @@ def run(
             staging,
             depth,
             remaining,
-            None if start else getattr(links, "run_steps", None),
+            getattr(links, "run_steps", None) if native and not start else None,
             start,
             pending,
         )
@@ -289,10 +291,12 @@ def _run_steps(
                 kop,
                 schedule.size if divide else 0,
                 remaining(),
+                buffers,  # their Regions' views hold the arrays
             )
         if pending is not None:  # the runner's last send: a region not to write yet
             s = steps[start - 1]
             sends.append((*span(s.src, s.src_off, s.count), pending))
+            i = start - 1  # a failure while it goes out is that step's
         nxt = start  # next step to consider for early posting
         for i in range(start, nsteps):
             nxt = post_ahead(steps, i, max(nxt, i), depth, post_recv)

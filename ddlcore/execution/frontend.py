@@ -46,19 +46,17 @@ class OnLinks:
     ) -> None:
         self.size, self.paths, self.schedule_path, self.fail = size, paths, schedule_path, fail
 
-    def plan(self, count: int, code: int, op: int) -> NativePlan | None:
-        """The plan of an allreduce of ``count`` elements of dtype ``code`` with ``op``, if
-        the path the Python path would take is the schedule path, and it runs natively."""
-        call = prepare(
-            Collective.ALLREDUCE,
-            np.empty(count, numpy_dtype(DType(code))),
-            Op(op),
-            None,
-            0,
-            self.size,
-        )
-        taker = next((p for p in self.paths if p.plan(call) is not None), None)
-        return self.schedule_path.native_plan(call) if taker is self.schedule_path else None
+    def plan(self, x: np.ndarray, out: np.ndarray, op: Op) -> NativePlan | None:
+        """The plan of an allreduce shaped as ``x`` into ``out`` with ``op`` (kept by the
+        front end for every call of that count, dtype and op), if the path the Python path
+        would take is the schedule path and it runs natively; None (declined) otherwise, or
+        if planning fails (the Python path then runs the call, and names what is wrong)."""
+        try:
+            call = prepare(Collective.ALLREDUCE, x, op, out, 0, self.size)
+            taker = next((p for p in self.paths if p.plan(call) is not None), None)
+            return self.schedule_path.native_plan(call) if taker is self.schedule_path else None
+        except Exception:
+            return None
 
     def run(
         self, plan: NativePlan, seq: int, slot: int, x: np.ndarray, out: np.ndarray, op: Op

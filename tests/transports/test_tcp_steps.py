@@ -191,6 +191,8 @@ def test_a_send_the_socket_takes_part_of_ends_the_run_with_what_it_took():
     got = b.recv(written, socket.MSG_WAITALL)
     assert got[: HEADER.size] == _frame(0, x.nbytes)
     assert got[HEADER.size :] == x.tobytes()[: written - HEADER.size]
+    with pytest.raises(BlockingIOError):  # nothing more: the run stopped there
+        b.recv(1, socket.MSG_DONTWAIT)
     a.close()
     b.close()
 
@@ -284,11 +286,14 @@ def _partial_send(rank, size):
             ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
             ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
         x = np.full(16_000, rank + 1.0, np.float32)  # 64 KB messages: native, but not whole
-        for i in range(3):
+        for i in range(4):
             if rank == 1:
                 time.sleep(0.05)  # rank 0's sendmsg finds our receive buffer full
-            y = comm.allreduce(x + i, out=x.copy())
-            np.testing.assert_array_equal(y, np.full(16_000, 3.0 + 2 * i, np.float32))
+            y = x + i
+            # Out of place, then in place: the reduction into the buffer the send still
+            # reads waits for the sender thread to finish it.
+            got = comm.allreduce(y, out=np.empty_like(y) if i % 2 else y)
+            np.testing.assert_array_equal(got, np.full(16_000, 3.0 + 2 * i, np.float32))
         return handed
 
 
@@ -324,6 +329,7 @@ def _front_end_on_links(rank, size):
     import ddlcore
 
     python_calls = count_python_calls()
+    native = _count_native()
     with ddlcore.init(timeout=20) as comm:
         front = comm._front
         assert front is not None and front.enabled
@@ -338,6 +344,19 @@ def _front_end_on_links(rank, size):
             front.enabled = True
             matrix.check_close(got, reference.reduce_ref(xs, op), dtype, op, size, what)
             assert slow.tobytes() == got.tobytes() == inplace.tobytes(), what
+        ran = sum(native)  # calls whose steps all ran natively (a late peer: the engine's)
+        assert ran > len(native) // 2, f"all steps natively in {ran} of {len(native)} calls"
+        # What the front end declines on the links: the Python path runs it.
+        before = len(python_calls)
+        ints = np.full(5, 2 * rank + 1, np.int32)
+        np.testing.assert_array_equal(comm.allreduce(ints, op="avg"), np.full(5, size, np.int32))
+        with pytest.raises(ValueError, match="not C-contiguous"):  # the Python path's check
+            comm.allreduce(np.arange(12.0)[::2])
+        remove = comm.add_before_collective(lambda: None)
+        assert not front.enabled
+        comm.allreduce(np.ones(3))
+        remove()
+        assert front.enabled and len(python_calls) == before + 3, python_calls[before:]
         # Past the native runner's messages (64 KB): the front end, then the engine.
         big = np.full(40_000, rank + 1.0)
         np.testing.assert_array_equal(comm.allreduce(big), np.full(40_000, size * (size + 1) / 2))

@@ -55,12 +55,14 @@ class ProtocolError(Exception):
 @dataclass(slots=True)
 class Frame:
     """An item of a channel's send queue: a frame's header, its payload (DATA), the request it
-    completes (None for control frames) and how many of its bytes are written already."""
+    completes (None for control frames), how many of its bytes are written already, and what
+    owns the payload's memory where the view does not (held until the frame is written)."""
 
     header: bytes
     view: memoryview | None = None
     req: TcpRequest | None = None
     sent: int = 0
+    keep: object = None
 
 
 def shutdown_quietly(sock: socket.socket) -> None:

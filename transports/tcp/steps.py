@@ -62,6 +62,7 @@ def run_steps(
     op: int,
     divisor: int,
     timeout: float,
+    keep: object = None,
 ) -> tuple[int, Request | None]:
     """`Context.run_steps` (the arguments are described there): the steps as far as they go
     natively (0: none, the sockets were not free or the messages too large)."""
@@ -100,7 +101,7 @@ def run_steps(
         pending = None
         if status == PARTIAL:
             pending = _send_the_rest(
-                channels[step], rows[step], tag_base, check, bufs, itemsize, err
+                channels[step], rows[step], tag_base, check, bufs, itemsize, err, keep
             )
             step += 1
         elif status != OK:  # a frame broke half-way: this socket's stream is unusable
@@ -162,9 +163,12 @@ def _send_the_rest(
     bufs: np.ndarray,
     itemsize: int,
     written: int,
+    keep: object,
 ) -> Request:
     """The socket took ``written`` bytes of the frame of the send ``row``: the rest goes first
-    when the channel's sender thread runs again; returns the send's request."""
+    when the channel's sender thread runs again, ``keep`` (the buffers' owners) held with it
+    (the view is made from an address, and a failed call may return before it is written);
+    returns the send's request."""
     assert ch is not None
     _, _, slot, count, src, src_off = row[:6].tolist()
     nbytes = count * itemsize
@@ -172,7 +176,9 @@ def _send_the_rest(
     view = memoryview(data).cast("B")
     tag = tag_base | slot
     req = TcpRequest(ch.pair, view, tag, check, True)
-    ch.send_first(Frame(_HEADER.pack(_MAGIC, _DATA, 0, check, tag, nbytes), view, req, written))
+    ch.send_first(
+        Frame(_HEADER.pack(_MAGIC, _DATA, 0, check, tag, nbytes), view, req, written, keep)
+    )
     return req
 
 

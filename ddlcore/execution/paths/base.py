@@ -338,9 +338,11 @@ class PathBase:
         timeout: float | None = None,
         start: int = 0,
         pending: Any = None,
+        native: bool = True,
     ) -> None:
         """Run ``planned``'s schedule of ``call`` on host memory over the links (from step
-        ``start``: those before it are done, but for the send ``pending`` still going out)."""
+        ``start``: those before it are done, but for the send ``pending`` still going out;
+        ``native`` False: the links' runner has had the steps)."""
         self._on_boards = False
         ctx = self.ctx
         name = functools.partial(label, call, seq)
@@ -380,6 +382,7 @@ class PathBase:
             ctx.timeout if timeout is None else timeout,
             start,
             pending,
+            native,
         )
 
     def in_host_memory(

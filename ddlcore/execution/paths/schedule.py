@@ -5,6 +5,7 @@ where this host has boards, the call is compared with the host's other ranks the
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,6 +185,7 @@ class SchedulePath(PathBase):
         links' runner first, then the engine from the step where it stopped, as `_run` would
         (the same messages, tags and check word)."""
         ctx = self.ctx
+        deadline = time.monotonic() + ctx.timeout  # one for the whole call, as engine.run's
         self._busy, self._on_boards = True, False
         table = plan.planned[1].table
         isz = plan.itemsize
@@ -204,12 +206,14 @@ class SchedulePath(PathBase):
                     plan.op,
                     plan.divisor,
                     ctx.timeout,
+                    (x, out),
                 )
             except DDLError:  # before anything was sent (a peer not reached): the engine names it
                 step, pending = 0, None
         if step < len(table.rows) or pending is not None:
             call = prepare(Collective.ALLREDUCE, x, op, out, 0, ctx.size)
-            self.on_links(call, seq, plan.planned, x, out, isz, start=step, pending=pending)
+            left = max(0.0, deadline - time.monotonic())
+            self.on_links(call, seq, plan.planned, x, out, isz, left, step, pending, False)
         self._busy = False
 
     def close(self) -> None:
