@@ -40,7 +40,6 @@ def _run(
     n = len(rows)
     return _steps.run(
         rows,
-        0,
         np.full(n, fd, np.int32),
         np.full(n, wake, np.int32),
         np.array(bufs, np.uint64),

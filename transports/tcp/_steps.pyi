@@ -13,7 +13,6 @@ PARTIAL: Final[int]
 
 def run(
     table: np.ndarray,
-    start: int,
     fds: np.ndarray,
     wakes: np.ndarray,
     bufs: np.ndarray,

@@ -16,7 +16,7 @@ socket failing inside it, or no progress until the deadline) ends it with an err
 stream is then unusable.
 """
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memmove
 from libc.errno cimport errno, EAGAIN, EINTR  # EWOULDBLOCK is EAGAIN on Linux
 from libc.time cimport timespec
@@ -52,7 +52,6 @@ cdef extern from "<poll.h>" nogil:
         short revents
     int poll(pollfd *fds, unsigned long nfds, int timeout)
     enum: POLLIN
-    enum: POLLOUT
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
@@ -115,13 +114,13 @@ cdef inline void _header(uint8_t *h, uint32_t magic, int kind, uint32_t check, u
     _put(h + 20, nbytes, 8)
 
 
-cdef inline int _wait(int fd, short events, int wake, int64_t until_ns) noexcept nogil:
-    """poll ``fd`` for ``events`` (and ``wake`` for input, if >= 0) until ``until_ns``:
-    1 ready, 0 not by then, -1 the eventfd rang."""
+cdef inline int _wait(int fd, int wake, int64_t until_ns) noexcept nogil:
+    """poll ``fd`` (and ``wake``, if >= 0) for input until ``until_ns``: 1 readable, 0 not by
+    then, -1 the eventfd rang."""
     cdef pollfd fds[2]
     cdef int64_t left
     cdef int r
-    fds[0].fd, fds[0].events = fd, events
+    fds[0].fd, fds[0].events = fd, POLLIN
     fds[1].fd, fds[1].events = wake, POLLIN
     while True:
         left = until_ns - _now_ns()
@@ -192,7 +191,7 @@ cdef int _recv_frame(int fd, int wake, const uint8_t *want, uint8_t *sink, int64
         if waited < spin_ns:  # the peer, or whoever shares our core, may need it
             sched_yield()
             continue
-        w = _wait(fd, POLLIN, wake, start + stop_ns)
+        w = _wait(fd, wake, start + stop_ns)
         if w <= 0:
             return 1
         if r > 0:  # part of a header is in: the rest follows within microseconds
@@ -217,17 +216,17 @@ cdef int _recv_frame(int fd, int wake, const uint8_t *want, uint8_t *sink, int64
         if errno != EAGAIN:
             err[0] = errno
             return -1
-        if _wait(fd, POLLIN, -1, deadline) == 0:
+        if _wait(fd, -1, deadline) == 0:
             stalled[0] = 1
             return -1
     return 0
 
 
-def run(const int64_t[:, ::1] table, Py_ssize_t start, const int32_t[::1] fds,
+def run(const int64_t[:, ::1] table, const int32_t[::1] fds,
         const int32_t[::1] wakes, const uint64_t[::1] bufs, uint64_t staging, int itemsize,
         uint32_t magic, int data_kind, uint64_t tag_base, uint32_t check, int dtype, int op,
         int64_t divisor, int64_t spin_ns, int64_t stop_ns, int64_t deadline_ns):
-    """Run ``table``'s steps from ``start`` (``fds``/``wakes``: each step's leased socket and
+    """Run ``table``'s steps (``fds``/``wakes``: each step's leased socket and
     its eventfd; ``bufs``: the schedule's buffers' addresses by `Buf`; ``staging``: room for
     the largest reduced receive; ``divisor``: avg's, 0 for none). Returns (status, step,
     errno): `OK` with the first step not done (len(table): all), `BROKEN`/`STALLED` with the
@@ -241,9 +240,9 @@ def run(const int64_t[:, ::1] table, Py_ssize_t start, const int32_t[::1] fds,
     cdef uint8_t *dst
     cdef uint8_t *own
     cdef uint8_t *other
-    i = start
+    i = 0
     with nogil:
-        for i in range(start, nsteps):
+        for i in range(nsteps):
             kind = <int>table[i, C_KIND]
             count = table[i, C_COUNT]
             n = count * itemsize

@@ -81,7 +81,6 @@ def run_steps(
             leased.append(ch)
         status, step, err = run(
             rows,
-            0,
             lanes.fds,
             lanes.wakes,
             bufs,
