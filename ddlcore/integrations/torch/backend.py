@@ -11,7 +11,8 @@ reduce_scatter (likewise), broadcast, reduce, gather and scatter from any root, 
 all_to_all_single (split sizes too), barrier, send/recv (from any rank too; and
 batch_isend_irecv), and groups over some of the ranks (a `Communicator.split` child). Each
 returns an asynchronous `WorkDDL` whose ``wait()`` blocks without the GIL and whose
-``get_future()`` completes with the output tensors.
+``get_future()`` completes with the output tensors; an allreduce or broadcast that torch waits
+for at once on host memory runs there and then and returns none (see `_now`).
 """
 
 # torch's stubs overload some ProcessGroup methods and name arguments differently; the C++
@@ -53,7 +54,7 @@ def _waited_host_view(t: torch.Tensor, opts: Any) -> Any:
     (``async_op=False``) and ``t`` is a contiguous CPU tensor NumPy can view; else None. Such
     a call runs as the communicator's synchronous one (on one host, its compiled front end)."""
     if (
-        getattr(opts, "asyncOp", True)
+        opts.asyncOp
         or not t.is_cpu
         or t.dtype not in _NUMPY_VIEWABLE
         or not t.is_contiguous()
@@ -143,15 +144,17 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
             raise _dist_error(exc, what) from None
         return work._start(handles, finish)
 
-    def _now(self, what: str, outputs: list[torch.Tensor], call: Callable[[], Any]) -> WorkDDL:
-        """Run ``call`` (a synchronous collective) now; the work returned is complete (no
-        wait budget: nothing will wait on it)."""
-        work = WorkDDL(what, outputs, 0.0)
+    def _now(self, what: str, call: Callable[[], Any]) -> None:
+        """Run ``call`` (a synchronous collective) now, for a caller that waits at once.
+
+        No work is returned: torch's ``dist.*`` functions wait on none when the backend
+        already synchronized (as its C++ backends may). Every call into torch's pybind11
+        objects counts here: right after a collective that swept the caches one costs 5-40 us
+        (np = 2, 1-16 MB), and a work is two of them (made and freed)."""
         try:
             call()
         except BaseException as exc:
             raise _dist_error(exc, what)  # noqa: B904  (its cause is set: ddlcore's error)
-        return work._start((), None)
 
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         """The one tensor of a call, detached (see `_data`)."""
@@ -175,13 +178,14 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         return self._run(what, [t], start, opts)
 
     # --- collectives ------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL | None:
         t = self._one(tensors, "allreduce")
         opts = opts or dist.AllreduceOptions()
         op = _op(opts, "allreduce")
         view = _waited_host_view(t, opts)
         if view is not None:
-            return self._now("allreduce", [t], lambda: self._comm.allreduce(view, op=op, out=view))
+            self._now("allreduce", lambda: self._comm.allreduce(view, op=op, out=view))
+            return None
         return self._in_place(
             "allreduce", t, lambda buf: self._comm.allreduce_async(buf, op=op, out=buf), opts
         )
@@ -213,13 +217,14 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
         return self._run("allreduce_coalesced", list(tensors), start, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL | None:
         t = self._one(tensors, "broadcast")
         opts = opts or dist.BroadcastOptions()
         root = opts.rootRank
         view = _waited_host_view(t, opts)
         if view is not None:
-            return self._now("broadcast", [t], lambda: self._comm.broadcast(view, root=root))
+            self._now("broadcast", lambda: self._comm.broadcast(view, root=root))
+            return None
         return self._in_place(
             "broadcast", t, lambda buf: self._comm.broadcast_async(buf, root=root), opts
         )

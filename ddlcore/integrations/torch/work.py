@@ -18,14 +18,15 @@ from ddlcore.handles import Completion
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 
 
-# ddlcore's op names by torch's reduction type (looked up by the type: its ``.name`` costs
-# ~10 us a call).
-_BY_TYPE = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in _OPS.items()}
+# ddlcore's op names by the value of torch's reduction type. Every call into torch's pybind11
+# objects counts: its ``.name`` costs ~10 us, and a lookup by the enum itself (its pybind11
+# ``__hash__`` and ``__eq__``) twice what ``.value`` and an int key cost.
+_BY_VALUE = {int(getattr(dist.ReduceOp.RedOpType, name).value): op for name, op in _OPS.items()}
 
 
 def _op(opts: Any, what: str) -> str:
     """ddlcore's name of the reduction in torch's ``opts``."""
-    red = _BY_TYPE.get(opts.reduceOp.op)
+    red = _BY_VALUE.get(opts.reduceOp.op.value)
     if red is None:
         raise ValueError(
             f"ddl backend, {what}: op=ReduceOp.{opts.reduceOp.op.name} is not supported; "
