@@ -75,6 +75,12 @@ def table(head: list[str], rows: Iterable[list[str]], align: str | None = None) 
 # --- one host: ddl-bench --compare ------------------------------------------------------------
 
 
+def measured_on(doc: dict) -> str:
+    """Where a result file says it was measured, as a line under its table (empty when it does
+    not say: the machine the Machine section names first)."""
+    return f"\n\nMeasured on: {doc['cpu']}." if doc.get("cpu") else ""
+
+
 def host_allreduce(name: str) -> str:
     """ddl-bench rows with their peers (MPI, gloo) and, when measured, the single-copy bound."""
     doc = load(name)
@@ -98,7 +104,7 @@ def host_allreduce(name: str) -> str:
         if bound:
             cells.append(f"{100 * r['busbw'] / bound:.0f}")
         rows.append(cells)
-    return table(head, rows)
+    return table(head, rows) + measured_on(doc)
 
 
 def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[float, float]:
@@ -454,6 +460,7 @@ def torch_ddp(*names: str) -> str:
         f"np = {d['nranks']}: {d['load_before'][0]:.1f} before, {d['load_after'][0]:.1f} after"
         for d in docs
     )
+    machines = sorted({d["cpu"] for d in docs if d.get("cpu")})
     train = [
         [
             str(d["nranks"]),
@@ -485,7 +492,9 @@ def torch_ddp(*names: str) -> str:
     ]
     return (
         head
-        + f"Load average (1 min, 2 vCPUs) {loads}.\n\n"
+        + f"Load average (1 min, 2 vCPUs) {loads}."
+        + (f" Measured on: {'; '.join(machines)}." if machines else "")
+        + "\n\n"
         + f"DDP, {params / 1e6:.1f} M parameters, step time in ms (the slowest rank's median):"
         + "\n\n"
         + table(

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddlcore.bench.output import cpu_model
+
 MB = 1 << 20
 
 
@@ -187,6 +189,7 @@ def main() -> int:
         "command": command(sys.argv[1:], size),
         "nranks": size,
         "cores": os.cpu_count(),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "load_before": load_before,
     }

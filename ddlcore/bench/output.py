@@ -7,11 +7,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
 
 from ddlcore.bench.cases import Row
+
+
+def cpu_model() -> str:
+    """The CPU's model name and how many the machine has ("AMD EPYC, 2 CPUs"), for the
+    record of a measurement: a pool of virtual machines does not always give the same one."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return f"{model or 'unknown CPU'}, {os.cpu_count()} CPUs"
 
 
 def _write_outputs(
@@ -21,6 +36,7 @@ def _write_outputs(
         doc: dict[str, Any] = {
             "collective": args.collective,
             "nranks": n,
+            "cpu": cpu_model(),
             "rows": [asdict(r) for r in rows],
         }
         if membw is not None:
