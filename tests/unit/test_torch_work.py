@@ -61,3 +61,24 @@ def test_an_error_reaches_wait_and_the_future_as_torch_s_error_type():
         work.wait()
     assert work.is_completed() and not work.is_success()
     assert isinstance(work.exception(), dist.DistBackendError)
+
+
+@pytest.mark.parametrize("by_hash", [True, False])
+def test_each_torch_op_maps_to_its_ddlcore_op_and_the_rest_are_refused(monkeypatch, by_hash):
+    """Both ways of reading the op (a ReduceOp's hash where torch makes it the kind's value,
+    checked at import; ``.op.value`` otherwise) name the same op, and refuse the same ones."""
+    from ddlcore.integrations.torch import work
+
+    assert work._HASH_IS_VALUE  # torch 2.13: one pybind11 call per op, not two
+    monkeypatch.setattr(work, "_HASH_IS_VALUE", by_hash)
+    opts = dist.AllreduceOptions()
+    want = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
+    for name, op in want.items():
+        opts.reduceOp = getattr(dist.ReduceOp, name)
+        assert work._op(opts, "allreduce") == op
+    refused = [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+    refused.append(dist._make_nccl_premul_sum(2.0))
+    for op in refused:
+        opts.reduceOp = op
+        with pytest.raises(ValueError, match="is not supported; ddlcore reduces with"):
+            work._op(opts, "allreduce")

@@ -12,7 +12,7 @@ all_to_all_single (split sizes too), barrier, send/recv (from any rank too; and
 batch_isend_irecv), and groups over some of the ranks (a `Communicator.split` child). Each
 returns an asynchronous `WorkDDL` whose ``wait()`` blocks without the GIL and whose
 ``get_future()`` completes with the output tensors; an allreduce or broadcast that torch waits
-for at once on host memory runs there and then and returns none (see `_now`).
+for at once on host memory runs there and then and returns none (see `_waited_host_view`).
 """
 
 # torch's stubs overload some ProcessGroup methods and name arguments differently; the C++
@@ -49,13 +49,22 @@ _NUMPY_VIEWABLE = frozenset(
 )
 
 
-def _waited_host_view(t: torch.Tensor, opts: Any) -> Any:
-    """``t``'s memory as a NumPy array where torch waits for the call at once
-    (``async_op=False``) and ``t`` is a contiguous CPU tensor NumPy can view; else None. Such
-    a call runs as the communicator's synchronous one (on one host, its compiled front end)."""
+def _waited_host_view(tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+    """The call's one tensor as a NumPy array where torch waits for the call at once
+    (``async_op=False``) and the tensor is a contiguous CPU tensor NumPy can view; else None.
+
+    Such a call runs as the communicator's synchronous one (on one host, its compiled front
+    end) and returns no work: torch's ``dist.*`` functions wait on none when the backend
+    already synchronized (as its C++ backends may). Every call into torch's pybind11 objects
+    counts on this path: right after a collective that swept the caches one costs 5-40 us
+    (np = 2, 1-16 MB), and a work is two of them (made and freed)."""
+    if opts is None or opts.asyncOp or len(tensors) != 1:
+        return None
+    t = tensors[0]
     if (
-        opts.asyncOp
+        not isinstance(t, torch.Tensor)
         or not t.is_cpu
+        or t.requires_grad  # .numpy() refuses it; the general path detaches
         or t.dtype not in _NUMPY_VIEWABLE
         or not t.is_contiguous()
         or t.is_neg()  # a lazily negated view: .numpy() refuses it
@@ -144,18 +153,6 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
             raise _dist_error(exc, what) from None
         return work._start(handles, finish)
 
-    def _now(self, what: str, call: Callable[[], Any]) -> None:
-        """Run ``call`` (a synchronous collective) now, for a caller that waits at once.
-
-        No work is returned: torch's ``dist.*`` functions wait on none when the backend
-        already synchronized (as its C++ backends may). Every call into torch's pybind11
-        objects counts here: right after a collective that swept the caches one costs 5-40 us
-        (np = 2, 1-16 MB), and a work is two of them (made and freed)."""
-        try:
-            call()
-        except BaseException as exc:
-            raise _dist_error(exc, what)  # noqa: B904  (its cause is set: ddlcore's error)
-
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         """The one tensor of a call, detached (see `_data`)."""
         if len(tensors) != 1:
@@ -179,13 +176,16 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
 
     # --- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL | None:
+        view = _waited_host_view(tensors, opts)
+        if view is not None:
+            try:
+                self._comm.allreduce(view, op=_op(opts, "allreduce"), out=view)
+            except BaseException as exc:
+                raise _dist_error(exc, "allreduce")  # noqa: B904  (its cause: ddlcore's error)
+            return None
         t = self._one(tensors, "allreduce")
         opts = opts or dist.AllreduceOptions()
         op = _op(opts, "allreduce")
-        view = _waited_host_view(t, opts)
-        if view is not None:
-            self._now("allreduce", lambda: self._comm.allreduce(view, op=op, out=view))
-            return None
         return self._in_place(
             "allreduce", t, lambda buf: self._comm.allreduce_async(buf, op=op, out=buf), opts
         )
@@ -218,13 +218,16 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
         return self._run("allreduce_coalesced", list(tensors), start, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL | None:
+        view = _waited_host_view(tensors, opts)
+        if view is not None:
+            try:
+                self._comm.broadcast(view, root=opts.rootRank)
+            except BaseException as exc:
+                raise _dist_error(exc, "broadcast")  # noqa: B904  (its cause: ddlcore's error)
+            return None
         t = self._one(tensors, "broadcast")
         opts = opts or dist.BroadcastOptions()
         root = opts.rootRank
-        view = _waited_host_view(t, opts)
-        if view is not None:
-            self._now("broadcast", lambda: self._comm.broadcast(view, root=root))
-            return None
         return self._in_place(
             "broadcast", t, lambda buf: self._comm.broadcast_async(buf, root=root), opts
         )

@@ -24,9 +24,37 @@ _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max
 _BY_VALUE = {int(getattr(dist.ReduceOp.RedOpType, name).value): op for name, op in _OPS.items()}
 
 
+def _hash_is_value() -> bool:
+    """Whether a ReduceOp's ``hash`` is its type's value (torch 2.x defines it so), which costs
+    one pybind11 call where ``.op.value`` costs two. Checked here on every kind torch has (and
+    a premultiplied sum, which carries a factor), not assumed: a hash that named a wrong kind
+    would reduce with the wrong op."""
+    opts = dist.AllreduceOptions()
+    ops = [(getattr(dist.ReduceOp, name), kind) for name, kind in _KINDS.items()]
+    premul = getattr(dist, "_make_nccl_premul_sum", None)
+    if premul is not None and "PREMUL_SUM" in _KINDS:
+        ops.append((premul(2.0), _KINDS["PREMUL_SUM"]))
+    for op, kind in ops:
+        try:
+            opts.reduceOp = op
+        except TypeError:  # a kind that needs a factor: made by premul above
+            continue
+        if hash(opts.reduceOp) != int(kind.value):
+            return False
+    return True
+
+
+_KINDS = dict(dist.ReduceOp.RedOpType.__members__)
+try:
+    _HASH_IS_VALUE = _hash_is_value()
+except Exception:  # importing the backend must not fail on a torch that differs here
+    _HASH_IS_VALUE = False
+
+
 def _op(opts: Any, what: str) -> str:
     """ddlcore's name of the reduction in torch's ``opts``."""
-    red = _BY_VALUE.get(opts.reduceOp.op.value)
+    reduce_op = opts.reduceOp
+    red = _BY_VALUE.get(hash(reduce_op) if _HASH_IS_VALUE else reduce_op.op.value)
     if red is None:
         raise ValueError(
             f"ddl backend, {what}: op=ReduceOp.{opts.reduceOp.op.name} is not supported; "
