@@ -6,18 +6,24 @@ sweep (it reports means).
 
     ddlrun -np 2 python benchmarks/allreduce_loop.py 67108864 400
     mpiexec -n 2 python benchmarks/allreduce_loop.py 4096 20000 --mpi --json out.json
+    mpiexec -n 2 python benchmarks/allreduce_loop.py 4096 20000 --mpi --json quiet.json \
+        --busy-json busy.json    # quiet blocks and blocks beside a busy process, alternating
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 import ddlcore
+from ddlcore.bench.output import cpu_model
 
 
 def _timed(run: Callable[[], object], iters: int, barrier: Callable[[], object]) -> np.ndarray:
@@ -45,6 +51,27 @@ def _stats(took: np.ndarray) -> dict[str, float]:
     }
 
 
+class _BusyProcess:
+    """One CPU-bound process beside the job while in the block (rank 0 starts it): what a
+    machine shared with a data loader or another job looks like."""
+
+    def __init__(self, rank: int, barrier: Callable[[], object]) -> None:
+        self.rank, self.barrier = rank, barrier
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> None:
+        if self.rank == 0:
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(0.05)  # running, not starting
+        self.barrier()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("nbytes", type=int)
@@ -52,6 +79,11 @@ def main() -> None:
     parser.add_argument("--mpi", action="store_true", help="also time MPI_Allreduce (mpi4py)")
     parser.add_argument("--blocks", type=int, default=4, help="alternating blocks per library")
     parser.add_argument("--json", help="write the rank 0 statistics here")
+    parser.add_argument(
+        "--busy-json",
+        help="also time every block with one busy process beside the job (quiet and busy "
+        "blocks alternate) and write those statistics here",
+    )
     args = parser.parse_args()
     with ddlcore.init() as comm:
         x = np.random.default_rng(comm.rank).standard_normal(args.nbytes // 4).astype(np.float32)
@@ -64,23 +96,34 @@ def main() -> None:
 
             world = MPI.COMM_WORLD
             runs["mpi"] = (lambda: world.Allreduce(x, y, op=MPI.SUM), world.Barrier)
-        blocks = args.blocks if args.mpi else 1
-        took: dict[str, list[np.ndarray]] = {name: [] for name in runs}
+        blocks = args.blocks if args.mpi or args.busy_json else 1
+        conditions = {"quiet": contextlib.nullcontext}
+        if args.busy_json:
+            conditions["busy"] = lambda: _BusyProcess(comm.rank, comm.barrier)
+        took = {c: {name: [] for name in runs} for c in conditions}
         for _ in range(blocks):
-            for name, (run, barrier) in runs.items():
-                took[name].append(_timed(run, args.iters // blocks, barrier))
-        stats = {name: _stats(np.concatenate(parts)) for name, parts in took.items()}
-        if comm.rank == 0:
-            for name, s in stats.items():
-                busbw = x.nbytes / (s["mean_us"] * 1e-6) * 2 * (comm.size - 1) / comm.size
+            for condition, beside in conditions.items():
+                with beside():
+                    for name, (run, barrier) in runs.items():
+                        took[condition][name].append(_timed(run, args.iters // blocks, barrier))
+        for condition, path in (("quiet", args.json), ("busy", args.busy_json)):
+            if condition not in took:
+                continue
+            stats = {name: _stats(np.concatenate(parts)) for name, parts in took[condition].items()}
+            if comm.rank != 0:
+                continue
+            for name, st in stats.items():
+                busbw = x.nbytes / (st["mean_us"] * 1e-6) * 2 * (comm.size - 1) / comm.size
                 print(
-                    f"{name}: {x.nbytes} B x {args.iters}: {s['mean_us']:.1f} us per call "
-                    f"(median {s['median_us']:.1f}, p90 {s['p90_us']:.1f}, p99 "
-                    f"{s['p99_us']:.1f}, max {s['max_us']:.0f}), busbw {busbw / 1e9:.2f} GB/s"
+                    f"{name}{' (busy)' if condition == 'busy' else ''}: {x.nbytes} B x "
+                    f"{args.iters}: {st['mean_us']:.1f} us per call (median "
+                    f"{st['median_us']:.1f}, p90 {st['p90_us']:.1f}, p99 {st['p99_us']:.1f}, "
+                    f"max {st['max_us']:.0f}), busbw {busbw / 1e9:.2f} GB/s"
                 )
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"nbytes": x.nbytes, "ranks": comm.size, **stats}, f, indent=1)
+            if path:
+                with open(path, "w") as f:
+                    doc = {"nbytes": x.nbytes, "ranks": comm.size, "cpu": cpu_model(), **stats}
+                    json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def latency(*names: str) -> str:
                 fmt(ours["median_us"] / quiet[d["ranks"]]) if busy and d["ranks"] in quiet else "",
             ]
         )
-    return table(head, rows)
+    machines = sorted({d["cpu"] for d in docs.values() if d.get("cpu")})
+    return table(head, rows) + (f"\n\nMeasured on: {'; '.join(machines)}." if machines else "")
 
 
 # --- point-to-point ---------------------------------------------------------------------------
