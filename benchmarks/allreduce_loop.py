@@ -59,17 +59,37 @@ class _BusyProcess:
         self.rank, self.barrier = rank, barrier
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> None:
-        if self.rank == 0:
-            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            time.sleep(0.05)  # running, not starting
-        self.barrier()
+    # The busy process dies with rank 0 (PR_SET_PDEATHSIG, SIGKILL), however rank 0 ends, and
+    # says when it runs: every busy block starts with it spinning.
+    _BUSY = (
+        "import ctypes, sys; ctypes.CDLL(None).prctl(1, 9); "
+        "sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"
+    )
 
-    def __exit__(self, *exc: object) -> None:
+    def __enter__(self) -> None:
+        try:
+            if self.rank == 0:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", self._BUSY], stdout=subprocess.PIPE
+                )
+                assert self.proc.stdout is not None
+                if self.proc.stdout.read(1) != b"x":
+                    raise RuntimeError("the busy process did not start")
+            self.barrier()
+        except BaseException:
+            self._stop()
+            raise
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._stop()
+        if exc_type is None:  # a failure is not hidden behind a barrier's timeout
+            self.barrier()
+
+    def _stop(self) -> None:
         if self.proc is not None:
             self.proc.kill()
-            self.proc.wait()
-        self.barrier()
+            self.proc.communicate()
+            self.proc = None
 
 
 def main() -> None:
@@ -101,10 +121,13 @@ def main() -> None:
         if args.busy_json:
             conditions["busy"] = lambda: _BusyProcess(comm.rank, comm.barrier)
         took = {c: {name: [] for name in runs} for c in conditions}
-        for _ in range(blocks):
+        for block in range(blocks):
+            # Who goes first alternates: the first of a busy block meets a fresh busy process.
+            order = list(runs) if block % 2 == 0 else list(reversed(runs))
             for condition, beside in conditions.items():
                 with beside():
-                    for name, (run, barrier) in runs.items():
+                    for name in order:
+                        run, barrier = runs[name]
                         took[condition][name].append(_timed(run, args.iters // blocks, barrier))
         for condition, path in (("quiet", args.json), ("busy", args.busy_json)):
             if condition not in took:

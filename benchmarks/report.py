@@ -75,10 +75,11 @@ def table(head: list[str], rows: Iterable[list[str]], align: str | None = None) 
 # --- one host: ddl-bench --compare ------------------------------------------------------------
 
 
-def measured_on(doc: dict) -> str:
-    """Where a result file says it was measured, as a line under its table (empty when it does
-    not say: the machine the Machine section names first)."""
-    return f"\n\nMeasured on: {doc['cpu']}." if doc.get("cpu") else ""
+def measured_on(*docs: dict) -> str:
+    """Where result files say they were measured, as a line under their table (empty when they
+    do not say: the machine the Machine section names first)."""
+    machines = sorted({d["cpu"] for d in docs if d.get("cpu")})
+    return f"\n\nMeasured on: {'; '.join(machines)}." if machines else ""
 
 
 def host_allreduce(name: str) -> str:
@@ -147,8 +148,7 @@ def latency(*names: str) -> str:
                 fmt(ours["median_us"] / quiet[d["ranks"]]) if busy and d["ranks"] in quiet else "",
             ]
         )
-    machines = sorted({d["cpu"] for d in docs.values() if d.get("cpu")})
-    return table(head, rows) + (f"\n\nMeasured on: {'; '.join(machines)}." if machines else "")
+    return table(head, rows) + measured_on(*docs.values())
 
 
 # --- point-to-point ---------------------------------------------------------------------------
@@ -461,7 +461,6 @@ def torch_ddp(*names: str) -> str:
         f"np = {d['nranks']}: {d['load_before'][0]:.1f} before, {d['load_after'][0]:.1f} after"
         for d in docs
     )
-    machines = sorted({d["cpu"] for d in docs if d.get("cpu")})
     train = [
         [
             str(d["nranks"]),
@@ -494,7 +493,7 @@ def torch_ddp(*names: str) -> str:
     return (
         head
         + f"Load average (1 min, 2 vCPUs) {loads}."
-        + (f" Measured on: {'; '.join(machines)}." if machines else "")
+        + measured_on(*docs).replace("\n\n", " ")
         + "\n\n"
         + f"DDP, {params / 1e6:.1f} M parameters, step time in ms (the slowest rank's median):"
         + "\n\n"

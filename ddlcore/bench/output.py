@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -26,7 +27,7 @@ def cpu_model() -> str:
             )
     except OSError:
         pass
-    return f"{model or 'unknown CPU'}, {os.cpu_count()} CPUs"
+    return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
 
 
 def _write_outputs(

@@ -43,6 +43,7 @@ from ddlcore.integrations.torch.work import (
 
 BACKEND_NAME = "ddl"
 _DEVICES = ["cpu", "cuda"]
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # CPU tensors NumPy views as one of ddlcore's dtypes (bfloat16 it cannot).
 _NUMPY_VIEWABLE = frozenset(
     {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
@@ -57,12 +58,16 @@ def _waited_host_view(tensors: Sequence[torch.Tensor], opts: Any) -> Any:
     end) and returns no work: torch's ``dist.*`` functions wait on none when the backend
     already synchronized (as its C++ backends may). Every call into torch's pybind11 objects
     counts on this path: right after a collective that swept the caches one costs 5-40 us
-    (np = 2, 1-16 MB), and a work is two of them (made and freed)."""
-    if opts is None or opts.asyncOp or len(tensors) != 1:
+    (np = 2, 1-16 MB), and a work is two of them (made and freed).
+
+    Only torch's Python ``dist.*`` functions set ``asyncOp`` False (torch 2.13; every C++
+    options struct defaults it to True): C++ callers, which would need a work, never get
+    None. A torch whose options lack ``asyncOp`` takes the general path."""
+    if opts is None or getattr(opts, "asyncOp", True) or len(tensors) != 1:
         return None
     t = tensors[0]
     if (
-        not isinstance(t, torch.Tensor)
+        type(t) not in _PLAIN_TENSORS  # not FakeTensor and other subclasses .numpy() refuses
         or not t.is_cpu
         or t.requires_grad  # .numpy() refuses it; the general path detaches
         or t.dtype not in _NUMPY_VIEWABLE
@@ -153,6 +158,14 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
             raise _dist_error(exc, what) from None
         return work._start(handles, finish)
 
+    def _now(self, what: str, call: Callable[[], Any]) -> None:
+        """Run ``call``, a synchronous collective on a `_waited_host_view`, with torch's error
+        type for its failures."""
+        try:
+            call()
+        except BaseException as exc:
+            raise _dist_error(exc, what)  # noqa: B904  (its cause is set: ddlcore's error)
+
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         """The one tensor of a call, detached (see `_data`)."""
         if len(tensors) != 1:
@@ -178,10 +191,8 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL | None:
         view = _waited_host_view(tensors, opts)
         if view is not None:
-            try:
-                self._comm.allreduce(view, op=_op(opts, "allreduce"), out=view)
-            except BaseException as exc:
-                raise _dist_error(exc, "allreduce")  # noqa: B904  (its cause: ddlcore's error)
+            op = _op(opts, "allreduce")
+            self._now("allreduce", lambda: self._comm.allreduce(view, op=op, out=view))
             return None
         t = self._one(tensors, "allreduce")
         opts = opts or dist.AllreduceOptions()
@@ -220,10 +231,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> WorkDDL | None:
         view = _waited_host_view(tensors, opts)
         if view is not None:
-            try:
-                self._comm.broadcast(view, root=opts.rootRank)
-            except BaseException as exc:
-                raise _dist_error(exc, "broadcast")  # noqa: B904  (its cause: ddlcore's error)
+            self._now("broadcast", lambda: self._comm.broadcast(view, root=opts.rootRank))
             return None
         t = self._one(tensors, "broadcast")
         opts = opts or dist.BroadcastOptions()

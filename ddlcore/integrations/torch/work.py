@@ -22,6 +22,7 @@ _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max
 # objects counts: its ``.name`` costs ~10 us, and a lookup by the enum itself (its pybind11
 # ``__hash__`` and ``__eq__``) twice what ``.value`` and an int key cost.
 _BY_VALUE = {int(getattr(dist.ReduceOp.RedOpType, name).value): op for name, op in _OPS.items()}
+_KINDS = dict(dist.ReduceOp.RedOpType.__members__)
 
 
 def _hash_is_value() -> bool:
@@ -44,7 +45,6 @@ def _hash_is_value() -> bool:
     return True
 
 
-_KINDS = dict(dist.ReduceOp.RedOpType.__members__)
 try:
     _HASH_IS_VALUE = _hash_is_value()
 except Exception:  # importing the backend must not fail on a torch that differs here

@@ -183,6 +183,33 @@ t = xs[rank].clone()
 dist.broadcast(t[:, 1], src=1)
 check(t[:, 1], xs[1][:, 1], "broadcast of a strided column")
 
+# A call torch waits for at once on a plain contiguous CPU tensor runs there and then and gives
+# no work (torch's dist.* wait on none); any other gets a work to wait on. Sync broadcast too.
+group = dist.group.WORLD
+xs = inputs(7, torch.float32)
+for async_op, make in [
+    (False, lambda: xs[rank].clone()),
+    (True, lambda: xs[rank].clone()),
+    (False, lambda: xs[rank].clone().requires_grad_()),  # .numpy() refuses it
+    (False, lambda: xs[rank].clone().to(torch.bfloat16)),  # NumPy has no bfloat16
+]:
+    t = make()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = async_op
+    work = group.allreduce([t], opts)
+    plain = DEVICE.type == "cpu" and not async_op and t.dtype == torch.float32
+    if (plain and not t.requires_grad) != (work is None):
+        sys.exit(f"allreduce, asyncOp={async_op}, {t.dtype}: got {work!r}")
+    if work is not None:
+        work.wait()
+    got, want = t.detach().float().cpu(), reduced(xs, "sum").cpu()
+    tol = 3e-2 if t.dtype == torch.bfloat16 else 1e-5  # bfloat16: 8 bits of mantissa
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"allreduce {t.dtype}")
+for root in range(size):
+    t = xs[rank].clone()
+    dist.broadcast(t, src=root)
+    check(t, xs[root], f"waited broadcast from {root}")
+
 # Coalesced: several tensors of two dtypes in one allreduce_coalesced; several all-gathers and
 # reduce-scatters into tensors in one coalesced call each.
 a, b, c = inputs(5, torch.float32), inputs(0, torch.float64), inputs(11, torch.int64)
