@@ -8,6 +8,10 @@ sweep (it reports means).
     mpiexec -n 2 python benchmarks/allreduce_loop.py 4096 20000 --mpi --json out.json
     mpiexec -n 2 python benchmarks/allreduce_loop.py 4096 20000 --mpi --json quiet.json \
         --busy-json busy.json    # quiet blocks and blocks beside a busy process, alternating
+
+``--place`` decides where the processes run instead of the kernel's scheduler: ``spread`` pins
+rank r to the r-th CPU (of those it may use, round robin) and the busy process to the last;
+``packed`` pins every rank to the first CPU and the busy process to the last.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,8 +60,8 @@ class _BusyProcess:
     """One CPU-bound process beside the job while in the block (rank 0 starts it): what a
     machine shared with a data loader or another job looks like."""
 
-    def __init__(self, rank: int, barrier: Callable[[], object]) -> None:
-        self.rank, self.barrier = rank, barrier
+    def __init__(self, rank: int, barrier: Callable[[], object], cpu: int | None) -> None:
+        self.rank, self.barrier, self.cpu = rank, barrier, cpu
         self.proc: subprocess.Popen[bytes] | None = None
 
     # The busy process dies with rank 0 (PR_SET_PDEATHSIG, SIGKILL), however rank 0 ends, and
@@ -72,6 +77,8 @@ class _BusyProcess:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-c", self._BUSY], stdout=subprocess.PIPE
                 )
+                if self.cpu is not None:
+                    os.sched_setaffinity(self.proc.pid, {self.cpu})
                 assert self.proc.stdout is not None
                 if self.proc.stdout.read(1) != b"x":
                     raise RuntimeError("the busy process did not start")
@@ -104,8 +111,20 @@ def main() -> None:
         help="also time every block with one busy process beside the job (quiet and busy "
         "blocks alternate) and write those statistics here",
     )
+    parser.add_argument(
+        "--place",
+        choices=["free", "spread", "packed"],
+        default="free",
+        help="free: the scheduler places the ranks and the busy process; spread: one CPU per "
+        "rank, the busy process on the last; packed: every rank on the first CPU, the busy "
+        "process on the last",
+    )
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
     with ddlcore.init() as comm:
+        busy_cpu = None if args.place == "free" else cpus[-1]
+        if args.place != "free":
+            os.sched_setaffinity(0, {cpus[comm.rank % len(cpus) if args.place == "spread" else 0]})
         x = np.random.default_rng(comm.rank).standard_normal(args.nbytes // 4).astype(np.float32)
         y = np.empty_like(x)
         runs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
@@ -119,7 +138,7 @@ def main() -> None:
         blocks = args.blocks if args.mpi or args.busy_json else 1
         conditions = {"quiet": contextlib.nullcontext}
         if args.busy_json:
-            conditions["busy"] = lambda: _BusyProcess(comm.rank, comm.barrier)
+            conditions["busy"] = lambda: _BusyProcess(comm.rank, comm.barrier, busy_cpu)
         took = {c: {name: [] for name in runs} for c in conditions}
         for block in range(blocks):
             # Who goes first alternates: the first of a busy block meets a fresh busy process.
@@ -145,7 +164,13 @@ def main() -> None:
                 )
             if path:
                 with open(path, "w") as f:
-                    doc = {"nbytes": x.nbytes, "ranks": comm.size, "cpu": cpu_model(), **stats}
+                    doc = {
+                        "nbytes": x.nbytes,
+                        "ranks": comm.size,
+                        "cpu": cpu_model(),
+                        "place": args.place,
+                        **stats,
+                    }
                     json.dump(doc, f, indent=1)
 
 

@@ -115,15 +115,27 @@ def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[fl
     return min(ratios), max(ratios)
 
 
+_PLACES = {
+    "free": "where the scheduler puts them",
+    "spread": "one CPU per rank, the busy process beside rank 1",
+    "packed": "both ranks on CPU 0, the busy process on CPU 1",
+}
+
+
 def latency(*names: str) -> str:
-    """``allreduce_loop.py --mpi`` results (latency_<size>_np<N>_<quiet|busy>.json): medians
-    and tails of ddlcore and MPI_Allreduce in the same processes, and busy against quiet."""
+    """``allreduce_loop.py --mpi`` results (latency_<size>_np<N>[_<place>]_<quiet|busy>.json):
+    medians and tails of ddlcore and MPI_Allreduce in the same processes, and busy against
+    quiet; a placement column where a run pinned its processes (``--place``)."""
     docs = {name: load(name) for name in names}
+    placed = any(d.get("place", "free") != "free" for d in docs.values())
     quiet = {
-        d["ranks"]: d["ddlcore"]["median_us"] for n, d in docs.items() if n.endswith("_quiet.json")
+        (d["ranks"], d.get("place", "free")): d["ddlcore"]["median_us"]
+        for n, d in docs.items()
+        if n.endswith("_quiet.json")
     }
     head = [
         "ranks",
+        *(["placement"] if placed else []),
         "beside the job",
         "ddlcore median (µs)",
         "p90",
@@ -136,16 +148,18 @@ def latency(*names: str) -> str:
     for name, d in docs.items():
         busy = name.endswith("_busy.json")
         ours, mpi = d["ddlcore"], d["mpi"]
+        key = (d["ranks"], d.get("place", "free"))
         rows.append(
             [
                 str(d["ranks"]),
+                *([_PLACES[key[1]]] if placed else []),
                 "one busy process" if busy else "nothing (quiet)",
                 fmt(ours["median_us"], 1),
                 fmt(ours["p90_us"], 1),
                 fmt(mpi["median_us"], 1),
                 fmt(mpi["p90_us"], 1),
                 fmt(mpi["median_us"] / ours["median_us"]),
-                fmt(ours["median_us"] / quiet[d["ranks"]]) if busy and d["ranks"] in quiet else "",
+                fmt(ours["median_us"] / quiet[key]) if busy and key in quiet else "",
             ]
         )
     return table(head, rows) + measured_on(*docs.values())

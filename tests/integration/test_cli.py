@@ -164,6 +164,32 @@ def test_bench_beside_mpi_and_gloo_under_mpiexec():
     assert "Avg bus bandwidth mpi" in res.stdout and "Avg bus bandwidth gloo" in res.stdout
 
 
+def test_latency_loop_quiet_and_beside_a_pinned_busy_process(tmp_path):
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
+        "mpiexec"
+    )
+    require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
+    quiet, busy = tmp_path / "quiet.json", tmp_path / "busy.json"
+    script = str(ROOT / "benchmarks" / "allreduce_loop.py")
+    args = ["4096", "400", "--blocks", "2", "--mpi", "--place", "spread"]
+    res = _run(
+        [mpiexec, "-n", "2", sys.executable, script, *args, "--json", str(quiet)]
+        + ["--busy-json", str(busy)],
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    for path in (quiet, busy):
+        doc = json.loads(path.read_text())
+        assert doc["nbytes"] == 4096 and doc["ranks"] == 2 and doc["place"] == "spread", doc
+        for name in ("ddlcore", "mpi"):
+            st = doc[name]
+            assert 0 < st["median_us"] <= st["p90_us"] <= st["p99_us"] <= st["max_us"], st
+    assert "ddlcore (busy)" in res.stdout and "mpi (busy)" in res.stdout, res.stdout
+    # The busy processes died with their blocks.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "ctypes.CDLL(None).prctl(1, 9)" not in ps, ps
+
+
 def test_bench_on_device_memory_with_the_simulator():
     try:
         import numba.cuda  # noqa: F401
