@@ -3,6 +3,7 @@
     ddlrun -np 4 [--transport tcp] [--timeout 60] [--topology 2x2] prog.py args...
     ddlrun -np 2 -m ddlcore.bench -b 4K -e 64M
     ddlrun -np 8 --hosts h1:4,h2:4 prog.py args...      # across hosts, through mpiexec
+    ddlrun -np 2 --bind-to core prog.py args...         # each rank on its own CPUs
 
 Local mode spawns N processes with the rendezvous variables set (``DDL_RANK``, ``DDL_SIZE``,
 ``DDL_LOCAL_RANK``, ``DDL_LOCAL_SIZE``, ``DDL_MASTER_ADDR``, ``DDL_MASTER_PORT``), torchrun's too
@@ -12,7 +13,8 @@ fresh ``DDL_SECRET`` (in their environment, never on a command line), prefixes e
 with ``[rank]``, and stops them all when one fails (SIGTERM to each rank's process group, SIGKILL
 after `GRACE_S`). Each rank dies with ddlrun, even when ddlrun is killed with SIGKILL: the kernel
 sends it SIGKILL when ddlrun exits (``PR_SET_PDEATHSIG``, set in the child before it runs the
-program, so it holds for any program, before it has imported anything).
+program, so it holds for any program, before it has imported anything). ``--bind-to core`` pins
+each rank to its share of the CPUs (`cpu_shares`), also in the child before the program runs.
 
 Which rank is to blame: a rank whose collective failed because of another rank (a
 `PeerFailureError`) writes that rank's number into ``DDL_FAILURE_DIR`` (`record_failure`, called
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 
 from ddlcore import config
 from ddlcore.launcher.job import GRACE_S as GRACE_S  # re-exported: tests read it here
-from ddlcore.launcher.job import LocalJob, _die_with_parent, _remove_shared_memory
+from ddlcore.launcher.job import LocalJob, _die_with_parent, _remove_shared_memory, cpu_shares
 from ddlcore.launcher.job import record_failure as record_failure  # the communicator's import
 
 
@@ -172,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stop every rank and exit 124 after this many seconds (default: no limit)",
     )
+    p.add_argument(
+        "--bind-to",
+        choices=["none", "core"],
+        default="none",
+        help="core: pin each local rank to its own share of the CPUs ddlrun may use (an equal "
+        "block each; one CPU each, round robin, when ranks outnumber CPUs); none: leave "
+        "placement to the kernel (default)",
+    )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
     p.add_argument("-m", dest="module", action="store_true", help="prog is a module (python -m)")
     p.add_argument(
@@ -233,7 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     command = program_argv(prog, prog_args, args.module)
     if args.hosts:
+        if args.bind_to != "none":
+            parser.error(
+                "--bind-to places local ranks; with --hosts give mpiexec's own binding "
+                "(MPICH: mpiexec -bind-to core)"
+            )
         return _run_mpiexec(parser, args, forwarded, command)
+    cpus = cpu_shares(args.np, os.sched_getaffinity(0)) if args.bind_to == "core" else None
     env = dict(forwarded)
     env.update(_secret_env())
     # Two ports: ddlcore's store, and torch's (a script's init_process_group serves it).
@@ -252,7 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             job = LocalJob(
-                command, args.np, env, prefix=not args.no_prefix, failure_dir=failure_dir
+                command,
+                args.np,
+                env,
+                prefix=not args.no_prefix,
+                failure_dir=failure_dir,
+                cpus=cpus,
             )
         except OSError as exc:
             print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import IO
 
 from ddlcore import config
@@ -85,6 +85,22 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def cpu_shares(np_: int, cpus: Iterable[int]) -> list[list[int]]:
+    """The CPUs of each rank under ``--bind-to core``: with no more ranks than ``cpus``, an equal
+    contiguous block each (the first ``len(cpus) % np_`` ranks one CPU more), so a rank's
+    compute threads keep several; with more ranks, one CPU each, round robin."""
+    order = sorted(cpus)
+    if np_ > len(order):
+        return [[order[rank % len(order)]] for rank in range(np_)]
+    base, extra = divmod(len(order), np_)
+    shares, start = [], 0
+    for rank in range(np_):
+        end = start + base + (1 if rank < extra else 0)
+        shares.append(order[start:end])
+        start = end
+    return shares
+
+
 def _die_with_parent() -> Callable[[], None]:
     """The child's set-up between fork and exec: SIGKILL when ddlrun exits, however it exits,
     and SIGINT back to its default (the ranks hear Ctrl-C only from ddlrun, which forwards it).
@@ -110,12 +126,32 @@ def _die_with_parent() -> Callable[[], None]:
     return preexec
 
 
+def _bound(preexec: Callable[[], None], cpus: Sequence[int]) -> Callable[[], None]:
+    """``preexec``, then the child's CPUs set to ``cpus`` (before exec: every thread the
+    program starts inherits them)."""
+    mask = set(cpus)
+
+    def bind() -> None:
+        preexec()
+        os.sched_setaffinity(0, mask)
+
+    return bind
+
+
 class LocalJob:
     """N local ranks, their output pumps, and the decision of which rank failed first."""
 
     def __init__(
-        self, command: list[str], np_: int, env: dict[str, str], prefix: bool, failure_dir: str
+        self,
+        command: list[str],
+        np_: int,
+        env: dict[str, str],
+        prefix: bool,
+        failure_dir: str,
+        cpus: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        """Start the ranks; ``cpus[rank]``: the CPUs that rank runs on (None: wherever the
+        kernel puts it)."""
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[_Output] = []
         self.failure_dir = failure_dir
@@ -145,7 +181,7 @@ class LocalJob:
                     command,
                     env=child_env,
                     start_new_session=True,
-                    preexec_fn=preexec,
+                    preexec_fn=preexec if cpus is None else _bound(preexec, cpus[rank]),
                     stdout=subprocess.PIPE if prefix else None,
                     stderr=subprocess.PIPE if prefix else None,
                 )

@@ -276,6 +276,34 @@ def test_mistakes_get_one_line_from_ddlrun_before_spawning(tmp_path):
     assert "args" not in usage.replace("[args...]", ""), usage
 
 
+def test_cpu_shares():
+    assert launcher.cpu_shares(2, [3, 1, 2, 0]) == [[0, 1], [2, 3]]
+    assert launcher.cpu_shares(3, range(8)) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert launcher.cpu_shares(1, [5, 4]) == [[4, 5]]
+    assert launcher.cpu_shares(5, [0, 2]) == [[0], [2], [0], [2], [0]]
+
+
+_SHOW_CPUS = "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_bind_to_core_pins_each_rank_to_its_share(np_):
+    cpus = sorted(os.sched_getaffinity(0))
+    res = _run(["-np", str(np_), "--bind-to", "core", sys.executable, "-c", _SHOW_CPUS])
+    assert res.returncode == 0, res.stderr
+    got = dict(line.split(" ", 1) for line in res.stdout.splitlines())
+    want = launcher.cpu_shares(np_, cpus)
+    assert got == {f"[{r}]": ",".join(map(str, want[r])) for r in range(np_)}, res.stdout
+    # Without it, every rank may run anywhere ddlrun may.
+    res = _run(["-np", str(np_), sys.executable, "-c", _SHOW_CPUS])
+    assert {line.split(" ", 1)[1] for line in res.stdout.splitlines()} == {
+        ",".join(map(str, cpus))
+    }, res.stdout
+    assert "--bind-to places local ranks" in _error_line(
+        _run(["-np", "2", "--hosts", "a:1,b:1", "--bind-to", "core", sys.executable, "-V"])
+    )
+
+
 def test_module_mode_and_program_flags_pass_through():
     res = _run(["-np", "2", "-m", "ddlcore", "info", "--np", "2"])
     assert res.returncode == 0, res.stderr
