@@ -57,11 +57,13 @@ def _stats(took: np.ndarray) -> dict[str, float]:
 
 
 class _BusyProcess:
-    """One CPU-bound process beside the job while in the block (rank 0 starts it): what a
-    machine shared with a data loader or another job looks like."""
+    """One CPU-bound process beside the job while in the block: what a machine shared with
+    another job looks like. Rank 0 starts it, but as a job of its own: in a session of its own
+    (under the kernel's autogroups a session shares the CPU as one), on every CPU the machine
+    has (not the ones a launcher bound rank 0 to), or on ``cpus`` where given."""
 
-    def __init__(self, rank: int, barrier: Callable[[], object], cpu: int | None) -> None:
-        self.rank, self.barrier, self.cpu = rank, barrier, cpu
+    def __init__(self, rank: int, barrier: Callable[[], object], cpus: set[int]) -> None:
+        self.rank, self.barrier, self.cpus = rank, barrier, cpus
         self.proc: subprocess.Popen[bytes] | None = None
 
     # The busy process dies with rank 0 (PR_SET_PDEATHSIG, SIGKILL), however rank 0 ends, and
@@ -75,10 +77,11 @@ class _BusyProcess:
         try:
             if self.rank == 0:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-c", self._BUSY], stdout=subprocess.PIPE
+                    [sys.executable, "-c", self._BUSY],
+                    stdout=subprocess.PIPE,
+                    start_new_session=True,
                 )
-                if self.cpu is not None:
-                    os.sched_setaffinity(self.proc.pid, {self.cpu})
+                os.sched_setaffinity(self.proc.pid, self.cpus)
                 assert self.proc.stdout is not None
                 if self.proc.stdout.read(1) != b"x":
                     raise RuntimeError("the busy process did not start")
@@ -122,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     with ddlcore.init() as comm:
-        busy_cpu = None if args.place == "free" else cpus[-1]
+        busy_cpus = set(range(os.cpu_count() or 1)) if args.place == "free" else {cpus[-1]}
         if args.place != "free":
             os.sched_setaffinity(0, {cpus[comm.rank % len(cpus) if args.place == "spread" else 0]})
         x = np.random.default_rng(comm.rank).standard_normal(args.nbytes // 4).astype(np.float32)
@@ -138,7 +141,7 @@ def main() -> None:
         blocks = args.blocks if args.mpi or args.busy_json else 1
         conditions = {"quiet": contextlib.nullcontext}
         if args.busy_json:
-            conditions["busy"] = lambda: _BusyProcess(comm.rank, comm.barrier, busy_cpu)
+            conditions["busy"] = lambda: _BusyProcess(comm.rank, comm.barrier, busy_cpus)
         took = {c: {name: [] for name in runs} for c in conditions}
         for block in range(blocks):
             # Who goes first alternates: the first of a busy block meets a fresh busy process.
@@ -169,6 +172,8 @@ def main() -> None:
                         "ranks": comm.size,
                         "cpu": cpu_model(),
                         "place": args.place,
+                        # bound: a launcher gave the ranks fewer CPUs than the machine has
+                        "bound": len(cpus) < (os.cpu_count() or 1),
                         **stats,
                     }
                     json.dump(doc, f, indent=1)

@@ -117,6 +117,7 @@ def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[fl
 
 _PLACES = {
     "free": "where the scheduler puts them",
+    "bound": "each rank bound to a CPU by the launcher, the busy process anywhere",
     "spread": "one CPU per rank, the busy process beside rank 1",
     "packed": "both ranks on CPU 0, the busy process on CPU 1",
 }
@@ -127,9 +128,14 @@ def latency(*names: str) -> str:
     medians and tails of ddlcore and MPI_Allreduce in the same processes, and busy against
     quiet; a placement column where a run pinned its processes (``--place``)."""
     docs = {name: load(name) for name in names}
-    placed = any(d.get("place", "free") != "free" for d in docs.values())
+
+    def place(d: dict) -> str:
+        where = d.get("place", "free")
+        return "bound" if where == "free" and d.get("bound") else where
+
+    placed = any(place(d) != "free" for d in docs.values())
     quiet = {
-        (d["ranks"], d.get("place", "free")): d["ddlcore"]["median_us"]
+        (d["ranks"], place(d)): d["ddlcore"]["median_us"]
         for n, d in docs.items()
         if n.endswith("_quiet.json")
     }
@@ -148,7 +154,7 @@ def latency(*names: str) -> str:
     for name, d in docs.items():
         busy = name.endswith("_busy.json")
         ours, mpi = d["ddlcore"], d["mpi"]
-        key = (d["ranks"], d.get("place", "free"))
+        key = (d["ranks"], place(d))
         rows.append(
             [
                 str(d["ranks"]),
@@ -569,6 +575,7 @@ def summary() -> str:
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))
     gloo2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20), "gloo")
     lat = {state: load(f"latency_4k_np2_{state}.json") for state in ("quiet", "busy")}
+    pinned = {state: load(f"latency_4k_np2_bound_{state}.json") for state in ("quiet", "busy")}
     tcp = {state: load(f"latency_4k_np2_tcp_{state}.json") for state in ("quiet", "busy")}
     conv = _throughput("convergence.json", "ddlcore", 2) / _throughput(
         "convergence.json", "gloo", 2
@@ -616,7 +623,10 @@ def summary() -> str:
             f"{lat['quiet']['ddlcore']['median_us']:.1f} µs (MPICH "
             f"{lat['quiet']['mpi']['median_us']:.1f} µs); beside a busy process "
             f"{lat['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
-            f"{lat['busy']['mpi']['median_us']:.1f} µs)",
+            f"{lat['busy']['mpi']['median_us']:.1f} µs); ranks bound to their CPUs: "
+            f"{pinned['quiet']['ddlcore']['median_us']:.1f} µs quiet, "
+            f"{pinned['busy']['ddlcore']['median_us']:.1f} µs busy (MPICH "
+            f"{pinned['busy']['mpi']['median_us']:.1f} µs)",
             "[Latency](#small-message-latency-medians-beside-mpich)",
         ],
         [
