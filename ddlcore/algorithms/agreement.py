@@ -71,7 +71,7 @@ def _shifted(steps: Sequence[Step], pairs: set[tuple[bool, int]], by: int) -> li
     out = []
     for s in steps:
         if s.kind != Kind.COPY and (s.kind == Kind.SEND, s.peer) in pairs:
-            s = dataclasses.replace(s, slot=s.slot + by)
+            s = s.with_slot(s.slot + by)
         out.append(s)
     return out
 

@@ -34,7 +34,6 @@ may also run them one by one. A schedule without parts is one stream.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 from collections.abc import Iterable
@@ -71,6 +70,23 @@ class Step:
     finalize: bool = False
     staged_first: bool = False
     part: int = 0  # index into `Schedule.parts` (0 where the schedule has none)
+
+    def with_slot(self, slot: int) -> Step:
+        """This step on message slot ``slot``: ``dataclasses.replace(self, slot=slot)`` at half
+        its cost (schedules of thousands of steps are renumbered as they are planned)."""
+        return Step(
+            self.kind,
+            self.peer,
+            slot,
+            self.count,
+            self.src,
+            self.src_off,
+            self.dst,
+            self.dst_off,
+            self.finalize,
+            self.staged_first,
+            self.part,
+        )
 
     def describe(self) -> str:
         if self.kind == Kind.SEND:
@@ -232,6 +248,6 @@ def drop_empty(steps: Iterable[Step]) -> tuple[Step, ...]:
         if s.kind != Kind.COPY:
             slot = number[(s.kind == Kind.SEND, s.peer)][s.slot]
             if slot != s.slot:
-                s = dataclasses.replace(s, slot=slot)
+                s = s.with_slot(slot)
         out.append(s)
     return tuple(out)

@@ -8,6 +8,7 @@ and transports run them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from ddlcore.algorithms import (
     mdring,
     ring,
 )
-from ddlcore.algorithms.schedule import Schedule, split
+from ddlcore.algorithms.schedule import Schedule, Step, split
 from ddlcore.collectives import Collective
 from ddlcore.planning import topology
 
@@ -38,11 +39,12 @@ def interpret(
     queues: dict[tuple[int, int, int], deque] = {}
     pcs = [0] * size
     scratch = [np.zeros(max(s.scratch_count, 1), inputs[r].dtype) for r, s in enumerate(schedules)]
+    # Buf's values index each rank's (input, output, scratch): this loop runs millions of times.
+    bufs = [(inputs[r], outputs[r], scratch[r]) for r in range(size)]
+    assert (Buf.INPUT, Buf.OUTPUT, Buf.SCRATCH) == (0, 1, 2)
 
     def buf(rank, which):
-        return {Buf.INPUT: inputs[rank], Buf.OUTPUT: outputs[rank], Buf.SCRATCH: scratch[rank]}[
-            which
-        ]
+        return bufs[rank][which]
 
     while any(pcs[r] < len(schedules[r].steps) for r in range(size)):
         progressed = False
@@ -153,6 +155,20 @@ def test_ring_allreduce_traffic_is_bandwidth_optimal():
     sched = ring.allreduce(0, size, count, 4, 400 * 4)
     sent = sum(s.count for s in sched.steps if s.kind == Kind.SEND)
     assert sent == 2 * (size - 1) * count // size
+
+
+def test_with_slot_is_replace_for_every_field():
+    # Every field away from its default, so a field with_slot forgot would show.
+    values = {
+        "kind": Kind.RECV_REDUCE,
+        "src": Buf.SCRATCH,
+        "dst": Buf.SCRATCH,
+        "finalize": True,
+        "staged_first": True,
+    }
+    fields = dataclasses.fields(Step)
+    step = Step(**{f.name: values.get(f.name, 3 + i) for i, f in enumerate(fields)})
+    assert step.with_slot(99) == dataclasses.replace(step, slot=99), "with_slot lost a field"
 
 
 def test_split_is_even_and_covers():
