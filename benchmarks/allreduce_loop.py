@@ -59,8 +59,8 @@ def _stats(took: np.ndarray) -> dict[str, float]:
 class _BusyProcess:
     """One CPU-bound process beside the job while in the block: what a machine shared with
     another job looks like. Rank 0 starts it, but as a job of its own: in a session of its own
-    (under the kernel's autogroups a session shares the CPU as one), on every CPU the machine
-    has (not the ones a launcher bound rank 0 to), or on ``cpus`` where given."""
+    (under the kernel's autogroups a session shares the CPU as one), on ``cpus`` (not the ones
+    a launcher bound rank 0 to)."""
 
     def __init__(self, rank: int, barrier: Callable[[], object], cpus: set[int]) -> None:
         self.rank, self.barrier, self.cpus = rank, barrier, cpus
@@ -102,6 +102,22 @@ class _BusyProcess:
             self.proc = None
 
 
+def _pin(place: str, rank: int) -> tuple[set[int], bool]:
+    """Pin this rank as ``--place`` says. Returns the CPUs for the busy process (free: every
+    CPU the launcher may use), and whether the launcher bound the ranks (gave this one fewer
+    CPUs than it has itself)."""
+    mine = sorted(os.sched_getaffinity(0))
+    try:
+        launcher = os.sched_getaffinity(os.getppid())
+    except OSError:  # the parent is gone or not ours to look at
+        launcher = set(mine)
+    bound = set(mine) < launcher
+    if place == "free":
+        return launcher, bound
+    os.sched_setaffinity(0, {mine[rank % len(mine)] if place == "spread" else mine[0]})
+    return {mine[-1]}, bound
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("nbytes", type=int)
@@ -123,11 +139,8 @@ def main() -> None:
         "process on the last",
     )
     args = parser.parse_args()
-    cpus = sorted(os.sched_getaffinity(0))
     with ddlcore.init() as comm:
-        busy_cpus = set(range(os.cpu_count() or 1)) if args.place == "free" else {cpus[-1]}
-        if args.place != "free":
-            os.sched_setaffinity(0, {cpus[comm.rank % len(cpus) if args.place == "spread" else 0]})
+        busy_cpus, bound = _pin(args.place, comm.rank)
         x = np.random.default_rng(comm.rank).standard_normal(args.nbytes // 4).astype(np.float32)
         y = np.empty_like(x)
         runs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
@@ -172,8 +185,7 @@ def main() -> None:
                         "ranks": comm.size,
                         "cpu": cpu_model(),
                         "place": args.place,
-                        # bound: a launcher gave the ranks fewer CPUs than the machine has
-                        "bound": len(cpus) < (os.cpu_count() or 1),
+                        "bound": bound,
                         **stats,
                     }
                     json.dump(doc, f, indent=1)

@@ -117,10 +117,17 @@ def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[fl
 
 _PLACES = {
     "free": "where the scheduler puts them",
-    "bound": "each rank bound to a CPU by the launcher, the busy process anywhere",
-    "spread": "one CPU per rank, the busy process beside rank 1",
-    "packed": "both ranks on CPU 0, the busy process on CPU 1",
+    "bound": "ranks bound by the launcher, the busy process on any CPU",
+    "spread": "one CPU per rank, the busy process on the last CPU",
+    "packed": "every rank on the first CPU, the busy process on the last",
 }
+
+
+def _placement(doc: dict) -> str:
+    """Where a latency run's processes ran: its ``--place``, or "bound" where the launcher
+    bound the ranks and the run left placement alone."""
+    where = doc.get("place", "free")
+    return "bound" if where == "free" and doc.get("bound") else where
 
 
 def latency(*names: str) -> str:
@@ -128,14 +135,9 @@ def latency(*names: str) -> str:
     medians and tails of ddlcore and MPI_Allreduce in the same processes, and busy against
     quiet; a placement column where a run pinned its processes (``--place``)."""
     docs = {name: load(name) for name in names}
-
-    def place(d: dict) -> str:
-        where = d.get("place", "free")
-        return "bound" if where == "free" and d.get("bound") else where
-
-    placed = any(place(d) != "free" for d in docs.values())
+    placed = any(_placement(d) != "free" for d in docs.values())
     quiet = {
-        (d["ranks"], place(d)): d["ddlcore"]["median_us"]
+        (d["ranks"], _placement(d)): d["ddlcore"]["median_us"]
         for n, d in docs.items()
         if n.endswith("_quiet.json")
     }
@@ -154,7 +156,7 @@ def latency(*names: str) -> str:
     for name, d in docs.items():
         busy = name.endswith("_busy.json")
         ours, mpi = d["ddlcore"], d["mpi"]
-        key = (d["ranks"], place(d))
+        key = (d["ranks"], _placement(d))
         rows.append(
             [
                 str(d["ranks"]),
@@ -168,7 +170,8 @@ def latency(*names: str) -> str:
                 fmt(ours["median_us"] / quiet[key]) if busy and key in quiet else "",
             ]
         )
-    return table(head, rows) + measured_on(*docs.values())
+    align = "l" + ("l" if placed else "") + "l" + "r" * 6
+    return table(head, rows, align) + measured_on(*docs.values())
 
 
 # --- point-to-point ---------------------------------------------------------------------------
@@ -575,7 +578,7 @@ def summary() -> str:
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))
     gloo2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20), "gloo")
     lat = {state: load(f"latency_4k_np2_{state}.json") for state in ("quiet", "busy")}
-    pinned = {state: load(f"latency_4k_np2_bound_{state}.json") for state in ("quiet", "busy")}
+    lat_bound = {state: load(f"latency_4k_np2_bound_{state}.json") for state in ("quiet", "busy")}
     tcp = {state: load(f"latency_4k_np2_tcp_{state}.json") for state in ("quiet", "busy")}
     conv = _throughput("convergence.json", "ddlcore", 2) / _throughput(
         "convergence.json", "gloo", 2
@@ -621,12 +624,13 @@ def summary() -> str:
         [
             "One host, 4 KB allreduce, median, np = 2",
             f"{lat['quiet']['ddlcore']['median_us']:.1f} µs (MPICH "
-            f"{lat['quiet']['mpi']['median_us']:.1f} µs); beside a busy process "
-            f"{lat['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
-            f"{lat['busy']['mpi']['median_us']:.1f} µs); ranks bound to their CPUs: "
-            f"{pinned['quiet']['ddlcore']['median_us']:.1f} µs quiet, "
-            f"{pinned['busy']['ddlcore']['median_us']:.1f} µs busy (MPICH "
-            f"{pinned['busy']['mpi']['median_us']:.1f} µs)",
+            f"{lat['quiet']['mpi']['median_us']:.1f} µs); beside a busy process, ranks bound "
+            f"to their CPUs: {lat_bound['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
+            f"{lat_bound['busy']['mpi']['median_us']:.1f} µs), "
+            f"{lat_bound['busy']['ddlcore']['median_us'] / lat_bound['quiet']['ddlcore']['median_us']:.2f}x "
+            "the quiet time; left to the scheduler "
+            f"{lat['busy']['ddlcore']['median_us']:.1f} µs in this run (MPICH "
+            f"{lat['busy']['mpi']['median_us']:.1f} µs)",
             "[Latency](#small-message-latency-medians-beside-mpich)",
         ],
         [

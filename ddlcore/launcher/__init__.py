@@ -14,7 +14,7 @@ with ``[rank]``, and stops them all when one fails (SIGTERM to each rank's proce
 after `GRACE_S`). Each rank dies with ddlrun, even when ddlrun is killed with SIGKILL: the kernel
 sends it SIGKILL when ddlrun exits (``PR_SET_PDEATHSIG``, set in the child before it runs the
 program, so it holds for any program, before it has imported anything). ``--bind-to core`` pins
-each rank to its share of the CPUs (`cpu_shares`), also in the child before the program runs.
+each rank to its share of the CPUs (`cpu_shares`; ddlrun runs on them while it starts the rank).
 
 Which rank is to blame: a rank whose collective failed because of another rank (a
 `PeerFailureError`) writes that rank's number into ``DDL_FAILURE_DIR`` (`record_failure`, called

@@ -6,6 +6,7 @@ communicator). `ddlcore.launcher` parses the command line and starts a `LocalJob
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO
 
 from ddlcore import config
@@ -86,9 +87,22 @@ def _signal_name(code: int) -> str:
 
 
 def cpu_shares(np_: int, cpus: Iterable[int]) -> list[list[int]]:
-    """The CPUs of each rank under ``--bind-to core``: with no more ranks than ``cpus``, an equal
-    contiguous block each (the first ``len(cpus) % np_`` ranks one CPU more), so a rank's
-    compute threads keep several; with more ranks, one CPU each, round robin."""
+    """The CPUs of each rank under ``ddlrun --bind-to core``.
+
+    Parameters
+    ----------
+    np_
+        The number of local ranks.
+    cpus
+        The logical CPUs ddlrun may use.
+
+    Returns
+    -------
+    list of list of int
+        Per rank, its CPUs: with no more ranks than CPUs an equal block of consecutive CPU
+        numbers each (the first ``len(cpus) % np_`` ranks one more), so a rank's compute
+        threads keep several; with more ranks one CPU each, round robin.
+    """
     order = sorted(cpus)
     if np_ > len(order):
         return [[order[rank % len(order)]] for rank in range(np_)]
@@ -126,16 +140,24 @@ def _die_with_parent() -> Callable[[], None]:
     return preexec
 
 
-def _bound(preexec: Callable[[], None], cpus: Sequence[int]) -> Callable[[], None]:
-    """``preexec``, then the child's CPUs set to ``cpus`` (before exec: every thread the
-    program starts inherits them)."""
-    mask = set(cpus)
-
-    def bind() -> None:
-        preexec()
-        os.sched_setaffinity(0, mask)
-
-    return bind
+@contextlib.contextmanager
+def _forking_on(cpus: Sequence[int] | None, rank: int) -> Iterator[None]:
+    """ddlrun itself on ``cpus`` while it starts ``rank``, which inherits them (so a CPU that
+    cannot be used fails here, as an OSError naming the rank, not inside the child)."""
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot bind rank {rank} to CPUs {list(cpus)}: {exc.strerror}"
+        ) from None
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 class LocalJob:
@@ -177,14 +199,15 @@ class LocalJob:
                         "PYTHONUNBUFFERED": "1",
                     }
                 )
-                proc = subprocess.Popen(
-                    command,
-                    env=child_env,
-                    start_new_session=True,
-                    preexec_fn=preexec if cpus is None else _bound(preexec, cpus[rank]),
-                    stdout=subprocess.PIPE if prefix else None,
-                    stderr=subprocess.PIPE if prefix else None,
-                )
+                with _forking_on(None if cpus is None else cpus[rank], rank):
+                    proc = subprocess.Popen(
+                        command,
+                        env=child_env,
+                        start_new_session=True,
+                        preexec_fn=preexec,
+                        stdout=subprocess.PIPE if prefix else None,
+                        stderr=subprocess.PIPE if prefix else None,
+                    )
                 self.procs.append(proc)
         except BaseException:
             self.stop()

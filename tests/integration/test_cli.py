@@ -181,13 +181,11 @@ def test_latency_loop_quiet_and_beside_a_pinned_busy_process(tmp_path):
     for path in (quiet, busy):
         doc = json.loads(path.read_text())
         assert doc["nbytes"] == 4096 and doc["ranks"] == 2 and doc["place"] == "spread", doc
+        assert doc["bound"] is False, doc  # mpiexec left the ranks every CPU it has
         for name in ("ddlcore", "mpi"):
             st = doc[name]
             assert 0 < st["median_us"] <= st["p90_us"] <= st["p99_us"] <= st["max_us"], st
     assert "ddlcore (busy)" in res.stdout and "mpi (busy)" in res.stdout, res.stdout
-    # The busy processes died with their blocks.
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "ctypes.CDLL(None).prctl(1, 9)" not in ps, ps
 
 
 def test_bench_on_device_memory_with_the_simulator():

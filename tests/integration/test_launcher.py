@@ -299,9 +299,19 @@ def test_bind_to_core_pins_each_rank_to_its_share(np_):
     assert {line.split(" ", 1)[1] for line in res.stdout.splitlines()} == {
         ",".join(map(str, cpus))
     }, res.stdout
+
+
+def test_bind_to_core_is_refused_with_hosts():
     assert "--bind-to places local ranks" in _error_line(
         _run(["-np", "2", "--hosts", "a:1,b:1", "--bind-to", "core", sys.executable, "-V"])
     )
+
+
+def test_a_cpu_that_cannot_be_used_fails_before_the_rank_starts(tmp_path):
+    before = os.sched_getaffinity(0)
+    with pytest.raises(OSError, match=r"cannot bind rank 0 to CPUs \[100000\]"):
+        launcher.LocalJob([sys.executable, "-V"], 2, {}, False, str(tmp_path), cpus=[[100000], [0]])
+    assert os.sched_getaffinity(0) == before
 
 
 def test_module_mode_and_program_flags_pass_through():
