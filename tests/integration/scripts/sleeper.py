@@ -8,6 +8,9 @@ import time
 
 for name in sys.argv[2:]:
     signal.signal(getattr(signal, name), signal.SIG_IGN)
-with open(os.path.join(sys.argv[1], f"{os.environ['DDL_RANK']}.pid"), "w") as f:
+# Written whole, then renamed: the test polls for *.pid and must never read a file half made.
+path = os.path.join(sys.argv[1], f"{os.environ['DDL_RANK']}.pid")
+with open(path + ".part", "w") as f:
     f.write(str(os.getpid()))
+os.replace(path + ".part", path)
 time.sleep(60)
