@@ -32,7 +32,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
@@ -519,8 +518,10 @@ def run_like_torchrun(
 
 
 def mpiexec_path() -> str | None:
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return local if os.access(local, os.X_OK) else shutil.which("mpiexec")
+    """The mpiexec ddlrun would use (next to this Python, else on PATH)."""
+    from ddlcore.launcher import find_mpiexec
+
+    return find_mpiexec()
 
 
 def _run_mpiexec(

@@ -103,16 +103,13 @@ def cpu_shares(np_: int, cpus: Iterable[int]) -> list[list[int]]:
         numbers each (the first ``len(cpus) % np_`` ranks one more), so a rank's compute
         threads keep several; with more ranks one CPU each, round robin.
     """
+    # The schedules' even split; imported here, so ddlrun without binding loads no planning code.
+    from ddlcore.algorithms.schedule import split
+
     order = sorted(cpus)
     if np_ > len(order):
         return [[order[rank % len(order)]] for rank in range(np_)]
-    base, extra = divmod(len(order), np_)
-    shares, start = [], 0
-    for rank in range(np_):
-        end = start + base + (1 if rank < extra else 0)
-        shares.append(order[start:end])
-        start = end
-    return shares
+    return [order[offset : offset + length] for offset, length in split(len(order), np_)]
 
 
 def _die_with_parent() -> Callable[[], None]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.harness import require
+from tests.harness import mpiexec_path, require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -127,9 +126,7 @@ def test_bench_other_collectives(collective):
 
 
 def test_bench_beside_mpi_and_gloo_under_mpiexec():
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
-        "mpiexec"
-    )
+    mpiexec = mpiexec_path()
     require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
     try:
         import mpi4py  # noqa: F401
@@ -165,9 +162,7 @@ def test_bench_beside_mpi_and_gloo_under_mpiexec():
 
 
 def test_latency_loop_quiet_and_beside_a_pinned_busy_process(tmp_path):
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
-        "mpiexec"
-    )
+    mpiexec = mpiexec_path()
     require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
     quiet, busy = tmp_path / "quiet.json", tmp_path / "busy.json"
     script = str(ROOT / "benchmarks" / "allreduce_loop.py")
@@ -433,9 +428,7 @@ def test_info_without_host_collectives_plans_schedules():
 def test_p2p_benchmark_under_mpiexec_runs_and_says_what_it_skips():
     """The README's command: every transport named that can run is measured; one that cannot
     (ucx beside the MPICH wheel's own UCX) is skipped with the reason, as info reports it."""
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which(
-        "mpiexec"
-    )
+    mpiexec = mpiexec_path()
     require(mpiexec is not None, "mpiexec not installed (pip install 'ddlcore[mpi]')")
     res = _run(
         [
