@@ -44,6 +44,8 @@ def test_jobs_run_in_submission_order_with_their_results(executor):
 def test_a_held_job_runs_at_once_on_this_thread_when_the_executor_is_idle(executor):
     ran, job = recorder()
     executor.submit(job, handle()).wait()  # the worker exists from here on
+    # wait() returns once the job's result is set; the worker dequeues it just after
+    assert executor.drain(WAIT)
     with executor.hold():
         h = executor.submit(job, handle())
         assert h.done() and ran[-1] == (1, threading.get_ident())

@@ -3,10 +3,11 @@ program that never imports ddlcore: torch finds "ddl" through its ``torch.backen
 point. A small MLP, each layer and the root sharded over a 1-D DeviceMesh (one dimension not
 divisible by the world size, so shards are padded), trains a few steps with gradient
 accumulation, in float32, then under bfloat16 MixedPrecisionPolicies (bfloat16 parameters
-gathered; gradients reduced in float32, then in bfloat16). Rank 0 saves every step's loss and the full
-parameters to OUT, for a test to compare across backends.
+gathered; gradients reduced in float32, then in bfloat16). The backends run one after the other
+in the same processes (one torch start-up for all); for each, rank 0 saves every step's loss and
+the full parameters to OUT/<backend>.pt, for a test to compare across backends.
 
-    torchrun --nproc-per-node 2 torch_fsdp_job.py ddl|gloo OUT
+    torchrun --nproc-per-node 2 torch_fsdp_job.py ddl,gloo OUT
 """
 
 import sys
@@ -17,15 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-backend, out_path = sys.argv[1], sys.argv[2]
-dist.init_process_group(backend, timeout=timedelta(seconds=30))
-rank, size = dist.get_rank(), dist.get_world_size()
-assert dist.get_backend() == backend, dist.get_backend()
-mesh = init_device_mesh("cpu", (size,))
 STEPS, MICRO = 4, 2
 
 
-def train(mp_policy):
+def train(mesh, rank, mp_policy):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(12, 33), torch.nn.GELU(), torch.nn.Linear(33, 17)]
     layers += [torch.nn.LayerNorm(17), torch.nn.Linear(17, 5)]
@@ -56,16 +52,25 @@ def train(mp_policy):
     return torch.tensor(losses, dtype=torch.float64), params
 
 
-results = {}
-for name, policy in (
-    ("fp32", None),
-    ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
-    ("bf16-reduce", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-):
-    losses, params = train(policy)
-    results[name] = {"losses": losses, **{f"param/{k}": v for k, v in params.items()}}
-if rank == 0:
-    torch.save(results, out_path)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.write(f"fsdp ok: {backend} rank {rank} of {size}\n")
+def run(backend, out_path):
+    dist.init_process_group(backend, timeout=timedelta(seconds=30))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    assert dist.get_backend() == backend, dist.get_backend()
+    mesh = init_device_mesh("cpu", (size,))
+    results = {}
+    for name, policy in (
+        ("fp32", None),
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        ("bf16-reduce", MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+    ):
+        losses, params = train(mesh, rank, policy)
+        results[name] = {"losses": losses, **{f"param/{k}": v for k, v in params.items()}}
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.write(f"fsdp ok: {backend} rank {rank} of {size}\n")
+
+
+for backend in sys.argv[1].split(","):
+    run(backend, f"{sys.argv[2]}/{backend}.pt")
