@@ -38,9 +38,18 @@ def _distributions() -> Mapping[str, list[str]]:
 
 def _version(module: str) -> str:
     """The installed version of ``module``'s distribution, read from its metadata: importing
-    it could load native libraries (ucxx's UCX beside an MPI that started with its own)."""
-    dists = _distributions().get(module, [])
-    for dist in dists:
+    it could load native libraries (ucxx's UCX beside an MPI that started with its own).
+
+    The distribution is looked up by the module's own name first, then by the CUDA-suffixed
+    names RAPIDS publishes (``ucxx-cu12``); only a module found under neither pays for the
+    scan of every installed distribution's file list."""
+    names = [module] + [f"{module}-cu{major}" for major in (12, 13, 11)]
+    for dist in names:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    for dist in _distributions().get(module, []):
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

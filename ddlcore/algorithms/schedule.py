@@ -237,17 +237,28 @@ def drop_empty(steps: Iterable[Step]) -> tuple[Step, ...]:
     Starting every pair at slot 0 makes the first messages of two DIFFERENT collectives collide
     on the same tag, where the transports compare the check words and report the mismatch,
     instead of each waiting for a tag the other never sends."""
+    copy, send = Kind.COPY, Kind.SEND  # hoisted: planning runs this over thousands of steps
     kept = [s for s in steps if s.count > 0]
     slots: dict[tuple[bool, int], set[int]] = {}
     for s in kept:
-        if s.kind != Kind.COPY:
-            slots.setdefault((s.kind == Kind.SEND, s.peer), set()).add(s.slot)
-    number = {key: {slot: i for i, slot in enumerate(sorted(used))} for key, used in slots.items()}
+        if s.kind is not copy:
+            key = (s.kind is send, s.peer)
+            used = slots.get(key)
+            if used is None:
+                slots[key] = used = set()
+            used.add(s.slot)
+    number: dict[tuple[bool, int], dict[int, int]] = {}
+    for key, used in slots.items():
+        ordered = sorted(used)
+        if ordered[0] != 0 or ordered[-1] != len(ordered) - 1:  # distinct: else 0, 1, ... already
+            number[key] = {slot: i for i, slot in enumerate(ordered)}
+    if not number:
+        return tuple(kept)
     out = []
     for s in kept:
-        if s.kind != Kind.COPY:
-            slot = number[(s.kind == Kind.SEND, s.peer)][s.slot]
-            if slot != s.slot:
-                s = s.with_slot(slot)
+        if s.kind is not copy:
+            renumber = number.get((s.kind is send, s.peer))
+            if renumber is not None:
+                s = s.with_slot(renumber[s.slot])
         out.append(s)
     return tuple(out)
