@@ -48,7 +48,6 @@
 #define DDL_A_SELF 32          /* the board's address in its owner, for the CMA probe */
 #define DDL_A_PROBE 40         /* peers write here to show process_vm_writev works */
 #define DDL_A_EPOCH 64
-#define DDL_A_CPU 72           /* the CPU the owner last published from (sched_getcpu) */
 #define DDL_A_BELL 128
 #define DDL_A_ABORT_CODE 192
 #define DDL_A_ABORT_LEN 196
@@ -86,8 +85,7 @@
 #define DDL_K_RS_PART 6
 #define DDL_K_AG_PART 7
 
-/* Spin with `pause` this long (not at all while the awaited peer last published from our own
- * CPU: it cannot run until we stop), then yield the CPU (ranks may outnumber cores) until
+/* Spin with `pause` this long, then yield the CPU (ranks may outnumber cores) until
  * DDL_A_YIELD_NS, then sleep on the doorbell in slices of at most DDL_A_SLEEP_NS, looking at the
  * peers' pidfds between slices. */
 #define DDL_A_PAUSE_NS 2000
@@ -106,7 +104,6 @@ typedef struct {
                                 input chunk, saved when reducing in place) */
     uint64_t exposed;        /* epoch from which peers may touch our buffers (0: none) */
     int saved;               /* the current chunk of our input is in temp[2] */
-    int cpu;                 /* the CPU we last published from */
     /* What went wrong: the peer concerned and, for CMA, -errno. */
     int bad_rank;
     int64_t err;
@@ -161,9 +158,6 @@ static inline void ddl_arena_publish(ddl_arena *a, const ddl_call *c, const void
     ddl_put_u32(ent + DDL_E_OP, (uint32_t)c->op);
     ddl_put_u32(ent + DDL_E_ROOT, (uint32_t)c->root);
     a->epoch = e;
-    a->cpu = sched_getcpu();
-    /* an atomic store: peers read it while we run */
-    ddl_store_release_u32(a->boards[a->rank] + DDL_A_CPU, (uint32_t)a->cpu);
     ddl_store_release_u64(a->boards[a->rank] + DDL_A_EPOCH, e);
     for (int q = 0; q < a->size; q++)
         if (q != a->rank) ddl_bell_ring(a->boards[q] + DDL_A_BELL);
@@ -237,13 +231,7 @@ static inline int ddl_arena_wait(ddl_arena *a, const ddl_call *c) {
             return DDL_A_TIMEOUT;
         }
         int64_t waited = now - start;
-        /* A peer that last published from our own CPU cannot arrive while we spin: yield at
-         * once (both ranks on one CPU: 4 KB allreduce 17.3 -> 13.5 us a call, AMD EPYC VM). */
-        if (waited < DDL_A_PAUSE_NS &&
-            (a->cpu < 0 || (int)ddl_load_acquire_u32(a->boards[q] + DDL_A_CPU) != a->cpu)) {
-            ddl_cpu_relax();
-            continue;
-        }
+        if (waited < DDL_A_PAUSE_NS) { ddl_cpu_relax(); continue; }
         if (now >= next_look) {
             int st = ddl_arena_peers_failed(a);
             if (st != DDL_A_OK && !ddl_arena_all_reached(a, e)) return st;
