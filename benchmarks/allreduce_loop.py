@@ -29,6 +29,7 @@ import numpy as np
 
 import ddlcore
 from ddlcore.bench.output import cpu_model
+from ddlcore.job import placement
 
 
 def _timed(run: Callable[[], object], iters: int, barrier: Callable[[], object]) -> np.ndarray:
@@ -106,16 +107,16 @@ def _pin(place: str, rank: int) -> tuple[set[int], bool]:
     """Pin this rank as ``--place`` says. Returns the CPUs for the busy process (free: every
     CPU the launcher may use), and whether the launcher bound the ranks (gave this one fewer
     CPUs than it has itself)."""
-    mine = sorted(os.sched_getaffinity(0))
+    given = sorted(placement.launcher_cpus())  # before ddlcore's own pinning, if any
     try:
         launcher = os.sched_getaffinity(os.getppid())
     except OSError:  # the parent is gone or not ours to look at
-        launcher = set(mine)
-    bound = set(mine) < launcher
+        launcher = set(given)
+    bound = set(given) < launcher
     if place == "free":
         return launcher, bound
-    os.sched_setaffinity(0, {mine[rank % len(mine)] if place == "spread" else mine[0]})
-    return {mine[-1]}, bound
+    os.sched_setaffinity(0, {given[rank % len(given)] if place == "spread" else given[0]})
+    return {given[-1]}, bound
 
 
 def main() -> None:
@@ -140,6 +141,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     with ddlcore.init() as comm:
+        pinned = os.sched_getaffinity(0) != placement.launcher_cpus()  # by init (DDL_BIND)
         busy_cpus, bound = _pin(args.place, comm.rank)
         x = np.random.default_rng(comm.rank).standard_normal(args.nbytes // 4).astype(np.float32)
         y = np.empty_like(x)
@@ -186,6 +188,7 @@ def main() -> None:
                         "cpu": cpu_model(),
                         "place": args.place,
                         "bound": bound,
+                        "pinned": pinned and args.place == "free",
                         **stats,
                     }
                     json.dump(doc, f, indent=1)

@@ -116,7 +116,8 @@ def host_ratio(name: str, sizes: tuple[int, ...], peer: str = "mpi") -> tuple[fl
 
 
 _PLACES = {
-    "free": "where the scheduler puts them",
+    "free": "where the scheduler puts them (init pinned nothing)",
+    "pinned": "init's default: a CPU block per rank (here one), the busy process on any CPU",
     "bound": "ranks bound by the launcher, the busy process on any CPU",
     "spread": "one CPU per rank, the busy process on the last CPU",
     "packed": "every rank on the first CPU, the busy process on the last",
@@ -124,10 +125,12 @@ _PLACES = {
 
 
 def _placement(doc: dict) -> str:
-    """Where a latency run's processes ran: its ``--place``, or "bound" where the launcher
-    bound the ranks and the run left placement alone."""
+    """Where a latency run's processes ran: its ``--place``, or, where the run left placement
+    alone, "bound" where the launcher bound the ranks and "pinned" where init did (DDL_BIND)."""
     where = doc.get("place", "free")
-    return "bound" if where == "free" and doc.get("bound") else where
+    if where == "free" and doc.get("bound"):
+        return "bound"
+    return "pinned" if where == "free" and doc.get("pinned") else where
 
 
 def latency(*names: str) -> str:
@@ -578,7 +581,7 @@ def summary() -> str:
     np4 = host_ratio("allreduce_np4_direct.json", (16 << 20, 64 << 20))
     gloo2 = host_ratio("allreduce_np2_direct.json", (16 << 20, 64 << 20), "gloo")
     lat = {state: load(f"latency_4k_np2_{state}.json") for state in ("quiet", "busy")}
-    lat_bound = {state: load(f"latency_4k_np2_bound_{state}.json") for state in ("quiet", "busy")}
+    unpinned = {state: load(f"latency_4k_np2_unpinned_{state}.json") for state in ("quiet", "busy")}
     tcp = {state: load(f"latency_4k_np2_tcp_{state}.json") for state in ("quiet", "busy")}
     conv = _throughput("convergence.json", "ddlcore", 2) / _throughput(
         "convergence.json", "gloo", 2
@@ -624,13 +627,12 @@ def summary() -> str:
         [
             "One host, 4 KB allreduce, median, np = 2",
             f"{lat['quiet']['ddlcore']['median_us']:.1f} µs (MPICH "
-            f"{lat['quiet']['mpi']['median_us']:.1f} µs); beside a busy process, ranks bound "
-            f"to their CPUs: {lat_bound['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
-            f"{lat_bound['busy']['mpi']['median_us']:.1f} µs), "
-            f"{lat_bound['busy']['ddlcore']['median_us'] / lat_bound['quiet']['ddlcore']['median_us']:.2f}x "
-            "the quiet time; left to the scheduler "
-            f"{lat['busy']['ddlcore']['median_us']:.1f} µs in this run (MPICH "
-            f"{lat['busy']['mpi']['median_us']:.1f} µs)",
+            f"{lat['quiet']['mpi']['median_us']:.1f} µs); beside a busy process "
+            f"{lat['busy']['ddlcore']['median_us']:.1f} µs (MPICH "
+            f"{lat['busy']['mpi']['median_us']:.1f} µs), "
+            f"{lat['busy']['ddlcore']['median_us'] / lat['quiet']['ddlcore']['median_us']:.2f}x "
+            "the quiet time, init having pinned each rank to a CPU; left to the scheduler "
+            f"(`DDL_BIND=none`) {unpinned['busy']['ddlcore']['median_us']:.1f} µs in this run",
             "[Latency](#small-message-latency-medians-beside-mpich)",
         ],
         [

@@ -80,6 +80,7 @@ class Communicator(RootedCollectives):
         node: hostcoll.HostCollectives | None = None,
         joiner: Callable[[int, int, str], Communicator] | None = None,
         prefixed: Any = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
@@ -163,6 +164,8 @@ class Communicator(RootedCollectives):
         self._p2p = p2p.PointToPoint(self.rank, self.size, self._pair, timeout)
         self._flight.p2p_history = self._p2p.history
         self._joiner, self._prefixed, self._splits = joiner, prefixed, 0
+        # What init set up for this communicator beyond it (the world's CPU pinning).
+        self._on_close = on_close
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -475,6 +478,8 @@ class Communicator(RootedCollectives):
             if self._store is not None:
                 self._count_out(self._prefixed or self._store)
                 self._store.close()
+            if self._on_close is not None:
+                self._on_close()
 
     def _count_out(self, store: Any) -> None:
         """Count this rank out in the store; rank 0 waits for the others (see ``close``)."""

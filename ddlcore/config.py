@@ -178,6 +178,14 @@ def _declare(
     VARS[name] = Var(name, parse, default, doc, external, secret)
 
 
+def _bind_mode(text: str) -> str:
+    """``auto``, ``block``, or ``none`` for it or any false boolean."""
+    low = text.strip().lower()
+    if low in ("auto", "block", "none") or low in _FALSE:
+        return low if low in ("auto", "block") else "none"
+    raise ValueError(f"expected auto, block or none, got {text!r}")
+
+
 # --- behaviour ------------------------------------------------------------------------------
 _declare(
     "DDL_TRANSPORT",
@@ -241,6 +249,18 @@ _declare(
     "a collective inside a host: 'auto' wherever shm links a host's ranks (a one-host job's "
     "collectives, mdring's host phases), 'off' never: the schedules then run over the shm "
     "pairs (to compare the paths, or to step around a problem in the boards).",
+)
+_declare(
+    "DDL_BIND",
+    _bind_mode,
+    "auto",
+    "Pinning of each rank that shares a host with others of the job to a block of CPUs of its "
+    "own (local rank i on the i-th of equal blocks of the CPUs the launcher gave, a NUMA "
+    "node's and a core's CPUs together): 'auto' where the launcher did not place the ranks, "
+    "there are no more local ranks than CPUs and the host has no NVIDIA GPU; 'block' on GPU "
+    "hosts too; 'none' never. The thread that calls init() is pinned, with what it starts "
+    "later (threads, data loader workers), until the communicator closes; CPUs where another "
+    "job of the same user pinned its ranks are left alone.",
 )
 _declare(
     "DDL_TIMEOUT",

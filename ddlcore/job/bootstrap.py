@@ -18,7 +18,7 @@ from ddlcore.algorithms import mdring
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
 from ddlcore.execution.hostcoll import HostCollectives
-from ddlcore.job import probe
+from ddlcore.job import placement, probe
 from ddlcore.job.auth import JobKey, job_secret
 from ddlcore.job.links import (
     Links,
@@ -44,19 +44,23 @@ _MAX_PEER_RECORD = 4096
 _LINGER_S = 5.0
 
 
-def _encode_peer(host_id: str, names: tuple[str, ...], rack_id: str, settings: str) -> bytes:
-    return f"{host_id}\n{','.join(names)}\n{rack_id}\n{settings}".encode()
+def _encode_peer(
+    host_id: str, names: tuple[str, ...], rack_id: str, cpus: str, settings: str
+) -> bytes:
+    return f"{host_id}\n{','.join(names)}\n{rack_id}\n{cpus}\n{settings}".encode()
 
 
-def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str, str]:
-    """A rank's init record: (what transports need to know of it, its rack id, the settings
-    every rank must share)."""
+def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str, str, str]:
+    """A rank's init record: (what transports need to know of it, its rack id, the CPUs its
+    launcher gave it, the settings every rank must share)."""
     if len(raw) > _MAX_PEER_RECORD:
         raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
     host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
     names, _, rest = rest.partition("\n")
-    rack_id, _, settings = rest.rpartition("\n")
-    return PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n)), rack_id, settings
+    rack_id, _, rest = rest.partition("\n")
+    cpus, _, settings = rest.rpartition("\n")
+    peer = PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n))
+    return peer, rack_id, cpus, settings
 
 
 def _shared_settings(algo: str, boards: str) -> str:
@@ -75,6 +79,30 @@ def _check_settings(rank: int, settings: list[str]) -> None:
             f"rank {rank}: the ranks were started with different settings ({listed}); set the "
             "same on every rank"
         )
+
+
+def _pin_local_rank(mode: str, rank: int, peers: list[PeerInfo], cpu_records: list[str]) -> bool:
+    """Pin this rank to its block of its host's CPUs where `placement.plan` says so (rank 0's
+    token names the job); True where it did."""
+    host = peers[rank].host_id
+    local = [r for r, peer in enumerate(peers) if peer.host_id == host]
+    job, _ = placement.read_record(cpu_records[0])
+    cpus, why = placement.pin_local_rank(
+        mode,
+        job or "unnamed",
+        local.index(rank),
+        [placement.read_record(cpu_records[r])[1] for r in local],
+    )
+    if cpus is None:
+        log.debug("rank %d: not pinned to CPUs: %s", rank, why)
+        return False
+    log.debug(
+        "rank %d: pinned to CPUs %s (%s; DDL_BIND=none leaves placement to the launcher)",
+        rank,
+        placement.encode(cpus),
+        why,
+    )
+    return True
 
 
 _servers: dict[tuple[str, int], Any] = {}
@@ -292,6 +320,7 @@ def init(
         )
     if not 0 <= info.rank < info.size:
         raise ValueError(f"rank={info.rank} must be in [0, size={info.size})")
+    bind = config.get("DDL_BIND", environ)
     timeout = config.get("DDL_TIMEOUT", environ) if timeout is None else float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be positive")
@@ -323,7 +352,9 @@ def init(
         info = resolve_master(info, environ, timeout)
     names = local_transports(spec, options)  # prepares them too: MPI_Init precedes the store
     client, store = _store_for(info, timeout, environ)
-    return _join(info, names, spec, host_id, client, store, timeout, environ, algo, options)
+    return _join(
+        info, names, spec, host_id, client, store, timeout, environ, algo, options, place=bind
+    )
 
 
 def _join(
@@ -337,11 +368,15 @@ def _join(
     environ: Mapping[str, str] | None,
     algo: str | None,
     options: TransportOptions,
+    *,
+    place: str | None,
 ) -> Communicator:
     """Meet the other ranks in ``store`` (a namespace of the store ``client`` talks to) and
-    build the communicator: `init`'s second half, and how `Communicator.split` makes one."""
+    build the communicator: `init`'s second half, and how `Communicator.split` makes one
+    (``place``: the world's DDL_BIND, pinning this rank to its CPUs; None for a child)."""
     links: Links | None = None
     host = node = None
+    pinned = False
     try:
         algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
         boards = config.get("DDL_HOST_COLLECTIVES", environ)
@@ -349,17 +384,23 @@ def _join(
         store.set(
             f"peer/{info.rank}",
             _encode_peer(
-                host_id, names, topology.rack_identity(environ), _shared_settings(algo_name, boards)
+                host_id,
+                names,
+                topology.rack_identity(environ),
+                placement.record(),
+                _shared_settings(algo_name, boards),
             ),
             readers=info.size,
         )
         store.barrier("init", info.rank, info.size, timeout)
         records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
-        peers = [peer for peer, _, _ in records]
+        peers = [peer for peer, _, _, _ in records]
         # Every rank has read every record before any can fail on the topology (a box that does
         # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
         store.barrier("peers", info.rank, info.size, timeout)
-        _check_settings(info.rank, [settings for _, _, settings in records])
+        _check_settings(info.rank, [settings for _, _, _, settings in records])
+        if place is not None:
+            pinned = _pin_local_rank(place, info.rank, peers, [c for _, _, c, _ in records])
         if boards == "off" and algo_name == tuning.DIRECT:
             raise ValueError(
                 f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
@@ -367,7 +408,7 @@ def _join(
             )
         topo = topology.build(
             [p.host_id for p in peers],
-            [rack for _, rack, _ in records],
+            [rack for _, rack, _, _ in records],
             level_transports(spec, peers),
             environ,
         )
@@ -395,8 +436,11 @@ def _join(
             node,
             joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo, options),
             prefixed=store,
+            on_close=placement.release if pinned else None,
         )
     except BaseException:
+        if pinned:
+            placement.release()
         for part in (host, node, links):
             try:
                 if part is not None:
@@ -476,6 +520,7 @@ def _joiner(
             child_environ,
             algo,
             options,
+            place=None,
         )
 
     return join

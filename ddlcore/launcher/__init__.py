@@ -46,8 +46,9 @@ import tempfile
 from collections.abc import Sequence
 
 from ddlcore import config
+from ddlcore.job.placement import cpu_shares
 from ddlcore.launcher.job import GRACE_S as GRACE_S  # re-exported: tests read it here
-from ddlcore.launcher.job import LocalJob, _die_with_parent, _remove_shared_memory, cpu_shares
+from ddlcore.launcher.job import LocalJob, _die_with_parent, _remove_shared_memory
 from ddlcore.launcher.job import record_failure as record_failure  # the communicator's import
 
 

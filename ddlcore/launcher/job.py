@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 from ddlcore import config
@@ -84,32 +84,6 @@ def _signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-
-
-def cpu_shares(np_: int, cpus: Iterable[int]) -> list[list[int]]:
-    """The CPUs of each rank under ``ddlrun --bind-to core``.
-
-    Parameters
-    ----------
-    np_
-        The number of local ranks.
-    cpus
-        The logical CPUs ddlrun may use.
-
-    Returns
-    -------
-    list of list of int
-        Per rank, its CPUs: with no more ranks than CPUs an equal block of consecutive CPU
-        numbers each (the first ``len(cpus) % np_`` ranks one more), so a rank's compute
-        threads keep several; with more ranks one CPU each, round robin.
-    """
-    # The schedules' even split; imported here, so ddlrun without binding loads no planning code.
-    from ddlcore.algorithms.schedule import split
-
-    order = sorted(cpus)
-    if np_ > len(order):
-        return [[order[rank % len(order)]] for rank in range(np_)]
-    return [order[offset : offset + length] for offset, length in split(len(order), np_)]
 
 
 def _die_with_parent() -> Callable[[], None]:

@@ -276,13 +276,6 @@ def test_mistakes_get_one_line_from_ddlrun_before_spawning(tmp_path):
     assert "args" not in usage.replace("[args...]", ""), usage
 
 
-def test_cpu_shares():
-    assert launcher.cpu_shares(2, [3, 1, 2, 0]) == [[0, 1], [2, 3]]
-    assert launcher.cpu_shares(3, range(8)) == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert launcher.cpu_shares(1, [5, 4]) == [[4, 5]]
-    assert launcher.cpu_shares(5, [0, 2]) == [[0], [2], [0], [2], [0]]
-
-
 _SHOW_CPUS = "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"
 
 

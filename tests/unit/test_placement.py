@@ -1,0 +1,192 @@
+"""Where init pins the local ranks (ddlcore.job.placement): the CPU list on the wire, the order
+blocks are cut in, and when a rank is pinned at all."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from ddlcore.job import placement
+
+
+def _flat(cpu):
+    return 0, 0, cpu
+
+
+def test_cpu_lists_travel_as_ranges():
+    for cpus in ([0], [0, 1, 2, 3], [0, 2, 3, 7, 8, 9, 63], list(range(0, 256, 2))):
+        text = placement.encode(cpus)
+        assert placement.decode(text) == frozenset(cpus)
+    assert placement.encode([5, 0, 1, 2, 9]) == "0-2,5,9"
+    assert placement.encode([]) == ""
+
+
+@pytest.mark.parametrize(
+    "text", ["", "a", "3-1", "-1", "1-", "1,,2", f"0-{1 << 16}", ",".join(["1"] * 2000)]
+)
+def test_a_cpu_list_that_encode_did_not_write_reads_as_none(text):
+    assert placement.decode(text) is None
+
+
+def test_blocks_keep_a_cores_threads_and_a_nodes_cores_together():
+    # Two nodes of two cores, two threads each, numbered as Linux does: the second thread of
+    # every core after the first threads of all of them.
+    def position(cpu):
+        core = cpu % 4
+        return core // 2, 0, core
+
+    assert placement.cpu_order(range(8), position) == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert placement.cpu_shares(2, range(8), position) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert placement.cpu_shares(4, range(8), position) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_cpu_shares_split_evenly_and_round_robin_past_the_cpus():
+    assert placement.cpu_shares(2, [3, 1, 2, 0], _flat) == [[0, 1], [2, 3]]
+    assert placement.cpu_shares(3, range(8), _flat) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert placement.cpu_shares(1, [5, 4], _flat) == [[4, 5]]
+    assert placement.cpu_shares(5, [0, 2], _flat) == [[0], [2], [0], [2], [0]]
+
+
+def test_sysfs_position_of_a_cpu_sysfs_does_not_list():
+    assert placement.sysfs_position(1 << 20) == (0, 0, 1 << 20)
+
+
+def test_plan():
+    four = frozenset(range(4))
+    assert placement.plan("auto", 1, [four, four], False) == (
+        [2, 3] if placement.cpu_order(four) == [0, 1, 2, 3] else placement.cpu_shares(2, four)[1],
+        "local rank 1 of 2",
+    )
+    cases = {
+        ("none", (four, four), False): "DDL_BIND=none",
+        ("auto", (four,), False): "no other rank of the job runs on this host",
+        ("auto", (four, frozenset({0, 1})), False): "the launcher placed the local ranks",
+        ("auto", (four, None), False): "the launcher placed the local ranks",
+        ("auto", (None, None), False): "the launcher placed the local ranks",
+        ("auto", (frozenset({0}),) * 2, False): "2 local ranks share 1 CPUs",
+        ("auto", (four, four), True): "a GPU host",
+    }
+    for (mode, cpus, gpu), why in cases.items():
+        got, said = placement.plan(mode, 0, list(cpus), gpu)
+        assert got is None and said.startswith(why), (mode, cpus, gpu, said)
+    assert placement.plan("block", 0, [four, four], True)[0] == placement.cpu_shares(2, four)[0]
+
+
+def _in_a_thread(fn):
+    """fn's result, run in a thread of its own: pinning applies to the calling thread, and the
+    test process's own threads keep their CPUs."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(30)
+    return out[0]
+
+
+@pytest.fixture(autouse=True)
+def _unpinned(monkeypatch):
+    """Each test starts as a process nothing pinned (the module's state is per process)."""
+    monkeypatch.setattr(placement, "_pinned", None)
+    monkeypatch.setattr(placement, "_holders", 0)
+
+
+def test_records_carry_a_token_and_the_launchers_cpus():
+    token, cpus = placement.read_record(placement.record())
+    assert len(token) == 16 and cpus == frozenset(os.sched_getaffinity(0))
+    assert placement.read_record(placement.record())[0] != token
+    for bad in ("", "0-3", "zz 0-3", "0123456789abcdeg 0", "0123456789abcdef"):
+        assert placement.read_record(bad)[1] is None, bad
+
+
+def test_pin_remembers_what_the_launcher_gave():
+    mine = frozenset(os.sched_getaffinity(0))
+    one = min(mine)
+
+    def pin_twice():
+        assert placement.launcher_cpus() == mine
+        assert placement.pin([one])
+        pinned = frozenset(os.sched_getaffinity(0))
+        # A second init in the process sees the launcher's CPUs, not its own pinning ...
+        seen = placement.launcher_cpus()
+        # ... unless the program moved the thread since.
+        os.sched_setaffinity(0, mine)
+        return pinned, seen, placement.launcher_cpus()
+
+    assert _in_a_thread(pin_twice) == (frozenset({one}), mine, mine)
+    assert frozenset(os.sched_getaffinity(0)) == mine
+
+
+def test_a_cpu_the_kernel_refuses_leaves_the_thread_as_it_was():
+    mine = frozenset(os.sched_getaffinity(0))
+    assert _in_a_thread(lambda: (placement.pin([1 << 20]), os.sched_getaffinity(0))) == (
+        False,
+        mine,
+    )
+    assert placement._pinned is None
+
+
+def test_claims_of_other_live_jobs_keep_a_rank_unpinned(monkeypatch, tmp_path):
+    path = tmp_path / "claims"
+    monkeypatch.setattr(placement, "claims_path", lambda: str(path))
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    mine = frozenset(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs")
+    parent = os.getppid()
+    live = f"{parent} {placement._start_time(parent)} other:1 {placement.encode(mine)}\n"
+    path.write_text(
+        "garbage\n" + live + f"{parent} 1 dead:1 0\n" + "4194304 7 gone:1 0-1\n" + "1 2 3\n"
+    )
+    both = [mine, mine]
+    cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "job:2", 0, both))
+    assert cpus is None and why.startswith("another job pinned ranks to CPUs"), why
+    # The same job's claims do not count; the file keeps the live claims and this rank's only.
+    cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "other:1", 1, both))
+    assert cpus == placement.cpu_shares(2, mine)[1], why
+    assert path.read_text().splitlines() == [
+        live.strip(),
+        f"{os.getpid()} {placement._start_time(os.getpid())} other:1 {placement.encode(cpus)}",
+    ]
+
+    # Closing unpins the thread (where it still is) and drops the claim; the others stay.
+    placement.release()  # the pin above, made in a thread now gone
+    assert path.read_text().splitlines() == [live.strip()]
+
+    def pin_and_release():
+        got = placement.pin_local_rank("auto", "other:1", 1, both)[0]
+        pinned = frozenset(os.sched_getaffinity(0))
+        placement.release()
+        return got, pinned, frozenset(os.sched_getaffinity(0))
+
+    got, pinned, after = _in_a_thread(pin_and_release)
+    assert pinned == frozenset(got) and after == mine
+    assert path.read_text().splitlines() == [live.strip()]
+
+
+def test_auto_pins_nothing_where_the_claims_cannot_be_read(monkeypatch, tmp_path):
+    monkeypatch.setattr(placement, "claims_path", lambda: str(tmp_path / "no" / "such"))
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    mine = frozenset(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs")
+    cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "j", 0, [mine, mine]))
+    assert cpus is None and why.startswith("other jobs' CPUs unknown"), why
+    got = _in_a_thread(lambda: placement.pin_local_rank("block", "j", 0, [mine, mine])[0])
+    assert got == placement.cpu_shares(2, mine)[0]
+
+
+def test_a_claims_lock_held_elsewhere_delays_init_only_briefly(monkeypatch, tmp_path):
+    import fcntl
+
+    path = tmp_path / "claims"
+    monkeypatch.setattr(placement, "claims_path", lambda: str(path))
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    monkeypatch.setattr(placement, "_LOCK_WAIT_S", 0.05)
+    mine = frozenset(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs")
+    with open(path, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: flock locks are per open file
+        cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "j", 0, [mine, mine]))
+    assert cpus is None and "stayed locked" in why, why
