@@ -254,9 +254,10 @@ _declare(
     "DDL_BIND",
     _bind_mode,
     "auto",
-    "Pinning of each rank that shares a host with others of the job to a block of CPUs of its "
-    "own (local rank i on the i-th of equal blocks of the CPUs the launcher gave, a NUMA "
-    "node's and a core's CPUs together): 'auto' where the launcher did not place the ranks, "
+    "Pinning of each rank that shares a machine (one running kernel) with others of the job "
+    "to a block of CPUs of its own (the i-th on the i-th of equal blocks of the CPUs the "
+    "launcher gave, a NUMA node's and a core's CPUs together): 'auto' where the launcher did "
+    "not place the ranks, "
     "there are no more local ranks than CPUs and the host has no NVIDIA GPU; 'block' on GPU "
     "hosts too; 'none' never. The thread that calls init() is pinned, with what it starts "
     "later (threads, data loader workers), until the communicator closes; CPUs where another "

@@ -82,16 +82,21 @@ def _check_settings(rank: int, settings: list[str]) -> None:
 
 
 def _pin_local_rank(mode: str, rank: int, peers: list[PeerInfo], cpu_records: list[str]) -> bool:
-    """Pin this rank to its block of its host's CPUs where `placement.plan` says so (rank 0's
-    token names the job); True where it did."""
-    host = peers[rank].host_id
-    local = [r for r, peer in enumerate(peers) if peer.host_id == host]
-    job, _ = placement.read_record(cpu_records[0])
+    """Pin this rank to its block of its machine's CPUs where `placement.plan` says so; True
+    where it did. The ranks that share CPUs are those on this rank's running kernel (host ids
+    tell emulated hosts apart, which share one machine's CPUs), or on its host where the
+    kernel's id is unknown; rank 0's token names the job."""
+    records = [placement.read_record(text) for text in cpu_records]
+    machine = records[rank][1]
+    if machine:
+        local = [r for r, (_, other, _) in enumerate(records) if other == machine]
+    else:
+        local = [r for r, peer in enumerate(peers) if peer.host_id == peers[rank].host_id]
     cpus, why = placement.pin_local_rank(
         mode,
-        job or "unnamed",
+        records[0][0] or "unnamed",
         local.index(rank),
-        [placement.read_record(cpu_records[r])[1] for r in local],
+        [records[r][2] for r in local],
     )
     if cpus is None:
         log.debug("rank %d: not pinned to CPUs: %s", rank, why)

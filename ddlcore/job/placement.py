@@ -1,12 +1,13 @@
-"""Where a job's ranks run: the local ranks of a host on CPU blocks of their own.
+"""Where a job's ranks run: the ranks that share a machine on CPU blocks of their own.
 
 Launchers that leave placement to the kernel (MPICH's ``mpiexec``, ``torchrun``, a plain
 ``ddlrun``) give every rank all the CPUs. Beside another busy process the kernel then often puts
 two ranks of the job on one CPU, and every small collective becomes a pair of context switches
 (on two vCPUs, 4 KB allreduce: ~2 µs with a CPU per rank, ~15 µs packed). So `init()` pins
 local rank i to the i-th of ``local_size`` equal blocks of those CPUs, as Open MPI and Intel MPI
-bind by default, cut in `cpu_order` (a core's hardware threads and a NUMA node's cores side by
-side, so a block holds them together where its size allows).
+bind by default (local: on one running kernel, `machine_id`, so that emulated hosts on one
+machine count as one), cut in `cpu_order` (a core's hardware threads and a NUMA node's cores
+side by side, so a block holds them together where its size allows).
 
 What is pinned is the thread that called `init()`, and what it starts afterwards (threads, data
 loader processes); threads started before keep their CPUs. ``DDL_BIND`` decides when: ``auto``
@@ -208,18 +209,38 @@ def pin(cpus: Sequence[int]) -> bool:
     return True
 
 
+@functools.cache
+def machine_id() -> str:
+    """The running kernel's boot id, empty where it cannot be read. Ranks that share it share
+    CPUs, whatever their host ids say (network namespaces or containers on one machine)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return text if _is_machine_id(text) else ""
+
+
+def _is_machine_id(text: str) -> bool:
+    return len(text) == 36 and all(c in "0123456789abcdef-" for c in text)
+
+
 def record() -> str:
     """This rank's part of the init record: a fresh token (rank 0's names the job in the
-    claims file) and the CPUs the launcher gave it."""
-    return f"{os.urandom(8).hex()} {encode(launcher_cpus())}"
+    claims file), its `machine_id` ("-" where unknown) and the CPUs the launcher gave it."""
+    return f"{os.urandom(8).hex()} {machine_id() or '-'} {encode(launcher_cpus())}"
 
 
-def read_record(text: str) -> tuple[str, frozenset[int] | None]:
-    """(token, CPUs) of a peer's `record`; an empty token and None for anything else."""
-    token, _, cpus = text.partition(" ")
+def read_record(text: str) -> tuple[str, str, frozenset[int] | None]:
+    """(token, machine id, CPUs) of a peer's `record`: empty strings and None for anything
+    else, and an empty machine id where the peer did not know its own."""
+    token, _, rest = text.partition(" ")
+    machine, _, cpus = rest.partition(" ")
     if len(token) != 16 or not all(c in "0123456789abcdef" for c in token):
-        return "", None
-    return token, decode(cpus)
+        return "", "", None
+    if machine != "-" and not _is_machine_id(machine):
+        return "", "", None
+    return token, "" if machine == "-" else machine, decode(cpus)
 
 
 def claims_path() -> str:

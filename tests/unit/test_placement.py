@@ -91,12 +91,22 @@ def _unpinned(monkeypatch):
     monkeypatch.setattr(placement, "_holders", 0)
 
 
-def test_records_carry_a_token_and_the_launchers_cpus():
-    token, cpus = placement.read_record(placement.record())
+def test_records_carry_a_token_the_machine_and_the_launchers_cpus():
+    token, machine, cpus = placement.read_record(placement.record())
     assert len(token) == 16 and cpus == frozenset(os.sched_getaffinity(0))
+    assert machine == placement.machine_id() and len(machine) in (0, 36)
     assert placement.read_record(placement.record())[0] != token
-    for bad in ("", "0-3", "zz 0-3", "0123456789abcdeg 0", "0123456789abcdef"):
-        assert placement.read_record(bad)[1] is None, bad
+    assert placement.read_record("0123456789abcdef - 0-1") == ("0123456789abcdef", "", {0, 1})
+    for bad in (
+        "",
+        "0-3",
+        "zz - 0-3",
+        "0123456789abcdeg - 0",
+        "0123456789abcdef",
+        "0123456789abcdef machine 0",
+        "0123456789abcdef - ",
+    ):
+        assert placement.read_record(bad)[2] is None, bad
 
 
 def test_pin_remembers_what_the_launcher_gave():
