@@ -14,15 +14,17 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import ddlcore.transports as transports
 from ddlcore import __version__, config
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.errors import TransportUnavailableError
-from ddlcore.job import links, probe
+from ddlcore.job import links, placement, probe
 from ddlcore.planning import topology, tuning
 
 _OPTIONAL = ("numpy", "ml_dtypes", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
@@ -151,6 +153,32 @@ def _links_source(joined: bool, nhosts: int) -> str:
     return f"links: the transports' defaults (DDL_LINK_PROBE={mode}: not measured{why})"
 
 
+def _placement_lines(nlocal: int, comm: Any) -> list[str]:
+    """Where ``nlocal`` ranks of a job on this host would run (init's pinning, DDL_BIND), or,
+    with ``comm``, where this rank runs."""
+    mode = config.get("DDL_BIND")
+    if comm is not None:
+        where = placement.encode(os.sched_getaffinity(0))
+        return [f"placement (DDL_BIND={mode}): rank {comm.rank} runs on CPUs {where}"]
+    given = placement.launcher_cpus()
+    lines = [
+        f"placement (DDL_BIND={mode}) of {nlocal} rank(s) on this host, given CPUs "
+        f"{placement.encode(given)}:"
+    ]
+    gpu = placement.host_has_gpu()
+    for local_rank in range(nlocal):
+        cpus, why = placement.plan(mode, local_rank, [given] * nlocal, gpu)
+        if cpus is None:
+            lines.append(f"  not pinned: {why}")
+            break
+        lines.append(f"  local rank {local_rank}: CPUs {placement.encode(cpus)}")
+    lines.append(
+        "  (ranks a launcher placed, and CPUs where another job of yours has ranks pinned, "
+        "are left alone)"
+    )
+    return lines
+
+
 def info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddlcore info", formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -237,6 +265,8 @@ def info(argv: list[str]) -> int:
     nhosts = len(set(topo.node_of(r) for r in range(size)))
     print(f"topology ({size} ranks on {nhosts} host(s)): box {topo.shape}: {topo.describe()}")
     print(f"  {_links_source(comm is not None, nhosts)}")
+    nlocal = sum(1 for r in range(size) if topo.node_of(r) == topo.node_of(0))
+    print("\n".join(_placement_lines(nlocal, comm)))
     print(
         f"algorithms for {args.bytes:.3g} bytes in from each rank (DDL_ALGO={algo}; cost model: "
         f"ddlcore.planning.tuning):"

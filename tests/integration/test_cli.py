@@ -44,6 +44,26 @@ def test_info_prints_versions_transports_kernels_and_config():
     assert "NOT BUILT" not in out
 
 
+@pytest.mark.parametrize("np_", [2, 4])
+def test_info_shows_where_init_would_pin_the_ranks(np_):
+    from ddlcore.job import placement
+
+    res = _run([sys.executable, "-m", "ddlcore", "info", "--np", str(np_)])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    given = frozenset(os.sched_getaffinity(0))
+    head = f"placement (DDL_BIND=auto) of {np_} rank(s) on this host, given CPUs "
+    at = lines.index(head + placement.encode(given) + ":")
+    want = []
+    for local_rank in range(np_):
+        cpus, why = placement.plan("auto", local_rank, [given] * np_, placement.host_has_gpu())
+        if cpus is None:
+            want.append(f"  not pinned: {why}")
+            break
+        want.append(f"  local rank {local_rank}: CPUs {placement.encode(cpus)}")
+    assert lines[at + 1 : at + 1 + len(want)] == want, res.stdout
+
+
 def test_info_rejects_bad_environment_with_the_variable_name():
     res = _run([sys.executable, "-m", "ddlcore", "info"], env={"DDL_TIMEOUT": "never"})
     assert res.returncode != 0
