@@ -32,6 +32,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -122,7 +123,29 @@ class RankFailure(AssertionError):
     """One or more ranks failed; the message holds each rank's traceback or exit status."""
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port nothing listens on now, for a job's store. Chosen below the ephemeral range: a
+    port the kernel picked there can be handed to an outgoing connection (every TCP pair's
+    connect, on every test running beside this one) before rank 0 binds it; below it, only a
+    listener that chose the same port can take it first."""
+    low = _ephemeral_low()
+    for _ in range(100 if low > 11000 else 0):
+        port = random.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
