@@ -438,6 +438,15 @@ class _FirstAbort:
                 self.first = threading.get_ident()
         self._links.abort(code, reason)
 
+    def explain(self, exc: DDLError) -> DDLError:
+        return explained(exc, self._links)
+
+
+def explained(exc: DDLError, links) -> DDLError:
+    """``exc``, or the abort a peer it blames left a note of (`Links.explain`)."""
+    explain = getattr(links, "explain", None)  # links of tests and tools may have none
+    return exc if explain is None else explain(exc)
+
 
 # How long an interrupted call waits for its other streams once the links are aborted (their
 # waits end at once then; a stream inside a kernel call finishes it first).
@@ -486,6 +495,7 @@ def agree(
         # A receive or send may still be posted (an abort ended the wait): MPI may write
         # into these later, so they are never freed (once per failed communicator).
         _PINNED.append((out, theirs))
+        exc = explained(exc, links)
         message = f"rank {rank}: {label}: agreement check failed: {exc}"
         err = type(exc)(message)
         if isinstance(exc, PeerFailureError):
@@ -498,6 +508,7 @@ def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) 
     """The error to raise for ``exc`` at step ``i``: the same class, with the rank, the
     collective, its sequence number and the step in the message. Tells the peers first
     (``links.abort``) so that every rank fails fast instead of waiting out its own timeout."""
+    exc = explained(exc, links)  # a peer that left before we reached it: why it did
     steps = schedule.steps
     step = steps[min(i, len(steps) - 1)].describe()
     message = (

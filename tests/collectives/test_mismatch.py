@@ -164,19 +164,7 @@ WORLDS = [
     ("tcp", "rhd", 3),
     ("tcp", "rd", 3),
     ("tcp", "rd", 4),
-    pytest.param(
-        "ucx",
-        "auto",
-        3,
-        marks=pytest.mark.xfail(
-            strict=False,
-            reason=(
-                "known gap, seen once in CI: the detecting rank closes its UCX endpoints before its "
-                "abort reaches a peer whose send to it is in flight; that peer gets PeerFailureError "
-                "'connection lost (UCX: Endpoint timeout)' instead of the mismatch"
-            ),
-        ),
-    ),
+    ("ucx", "auto", 3),
     ("mpi", "auto", 2),
     ("mpi", "ring", 3),
 ]
@@ -216,30 +204,15 @@ def _pattern_case(rank, size, pattern, call_a, call_b):
 
 
 # Several ranks on each side: the rank that detects the mismatch aborts only its own pairs, so
-# ranks blocked on one another elsewhere learn of it from the ranks that pass it on (`links`).
-_LATE = pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known gap: a rank whose first step connects lazily to a rank that already failed and "
-        "closed its context, before any abort reached it, gets PeerFailureError 'could not "
-        "connect' / 'shared memory is gone': nothing tells it why that rank left"
-    ),
-)
+# ranks blocked on one another elsewhere learn of it from the ranks that pass it on (`links`),
+# and a rank whose first step connects to a rank that already left reads its note.
 _AAABBB = ("AAABBB", ("allreduce", 1, F32, "sum", 0), ("broadcast", 1, F32, None, 0))
+_AABB = ("AABB", ("barrier", 0, F32, None, 0), ("allreduce", 60000, F32, "sum", 0))
 PATTERN_WORLDS = [
-    # The same gap, seen in CI twice in November 2026: rank 0's first connect to rank 2 came
-    # after rank 2 had failed and closed.
-    pytest.param(
-        "tcp",
-        "auto",
-        "AABB",
-        ("barrier", 0, F32, None, 0),
-        ("allreduce", 60000, F32, "sum", 0),
-        marks=_LATE,
-    ),
-    ("shm", "rd", "AABB", ("barrier", 0, F32, None, 0), ("allreduce", 60000, F32, "sum", 0)),
-    pytest.param("tcp", "auto", *_AAABBB, marks=_LATE),
-    pytest.param("shm", "rd", *_AAABBB, marks=_LATE),
+    ("tcp", "auto", *_AABB),
+    ("shm", "rd", *_AABB),
+    ("tcp", "auto", *_AAABBB),
+    ("shm", "rd", *_AAABBB),
 ]
 
 
@@ -249,6 +222,44 @@ def test_mismatch_of_groups_raises_on_every_rank(transport, algo, pattern, call_
     env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": algo, "DDL_TRANSPORT": transport}
     results = pools.run(_pattern_case, len(pattern), pattern, call_a, call_b, env=env, timeout=120)
     _check(results, [pattern])
+
+
+def _late_rank_case(rank, size, where):
+    """Ranks 1 and 2 disagree (allreduce counts 1 and 2), fail and close; only then does rank
+    0 make its first call, whose first step connects to rank 1, which is gone. (error class,
+    message) on each rank."""
+    import pathlib
+
+    import ddlcore
+
+    comm = ddlcore.init()
+    try:
+        if rank == 0:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not all((pathlib.Path(where) / f"closed{r}").exists() for r in (1, 2)):
+                assert time.monotonic() < deadline, "ranks 1 and 2 did not close"
+                time.sleep(0.01)
+        try:
+            comm.allreduce(np.ones(2 if rank == 2 else 1, np.float32))
+        except ddlcore.DDLError as exc:
+            return type(exc).__name__, str(exc)
+        return "no error", ""
+    finally:
+        comm.close()
+        (pathlib.Path(where) / f"closed{rank}").touch()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
+def test_a_rank_that_comes_after_the_others_left_hears_why(transport, pools, tmp_path):
+    """Pairs connect on first use: a rank whose first message goes to a rank that already
+    failed and closed reads that rank's note of its abort (`Links.explain`), and raises the
+    mismatch, not a "could not connect" that blames the rank."""
+    _transport_ready(transport)
+    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": "ring", "DDL_TRANSPORT": transport}
+    results = pools.run(_late_rank_case, 3, str(tmp_path), env=env, timeout=120)
+    for rank, (cls, message) in enumerate(results):
+        assert cls == "CollectiveMismatchError", f"rank {rank}: {cls}: {message}"
+    assert "rank 2 aborted" in results[0][1], results[0][1]  # the rank that saw it first
 
 
 def _hosts(*names):
