@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import itertools
 import logging
 import os
 import time
@@ -133,17 +134,12 @@ def launcher_cpus() -> frozenset[int]:
 
 def encode(cpus: Iterable[int]) -> str:
     """A CPU set as ranges, "0-3,8,10-11" (the init record carries it)."""
-    ranges: list[str] = []
-    start = prev = None
-    for cpu in sorted(cpus):
-        if prev is not None and cpu == prev + 1:
-            prev = cpu
-            continue
-        if start is not None:
-            ranges.append(f"{start}-{prev}" if prev != start else f"{start}")
-        start = prev = cpu
-    if start is not None:
-        ranges.append(f"{start}-{prev}" if prev != start else f"{start}")
+    ranges = []
+    # CPUs of one run of consecutive numbers share cpu - position in the sorted list.
+    for _, run in itertools.groupby(enumerate(sorted(set(cpus))), lambda ic: ic[1] - ic[0]):
+        run_cpus = [cpu for _, cpu in run]
+        first, last = run_cpus[0], run_cpus[-1]
+        ranges.append(f"{first}-{last}" if last != first else f"{first}")
     return ",".join(ranges)
 
 
