@@ -144,12 +144,11 @@ def test_a_tampered_claim_is_refused():
         t.start()
     with pytest.raises(AuthenticationError):
         key.connect(conn_end, b"rank 3", time.monotonic() + 3)
-    conn_end.close()
-    mitm_in.close()
+    conn_end.close()  # the relay's read of a proof ends (no proof): it shuts its side down
     for t in threads:
         t.join(10)
     assert not isinstance(outcome["accept"], bytes), outcome  # never "rank 0"
-    for s in (mitm_out, acc_end):
+    for s in (mitm_in, mitm_out, acc_end):  # after the threads: none reads a closed socket
         s.close()
 
 
