@@ -55,6 +55,9 @@ _NOTE_CODE = struct.Struct("<I")  # the abort code, before the reason's UTF-8
 # How long closing (or the process's exit) waits for an abort note to reach the store: a
 # round trip to rank 0, milliseconds unless the store is gone (then the post fails at once).
 _NOTE_POST_S = 2.0
+# How long a failing rank waits for the store client while another thread's request holds
+# it (a wait for a key, say), before it fails without the note.
+_NOTE_LOOKUP_BUSY_S = 0.5
 _posting: set[threading.Thread] = set()  # notes on their way, for `_post_notes_at_exit`
 
 
@@ -294,12 +297,14 @@ class Links:
             or peer == self.rank
         ):
             return exc
+        lookup = getattr(self._store, "lookup", None)  # ddlcore's store client has it
         try:
-            # No wait: a peer that aborted noted it before its connections closed (`close`).
-            note = self._store.get(_NOTE_KEY.format(peer), 0.0)
+            # No wait for the note: a peer that aborted wrote it before its connections closed
+            # (`close`). Nor long for the connection: another thread may hold it in a wait.
+            note = lookup(_NOTE_KEY.format(peer), _NOTE_LOOKUP_BUSY_S) if lookup else None
         except (DDLError, OSError, ValueError):
             return exc
-        if len(note) < _NOTE_CODE.size:
+        if note is None or len(note) < _NOTE_CODE.size:
             return exc
         (code,) = _NOTE_CODE.unpack_from(note)
         return abort_error(code, peer, note[_NOTE_CODE.size :].decode("utf-8", "replace"))

@@ -172,8 +172,16 @@ class StoreClient:
             delay = min(delay * 2, max_delay)
 
     def _request(
-        self, op: int, key: str, value: Any = b"", arg: int = 0, wait_s: float = 0.0
+        self,
+        op: int,
+        key: str,
+        value: Any = b"",
+        arg: int = 0,
+        wait_s: float = 0.0,
+        busy_s: float = -1,
     ) -> tuple[int, bytes, int]:
+        """One request and its reply. ``busy_s``: how long to wait for the connection while
+        another thread's request holds it (a wait of its own, maybe); -1: as long as it takes."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         raw_key = key.encode("utf-8")
@@ -194,7 +202,12 @@ class StoreClient:
         header = wire.REQUEST.pack(
             wire.MAGIC, op, 0, len(raw_key), nvalue, arg, wire.wait_ms(wait_s)
         )
-        with self._lock:
+        if not self._lock.acquire(timeout=busy_s):
+            raise StoreUnreachableError(
+                f"{self._who()}the store client for {self.address} stayed busy for "
+                f"{busy_s:.1f} s (another thread's request)"
+            )
+        try:
             sock = self._sock
             if sock is None:
                 raise StoreUnreachableError(
@@ -220,6 +233,8 @@ class StoreClient:
                     f"{self._who()}lost the connection to the rendezvous store at "
                     f"{self.address} ({exc}); rank 0, which serves it, may have exited"
                 ) from None
+        finally:
+            self._lock.release()
         if status == wire.ERROR:
             raise ValueError(out.decode("utf-8", "replace"))
         return status, out, rarg
@@ -263,6 +278,13 @@ class StoreClient:
     def check(self, key: str) -> bool:
         """Whether ``key`` is set (no waiting)."""
         return self._request(wire.CHECK, key)[0] == wire.OK
+
+    def lookup(self, key: str, busy_s: float) -> bytes | None:
+        """The value of ``key`` if it is set, else None, without waiting for it, nor more than
+        ``busy_s`` seconds for the connection while another thread's request holds it (then
+        `StoreUnreachableError`): for a failing rank, which must not sit behind a wait."""
+        status, value, _ = self._request(wire.GET, key, busy_s=busy_s)
+        return value if status == wire.OK else None
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it was set."""
@@ -394,6 +416,9 @@ class PrefixStore:
 
     def check(self, key: str) -> bool:
         return self.store.check(self.prefix + key)  # type: ignore[attr-defined]
+
+    def lookup(self, key: str, busy_s: float) -> bytes | None:
+        return self.store.lookup(self.prefix + key, busy_s)  # type: ignore[attr-defined]
 
     def delete(self, key: str) -> bool:
         return self.store.delete(self.prefix + key)  # type: ignore[attr-defined]

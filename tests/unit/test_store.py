@@ -42,6 +42,29 @@ def test_set_get_add_check_delete(server):
         assert c.get("ünïcode/ключ") == b"ok"
 
 
+def test_lookup_answers_at_once_and_never_sits_behind_another_threads_wait(server):
+    with client(server) as c:
+        c.set("here", b"value")
+        assert c.lookup("here", 0.5) == b"value"
+        t0 = time.monotonic()
+        assert c.lookup("absent", 0.5) is None
+        assert PrefixStore(c, "p/").lookup("absent", 0.5) is None
+        assert time.monotonic() - t0 < 1.0
+
+        def wait_in_vain() -> None:
+            with pytest.raises(RendezvousError):
+                c.get("never", timeout=1.5)
+
+        waiter = threading.Thread(target=wait_in_vain, daemon=True)
+        waiter.start()  # holds the connection for its whole wait
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match="stayed busy"):
+            c.lookup("here", 0.3)
+        assert time.monotonic() - t0 < 2.0
+        waiter.join(10)
+
+
 def test_add_on_a_non_counter_is_an_error(server):
     with client(server) as c:
         c.set("text", b"abc")
