@@ -161,7 +161,13 @@ class Communicator(RootedCollectives):
         self._front_lock = threading.Lock()
         # send/recv (`ddlcore.p2p`) and split (`ddlcore.split`); ``prefixed``: this communicator's
         # namespace in the store, where closes are counted.
-        self._p2p = p2p.PointToPoint(self.rank, self.size, self._pair, timeout)
+        self._p2p = p2p.PointToPoint(
+            self.rank,
+            self.size,
+            self._pair,
+            timeout,
+            self._links.explain if self._links is not None else None,
+        )
         self._flight.p2p_history = self._p2p.history
         self._joiner, self._prefixed, self._splits = joiner, prefixed, 0
         # What init set up for this communicator beyond it (the world's CPU pinning).
@@ -454,7 +460,8 @@ class Communicator(RootedCollectives):
         Rank 0 keeps serving the rendezvous store until its process exits, so ranks that close
         later, or call ``init()`` again, can still reach it; its ``close`` also waits (a few
         seconds at most) until every rank has closed, so that its process's exit cannot take
-        the store from a rank still finishing its last collective.
+        the store from a rank still finishing its last collective, or still to read why a
+        failed rank left (``ddlcore.job.abort_notes``).
         """
         with self._close_lock:
             if self._closed:
@@ -485,7 +492,8 @@ class Communicator(RootedCollectives):
         """Count this rank out in the store; rank 0 waits for the others (see ``close``)."""
         try:
             store.add("closed", 1)
-            if self.rank == 0 and self.size > 1 and self._broken is None:
+            # Broken too: a rank that reaches a failed peer late reads its abort note there.
+            if self.rank == 0 and self.size > 1:
                 store.wait_count("closed", self.size, timeout=min(self.timeout, _CLOSE_LINGER_S))
         except Exception:  # a rank that failed or left: closing goes on without it
             _log.debug(

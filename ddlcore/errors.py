@@ -103,6 +103,6 @@ def parse_reason(reason: str) -> tuple[int | None, str]:
     """(origin rank or None, cause) of an abort reason made by `abort_reason`."""
     if reason.startswith(_MARK):
         origin, mark, text = reason[1:].partition(_MARK)
-        if mark and origin.isdigit():
+        if mark and origin.isascii() and origin.isdigit():
             return int(origin), text
     return None, reason

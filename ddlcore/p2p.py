@@ -49,6 +49,7 @@ from ddlcore.errors import (
     CommunicatorClosedError,
     DDLError,
     DDLTimeoutError,
+    rewrap,
 )
 from ddlcore.execution import device
 from ddlcore.handles import Handle
@@ -108,9 +109,17 @@ class _Channel:
 class PointToPoint:
     """The p2p side of one communicator: its channels and their threads."""
 
-    def __init__(self, rank: int, size: int, pair: Callable[[int], Any], timeout: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        pair: Callable[[int], Any],
+        timeout: float,
+        explain: Callable[[DDLError], DDLError] | None = None,
+    ) -> None:
         self.rank, self.size, self.timeout = rank, size, timeout
         self._pair = pair
+        self._explain = explain  # what a peer that is gone left a note of (`Links.explain`)
         self._lock = threading.Lock()
         self._channels: dict[tuple[int, int, bool], _Channel] = {}
         self._any_next: dict[int, int] = {}  # per tag: where a receive from any rank looks first
@@ -152,6 +161,13 @@ class PointToPoint:
         source = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
         return f"rank {self.rank}: recv of {nbytes} bytes from {source} with tag {tag}"
 
+    def _why(self, exc: BaseException, label: str) -> BaseException:
+        """``exc``, or the abort the peer it blames left a note of, after ``label``."""
+        if self._explain is None or not isinstance(exc, DDLError):
+            return exc
+        told = self._explain(exc)
+        return exc if told is exc else rewrap(told, f"{label}: {told}")
+
     # --- posting --------------------------------------------------------------------------------
     def send(self, x: Any, dest: int, tag: int) -> None:
         self._finish_inline(*self._post_send(x, dest, tag, True))
@@ -175,10 +191,13 @@ class PointToPoint:
         with self._lock:
             self._open()
             ch = self._channel(dest, tag, True)
-            pair = self._pair(dest)
-            reqs = [pair.isend(memoryview(header), transport_tag(tag, _HEADER_SLOT), _CHECK)]
-            if data is not None:
-                reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
+            try:  # the first message to ``dest`` connects
+                pair = self._pair(dest)
+                reqs = [pair.isend(memoryview(header), transport_tag(tag, _HEADER_SLOT), _CHECK)]
+                if data is not None:
+                    reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
+            except DDLError as exc:
+                raise self._why(exc, handle.label) from None
             job = _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
             self._record(job, "send", dest, tag)
             return ch, job, self._enqueue(ch, job, inline)
@@ -194,7 +213,10 @@ class PointToPoint:
             self._open()
             ch = self._channel(source, tag, False)
             if source != ANY_SOURCE:
-                self._spare_header(ch)
+                try:  # the first message from ``source`` connects
+                    self._spare_header(ch)
+                except DDLError as exc:
+                    raise self._why(exc, handle.label) from None
             job = _Job(handle, time.monotonic() + self.timeout, desc, x)
             self._record(job, "recv", source, tag)
             return ch, job, self._enqueue(ch, job, inline)
@@ -272,7 +294,7 @@ class PointToPoint:
                 else:
                     result = self._complete_recv(ch, job)
             except BaseException as exc:  # delivered to whoever waits on the handle
-                error: BaseException | None = exc
+                error: BaseException | None = self._why(exc, job.handle.label)
                 result = None
             else:
                 error = None

@@ -40,7 +40,6 @@ from ddlcore.errors import (
     CollectiveMismatchError,
     DDLError,
     DDLTimeoutError,
-    PeerFailureError,
     abort_reason,
     rewrap,
 )
@@ -443,8 +442,9 @@ class _FirstAbort:
 
 
 def explained(exc: DDLError, links) -> DDLError:
-    """``exc``, or the abort a peer it blames left a note of (`Links.explain`)."""
-    explain = getattr(links, "explain", None)  # links of tests and tools may have none
+    """``exc``, or the abort a peer it blames left a note of (`Links.explain`; the stand-in
+    links of unit tests have none)."""
+    explain = getattr(links, "explain", None)
     return exc if explain is None else explain(exc)
 
 
@@ -497,10 +497,8 @@ def agree(
         _PINNED.append((out, theirs))
         exc = explained(exc, links)
         message = f"rank {rank}: {label}: agreement check failed: {exc}"
-        err = type(exc)(message)
-        if isinstance(exc, PeerFailureError):
-            err.peer = exc.peer  # type: ignore[attr-defined]
-        links.abort(abort_code(exc), message.split(": ", 1)[1])
+        err = rewrap(exc, message)  # keeps whom it blames, and a told failure's origin
+        links.abort(abort_code(exc), abort_reason(err, message.split(": ", 1)[1]))
         raise err from None
 
 

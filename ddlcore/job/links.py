@@ -18,28 +18,23 @@ and reason (class, origin and cause kept). Every rank passes it on once, so ever
 it within a few message latencies, also those blocked on peers that never heard of it
 directly.
 
-A rank that aborts also leaves a note in the store (``abort/<rank>``: the code and reason) before
-its contexts close, because pairs connect lazily: a peer whose first message to it comes after it
-closed finds no one to tell it why, only a refused connection or a vanished segment. That peer
-reads the note (`Links.explain`) and fails with the abort itself, so every rank that disagreed is
-told of the disagreement, not of a rank that left.
+A rank that aborts also leaves a note of it in the store, for peers whose first message to it
+comes after it closed (``abort_notes``); `Links.explain` reads a gone peer's note.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ddlcore.transports as transports
-from ddlcore.errors import DDLError, PeerFailureError, TransportUnavailableError
+from ddlcore.errors import DDLError, TransportUnavailableError
+from ddlcore.job import abort_notes
 from ddlcore.planning.topology import layout
 from ddlcore.transports.base import (
-    MAX_ABORT_REASON_BYTES,
     Context,
     HostCollectivesFactory,
     Pair,
@@ -48,25 +43,6 @@ from ddlcore.transports.base import (
     Transport,
     TransportOptions,
 )
-from ddlcore.transports.common import abort_error
-
-_NOTE_KEY = "abort/{}"
-_NOTE_CODE = struct.Struct("<I")  # the abort code, before the reason's UTF-8
-# How long closing (or the process's exit) waits for an abort note to reach the store: a
-# round trip to rank 0, milliseconds unless the store is gone (then the post fails at once).
-_NOTE_POST_S = 2.0
-# How long a failing rank waits for the store client while another thread's request holds
-# it (a wait for a key, say), before it fails without the note.
-_NOTE_LOOKUP_BUSY_S = 0.5
-_posting: set[threading.Thread] = set()  # notes on their way, for `_post_notes_at_exit`
-
-
-@atexit.register
-def _post_notes_at_exit() -> None:
-    """A rank whose failure ends its process (nobody closes the communicator) still leaves
-    its note before its connections close with the process."""
-    for thread in list(_posting):
-        thread.join(_NOTE_POST_S)
 
 
 def transport_options(environ: Mapping[str, str] | None = None) -> TransportOptions:
@@ -199,7 +175,7 @@ class Links:
         self._relayed = False  # an abort a peer told one context of went to all of them
         self._relay_lock = threading.Lock()
         self._store = store
-        self._note: threading.Thread | None = None  # posting our abort's note, once
+        self._note = abort_notes.Note(store, rank)
         local_rank = layout([p.host_id for p in peers], rank).local_rank  # picks its rail
         options = dataclasses.replace(
             transport_options() if options is None else options, local_rank=local_rank
@@ -261,57 +237,15 @@ class Links:
                 ctx.abort(code, reason)
             except Exception:  # best effort: we are already failing
                 pass
-        with self._relay_lock:
-            if self._note is not None:
-                return
-            # On a thread of its own: an abort may come on a transport's thread, and the store
-            # may be slow to answer or gone.
-            note = threading.Thread(
-                target=self._post_note,
-                args=(code, reason),
-                daemon=True,
-                name=f"ddlcore-rank{self.rank}-abort-note",
-            )
-            _posting.add(note)
-            note.start()  # before anyone may join it
-            self._note = note
-
-    def _post_note(self, code: int, reason: str) -> None:
-        try:
-            text = reason.encode("utf-8")[:MAX_ABORT_REASON_BYTES]
-            self._store.set(_NOTE_KEY.format(self.rank), _NOTE_CODE.pack(code) + text)
-        except Exception:  # the store is gone (rank 0 left): peers hear of a failed rank only
-            pass
-        finally:
-            _posting.discard(threading.current_thread())
+        self._note.post(code, reason)
 
     def explain(self, exc: DDLError) -> DDLError:
-        """The failure behind ``exc``, where ``exc`` says only that a peer is gone (could not
-        connect, its memory vanished, its connection dropped) and that peer left a note of
-        its abort: the abort, as if the peer had told us (`abort_error`). Else ``exc``."""
-        peer = getattr(exc, "peer", None)
-        if (
-            not isinstance(exc, PeerFailureError)
-            or exc.origin is not None  # a peer's own account already
-            or not isinstance(peer, int)
-            or peer == self.rank
-        ):
-            return exc
-        lookup = getattr(self._store, "lookup", None)  # ddlcore's store client has it
-        try:
-            # No wait for the note: a peer that aborted wrote it before its connections closed
-            # (`close`). Nor long for the connection: another thread may hold it in a wait.
-            note = lookup(_NOTE_KEY.format(peer), _NOTE_LOOKUP_BUSY_S) if lookup else None
-        except (DDLError, OSError, ValueError):
-            return exc
-        if note is None or len(note) < _NOTE_CODE.size:
-            return exc
-        (code,) = _NOTE_CODE.unpack_from(note)
-        return abort_error(code, peer, note[_NOTE_CODE.size :].decode("utf-8", "replace"))
+        """``exc``, or where it only says that a peer is gone, the abort that peer left a
+        note of (`abort_notes.explain`)."""
+        return abort_notes.explain(exc, self.rank, self._store)
 
     def close(self) -> None:
-        if self._note is not None:  # peers that come to us later read why we left
-            self._note.join(_NOTE_POST_S)
+        self._note.wait()  # before the connections go: peers that come later read why we left
         for ctx in self.contexts.values():
             ctx.close()
         self.contexts.clear()

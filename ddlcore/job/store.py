@@ -178,10 +178,11 @@ class StoreClient:
         value: Any = b"",
         arg: int = 0,
         wait_s: float = 0.0,
-        busy_s: float = -1,
+        within_s: float | None = None,
     ) -> tuple[int, bytes, int]:
-        """One request and its reply. ``busy_s``: how long to wait for the connection while
-        another thread's request holds it (a wait of its own, maybe); -1: as long as it takes."""
+        """One request and its reply. ``within_s``: how long to wait for the connection while
+        another thread's request holds it (a wait of its own, maybe), and then for the reply
+        (the connection is dropped if it does not come); None: as long as they take."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         raw_key = key.encode("utf-8")
@@ -202,10 +203,10 @@ class StoreClient:
         header = wire.REQUEST.pack(
             wire.MAGIC, op, 0, len(raw_key), nvalue, arg, wire.wait_ms(wait_s)
         )
-        if not self._lock.acquire(timeout=busy_s):
-            raise StoreUnreachableError(
-                f"{self._who()}the store client for {self.address} stayed busy for "
-                f"{busy_s:.1f} s (another thread's request)"
+        if not self._lock.acquire(timeout=-1 if within_s is None else within_s):
+            raise RendezvousError(
+                f"{self._who()}the store client for {self.address} stayed busy with another "
+                f"thread's request for {within_s:.1f} s"
             )
         try:
             sock = self._sock
@@ -215,7 +216,7 @@ class StoreClient:
                     "connection earlier)"
                 )
             try:
-                sock.settimeout(wait_s + _REPLY_SLACK_S)
+                sock.settimeout(wait_s + _REPLY_SLACK_S if within_s is None else within_s)
                 sock.sendall(header + raw_key)
                 if nvalue:
                     sock.sendall(value)
@@ -279,12 +280,35 @@ class StoreClient:
         """Whether ``key`` is set (no waiting)."""
         return self._request(wire.CHECK, key)[0] == wire.OK
 
-    def lookup(self, key: str, busy_s: float) -> bytes | None:
-        """The value of ``key`` if it is set, else None, without waiting for it, nor more than
-        ``busy_s`` seconds for the connection while another thread's request holds it (then
-        `StoreUnreachableError`): for a failing rank, which must not sit behind a wait."""
-        status, value, _ = self._request(wire.GET, key, busy_s=busy_s)
+    def lookup(self, key: str, within_s: float) -> bytes | None:
+        """The value of ``key`` if it is set, without waiting for it: for a rank that is
+        failing, which must not sit behind another thread's wait or a stalled store.
+
+        Parameters
+        ----------
+        key : str
+            The key.
+        within_s : float
+            Most seconds to wait for the connection (another thread's request may hold it),
+            and as much again for the reply.
+
+        Returns
+        -------
+        bytes or None
+            The value; None if ``key`` is not set.
+
+        Raises
+        ------
+        RendezvousError
+            No answer within ``within_s`` (`StoreUnreachableError` where the store is gone).
+        """
+        status, value, _ = self._request(wire.GET, key, within_s=within_s)
         return value if status == wire.OK else None
+
+    def post(self, key: str, value: bytes, within_s: float) -> None:
+        """`set` ``key``, waiting at most ``within_s`` seconds for the connection and as
+        much again for the reply (`RendezvousError` then), as `lookup` reads."""
+        self._request(wire.SET, key, value, within_s=within_s)
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it was set."""
@@ -417,8 +441,11 @@ class PrefixStore:
     def check(self, key: str) -> bool:
         return self.store.check(self.prefix + key)  # type: ignore[attr-defined]
 
-    def lookup(self, key: str, busy_s: float) -> bytes | None:
-        return self.store.lookup(self.prefix + key, busy_s)  # type: ignore[attr-defined]
+    def lookup(self, key: str, within_s: float) -> bytes | None:
+        return self.store.lookup(self.prefix + key, within_s)  # type: ignore[attr-defined]
+
+    def post(self, key: str, value: bytes, within_s: float) -> None:
+        self.store.post(self.prefix + key, value, within_s)  # type: ignore[attr-defined]
 
     def delete(self, key: str) -> bool:
         return self.store.delete(self.prefix + key)  # type: ignore[attr-defined]

@@ -224,10 +224,10 @@ def test_mismatch_of_groups_raises_on_every_rank(transport, algo, pattern, call_
     _check(results, [pattern])
 
 
-def _late_rank_case(rank, size, where):
+def _late_rank_case(rank, size, where, late_call):
     """Ranks 1 and 2 disagree (allreduce counts 1 and 2), fail and close; only then does rank
-    0 make its first call, whose first step connects to rank 1, which is gone. (error class,
-    message) on each rank."""
+    0 make its first call (``late_call``: the same allreduce, or a send to rank 1), whose
+    first message connects to rank 1, which is gone. (error class, message) on each rank."""
     import pathlib
 
     import ddlcore
@@ -240,7 +240,10 @@ def _late_rank_case(rank, size, where):
                 assert time.monotonic() < deadline, "ranks 1 and 2 did not close"
                 time.sleep(0.01)
         try:
-            comm.allreduce(np.ones(2 if rank == 2 else 1, np.float32))
+            if rank == 0 and late_call == "send":
+                comm.send(np.ones(3, np.float32), dest=1, tag=7)
+            else:
+                comm.allreduce(np.ones(2 if rank == 2 else 1, np.float32))
         except ddlcore.DDLError as exc:
             return type(exc).__name__, str(exc)
         return "no error", ""
@@ -249,14 +252,17 @@ def _late_rank_case(rank, size, where):
         (pathlib.Path(where) / f"closed{rank}").touch()
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
-def test_a_rank_that_comes_after_the_others_left_hears_why(transport, pools, tmp_path):
+@pytest.mark.parametrize(
+    "transport,late_call",
+    [("tcp", "allreduce"), ("shm", "allreduce"), ("ucx", "allreduce"), ("tcp", "send")],
+)
+def test_a_rank_that_comes_after_the_others_left_hears_why(transport, late_call, pools, tmp_path):
     """Pairs connect on first use: a rank whose first message goes to a rank that already
-    failed and closed reads that rank's note of its abort (`Links.explain`), and raises the
-    mismatch, not a "could not connect" that blames the rank."""
+    failed and closed reads that rank's note of its abort (`ddlcore.job.abort_notes`), and
+    raises the mismatch, not a "could not connect" that blames the rank."""
     _transport_ready(transport)
     env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_ALGO": "ring", "DDL_TRANSPORT": transport}
-    results = pools.run(_late_rank_case, 3, str(tmp_path), env=env, timeout=120)
+    results = pools.run(_late_rank_case, 3, str(tmp_path), late_call, env=env, timeout=120)
     for rank, (cls, message) in enumerate(results):
         assert cls == "CollectiveMismatchError", f"rank {rank}: {cls}: {message}"
     assert "rank 2 aborted" in results[0][1], results[0][1]  # the rank that saw it first

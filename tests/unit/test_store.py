@@ -42,9 +42,9 @@ def test_set_get_add_check_delete(server):
         assert c.get("ünïcode/ключ") == b"ok"
 
 
-def test_lookup_answers_at_once_and_never_sits_behind_another_threads_wait(server):
+def test_lookup_and_post_never_sit_behind_another_threads_wait(server):
     with client(server) as c:
-        c.set("here", b"value")
+        c.post("here", b"value", 0.5)
         assert c.lookup("here", 0.5) == b"value"
         t0 = time.monotonic()
         assert c.lookup("absent", 0.5) is None
