@@ -87,6 +87,10 @@ SIM_HOST_LINK = (3e9, 20e-6)
 SIM_HOST_TCP_LINK = (2.2e9, 40e-6)
 SIM_NET_EFFICIENCY, SIM_NET_LAT = 0.956, 60e-6
 SIM_REDUCE_BW = 3e9
+# The simulator runs each host on CPUs of its own; the testbed's hosts share this machine's. With
+# --transport tcp every byte a rank sends, to its host or across the shaped links, goes through
+# the kernel's TCP on those cores (SIM_HOST_TCP_LINK's 2.2 GB/s, for all ranks together), and
+# every reduction too (SIM_REDUCE_BW a core): a run takes at least that work over the machine.
 
 
 class Expired(BaseException):
@@ -513,9 +517,21 @@ def simulated(
         found.note,
         adapters,
     )
-    return simulate.simulate(
+    res = simulate.simulate(
         collective, algorithm, topo, nbytes, reduce_bw=SIM_REDUCE_BW, segments=segments
-    ).time_s
+    )
+    if host_transport != "tcp":
+        return res.time_s
+    return max(res.time_s, cpu_bound(res, collective))
+
+
+def cpu_bound(res: Any, collective: str) -> float:
+    """Seconds the machine's cores need for the TCP bytes of a simulated run (``res``, a
+    `ddlcore.simulate.Result`) and its reductions (half the bytes of an allreduce, all of a
+    reduce-scatter's), every rank sharing them: a run on the testbed cannot go faster."""
+    sent = sum(d.bytes_per_rank for d in res.dims) * res.ranks
+    reduced = sent * {"allreduce": 0.5, "reduce_scatter": 1.0}.get(collective, 0.0)
+    return sent / SIM_HOST_TCP_LINK[0] + reduced / (SIM_REDUCE_BW * (os.cpu_count() or 1))
 
 
 def worker(
