@@ -197,10 +197,12 @@ class PointToPoint:
                 if data is not None:
                     reqs.append(pair.isend(data, transport_tag(tag, _DATA_SLOT), _CHECK))
             except DDLError as exc:
-                raise self._why(exc, handle.label) from None
-            job = _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
-            self._record(job, "send", dest, tag)
-            return ch, job, self._enqueue(ch, job, inline)
+                failed = exc  # explained below, without the lock: it may ask the store
+            else:
+                job = _Job(handle, time.monotonic() + self.timeout, desc, None, tuple(reqs))
+                self._record(job, "send", dest, tag)
+                return ch, job, self._enqueue(ch, job, inline)
+        raise self._why(failed, handle.label)
 
     def _post_recv(
         self, x: Any, source: int, tag: int, inline: bool
@@ -212,14 +214,16 @@ class PointToPoint:
         with self._lock:
             self._open()
             ch = self._channel(source, tag, False)
-            if source != ANY_SOURCE:
-                try:  # the first message from ``source`` connects
+            try:  # the first message from ``source`` connects
+                if source != ANY_SOURCE:
                     self._spare_header(ch)
-                except DDLError as exc:
-                    raise self._why(exc, handle.label) from None
-            job = _Job(handle, time.monotonic() + self.timeout, desc, x)
-            self._record(job, "recv", source, tag)
-            return ch, job, self._enqueue(ch, job, inline)
+            except DDLError as exc:
+                failed = exc  # explained below, without the lock: it may ask the store
+            else:
+                job = _Job(handle, time.monotonic() + self.timeout, desc, x)
+                self._record(job, "recv", source, tag)
+                return ch, job, self._enqueue(ch, job, inline)
+        raise self._why(failed, handle.label)
 
     def _record(self, job: _Job, op: str, peer: int, tag: int) -> None:
         job.record = _Record(
