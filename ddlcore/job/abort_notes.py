@@ -74,11 +74,12 @@ class Note:
                     # hooks, so that it runs before them (last registered, first run).
                     atexit.register(_join_at_exit)
                     _at_exit = True
+            _pending.add(thread)  # before it starts: it drops itself when done
             try:
                 thread.start()
             except RuntimeError:  # no thread to be had (interpreter exit): no note
+                _pending.discard(thread)
                 return
-            _pending.add(thread)
             self._thread = thread
 
     def _write(self, code: int, reason: str) -> None:
