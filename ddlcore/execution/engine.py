@@ -428,6 +428,7 @@ class _FirstAbort:
     def __init__(self, links) -> None:
         self._links = links
         self.pair = links.pair
+        self.explain = getattr(links, "explain", None)  # see `explained`
         self.first: int | None = None
         self._lock = threading.Lock()
 
@@ -436,9 +437,6 @@ class _FirstAbort:
             if self.first is None:
                 self.first = threading.get_ident()
         self._links.abort(code, reason)
-
-    def explain(self, exc: DDLError) -> DDLError:
-        return explained(exc, self._links)
 
 
 def explained(exc: DDLError, links) -> DDLError:
