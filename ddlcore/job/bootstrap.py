@@ -416,6 +416,9 @@ def _join(
             [rack for _, rack, _, _ in records],
             level_transports(spec, peers),
             environ,
+            placement.cpu_share(
+                [placement.read_record(c) for _, _, c, _ in records], [p.host_id for p in peers]
+            ),
         )
         links = Links(info.rank, info.size, spec, peers, store, timeout, options)
         host_ids = [p.host_id for p in peers]

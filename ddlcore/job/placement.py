@@ -239,6 +239,26 @@ def read_record(text: str) -> tuple[str, str, frozenset[int] | None]:
     return token, "" if machine == "-" else machine, decode(cpus)
 
 
+def cpu_share(
+    records: Sequence[tuple[str, str, frozenset[int] | None]], host_ids: Sequence[str]
+) -> float:
+    """The share of a CPU each rank has on the job's most crowded machine (at most 1): the CPUs
+    the launcher gave its ranks over their number. ``records`` are every rank's `read_record`;
+    ranks share a machine where their kernel's id matches, else where their host id does. 1
+    where a machine's CPUs are unknown."""
+    machines: dict[str, tuple[int, set[int] | None]] = {}
+    for (_, machine, cpus), host in zip(records, host_ids, strict=True):
+        key = machine or f"host {host}"
+        count, union = machines.get(key, (0, set()))
+        if union is not None:
+            union = union | cpus if cpus is not None else None
+        machines[key] = (count + 1, union)
+    return min(
+        (min(1.0, len(union) / count) for count, union in machines.values() if union),
+        default=1.0,
+    )
+
+
 def claims_path() -> str:
     """This user's claims file: the CPUs each pinned rank on the host holds, by job. A fixed
     place, never a per-job TMPDIR, so that every job of the user finds it."""

@@ -240,18 +240,26 @@ def per_dim(values: Sequence[float], k: int, what: str) -> tuple[float, ...]:
 
 
 def link_defaults(
-    levels: Sequence[str], level_transport: Mapping[str, str]
+    levels: Sequence[str], level_transport: Mapping[str, str], cpu_share: float = 1.0
 ) -> list[tuple[float, float]]:
     """(bytes/s, s) of each level before a probe: the defaults of the transport carrying it, a
     level across hosts priced at most 1/`NETWORK_SLOWER` of the job's in-host level and never
     quicker to answer. Priced faster (ucx's 12.5 GB/s against shm's 5), the network went first
     in mdring and ran 2.3x the 1 Gbit/s testbed's bound (issue 21); priced alike, the flat ring
     won (1.6x); a slower network makes mdring go host first (1.1x), which costs at most 1.33x
-    where the network really is as fast as shared memory."""
+    where the network really is as fast as shared memory.
+
+    TCP inside a host is the kernel copying every byte on the machine's CPUs: where ranks
+    outnumber them (``cpu_share`` < 1, a CPU's share per rank), each rank's link runs at its
+    share. On the testbed (two emulated hosts on 2 vCPUs), loopback TCP moved ~2.2 GB/s for all
+    ranks together: 0.28 GB/s a rank at 4x2, against tcp's default 1.25."""
 
     def of(level: str) -> tuple[float, float]:
         name = level_transport.get("host" if level == "host" else "network", "")
-        return LINK_DEFAULTS.get(name, _FALLBACK_LINK)
+        bw, lat = LINK_DEFAULTS.get(name, _FALLBACK_LINK)
+        if level == "host" and name == "tcp":
+            bw *= min(1.0, cpu_share)
+        return bw, lat
 
     host_bw, host_lat = of("host")
     return [
@@ -271,11 +279,13 @@ def build(
     rack_ids: Sequence[str],
     level_transport: Mapping[str, str],
     environ: Mapping[str, str] | None = None,
+    cpu_share: float = 1.0,
 ) -> Topology:
     """The job's box from every rank's host and rack identity.
 
     ``level_transport`` names the transport between two ranks of one host (``"host"``) and of two
-    hosts (``"network"``); it sets the link defaults. Raises ValueError naming ``DDL_TOPOLOGY``
+    hosts (``"network"``); it sets the link defaults, with ``cpu_share`` (`link_defaults`: the
+    share of a CPU each rank has where the job is most crowded). Raises ValueError naming ``DDL_TOPOLOGY``
     when the given box does not hold the ranks or splits a host, and naming ``DDL_LINK_BW`` /
     ``DDL_LINK_LAT`` when they do not fit the box.
     """
@@ -347,7 +357,7 @@ def build(
             levels.append("rack" if reach <= groups_per_rack else "cross-rack")
         else:
             levels.append("network")
-    defaults = link_defaults(levels, level_transport)
+    defaults = link_defaults(levels, level_transport, cpu_share)
     bw_env = config.get("DDL_LINK_BW", environ)
     lat_env = config.get("DDL_LINK_LAT", environ)
     bw = per_dim(bw_env, len(dims), "DDL_LINK_BW") if bw_env else tuple(d[0] for d in defaults)

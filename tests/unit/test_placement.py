@@ -200,3 +200,19 @@ def test_a_claims_lock_held_elsewhere_delays_init_only_briefly(monkeypatch, tmp_
         fcntl.flock(held, fcntl.LOCK_EX)  # another open file: flock locks are per open file
         cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "j", 0, [mine, mine]))
     assert cpus is None and "stayed locked" in why, why
+
+
+def test_cpu_share_is_the_most_crowded_machines():
+    a, b = "0" * 8 + "-0000-0000-0000-" + "0" * 12, "1" * 8 + "-0000-0000-0000-" + "0" * 12
+    two = frozenset({0, 1})
+    # Two emulated hosts on one machine of 2 CPUs, 4 ranks each: a quarter of a CPU a rank.
+    records = [("t" * 16, a, two)] * 8
+    assert placement.cpu_share(records, ["h0"] * 4 + ["h1"] * 4) == 0.25
+    # Two machines: the crowded one counts; the CPUs of a machine's ranks add up.
+    records = [("t", a, two)] * 4 + [("t", b, frozenset({0})), ("t", b, frozenset({1, 2, 3}))]
+    assert placement.cpu_share(records, ["h0"] * 4 + ["h1"] * 2) == 0.5
+    # Machines unknown: hosts tell them apart; never more than a whole CPU; unknown CPUs: 1.
+    records = [("t", "", frozenset(range(8)))] * 2 + [("t", "", frozenset({0}))] * 2
+    assert placement.cpu_share(records, ["h0", "h0", "h1", "h1"]) == 0.5
+    assert placement.cpu_share(records[:2], ["h0", "h0"]) == 1.0
+    assert placement.cpu_share([("t", a, None)] * 4, ["h0"] * 4) == 1.0

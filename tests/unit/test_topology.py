@@ -271,3 +271,17 @@ def test_bad_socket_ifname_list_is_named():
         _build(["a", "b"], env={"DDL_SOCKET_IFNAME": "eth0,,eth1"})
     with pytest.raises(ValueError, match="names an interface twice"):
         _build(["a", "b"], env={"DDL_SOCKET_IFNAME": "eth0,eth0"})
+
+
+def test_tcp_inside_a_host_runs_at_a_cpus_share():
+    """Loopback TCP is the kernel's copies on the machine's CPUs: ranks that outnumber them
+    each get their share; shared memory and the network keep their defaults."""
+    hosts = ["a"] * 4 + ["b"] * 4
+    tcp = {"host": "tcp", "network": "tcp"}
+    full = topology.build(hosts, [""] * 8, tcp, {})
+    crowded = topology.build(hosts, [""] * 8, tcp, {}, cpu_share=0.25)
+    assert crowded.bw[0] == pytest.approx(full.bw[0] / 4)
+    assert full.bw[0] == topology.LINK_DEFAULTS["tcp"][0]
+    assert topology.build(hosts, [""] * 8, tcp, {}, cpu_share=3.0).bw == full.bw
+    shm = topology.build(hosts, [""] * 8, {"host": "shm", "network": "tcp"}, {}, cpu_share=0.25)
+    assert shm.bw[0] == topology.LINK_DEFAULTS["shm"][0]
