@@ -3,8 +3,9 @@
 For each box up to 256 GPUs (the paper's links: hosts of 4 GPUs at 20 GB/s, 10 GB/s in a rack, 9.5 GB/s across
 racks, one network adapter per host) and allreduce size, every candidate of
 `ddlcore.planning.tuning.candidates` (ring, rhd, rd, and mdring in every dimension order with its
-pipelined segment count) runs in the simulator; the table gives auto's simulated time over the
-best candidate's. Candidates over the simulator's step budget are left out and counted.
+pipelined segment count), and mdring in auto's order in every other segment count (of at least
+one chunk), runs in the simulator; the table gives auto's simulated time over the best
+candidate's. Candidates over the simulator's step budget are left out and counted.
 
     python benchmarks/auto_vs_best.py [--json benchmarks/results/auto_vs_best.json]
     python benchmarks/auto_vs_best.py --boxes 4x64x4,4x64x16 --json benchmarks/results/auto_vs_best_large.json
@@ -13,6 +14,7 @@ best candidate's. Candidates over the simulator's step budget are left out and c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -31,10 +33,19 @@ def point(dims: tuple[int, ...], nbytes: int, max_steps: int = MAX_STEPS) -> dic
     auto = tuning.choose("allreduce", topo, nbytes, "auto", simulate.DEFAULT_CHUNK_BYTES)
     times: dict[str, float] = {}
     skipped = 0
-    for c in tuning.candidates("allreduce", topo, nbytes):
+    tried = tuning.candidates("allreduce", topo, nbytes, chunk_bytes=simulate.DEFAULT_CHUNK_BYTES)
+    if auto.dim_order is not None:  # auto's order in every segment count, not only its own
+        tried += [
+            dataclasses.replace(auto, segments=s)
+            for s in tuning.SEGMENT_COUNTS
+            if s != auto.segments and nbytes / s >= simulate.DEFAULT_CHUNK_BYTES
+        ]
+    for c in tried:
         name = c.algorithm + (
             f"[{','.join(map(str, c.dim_order))}]x{c.segments}" if c.dim_order is not None else ""
         )
+        if name in times:
+            continue
         try:
             prog = simulate.compile_program(
                 "allreduce",

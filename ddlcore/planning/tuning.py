@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddlcore.algorithms import ALGORITHMS
@@ -28,6 +29,7 @@ from ddlcore.planning.tuning_model import (
     host_first,
     in_rank_order,
     model_bytes,
+    pipeline_lead,
     predict,
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "CHUNK_BYTES",
     "DIRECT",
     "MAX_PERMUTED_DIMS",
+    "LEAD",
     "MIN_SEGMENT_BYTES",
     "REDUCE_BW",
     "SEGMENT_COUNTS",
@@ -51,6 +54,7 @@ __all__ = [
     "host_segments",
     "in_rank_order",
     "model_bytes",
+    "pipeline_lead",
     "predict",
     "segment_counts",
     "validate_algo",
@@ -65,11 +69,21 @@ SELECTABLE = tuple(
 TIE = 0.01
 # mdring dimension orders tried by auto: all of them up to this many dimensions.
 MAX_PERMUTED_DIMS = 4
-# mdring's pipelined segment counts tried by auto, and the smallest segment: in the simulator,
-# smaller segments (more streams' messages queueing at FIFO ports) fell behind the model by up
-# to 30% on 4x2 boxes, and each segment costs the engine a few Python-level waits per phase.
+# mdring's pipelined segment counts tried by auto, and the smallest segment where no link leads
+# the pipeline (below): on the paper's links (20 GB/s in a host, 10 GB/s adapters shared by 4
+# GPUs) segments under 8 MiB ran up to 1.4x slower in the simulator than the model says (the
+# phases' messages meet at FIFO ports in an order it does not price), and each segment costs the
+# engine a few Python-level waits per phase.
 SEGMENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_BYTES = 8 << 20
+# ... but where the busiest link's pace is at least LEAD times the next link's, the segments
+# queue behind that one link as the model says: the simulator stays within 1% of it down to 64
+# segments on 1.25 and 0.125 GB/s networks under 5-20 GB/s host links (2x2 to 8x4 boxes: leads
+# of 8-40), and on the netns testbed (2x2, 1 Gbit/s, TCP in the hosts: a lead of 5, 16 MB) 4
+# segments of 4 MiB ran at 1.11-1.12x the link bound and 8 at 1.09x, against 1.17x with 2 of
+# 8 MiB. The paper's boxes lead by 1.0-2.8 (at 4x4, exactly 2: 8 segments of 4 MiB simulated 7%
+# slower than modelled). There a segment need only hold SEGMENT_CHUNKS chunks.
+LEAD = 3.0
 # ... and at least this many pipeline chunks: a segment of fewer has too little to pipeline
 # within each step. On the GPU (4 MiB chunks, 2x2 box, one H200), 64 MB: 8 segments 1.9 GB/s
 # busbw, 4 segments 2.4-2.8, 2 segments 2.6 (BENCHMARKS).
@@ -127,11 +141,20 @@ def host_segments(nbytes: int) -> int:
     return max(1, min(_HOST_SEGMENTS, int(nbytes) // _HOST_SEGMENT_BYTES))
 
 
-def segment_counts(nbytes: float, chunk_bytes: int = 0) -> list[int]:
+def segment_counts(
+    nbytes: float, chunk_bytes: int = 0, lead: Callable[[float], float] | None = None
+) -> list[int]:
     """The pipelined segment counts worth pricing for an allreduce of ``nbytes`` in chunks of
-    ``chunk_bytes``."""
-    smallest = max(MIN_SEGMENT_BYTES, SEGMENT_CHUNKS * chunk_bytes)
-    return [s for s in SEGMENT_COUNTS if s == 1 or nbytes / s >= smallest]
+    ``chunk_bytes``: segments of at least SEGMENT_CHUNKS chunks, and of MIN_SEGMENT_BYTES
+    unless ``lead`` (of a segment's bytes: `tuning_model.pipeline_lead`) is at least LEAD."""
+    smallest = SEGMENT_CHUNKS * (chunk_bytes or CHUNK_BYTES)
+    return [
+        s
+        for s in SEGMENT_COUNTS
+        if s == 1
+        or nbytes / s >= max(smallest, MIN_SEGMENT_BYTES)
+        or (nbytes / s >= smallest and lead is not None and lead(nbytes / s) >= LEAD)
+    ]
 
 
 def best_mdring(
@@ -146,12 +169,16 @@ def best_mdring(
 ) -> tuple[float, int]:
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
     else the best count for ``chunk_bytes`` (the host-staged path's own where it runs)."""
+
+    def led(segment_bytes: float) -> float:
+        return pipeline_lead(topo, segment_bytes, order, reduce_bw, chunk_bytes or CHUNK_BYTES)
+
     if collective != Collective.ALLREDUCE:
         counts = [1]
     elif host_path and host_first(topo, order):
         counts = [host_segments(int(nbytes))]
     else:
-        counts = [segments] if segments > 0 else segment_counts(nbytes, chunk_bytes)
+        counts = [segments] if segments > 0 else segment_counts(nbytes, chunk_bytes, led)
     return min(
         (
             predict(

@@ -176,10 +176,29 @@ def _mdring(
     adapters, which every network dimension shares."""
     if len(active_dims(topo, order)) <= 1:  # one ring, in box order
         return _ring(topo, nbytes, rs, ag, gamma, chunk_bytes, topo.order)
-    boards = host_path and rs and ag and host_first(topo, order)
     if not (rs and ag):
         segments = 1
-    m = float(nbytes) / segments
+    total, paces = _mdring_pass(
+        topo, float(nbytes) / segments, rs, ag, gamma, order, chunk_bytes, host_path
+    )
+    return total + (segments - 1) * max(paces.values()) if segments > 1 else total
+
+
+def _mdring_pass(
+    topo: Topology,
+    nbytes: float,
+    rs: bool,
+    ag: bool,
+    gamma: float,
+    order: tuple[int, ...],
+    chunk_bytes: float,
+    host_path: bool,
+) -> tuple[float, dict[int, float]]:
+    """One segment of ``nbytes`` through mdring's phases: (their total time, each link's pace:
+    the seconds it is busy with the segment, its bytes or its phases' chains over their
+    streams, whichever is longer; link -1 is the network adapters)."""
+    boards = host_path and rs and ag and host_first(topo, order)
+    m = nbytes
     shared = topo.ranks_per_node > topo.adapters
     net_streams = max(
         [
@@ -189,8 +208,8 @@ def _mdring(
         ]
         or [1]
     )  # the network dimensions share them
-    chains: dict[int, float] = {}  # per link: its phases' times over their streams (a segment)
-    wires: dict[int, float] = {}  # per link: the seconds its bytes take (one segment)
+    chains: dict[int, float] = {}  # per link: its phases' times over their streams
+    wires: dict[int, float] = {}  # per link: the seconds its bytes take
     total = 0.0
     for j in active_dims(topo, order):
         d = topo.dims[j]
@@ -212,9 +231,28 @@ def _mdring(
         chains[link] = chains.get(link, 0.0) + t / streams
         wires[link] = wires.get(link, 0.0) + wire
         m = seg
-    if segments == 1:
-        return total
-    return total + (segments - 1) * max(max(wires[link], chains[link]) for link in chains)
+    return total, {link: max(wires[link], chains[link]) for link in chains}
+
+
+def pipeline_lead(
+    topo: Topology,
+    nbytes: float,
+    order: tuple[int, ...],
+    reduce_bw: float = REDUCE_BW,
+    chunk_bytes: float = CHUNK_BYTES,
+) -> float:
+    """How far the busiest link of mdring's allreduce pipeline leads the others: its pace per
+    segment of ``nbytes`` over the next busiest link's (infinite where one link carries every
+    phase). Where it leads by far, the segments queue behind that one link as `_mdring` says;
+    where two links are close, segments of different phases meet at the ports in an order the
+    formula does not price (`ddlcore.planning.tuning.segment_counts`)."""
+    if len(active_dims(topo, order)) <= 1:
+        return float("inf")
+    _, paces = _mdring_pass(topo, nbytes, True, True, 1.0 / reduce_bw, order, chunk_bytes, False)
+    ranked = sorted(paces.values(), reverse=True)
+    if len(ranked) < 2 or ranked[1] <= 0.0:
+        return float("inf")
+    return ranked[0] / ranked[1]
 
 
 def _rhd(

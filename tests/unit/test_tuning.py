@@ -27,18 +27,37 @@ def test_mdring_wins_large_messages_on_a_slow_network():
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 4 << 20, 16 << 20])
-def test_pipelined_segments_hold_several_chunks(chunk_bytes):
-    """A segment is at least MIN_SEGMENT_BYTES and SEGMENT_CHUNKS chunks (the device path's
-    larger chunks take fewer, larger segments), whatever the model would otherwise pick."""
-    smallest = max(tuning.MIN_SEGMENT_BYTES, tuning.SEGMENT_CHUNKS * chunk_bytes)
-    topo = _two_level()
+@pytest.mark.parametrize(
+    "topo, led",
+    [
+        (_two_level(), True),  # 1 Gbit/s network, 5 GB/s in the host
+        (topology.box((4, 2), [20e9, 10e9], [5e-6, 10e-6]), False),  # the paper's links
+    ],
+)
+def test_pipelined_segments_hold_several_chunks(chunk_bytes, topo, led):
+    """A segment holds SEGMENT_CHUNKS chunks (the device path's larger chunks take fewer,
+    larger segments), and MIN_SEGMENT_BYTES too unless one link leads the pipeline by LEAD,
+    whatever the model would otherwise pick."""
+    chunks = tuning.SEGMENT_CHUNKS * chunk_bytes
+    smallest = chunks if led else max(tuning.MIN_SEGMENT_BYTES, chunks)
     for nbytes in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
-        counts = tuning.segment_counts(nbytes, chunk_bytes)
-        assert counts[0] == 1 and all(nbytes / s >= smallest for s in counts[1:])
-        assert all(s in counts for s in tuning.SEGMENT_COUNTS if nbytes / s >= smallest)
+        assert (tuning.pipeline_lead(topo, nbytes / 64, (0, 1)) >= tuning.LEAD) == led
+        counts = tuning.segment_counts(
+            nbytes, chunk_bytes, lambda m: tuning.pipeline_lead(topo, m, (0, 1))
+        )
+        assert counts == [s for s in tuning.SEGMENT_COUNTS if s == 1 or nbytes / s >= smallest]
         best = tuning.choose("allreduce", topo, nbytes, "auto", chunk_bytes)
-        assert best.segments in counts
         assert best.segments == 1 or nbytes / best.segments >= smallest
+
+
+def test_a_led_pipeline_takes_smaller_segments():
+    """On a slow network the segments queue behind it as the model says, and more of them
+    hide more of the host phases: 16 MiB in 4 segments, not the 2 of 8 MiB a balanced
+    pipeline would be held to."""
+    topo = _two_level(hosts=2, per_host=2)
+    assert tuning.segment_counts(16 << 20, 1 << 20) == [1, 2]
+    best = tuning.choose("allreduce", topo, 16 << 20, "auto", 1 << 20)
+    assert best.algorithm == "mdring" and best.segments == 4
 
 
 def test_small_messages_take_the_fewest_steps():
