@@ -375,10 +375,13 @@ def _join(
     options: TransportOptions,
     *,
     place: str | None,
+    cpu_share: float | None = None,
 ) -> Communicator:
     """Meet the other ranks in ``store`` (a namespace of the store ``client`` talks to) and
     build the communicator: `init`'s second half, and how `Communicator.split` makes one
-    (``place``: the world's DDL_BIND, pinning this rank to its CPUs; None for a child)."""
+    (``place``: the world's DDL_BIND, pinning this rank to its CPUs; None for a child;
+    ``cpu_share``: the world's `placement.cpu_share`, which a child's ranks share too, None
+    to read it from the records)."""
     links: Links | None = None
     host = node = None
     pinned = False
@@ -411,14 +414,16 @@ def _join(
                 f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
                 "DDL_HOST_COLLECTIVES=off turns off; unset one of them"
             )
+        if cpu_share is None:
+            cpu_share = placement.cpu_share(
+                [placement.read_record(c) for _, _, c, _ in records], [p.host_id for p in peers]
+            )
         topo = topology.build(
             [p.host_id for p in peers],
             [rack for _, rack, _, _ in records],
             level_transports(spec, peers),
             environ,
-            placement.cpu_share(
-                [placement.read_record(c) for _, _, c, _ in records], [p.host_id for p in peers]
-            ),
+            cpu_share,
         )
         links = Links(info.rank, info.size, spec, peers, store, timeout, options)
         host_ids = [p.host_id for p in peers]
@@ -442,7 +447,9 @@ def _join(
             topo,
             host,
             node,
-            joiner=_joiner(info, names, spec, host_id, store, timeout, environ, algo, options),
+            joiner=_joiner(
+                info, names, spec, host_id, store, timeout, environ, algo, options, cpu_share
+            ),
             prefixed=store,
             on_close=placement.release if pinned else None,
         )
@@ -482,6 +489,7 @@ def _joiner(
     environ: Mapping[str, str] | None,
     algo: str | None,
     options: TransportOptions,
+    cpu_share: float | None = None,
 ) -> Callable[[int, int, str], Communicator]:
     """How a communicator's ``split`` makes a child: ``join(rank, size, name)`` meets the
     child's ranks in the namespace ``name`` under this communicator's, in the same store
@@ -529,6 +537,7 @@ def _joiner(
             algo,
             options,
             place=None,
+            cpu_share=cpu_share,
         )
 
     return join

@@ -251,8 +251,9 @@ def link_defaults(
 
     TCP inside a host is the kernel copying every byte on the machine's CPUs: where ranks
     outnumber them (``cpu_share`` < 1, a CPU's share per rank), each rank's link runs at its
-    share. On the testbed (two emulated hosts on 2 vCPUs), loopback TCP moved ~2.2 GB/s for all
-    ranks together: 0.28 GB/s a rank at 4x2, against tcp's default 1.25."""
+    share, and a level across hosts stays priced below it as above (its own bytes cross the same
+    CPUs) until a probe measures it. On the testbed (two emulated hosts on 2 vCPUs), loopback TCP
+    moved ~2.2 GB/s for all ranks together: 0.28 GB/s a rank at 4x2, against tcp's default 1.25."""
 
     def of(level: str) -> tuple[float, float]:
         name = level_transport.get("host" if level == "host" else "network", "")

@@ -38,10 +38,11 @@ __all__ = [
     "BOARD_SYNC_S",
     "CHUNK_BYTES",
     "DIRECT",
-    "MAX_PERMUTED_DIMS",
     "LEAD",
+    "MAX_PERMUTED_DIMS",
     "MIN_SEGMENT_BYTES",
     "REDUCE_BW",
+    "SEGMENT_CHUNKS",
     "SEGMENT_COUNTS",
     "SELECTABLE",
     "TIE",
@@ -170,8 +171,8 @@ def best_mdring(
     """(predicted seconds, segments) of mdring in ``order``: ``segments`` if given (> 0),
     else the best count for ``chunk_bytes`` (the host-staged path's own where it runs)."""
 
-    def led(segment_bytes: float) -> float:
-        return pipeline_lead(topo, segment_bytes, order, reduce_bw, chunk_bytes or CHUNK_BYTES)
+    def led(segment_bytes: float) -> float:  # priced as `predict` below prices the counts
+        return pipeline_lead(topo, segment_bytes, order, reduce_bw)
 
     if collective != Collective.ALLREDUCE:
         counts = [1]

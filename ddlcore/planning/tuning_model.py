@@ -242,16 +242,17 @@ def pipeline_lead(
     chunk_bytes: float = CHUNK_BYTES,
 ) -> float:
     """How far the busiest link of mdring's allreduce pipeline leads the others: its pace per
-    segment of ``nbytes`` over the next busiest link's (infinite where one link carries every
-    phase). Where it leads by far, the segments queue behind that one link as `_mdring` says;
-    where two links are close, segments of different phases meet at the ports in an order the
-    formula does not price (`ddlcore.planning.tuning.segment_counts`)."""
+    segment of ``nbytes`` over the next busiest link's. Where it leads by far, the segments
+    queue behind that one link as `_mdring` says; where two links are close, segments of
+    different phases meet at the ports in an order the formula does not price
+    (`ddlcore.planning.tuning.segment_counts`), and where one link carries every phase (the
+    network dimensions of a box without a host one) they all meet at its ports: no lead, 1."""
     if len(active_dims(topo, order)) <= 1:
-        return float("inf")
+        return 1.0
     _, paces = _mdring_pass(topo, nbytes, True, True, 1.0 / reduce_bw, order, chunk_bytes, False)
     ranked = sorted(paces.values(), reverse=True)
     if len(ranked) < 2 or ranked[1] <= 0.0:
-        return float("inf")
+        return 1.0
     return ranked[0] / ranked[1]
 
 

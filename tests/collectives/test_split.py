@@ -47,6 +47,8 @@ def _split_job(rank, size):
     sub = comm.split(rank % 2, key=-rank)
     members = sorted((r for r in range(size) if r % 2 == rank % 2), reverse=True)
     assert sub.rank == members.index(rank)
+    # The child's ranks share the world's CPUs: its links are priced as the world's.
+    assert sub.size == 1 or sub.topology.bw[0] == comm.topology.bw[0]
     _check_collectives(sub, members)
     # Two splits in a row with the same colors: separate communicators, separate namespaces.
     again = comm.split(rank % 2)

@@ -281,6 +281,9 @@ def test_tcp_inside_a_host_runs_at_a_cpus_share():
     full = topology.build(hosts, [""] * 8, tcp, {})
     crowded = topology.build(hosts, [""] * 8, tcp, {}, cpu_share=0.25)
     assert crowded.bw[0] == pytest.approx(full.bw[0] / 4)
+    # Until a probe measures it, the network stays priced below the host (its bytes cross the
+    # same CPUs).
+    assert crowded.bw[1] == pytest.approx(crowded.bw[0] / topology.NETWORK_SLOWER)
     assert full.bw[0] == topology.LINK_DEFAULTS["tcp"][0]
     assert topology.build(hosts, [""] * 8, tcp, {}, cpu_share=3.0).bw == full.bw
     shm = topology.build(hosts, [""] * 8, {"host": "shm", "network": "tcp"}, {}, cpu_share=0.25)
