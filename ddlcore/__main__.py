@@ -260,8 +260,8 @@ def info(argv: list[str]) -> int:
         hosts = max(1, min(args.hosts, size))
         host_ids = [f"host{r * hosts // size}" for r in range(size)]
         # Each host as this machine: its CPUs shared by the host's ranks.
-        cpus = len(placement.launcher_cpus())
-        share = cpus / max(host_ids.count(h) for h in host_ids)
+        mine = ("", "", placement.launcher_cpus())
+        share = placement.cpu_share([mine] * size, host_ids)
         topo = topology.build(host_ids, [""] * size, level_transports, cpu_share=share)
     algo = config.get("DDL_ALGO")
     chunk = config.get("DDL_CHUNK_BYTES")

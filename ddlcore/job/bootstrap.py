@@ -414,19 +414,19 @@ def _join(
                 f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
                 "DDL_HOST_COLLECTIVES=off turns off; unset one of them"
             )
+        host_ids = [p.host_id for p in peers]
         if cpu_share is None:
             cpu_share = placement.cpu_share(
-                [placement.read_record(c) for _, _, c, _ in records], [p.host_id for p in peers]
+                [placement.read_record(c) for _, _, c, _ in records], host_ids
             )
         topo = topology.build(
-            [p.host_id for p in peers],
+            host_ids,
             [rack for _, rack, _, _ in records],
             level_transports(spec, peers),
             environ,
             cpu_share,
         )
         links = Links(info.rank, info.size, spec, peers, store, timeout, options)
-        host_ids = [p.host_id for p in peers]
         probing = config.get("DDL_LINK_PROBE", environ)
         if probe.wanted(probing, len(set(host_ids)), environ):
             topo = probe.measure(

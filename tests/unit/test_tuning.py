@@ -47,6 +47,7 @@ def test_pipelined_segments_hold_several_chunks(chunk_bytes, topo, led):
         )
         assert counts == [s for s in tuning.SEGMENT_COUNTS if s == 1 or nbytes / s >= smallest]
         best = tuning.choose("allreduce", topo, nbytes, "auto", chunk_bytes)
+        assert best.segments in counts
         assert best.segments == 1 or nbytes / best.segments >= smallest
 
 
