@@ -15,19 +15,33 @@ binds only where the launcher did not (every local rank reports the same CPUs), 
 more local ranks than CPUs, and the host has no NVIDIA GPU (a GPU rank belongs near its GPU's
 NUMA node, which init does not know); ``block`` binds on GPU hosts too; ``none`` never binds.
 Either way a rank is not pinned to CPUs where ranks of another job of the same user are pinned
-(the claims file, `claims_path`; a claim lasts until its communicator closes or its process
-exits): a second job on the host is left to the kernel, which places it around the first,
-rather than pinned on top of it as two Open MPI jobs are. Closing the communicator unpins.
+(the claims file; a claim lasts until its communicator closes or its process exits): a second
+job on the host is left to the kernel, which places it around the first, rather than pinned on
+top of it as two Open MPI jobs are. Closing the communicator unpins.
+
+The claims live where only the user can have put them: every job must find them at a fixed
+name, and a fixed name in a folder anyone can write, another user can take first (and then read,
+bend or block the claims; a sticky /dev/shm keeps the name's owner from removing it). So the file
+``cpus`` is kept in a directory checked at each use (a real one, ours, writable by nobody else),
+the first of `claims_dirs` that will do: ``/dev/shm/ddlcore-<uid>.d``, made 0700; where another
+user took that name, ``~/.cache/ddlcore/cpus-<machine>`` (nobody else can make a name there,
+while any suffix in /dev/shm another user could work out, and take too). One already there is
+preferred to one made afresh, so a job finds the claims of one that started while the first
+place was taken. The last release (no live claim left) removes the file and its directory.
+Where no place will do, ``auto`` pins nothing, and the DDL_DEBUG log says why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import itertools
 import logging
 import os
+import pwd
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -37,6 +51,9 @@ _SYS_CPU = "/sys/devices/system/cpu"
 # A peer's CPU list is text from the wire: cap what is parsed (CPU numbers, ranges).
 _MAX_CPU = 1 << 16
 _MAX_RANGES = 1024
+
+# The claims file, in the directory `claims_dirs` finds.
+CLAIMS_FILE = "cpus"
 
 # The claims file is read up to this many bytes (one line per pinned rank: pid, start, job, cpus).
 _MAX_CLAIMS_BYTES = 1 << 16
@@ -259,11 +276,80 @@ def cpu_share(
     )
 
 
-def claims_path() -> str:
-    """This user's claims file: the CPUs each pinned rank on the host holds, by job. A fixed
-    place, never a per-job TMPDIR, so that every job of the user finds it."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return os.path.join(folder, f"ddlcore-cpus-{os.getuid()}")
+def claims_dirs(shared: str | None = None, home: str | None = None) -> list[str]:
+    """Where this user's claims file may be, in the order every job of the user tries them:
+    ``<shared>/ddlcore-<uid>.d``, then ``<home>/.cache/ddlcore/cpus-<machine>`` (a home may be
+    shared between hosts; the claims are one machine's).
+
+    Parameters
+    ----------
+    shared
+        The host's shared scratch folder; /dev/shm, or /tmp where there is none.
+    home
+        The user's home (from the password database, not HOME: every job must agree).
+    """
+    uid = os.geteuid()
+    if shared is None:
+        shared = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    dirs = [os.path.join(shared, f"ddlcore-{uid}.d")]
+    if home is None:
+        try:
+            home = pwd.getpwuid(uid).pw_dir
+        except KeyError:
+            home = ""
+    if home and home != "/":
+        machine = machine_id() or socket.gethostname()
+        dirs.append(os.path.join(home, ".cache", "ddlcore", f"cpus-{machine}"))
+    return dirs
+
+
+def _open_dir(path: str, create: bool) -> int:
+    """A descriptor of the directory ``path`` (made 0700 where missing and ``create``), where it
+    is a real directory, ours and writable by nobody else; OSError otherwise."""
+    if create:
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise PermissionError(
+                f"{path} is not a directory (something else has its name)"
+            ) from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+        return fd
+    os.close(fd)
+    whose = f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else "is open to others"
+    raise PermissionError(f"{path} {whose}")
+
+
+def _claims_dir() -> tuple[int, str]:
+    """The claims directory, open: the first of `claims_dirs` that exists and will do, else
+    the first that can be made. PermissionError (each place and why) where none will do."""
+    dirs = claims_dirs()
+    refused: dict[str, str] = {}
+    for create in (False, True):
+        for path in dirs:
+            if path in refused:
+                continue
+            try:
+                fd = _open_dir(path, create)
+            except FileNotFoundError:
+                if create:
+                    refused[path] = "cannot be made"
+                continue
+            except OSError as exc:
+                refused[path] = str(exc)
+                continue
+            for other, why in refused.items():
+                log.debug("CPU claims: not in %s (%s); in %s", other, why, path)
+            return fd, path
+    raise PermissionError("no place for the CPU claims: " + "; ".join(refused.values()))
 
 
 def _start_time(pid: int) -> str | None:
@@ -277,25 +363,72 @@ def _start_time(pid: int) -> str | None:
 
 @contextlib.contextmanager
 def _locked_claims() -> Iterator[int]:
-    """The claims file, open and locked (one rank on the host reads and writes it at a time).
-    OSError where it cannot be, TimeoutError where the lock stays taken past
-    `_LOCK_WAIT_S` (a holder stopped mid-update must not stop init)."""
-    fd = os.open(claims_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """The claims file, open and locked (one rank on the host reads and writes it at a time);
+    left empty, it is removed, and its directory with it. OSError where it cannot be,
+    TimeoutError where the lock stays taken past `_LOCK_WAIT_S` (a holder stopped mid-update
+    must not stop init)."""
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    dir_fd, folder, fd = _lock_claims(deadline)
     try:
-        if os.fstat(fd).st_uid != os.getuid():
-            raise PermissionError(f"{claims_path()} belongs to another user")
-        deadline = time.monotonic() + _LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{claims_path()} stayed locked {_LOCK_WAIT_S} s") from None
-                time.sleep(0.001)
         yield fd
     finally:
+        try:
+            if os.fstat(fd).st_size == 0:  # nobody's claim: tidy up, still under the lock
+                os.unlink(CLAIMS_FILE, dir_fd=dir_fd)
+                with contextlib.suppress(OSError):  # another job's rank made a claim since
+                    os.rmdir(folder)
+        except OSError as exc:
+            log.debug("removing the CPU claims file in %s: %s", folder, exc)
+        finally:
+            os.close(fd)
+            os.close(dir_fd)
+
+
+def _lock_claims(deadline: float) -> tuple[int, str, int]:
+    """(the claims directory, its path, the claims file), the file locked. A file the last
+    rank of the user removed while this one waited for its lock is left for the one at its
+    name (a claim written there would be seen by nobody)."""
+    while True:
+        dir_fd, folder = _claims_dir()
+        try:
+            fd = os.open(
+                CLAIMS_FILE,
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=dir_fd,
+            )
+        except FileNotFoundError:  # the directory was removed since it was opened: again
+            os.close(dir_fd)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{folder} kept being removed") from None
+            continue
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise PermissionError(f"{folder}/{CLAIMS_FILE} belongs to another user")
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{folder}/{CLAIMS_FILE} stayed locked {_LOCK_WAIT_S} s"
+                        ) from None
+                    time.sleep(0.001)
+            locked = os.fstat(fd)
+            with contextlib.suppress(FileNotFoundError):  # else: removed while this one waited
+                at = os.stat(CLAIMS_FILE, dir_fd=dir_fd, follow_symlinks=False)
+                if (at.st_dev, at.st_ino) == (locked.st_dev, locked.st_ino):
+                    return dir_fd, folder, fd
+        except BaseException:
+            os.close(fd)
+            os.close(dir_fd)
+            raise
         os.close(fd)
+        os.close(dir_fd)
 
 
 def _live_claims(fd: int) -> list[tuple[int, str, str, frozenset[int]]]:
@@ -344,7 +477,7 @@ def pin_local_rank(
             try:
                 _write_claims(fd, [*claims, mine])
             except OSError as exc:  # pinned all the same; only other jobs will not know
-                log.debug("the CPU claims file %s: %s", claims_path(), exc)
+                log.debug("writing the CPU claims: %s", exc)
             return cpus, why
     except (OSError, TimeoutError) as exc:
         if mode == "auto":

@@ -8,13 +8,19 @@ ranks that never started the collective the others were in (rank 2 never started
 that ranks 0, 1, 3 started), the ranks that started it only after another rank had already
 failed in it (rank 2 was late), and the ranks that left no record. ``--table`` adds each rank's
 last collectives as a table. Files are JSON; nothing is unpickled.
+
+Only records the invoking user or the directory's owner wrote are read, and symlinks are not
+followed: in a directory others can write, anyone could put a record of their making in a rank's
+place. What is skipped is listed, with the reason, on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
+import stat
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -59,9 +65,9 @@ def load(paths: Iterable[str]) -> tuple[list[Group], list[str]]:
     communicator, newest first; also the problems met (files that are not records)."""
     groups: dict[tuple[str, int], Group] = {}
     problems: list[str] = []
-    for path in _files(paths, problems):
+    for path, owners in _files(paths, problems):
         try:
-            doc = flight.load(path)
+            doc = flight.load(path, owners)
         except (OSError, ValueError) as exc:
             problems.append(str(exc))
             continue
@@ -75,16 +81,27 @@ def load(paths: Iterable[str]) -> tuple[list[Group], list[str]]:
     return sorted(groups.values(), key=lambda g: g.written, reverse=True), problems
 
 
-def _files(paths: Iterable[str], problems: list[str]) -> list[str]:
+def _files(paths: Iterable[str], problems: list[str]) -> list[tuple[str, frozenset[int]]]:
+    """The record files in ``paths``, each with the users whose files are read there: the
+    invoking user and the owner of the directory it lies in."""
     out = []
     for path in paths:
-        if os.path.isdir(path):
-            out += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".json"))
-        elif os.path.exists(path):
-            out.append(path)
-        else:
-            problems.append(f"{path}: no such file or directory")
+        try:
+            owners = frozenset({os.geteuid(), _owner(path)})
+            if os.path.isdir(path):
+                names = sorted(n for n in os.listdir(path) if n.endswith(".json"))
+                out += [(os.path.join(path, n), owners) for n in names]
+            else:
+                out.append((path, owners))
+        except OSError as exc:
+            problems.append(f"{path}: {exc.strerror or exc}")
     return out
+
+
+def _owner(path: str) -> int:
+    """Who owns the directory ``path``, or the one the file ``path`` lies in."""
+    st = os.stat(path)
+    return st.st_uid if stat.S_ISDIR(st.st_mode) else os.stat(os.path.dirname(path) or ".").st_uid
 
 
 # --- describing ------------------------------------------------------------------------------
@@ -483,6 +500,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups, problems = load(args.paths)
     for problem in problems:
         print(f"skipped {problem}", file=sys.stderr)
+    for path in args.paths:
+        with contextlib.suppress(OSError):
+            if _owner(path) != os.geteuid():
+                print(
+                    f"note: {path} is uid {_owner(path)}'s: its records are their word",
+                    file=sys.stderr,
+                )
     if not groups:
         print(f"no ddlcore flight records in {', '.join(args.paths)}", file=sys.stderr)
         return 1

@@ -14,19 +14,30 @@ was behind is often the one busy elsewhere, not in a collective, and would other
 nothing. ``python -m
 ddlcore.trace DIR`` merges the ranks' files and says which rank was behind, in which collective.
 The files hold plain JSON only; nothing is pickled.
+
+A record is evidence, so nobody else may write where it goes: the directory is made 0700 where
+it is missing, and one that belongs to another user, is writable by others, or is a symlink is
+refused when the recorder is made (a warning; the record stays in memory, and the job's
+collectives run as ever: diagnostics never break them). Each record is written 0600 (host names,
+pids and error text are nobody else's business) to a random temporary name, opened with
+O_EXCL|O_NOFOLLOW relative to the checked directory, then renamed into place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ddlcore import config
@@ -87,6 +98,50 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
+class UnsafeDirectoryError(DDLError):
+    """The flight recorder's directory is not this user's alone (another user's, writable by
+    others, or not a directory): whoever else can write there could forge a rank's record, block
+    it, or have the write land in a file of theirs choosing."""
+
+
+def open_directory(path: str, create: bool = True) -> int:
+    """A descriptor of the directory ``path``, checked: a real directory (a symlink in its place
+    is not followed), owned by this user and writable by nobody else. ``create``: made 0700
+    (its missing parents as ``mkdir -p`` would) where it does not exist.
+
+    Raises
+    ------
+    UnsafeDirectoryError
+        ``path`` is not such a directory, with the reason.
+    OSError
+        It cannot be made or opened.
+    """
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(path, mode=0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeDirectoryError(
+                f"{path} is not a directory (a symlink or a file is in its place)"
+            ) from None
+        raise
+    st = os.fstat(fd)
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        why = f"belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    else:
+        return fd
+    os.close(fd)
+    raise UnsafeDirectoryError(
+        f"{path} {why}: another user could forge or block the records there; "
+        "give DDL_FLIGHT_RECORDER a directory only you can write (or one that does not exist yet)"
+    )
+
+
 def file_name(rank: int, comm_index: int) -> str:
     """The file of ``rank``'s record of the ``comm_index``-th communicator of its process."""
     return f"rank{rank}.json" if comm_index == 0 else f"rank{rank}.comm{comm_index}.json"
@@ -126,6 +181,8 @@ class FlightRecorder:
         self.rank, self.size, self.job = rank, size, job
         self.capacity = entries
         self.directory = directory
+        if directory and entries > 0:
+            self.directory = _checked(rank, directory)
         self._describe = describe
         self._context = dict(context or {})
         self._calls: list[tuple[Any, ...] | None] = [None] * entries
@@ -317,13 +374,35 @@ class FlightRecorder:
 
     # --- writing ----------------------------------------------------------------------------------
     def write(self, doc: dict[str, Any], path: str | None = None) -> str:
-        """Write ``doc`` as JSON (atomically: a reader never sees half a file); returns the path."""
+        """Write ``doc`` as JSON, 0600 (atomically: a reader never sees half a file); returns the
+        path. The directory is checked again (`open_directory`): it may have been replaced since
+        the recorder was made.
+
+        Raises
+        ------
+        UnsafeDirectoryError, OSError
+            The directory is not this user's alone, or the file cannot be written.
+        """
+        if path is None and not self.directory:
+            raise ValueError("path: this recorder has no directory to write to")
         path = path or self.path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(dumps(doc))
-        os.replace(tmp, path)
+        folder, name = os.path.split(path)
+        dir_fd = open_directory(folder or ".")
+        try:
+            # A name nobody can guess, made by this open only: nothing planted there is followed.
+            tmp = f"{name}.{secrets.token_hex(8)}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(dumps(doc))
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+        finally:
+            os.close(dir_fd)
         return path
 
     def failed(self, exc: BaseException, slot: int) -> None:
@@ -398,6 +477,23 @@ class FlightRecorder:
             return None
 
 
+def _checked(rank: int, directory: str) -> str:
+    """``directory`` where it is fit for records (made 0700 where missing), else "" with a
+    warning: recording goes on in memory, and nothing a collective does depends on it."""
+    try:
+        os.close(open_directory(directory))
+    except (OSError, UnsafeDirectoryError) as exc:
+        log.warning(
+            "rank %d: flight records will not be written to %s: %s "
+            "(the record is kept in memory: Communicator.flight_record())",
+            rank,
+            directory,
+            exc,
+        )
+        return ""
+    return directory
+
+
 def _summary(exc: BaseException) -> dict[str, Any]:
     return {
         "type": type(exc).__name__,
@@ -414,15 +510,40 @@ def dumps(doc: dict[str, Any]) -> str:
     return text[:-2] + ',\n "entries": [\n' + entries + ("\n" if entries else "") + " ]\n}\n"
 
 
-def load(path: str) -> dict[str, Any]:
-    """Read one rank's record, checking it is one (JSON only; nothing is unpickled).
+def load(path: str, owners: Collection[int] | None = None) -> dict[str, Any]:
+    """Read one rank's record, checking it is one (JSON only; nothing is unpickled). A symlink
+    is not followed, and only a regular file is read (a FIFO would block the reader).
+
+    Parameters
+    ----------
+    path : str
+        The record's file.
+    owners : collection of int, optional
+        The users whose files are read (None: anyone's); another's file could say anything.
 
     Raises
     ------
     ValueError
-        The file is not a ddlcore flight record (or of a newer version), with the reason.
+        The file is not a ddlcore flight record (or of a newer version), or is not one of
+        ``owners``' regular files, with the reason.
+    OSError
+        It cannot be read.
     """
-    with open(path, encoding="utf-8") as f:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path}: a symbolic link (not followed)") from None
+        raise
+    with os.fdopen(fd, encoding="utf-8") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if owners is not None and st.st_uid not in owners:
+            raise ValueError(
+                f"{path}: written by uid {st.st_uid}, neither you nor the directory's owner "
+                "(another user's file could say anything)"
+            )
         try:
             doc = json.load(f)
         except json.JSONDecodeError as exc:

@@ -1,8 +1,8 @@
 """Where init pins the ranks that share a host (DDL_BIND): each on its block of the CPUs the
 launcher gave them all, nowhere the launcher placed them itself or another job pinned its ranks,
 never with DDL_BIND=none; a second init finds the same block and a split leaves it alone. Each
-test's ranks keep their claims in a file of the test's own (the host's is shared with whatever
-else the suite runs at the time)."""
+test's ranks keep their claims in a directory of the test's own (the host's is shared with
+whatever else the suite runs at the time), gone once the last of them has closed."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def _cpus():
     return sorted(os.sched_getaffinity(0))
 
 
-def _claims_in(path):
-    placement.claims_path = lambda: path
+def _claims_in(folder):
+    placement.claims_dirs = lambda: [folder]
 
 
 def _init_and_report(rank, size, claims, own=None):
@@ -54,11 +54,13 @@ def _expected(size):
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_each_local_rank_gets_a_block_of_its_own(size, tmp_path):
-    res = run_ranks(_init_and_report, size, str(tmp_path / "claims"))
+    claims = tmp_path / "claims"
+    res = run_ranks(_init_and_report, size, str(claims))
     want = _expected(size)
     for rank, (before, first, after_split, again) in enumerate(res):
         assert before == _cpus()
         assert first == after_split == again == want[rank], (rank, res)
+    assert not claims.exists()  # the last rank to release took the claims away
 
 
 def test_bind_none_leaves_placement_to_the_kernel(tmp_path):
@@ -118,3 +120,4 @@ def test_a_second_job_is_left_to_the_kernel_beside_a_pinned_one(tmp_path):
     # Once the first job is gone, its claims go with it.
     again = run_ranks(_init_and_report, 2, claims)
     assert [r[1] for r in again] == _expected(2), again
+    assert not os.path.exists(claims)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from unittest.mock import patch
 
 import numpy as np
@@ -416,3 +418,74 @@ def test_sigterm_handler_leaves_the_end_to_a_handler_that_chains_it(tmp_path):
         signal.signal(signal.SIGTERM, previous)
         flight._live.discard(rec)
     assert list(tmp_path.glob("rank0*.json")) and not called
+
+
+# --- where records go: only this user may write there -----------------------------------------
+def test_a_missing_directory_is_made_for_this_user_only(tmp_path):
+    folder = tmp_path / "made" / "fr"
+    rec = flight.FlightRecorder(0, 2, "private:1", entries=4, directory=str(folder))
+    rec.closed()
+    path = folder / "rank0.json"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.listdir(folder) == ["rank0.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("kind", ["group-writable", "symlink", "file"])
+def test_a_directory_others_could_write_turns_writing_off(tmp_path, caplog, kind):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    folder = tmp_path / "fr"
+    if kind == "group-writable":
+        folder.mkdir()
+        folder.chmod(0o770)
+    elif kind == "symlink":
+        folder.symlink_to(real)
+    else:
+        folder.write_text("")
+    with caplog.at_level("WARNING", logger="ddlcore"):
+        rec = flight.FlightRecorder(0, 2, "unsafe:1", entries=4, directory=str(folder))
+    assert rec.directory == "" and "will not be written" in caplog.text
+    with pytest.raises(flight.UnsafeDirectoryError):
+        flight.open_directory(str(folder))
+    rec.closed()  # nothing to write to: not an error
+    assert os.listdir(real) == []
+
+
+def test_a_directory_replaced_after_the_check_is_checked_again(tmp_path, caplog):
+    folder = tmp_path / "fr"
+    rec = flight.FlightRecorder(0, 2, "swapped:1", entries=4, directory=str(folder))
+    folder.rmdir()
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    folder.symlink_to(real)
+    with caplog.at_level("WARNING", logger="ddlcore"):
+        rec.closed()
+    assert "could not write the flight record" in caplog.text
+    assert os.listdir(real) == []
+
+
+def test_a_link_at_a_temporary_name_is_never_followed(tmp_path, monkeypatch):
+    folder = tmp_path / "fr"
+    rec = flight.FlightRecorder(0, 2, "link:1", entries=4, directory=str(folder))
+    target = tmp_path / "target"
+    target.write_text("mine\n")
+    monkeypatch.setattr(flight.secrets, "token_hex", lambda n: "0" * 2 * n)
+    (folder / f"rank0.json.{'0' * 16}.tmp").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        rec.write(rec.document("request"))
+    assert target.read_text() == "mine\n" and not (folder / "rank0.json").exists()
+
+
+def test_trace_reads_no_symlink_and_no_fifo(tmp_path, capsys):
+    rec = flight.FlightRecorder(0, 2, "links:1", entries=4, directory=str(tmp_path / "fr"))
+    rec.closed()
+    elsewhere = tmp_path / "elsewhere.json"
+    other = flight.FlightRecorder(1, 2, "links:1", entries=4)
+    elsewhere.write_text(flight.dumps(other.document("close")))
+    (tmp_path / "fr" / "rank1.json").symlink_to(elsewhere)
+    os.mkfifo(tmp_path / "fr" / "rank2.json")  # read, it would block trace for good
+    assert trace.main([str(tmp_path / "fr")]) == 0
+    out, err = capsys.readouterr()
+    assert "records from rank 0\n" in out, out
+    assert "rank1.json: a symbolic link" in err and "rank2.json: not a regular file" in err, err

@@ -3,6 +3,7 @@ blocks are cut in, and when a rank is pinned at all."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -136,9 +137,16 @@ def test_a_cpu_the_kernel_refuses_leaves_the_thread_as_it_was():
     assert placement._pinned is None
 
 
+def _claims_in(monkeypatch, folder):
+    """Keep the claims in ``folder`` (the host's are shared with whatever else runs); returns
+    the claims file's path."""
+    monkeypatch.setattr(placement, "claims_dirs", lambda: [str(folder)])
+    return folder / placement.CLAIMS_FILE
+
+
 def test_claims_of_other_live_jobs_keep_a_rank_unpinned(monkeypatch, tmp_path):
-    path = tmp_path / "claims"
-    monkeypatch.setattr(placement, "claims_path", lambda: str(path))
+    path = _claims_in(monkeypatch, tmp_path / "claims")
+    path.parent.mkdir(mode=0o700)
     monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
     mine = frozenset(os.sched_getaffinity(0))
     if len(mine) < 2:
@@ -175,7 +183,8 @@ def test_claims_of_other_live_jobs_keep_a_rank_unpinned(monkeypatch, tmp_path):
 
 
 def test_auto_pins_nothing_where_the_claims_cannot_be_read(monkeypatch, tmp_path):
-    monkeypatch.setattr(placement, "claims_path", lambda: str(tmp_path / "no" / "such"))
+    (tmp_path / "file").write_text("")
+    _claims_in(monkeypatch, tmp_path / "file" / "claims")  # a file where a folder must be
     monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
     mine = frozenset(os.sched_getaffinity(0))
     if len(mine) < 2:
@@ -189,8 +198,8 @@ def test_auto_pins_nothing_where_the_claims_cannot_be_read(monkeypatch, tmp_path
 def test_a_claims_lock_held_elsewhere_delays_init_only_briefly(monkeypatch, tmp_path):
     import fcntl
 
-    path = tmp_path / "claims"
-    monkeypatch.setattr(placement, "claims_path", lambda: str(path))
+    path = _claims_in(monkeypatch, tmp_path / "claims")
+    path.parent.mkdir(mode=0o700)
     monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
     monkeypatch.setattr(placement, "_LOCK_WAIT_S", 0.05)
     mine = frozenset(os.sched_getaffinity(0))
@@ -200,6 +209,122 @@ def test_a_claims_lock_held_elsewhere_delays_init_only_briefly(monkeypatch, tmp_
         fcntl.flock(held, fcntl.LOCK_EX)  # another open file: flock locks are per open file
         cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "j", 0, [mine, mine]))
     assert cpus is None and "stayed locked" in why, why
+
+
+def _two_cpus():
+    mine = frozenset(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two CPUs")
+    return mine
+
+
+def _pin_and_release(mine):
+    def run():
+        got = placement.pin_local_rank("auto", "j:1", 0, [mine, mine])
+        placement.release()
+        return got
+
+    return _in_a_thread(run)
+
+
+def test_the_claims_go_with_the_last_release(monkeypatch, tmp_path):
+    folder = tmp_path / "claims"
+    _claims_in(monkeypatch, folder)
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    mine = _two_cpus()
+    cpus, why = _pin_and_release(mine)
+    assert cpus == placement.cpu_shares(2, mine)[0], why
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("kind", ["open to others", "symlink", "file"])
+def test_a_claims_place_that_will_not_do_is_passed_over(monkeypatch, tmp_path, kind):
+    first, second = tmp_path / "first", tmp_path / "home" / "second"
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    if kind == "open to others":
+        first.mkdir()
+        first.chmod(0o777)
+    elif kind == "symlink":
+        first.symlink_to(ours)
+    else:
+        first.write_text("")
+    monkeypatch.setattr(placement, "claims_dirs", lambda: [str(first), str(second)])
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    mine = _two_cpus()
+
+    def pin_and_look():
+        got = placement.pin_local_rank("auto", "j:1", 0, [mine, mine])
+        claims = (second / placement.CLAIMS_FILE).read_text()
+        placement.release()
+        return got, claims
+
+    (cpus, why), claims = _in_a_thread(pin_and_look)
+    assert cpus == placement.cpu_shares(2, mine)[0], why
+    assert claims.split(" ")[0] == str(os.getpid())
+    assert not second.exists() and os.listdir(ours) == []
+    assert first.is_symlink() or first.exists()  # left as it was
+
+
+def test_the_second_place_in_use_is_kept_while_the_first_is_free(monkeypatch, tmp_path):
+    """A job that started while the first place was taken keeps its claims in the second; a
+    later job must see them there, even once the first is free again."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    second.mkdir(mode=0o700)
+    monkeypatch.setattr(placement, "claims_dirs", lambda: [str(first), str(second)])
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    mine = _two_cpus()
+    parent = os.getppid()
+    live = f"{parent} {placement._start_time(parent)} other:1 {placement.encode(mine)}\n"
+    (second / placement.CLAIMS_FILE).write_text(live)
+    cpus, why = _in_a_thread(lambda: placement.pin_local_rank("auto", "j:1", 0, [mine, mine]))
+    assert cpus is None and why.startswith("another job pinned ranks"), why
+    assert not first.exists()
+
+
+def test_a_claims_file_removed_while_its_lock_was_awaited_is_left(monkeypatch, tmp_path):
+    """The last rank of another job removes the claims file while this one waits for its lock:
+    this one then makes its claim in the file at the name, not in the removed one."""
+    import fcntl
+    import time
+
+    folder = tmp_path / "claims"
+    path = _claims_in(monkeypatch, folder)
+    folder.mkdir(mode=0o700)
+    monkeypatch.setattr(placement, "host_has_gpu", lambda: False)
+    monkeypatch.setattr(placement, "_LOCK_WAIT_S", 60.0)
+    mine = _two_cpus()
+    held = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    out = []
+
+    def pin():
+        out.append(placement.pin_local_rank("auto", "j:1", 0, [mine, mine]))
+
+    waiter = threading.Thread(target=pin)
+    waiter.start()
+    try:
+
+        def opened_by_both():
+            links = []
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            return links.count(str(path)) >= 2
+
+        deadline = time.monotonic() + 60
+        while not opened_by_both() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert opened_by_both(), "the pinning thread never opened the claims file"
+        path.unlink()  # as the last rank of the other job does, holding the lock
+    finally:
+        os.close(held)
+        waiter.join(60)
+    cpus, why = out[0]
+    assert cpus == placement.cpu_shares(2, mine)[0], why
+    assert path.read_text().split(" ")[0] == str(os.getpid())
+    placement.release()
+    assert not folder.exists()
 
 
 def test_cpu_share_is_the_most_crowded_machines():
