@@ -7,12 +7,19 @@ their defaults under ``auto``: those are what the cost model's board constants
 (``tuning.BOARD_BW``) were measured against, and one pair alone reads this VM's shm faster
 (5-11 GB/s) than a host's ranks see it together. For each dimension it measures, two ranks one
 link apart (on two hosts where it crosses the network) play ping-pong over the transport that
-carries them: 8-byte round trips for latency (the median half round trip), then one-way
-messages each answered by 8 bytes for bandwidth: the message doubles from 256 KiB until a round
-takes 2 ms (at least two sizes) or the message reaches 16 MiB, and the bandwidth is the slope
-between the last two sizes (their fastest rounds but the first), or the last size's rate where
-that is lower. Tens of ms per dimension on this project's loaded 2-core VM, connecting the pair
-included. The leader publishes the numbers in the rendezvous store and every rank reads them,
+carries them: 8-byte round trips for latency (the median half round trip), then, for
+bandwidth, one-way messages each answered by 8 bytes once its last byte has arrived, so a round
+times what crossed the link, not what a socket buffer or a queue took in. The message grows
+from 256 KiB (one round a size, jumps of up to 16x) until a round takes 25 ms at 2 MiB or more
+(or 0.25 s, or the message reaches 64 MiB); that size runs three rounds, and the bandwidth is
+the message over the median round, latency included. Load and latency read a link low, never
+high; only a shaper's burst (tbf passes max(128 KiB, rate/1000) at once) reads it high, by at
+most burst/message (3% at 1 Gbit/s, where TCP's headers, which the shaper counts, take 4.4%).
+Its cost is about four rounds of 25 ms or more: ~0.15 s (a 256 KiB round, three of 4 MiB) on
+a 1 Gbit/s link, 20-60 ms on fast links (64 MiB rounds), ~0.5 s at 100 Mbit/s; past 0.25 s a
+round only where 256 KiB takes that long.
+
+The leader publishes the numbers in the rendezvous store and every rank reads them,
 so all ranks feed the same links to the cost model and choose alike; a failure is published
 too, so every rank raises instead of waiting.
 """
@@ -36,15 +43,20 @@ log = logging.getLogger("ddlcore")
 _SEQ = 0xC0000000  # tag space apart from collectives (< 2^31) and DDL_DEBUG's checks
 _CHECK = 0x50524F43  # "PROC": every probe message carries it
 _LAT_ROUNDS = 5
-# The first round of a size may ride a traffic shaper's burst (tbf lets max(128 KiB, rate/1000)
-# pass at once) or TCP's slow start, and be too fast: it is dropped, and the first size is twice
-# tbf's smallest burst. The sizes double until a round takes _BW_TARGET_S, or _BW_ENOUGH_S at the
-# first size (a slow link: latency is lost in it). Shorter rounds read shm in cache here.
+# A reading is the message over a whole round, so a round only looks fast where a shaper's
+# burst passes at once (tbf's is max(128 KiB, rate/1000)): a round of at least _BW_TARGET_S and
+# _BW_MIN_BYTES keeps that burst within 1/16 of it (1/25 at 1 Gbit/s and above); rounds of a
+# few ms read a shaped link fast. A round of _BW_LONG_S ends the growth whatever its size, so a
+# slow link stays cheap; _BW_GROWTH caps a jump, which a burst-fast small round would make too
+# long.
 _BW_ROUNDS = 3
 _BW_FIRST = 256 << 10
-_BW_MAX = 16 << 20
-_BW_TARGET_S = 2e-3
-_BW_ENOUGH_S = 20e-3
+_BW_MIN_BYTES = 2 << 20
+_BW_MAX = 64 << 20
+_BW_TARGET_S = 25e-3
+_BW_LONG_S = 0.25
+_BW_GROWTH = 16
+_STEP = struct.Struct("<qq")  # the leader's word before each step: (bytes, rounds)
 _OK, _FAILED = b"K", b"E"
 
 
@@ -98,43 +110,61 @@ def _ping_pong(pair: Any, dim: int, leader: bool, timeout: float) -> tuple[float
         dim,
         ", ".join(f"{x * 1e3:.2f}" for x in rtts),
     )
-    big = memoryview(bytearray(_BW_MAX))
-    nbytes, control = _BW_FIRST, memoryview(bytearray(8))
-    before: tuple[int, float] | None = None  # (bytes, seconds) of the size before
+    big = bytearray()  # grown with the message; the pages a size never uses stay untouched
+    step = memoryview(bytearray(_STEP.size))
+    nbytes, rounds, trips = _BW_FIRST, 1, []
     while True:
-        trips = _round_trips(pair, big[:nbytes], small, tags, _BW_ROUNDS, leader, timeout)
-        t = min(trips[1:])  # the first may ride a shaper's burst; the others: the least disturbed
-        # The leader decides the next size (0: done) and tells the follower.
+        # The leader decides each step and tells the follower: (bytes, rounds); no rounds: done.
         if leader:
-            done = (
-                nbytes >= _BW_MAX or t >= _BW_ENOUGH_S or (t >= _BW_TARGET_S and before is not None)
-            )
-            struct.pack_into("<q", control, 0, 0 if done else 2 * nbytes)
-            pair.isend(control, next(tags), _CHECK).wait(timeout)
+            _STEP.pack_into(step, 0, nbytes, rounds)
+            pair.isend(step, next(tags), _CHECK).wait(timeout)
         else:
-            pair.irecv(control, next(tags), _CHECK).wait(timeout)
-        following = struct.unpack_from("<q", control)[0]
+            pair.irecv(step, next(tags), _CHECK).wait(timeout)
+            nbytes, rounds = _STEP.unpack_from(step)
+        if not rounds:
+            break
+        if len(big) < nbytes:
+            big = bytearray(nbytes)
+        got = _round_trips(pair, memoryview(big)[:nbytes], small, tags, rounds, leader, timeout)
         log.debug(
             "link probe, dimension %d: %d B in %s ms",
             dim,
             nbytes,
-            ", ".join(f"{x * 1e3:.2f}" for x in trips),
+            ", ".join(f"{x * 1e3:.2f}" for x in got),
         )
-        if not following:
-            break
-        before, nbytes = (nbytes, t), following
-    return rate(before, nbytes, t, lat), lat
+        if leader:
+            trips += got
+            nbytes, rounds, trips = next_step(nbytes, trips)
+    return (rate(nbytes, trips) if leader else 0.0), lat
 
 
-def rate(before: tuple[int, float] | None, nbytes: int, t: float, lat: float) -> float:
-    """Bytes/s from the last size's round (``nbytes`` in ``t`` s), the size before's (or None)
-    and the latency: the slope between the two sizes is what a byte more costs, free of latency
-    and of a burst; the last size alone bounds it where a disturbed smaller size made the slope
-    steep (less the latency, but never more than half its round: a disturbed latency round)."""
-    whole = nbytes / max(t - 2 * lat, t / 2)
-    if before is not None and t > before[1]:
-        return min((nbytes - before[0]) / (t - before[1]), whole)
-    return whole
+def next_step(nbytes: int, trips: list[float]) -> tuple[int, int, list[float]]:
+    """The leader's next step after ``trips`` (seconds) of ``nbytes``-byte rounds: (bytes,
+    rounds to run, the rounds of that size so far); (the same bytes, 0, trips) when done.
+
+    A size whose median round reaches the target (_BW_TARGET_S and _BW_MIN_BYTES, or
+    _BW_LONG_S, or the largest size) runs _BW_ROUNDS rounds; a shorter one gives way to the
+    power-of-two multiple (2x to _BW_GROWTH, short of _BW_LONG_S) that should reach it. A
+    first round that reached the target only by load is outvoted by the next two, and the
+    message grows again."""
+    t = statistics.median(trips)
+    if nbytes >= _BW_MAX or t >= _BW_LONG_S or (t >= _BW_TARGET_S and nbytes >= _BW_MIN_BYTES):
+        if len(trips) >= _BW_ROUNDS:
+            return nbytes, 0, trips
+        return nbytes, _BW_ROUNDS - len(trips), trips
+    grow = 2
+    while grow < _BW_GROWTH and (grow * t < _BW_TARGET_S or grow * nbytes < _BW_MIN_BYTES):
+        grow *= 2
+    while grow > 2 and grow * t > _BW_LONG_S:  # bytes alone do not earn a round that long
+        grow //= 2
+    return min(nbytes * grow, _BW_MAX), 1, []
+
+
+def rate(nbytes: int, trips: list[float]) -> float:
+    """Bytes/s of ``nbytes``-byte rounds that took ``trips`` seconds each (latency included):
+    the median round's. Load and latency only lengthen a round, so this reads a link low, never
+    high, but by a shaper's burst: at most ``burst / nbytes`` above the link's rate."""
+    return nbytes / statistics.median(trips)
 
 
 def _pair_across(topo: Topology, dim: int, host_of: Sequence[str]) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """The link probe out of the box: a job on two emulated hosts (network namespaces joined by a
 1 Gbit/s link, ``benchmarks/netns_testbed.py``) with no DDL_* tuning variable set measures its
-links across hosts at init, every rank reads the same numbers, and ``auto`` runs mdring with the host
-dimension first (issue 21: with the default links it put the network first). Needs root and
-iproute2, as ``test_netns.py``.
+links across hosts at init, never above the shaped rate, every rank reads the same numbers, and
+``auto`` runs mdring with the host dimension first (issue 21: with the default links it put the
+network first). Needs root and iproute2, as ``test_netns.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tests.harness import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RANKS_PER_HOST, HOSTS = 2, 2
+RATE = "1gbit"
 
 # Each rank: join, say what it measured and chose for a 16 MiB allreduce, check one.
 _WORKER = """
@@ -48,7 +49,7 @@ def netns():
 
 
 def _job(netns, placement, env=None):
-    with netns.Testbed(HOSTS, rate="1gbit") as tb:
+    with netns.Testbed(HOSTS, rate=RATE) as tb:
         ranks = tb.run_job(
             RANKS_PER_HOST,
             ["-c", _WORKER],
@@ -73,9 +74,14 @@ def test_two_hosts_probe_and_auto_goes_host_first(netns, placement):
         }, "ranks disagree"
     assert first["levels"] == ["host", "network"]
     host_bw, net_bw = first["bw"]
-    # The network measured, not its default: the shaped link's 125 MB/s. The in-host link keeps
-    # its default (what the cost model's board constants were measured against).
-    assert 30e6 < net_bw < 250e6, first
+    # The network measured, not its default (1.25 GB/s): the shaped link, whose frames carry at
+    # most 0.956 of its 125 MB/s as payload. Above the shaped rate is a probe bug (a burst or a
+    # socket buffer timed as the link); below it is load, which on a busy 2-core machine has
+    # read 0.65x, so the floor is far below that.
+    shaped = netns.parse_rate(RATE)
+    assert shaped / 10 < net_bw < shaped, first
+    # The in-host link keeps its default (what the cost model's board constants were measured
+    # against).
     assert (host_bw, first["lat"][0]) == topology.LINK_DEFAULTS["shm"], first
     assert first["algorithm"] == "mdring" and first["dims"] == [0, 1], first
     assert first["host_path"] == "direct", first
