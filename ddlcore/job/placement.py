@@ -34,7 +34,6 @@ Where no place will do, ``auto`` pins nothing, and the DDL_DEBUG log says why.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import functools
 import itertools
@@ -44,6 +43,8 @@ import pwd
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from ddlcore.private_dir import open_private_dir
 
 log = logging.getLogger("ddlcore")
 
@@ -303,31 +304,6 @@ def claims_dirs(shared: str | None = None, home: str | None = None) -> list[str]
     return dirs
 
 
-def _open_dir(path: str, create: bool) -> int:
-    """A descriptor of the directory ``path`` (made 0700 where missing and ``create``), where it
-    is a real directory, ours and writable by nobody else; OSError otherwise."""
-    if create:
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise PermissionError(
-                f"{path} is not a directory (something else has its name)"
-            ) from None
-        raise
-    st = os.fstat(fd)
-    if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
-        return fd
-    os.close(fd)
-    whose = f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else "is open to others"
-    raise PermissionError(f"{path} {whose}")
-
-
 def _claims_dir() -> tuple[int, str]:
     """The claims directory, open: the first of `claims_dirs` that exists and will do, else
     the first that can be made. PermissionError (each place and why) where none will do."""
@@ -338,7 +314,7 @@ def _claims_dir() -> tuple[int, str]:
             if path in refused:
                 continue
             try:
-                fd = _open_dir(path, create)
+                fd = open_private_dir(path, create)
             except FileNotFoundError:
                 if create:
                     refused[path] = "cannot be made"

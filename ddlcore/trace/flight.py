@@ -44,6 +44,7 @@ from ddlcore import config
 from ddlcore.collectives import HAS_ROOT
 from ddlcore.errors import DDLError
 from ddlcore.planning import tuning
+from ddlcore.private_dir import UnsafeDirectoryError, open_private_dir
 
 log = logging.getLogger("ddlcore")
 
@@ -98,48 +99,23 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
-class UnsafeDirectoryError(DDLError):
-    """The flight recorder's directory is not this user's alone (another user's, writable by
-    others, or not a directory): whoever else can write there could forge a rank's record, block
-    it, or have the write land in a file of theirs choosing."""
-
-
 def open_directory(path: str, create: bool = True) -> int:
-    """A descriptor of the directory ``path``, checked: a real directory (a symlink in its place
-    is not followed), owned by this user and writable by nobody else. ``create``: made 0700
-    (its missing parents as ``mkdir -p`` would) where it does not exist.
+    """The record directory ``path``, checked (`ddlcore.private_dir.open_private_dir`).
 
     Raises
     ------
     UnsafeDirectoryError
-        ``path`` is not such a directory, with the reason.
+        ``path`` is not this user's alone, with the reason and what to do.
     OSError
         It cannot be made or opened.
     """
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.makedirs(path, mode=0o700)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafeDirectoryError(
-                f"{path} is not a directory (a symlink or a file is in its place)"
-            ) from None
-        raise
-    st = os.fstat(fd)
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        why = f"belongs to uid {st.st_uid}, not to this user (uid {uid})"
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        why = f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    else:
-        return fd
-    os.close(fd)
-    raise UnsafeDirectoryError(
-        f"{path} {why}: another user could forge or block the records there; "
-        "give DDL_FLIGHT_RECORDER a directory only you can write (or one that does not exist yet)"
-    )
+        return open_private_dir(path, create)
+    except UnsafeDirectoryError as exc:
+        raise UnsafeDirectoryError(
+            f"{exc}: another user could forge or block the records there; give "
+            "DDL_FLIGHT_RECORDER a directory only you can write (or one that does not exist yet)"
+        ) from None
 
 
 def file_name(rank: int, comm_index: int) -> str:
