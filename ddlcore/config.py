@@ -236,8 +236,9 @@ _declare(
     "DDL_LINK_PROBE",
     _link_probe,
     "auto",
-    "Measure box dimensions' bandwidth and latency with a short ping-pong at init (tens of "
-    "ms per dimension on a 1 Gbit/s link) instead of using transport defaults: 'auto' "
+    "Measure box dimensions' bandwidth and latency with a short ping-pong at init (~0.15 s "
+    "per dimension on a 1 Gbit/s link, less on faster ones) instead of using transport "
+    "defaults: 'auto' "
     "those that cross hosts when the job spans hosts, 1 every dimension, 0 none. "
     "DDL_LINK_BW / DDL_LINK_LAT, where given, win over the measurement.",
 )
@@ -363,7 +364,8 @@ _declare(
     "DDL_SECRET_FILE",
     str,
     "",
-    "File holding the job's secret (readable by its owner only), used when DDL_SECRET is empty.",
+    "File holding the job's secret (owned by you or root, readable by you only), used when "
+    "DDL_SECRET is empty.",
 )
 _declare(
     "DDL_FLIGHT_RECORDER",
@@ -391,11 +393,20 @@ _declare("DDL_LOCAL_SIZE", _positive_int, None, "Ranks on this host (set by ddlr
 _declare("DDL_MASTER_ADDR", str, None, "Address of rank 0's rendezvous store.")
 _declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
 _declare(
+    "DDL_STORE_FDS",
+    str,
+    "",
+    "Set by ddlrun for rank 0 only: the inherited file descriptors (comma-separated) of the "
+    "store's listening sockets, bound by ddlrun on DDL_MASTER_ADDR:DDL_MASTER_PORT before the "
+    "ranks start, so that no other process can take the port in between.",
+)
+_declare(
     "DDL_FAILURE_DIR",
     str,
     "",
-    "Set by ddlrun: a directory where a rank whose collective failed records which rank "
-    "failed first (itself, or the peer it names), so that ddlrun reports the root cause.",
+    "Set by ddlrun: where a rank whose collective failed reports which rank failed first "
+    "(itself, or the peer it names): ddlrun's pipe, /proc/<pid>/fd/<n>, so that ddlrun "
+    "reports the root cause.",
 )
 
 # --- other launchers' variables, understood for rendezvous ----------------------------------

@@ -1,28 +1,38 @@
 """Authenticated connections: before anything else on a socket is acted on, both ends prove that
-they hold the job's secret, and the connecting end's claim (who it is, where it connects) is
-bound into that proof. The rendezvous store and the TCP transport run this on every connection.
+they hold the job's secret, over a claim (``ddlcore.job.claims``) that names the service, the start
+of the job, both ends' ranks and the exact address the connector dialled. The rendezvous store and
+the TCP transport run this on every connection.
 
 Where the secret comes from (`job_secret`), first match wins: ``DDL_SECRET``; the file named by
-``DDL_SECRET_FILE``; otherwise a per-user secret kept in ``~/.config/ddlcore/secret`` (created
-0600 on first use), which every job of one user on one host (or on hosts sharing a home
-directory) shares. ddlrun exports a fresh ``DDL_SECRET`` for each job; under an MPI launcher,
-rank 0 draws one and broadcasts it over MPI with the store's address (``rendezvous``).
+``DDL_SECRET_FILE`` (owned by this user or root, readable by no one else); otherwise a per-user
+secret kept in ``~/.config/ddlcore/secret`` (created 0600 on first use), which every job of one
+user on one host (or on hosts sharing a home directory) shares. ddlrun exports a fresh
+``DDL_SECRET`` for each job; under an MPI launcher, rank 0 draws one and broadcasts it over MPI
+with the store's address (``rendezvous``).
 
-Handshake (after the TCP connection; nonces fresh on both sides, HMAC-SHA256, constant-time
-comparison; ``key`` = HMAC(secret, job), so one secret serves many jobs without crossing them)::
+Handshake, version 2 (nonces fresh on both sides, HMAC-SHA256, constant-time comparison;
+``key`` = HMAC(secret, job), so one secret serves many jobs without crossing them)::
 
     connector                                                acceptor
       HELLO  magic u32 | version u16 | claim length u16 | nonce_c[32] | claim  ->
-                                        <-  CHALLENGE  magic u32 | 0 u32 | nonce_a[32] | mac_a[32]
-      (checks mac_a = HMAC(key, "accept" | claim | nonce_c | nonce_a): the acceptor knows the key)
-      PROOF  mac_c[32] = HMAC(key, "connect" | claim | nonce_c | nonce_a)  ->
-                                        <-  VERDICT  magic u32 | status u32 (0 ok, 1 refused)
+             (the acceptor checks the claim first: its service, its job id, that it is meant
+              for this rank, dialled at the address it arrived on; else REFUSED, unproven)
+                  <-  CHALLENGE  magic u32 | status u16 | n u16 | nonce_a[32] | mac_a[32] | body[n]
+      status 0: body is the acceptor's answer (the store's job id), and
+          mac_a = HMAC(key, "accept" | version | claim | answer | nonce_c | nonce_a);
+      else: zeros, and body says why (refused, or another handshake version).
+      PROOF  magic u32 | status u16 | 0 u16 | mac_c[32]  ->
+          status 0: mac_c = HMAC(key, "connect" | version | claim | answer | nonce_c | nonce_a);
+          status 1: the acceptor's proof was wrong (the secrets differ), told so it can say so
+                  <-  VERDICT  magic u32 | status u16 | n u16 | body[n]  (0 ok; else refused, why)
 
-A claim is at most `MAX_CLAIM_BYTES`, read only after its length is checked; nothing here
-allocates what a peer announces beyond that. `JobKey.accept` serves one socket, blocking until a
-deadline; `Acceptor` is the same acceptor side without I/O, for a server that runs many
-handshakes from one event loop (the rendezvous store). Payloads after the handshake are not encrypted or
-authenticated: an attacker on the network path is out of scope (see SECURITY.md).
+A listener proves nothing for a claim that is not for it, so a relay at another address, or a
+proof asked of one service to be shown to another, gets nothing usable. A claim is at most
+`MAX_CLAIM_BYTES`, read only after its length is checked; nothing here allocates what a peer
+announces beyond that. `JobKey.accept` serves one socket, blocking until a deadline; `Acceptor` is
+the same acceptor side without I/O, for a server that runs many handshakes from one event loop
+(the rendezvous store). Payloads after the handshake are not encrypted or authenticated: an
+attacker on the network path is out of scope (see SECURITY.md).
 """
 
 from __future__ import annotations
@@ -32,24 +42,35 @@ import hmac
 import os
 import secrets
 import socket
+import stat
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ddlcore import config
 from ddlcore.errors import DDLError
+from ddlcore.job.claims import (
+    MAX_CLAIM_BYTES,
+    NO_JOB_ID,
+    Claim,
+    endpoint,
+    same_endpoint,
+)
 
-PROTOCOL_VERSION = 1
-MAX_CLAIM_BYTES = 256
+PROTOCOL_VERSION = 2  # 2: claims name service, job id, both ranks and the address dialled
 NONCE_BYTES = 32
 MAC_BYTES = 32
 
 _MAGIC = 0xDD1A7E57
-_HELLO = struct.Struct("<IHH")
-_CHALLENGE = struct.Struct("<II")
-_VERDICT = struct.Struct("<II")
-_OK, _REFUSED = 0, 1
+_HELLO = struct.Struct("<IHH")  # magic, version, claim length
+_CHALLENGE = struct.Struct("<IHH")  # magic, status, body length (+ nonce_a, mac_a, body)
+_PROOF = struct.Struct("<IHH")  # magic, status, 0 (+ mac_c)
+_VERDICT = struct.Struct("<IHH")  # magic, status, body length (+ body)
+_OK, _REFUSED = 0, 1  # a challenge's status
+_PROOF_WRONG = 1  # a proof's status: the acceptor's proof did not check out
+_WRONG_PROOF, _VERDICT_REFUSED = 1, 2  # a verdict's status besides _OK
+_MAX_BODY = 512  # longest answer or reason
 _KEY_LABEL = b"ddlcore job key v1\0"
 _SECRET_BYTES = 32
 _ADVICE = (
@@ -96,13 +117,28 @@ def _user_secret() -> tuple[bytes, str]:
 
 
 def _read_secret_file(path: Path, what: str) -> bytes:
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        raise DDLError(
-            f"{what} {path} can be read by other users (mode {mode & 0o777:o}); "
-            f"run: chmod 600 {path}"
-        )
-    raw = path.read_bytes().strip()
+    """The secret in ``path``, which must be a regular file owned by this user (or root) that no
+    one else can read: a file another user made (in /tmp, say) is theirs to read or change."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)  # of the file opened, not of whatever the name points at later
+        if not stat.S_ISREG(st.st_mode):
+            raise DDLError(f"{what} {path} is not a regular file")
+        if st.st_uid not in (os.getuid(), 0):
+            raise DDLError(
+                f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): "
+                "its owner can read or replace the secret; use a file of your own, made with "
+                "umask 077"
+            )
+        if st.st_mode & 0o077:
+            raise DDLError(
+                f"{what} {path} can be read by other users (mode {st.st_mode & 0o777:o}); "
+                f"run: chmod 600 {path}"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(1 << 16).strip()
+    finally:
+        os.close(fd)
     if not raw:
         raise DDLError(f"{what} {path} is empty")
     return raw
@@ -136,6 +172,21 @@ def new_secret() -> str:
     return secrets.token_hex(_SECRET_BYTES)
 
 
+class HandshakeRefused(AuthenticationError):
+    """The listener refused our claim before proving anything (another service, another start
+    of the job, another rank, another address), or refused it after both proofs (the store: a
+    rank another process holds already); ``reason`` is the listener's own word, unproven when
+    ``proven`` is false."""
+
+    def __init__(self, message: str, reason: str = "", proven: bool = False) -> None:
+        super().__init__(message)
+        self.reason, self.proven = reason, proven
+
+
+# Checks a service runs on a claim: None to go on, or why it is refused.
+ClaimCheck = Callable[[Claim], "str | None"]
+
+
 class JobKey:
     """The key of one job (its secret bound to the job's name) and the handshake that proves it.
 
@@ -147,20 +198,38 @@ class JobKey:
         What distinguishes this job from others sharing the secret (the store's port).
     origin : str
         Where the secret came from, for error messages.
+
+    Attributes
+    ----------
+    job_id : bytes or None
+        Which start of the job this is: drawn by the store that serves it, learned by a client in
+        its first handshake with the store, and carried in every later claim (None until then).
     """
 
     def __init__(self, secret: bytes, job: str, origin: str = "") -> None:
         self._key = hmac.new(secret, _KEY_LABEL + job.encode(), hashlib.sha256).digest()
         self.job = job
         self.origin = origin
+        self.job_id: bytes | None = None
 
     def __repr__(self) -> str:
         return f"JobKey(job={self.job!r}, origin={self.origin!r})"  # never the key
 
-    def _mac(self, label: bytes, claim: bytes, nonce_c: bytes, nonce_a: bytes) -> bytes:
-        return hmac.new(
-            self._key, label + b"\0" + claim + nonce_c + nonce_a, hashlib.sha256
-        ).digest()
+    def _mac(
+        self, label: bytes, claim: bytes, answer: bytes, nonce_c: bytes, nonce_a: bytes
+    ) -> bytes:
+        data = b"".join(
+            (
+                label,
+                b"\0",
+                struct.pack("<HHH", PROTOCOL_VERSION, len(claim), len(answer)),
+                claim,
+                answer,
+                nonce_c,
+                nonce_a,
+            )
+        )
+        return hmac.new(self._key, data, hashlib.sha256).digest()
 
     def derive(self, label: bytes, data: bytes) -> bytes:
         """32 bytes that only holders of the key can compute, ``HMAC(key, label | 0 | data)``
@@ -170,57 +239,110 @@ class JobKey:
             raise ValueError(f"label {label!r} is the handshake's own")
         return hmac.new(self._key, label + b"\0" + data, hashlib.sha256).digest()
 
-    def connect(self, sock: socket.socket, claim: bytes, deadline: float) -> None:
-        """Prove ``claim`` to the acceptor at the other end of ``sock``, and check its proof.
+    def claim(self, service: str, **fields: object) -> Claim:
+        """A claim for ``service`` in this job (its job id and the secret's origin filled in)."""
+        return Claim(
+            service,
+            job_id=self.job_id or NO_JOB_ID,
+            origin=self.origin,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    def connect(self, sock: socket.socket, claim: Claim, deadline: float) -> bytes:
+        """Prove ``claim`` (aimed at the address ``sock`` is connected to) to the acceptor at the
+        other end of ``sock``, and check its proof; returns the acceptor's answer.
 
         Raises
         ------
+        HandshakeRefused
+            The acceptor refused the claim (``proven``: after both proofs, so it is the job's).
         AuthenticationError
             The other end does not know the key, or refused ours.
         ConnectionError, TimeoutError, OSError
             The connection broke or ``deadline`` (``time.monotonic()``) passed.
         """
-        if len(claim) > MAX_CLAIM_BYTES:
-            raise ValueError(f"claim of {len(claim)} bytes (at most {MAX_CLAIM_BYTES})")
+        try:
+            target = endpoint(sock.getpeername())
+        except OSError:
+            target = ("", 0)
+        raw_claim = claim.aimed_at(target).encode()
         nonce_c = secrets.token_bytes(NONCE_BYTES)
         _settimeout(sock, deadline)
-        sock.sendall(_HELLO.pack(_MAGIC, PROTOCOL_VERSION, len(claim)) + nonce_c + claim)
-        challenge = _recv(sock, _CHALLENGE.size + NONCE_BYTES + MAC_BYTES, deadline)
-        magic, _ = _CHALLENGE.unpack_from(challenge)
-        if magic != _MAGIC:
-            raise AuthenticationError("the other end does not speak ddlcore's handshake")
-        nonce_a = challenge[_CHALLENGE.size : _CHALLENGE.size + NONCE_BYTES]
-        mac_a = challenge[_CHALLENGE.size + NONCE_BYTES :]
-        if not hmac.compare_digest(mac_a, self._mac(b"accept", claim, nonce_c, nonce_a)):
+        sock.sendall(_HELLO.pack(_MAGIC, PROTOCOL_VERSION, len(raw_claim)) + nonce_c + raw_claim)
+        head = _recv(sock, _CHALLENGE.size, deadline)
+        magic, status, nbody = _CHALLENGE.unpack(head)
+        if magic != _MAGIC or nbody > _MAX_BODY:
+            raise AuthenticationError(
+                "the other end does not speak ddlcore's handshake (or an older version of it)"
+            )
+        nonce_a = _recv(sock, NONCE_BYTES, deadline)
+        mac_a = _recv(sock, MAC_BYTES, deadline)
+        body = _recv(sock, nbody, deadline) if nbody else b""
+        if status != _OK:
+            reason = body.decode("ascii", "replace")
+            raise HandshakeRefused(f"the listener refused our claim (unproven): {reason}", reason)
+        if not hmac.compare_digest(mac_a, self._mac(b"accept", raw_claim, body, nonce_c, nonce_a)):
+            try:  # tell it why we leave, so that it can say so too
+                sock.sendall(_PROOF.pack(_MAGIC, _PROOF_WRONG, 0) + bytes(MAC_BYTES))
+            except OSError:
+                pass
             raise AuthenticationError(
                 "the other end could not prove it holds this job's secret: it belongs to another "
                 f"job, or holds another secret (ours is from {self.origin or 'unknown'}). "
                 + _ADVICE
             )
-        sock.sendall(self._mac(b"connect", claim, nonce_c, nonce_a))
-        magic, status = _VERDICT.unpack(_recv(sock, _VERDICT.size, deadline))
-        if magic != _MAGIC or status != _OK:
+        sock.sendall(
+            _PROOF.pack(_MAGIC, _OK, 0) + self._mac(b"connect", raw_claim, body, nonce_c, nonce_a)
+        )
+        magic, status, nbody = _VERDICT.unpack(_recv(sock, _VERDICT.size, deadline))
+        if magic != _MAGIC or nbody > _MAX_BODY:
+            raise AuthenticationError("a malformed verdict on our proof")
+        reason = _recv(sock, nbody, deadline).decode("ascii", "replace") if nbody else ""
+        if status == _WRONG_PROOF:
             raise AuthenticationError(
                 "the other end refused our proof of the job's secret: the ranks hold different "
                 f"secrets (ours is from {self.origin or 'unknown'}). " + _ADVICE
             )
+        if status != _OK:
+            raise HandshakeRefused(reason, reason, proven=True)
+        return body
 
-    def acceptor(self) -> Acceptor:
+    def acceptor(
+        self,
+        service: str,
+        arrived: object = None,
+        check: ClaimCheck | None = None,
+        confirm: ClaimCheck | None = None,
+        answer: bytes = b"",
+    ) -> Acceptor:
         """The acceptor's side of one handshake as a state machine over bytes (`Acceptor`), for
         servers that serve many connections from one event loop."""
-        return Acceptor(self)
+        return Acceptor(self, service, arrived, check, confirm, answer)
 
-    def accept(self, sock: socket.socket, deadline: float) -> bytes:
-        """Check the proof of a connector on ``sock``; returns its claim once proven.
+    def accept(
+        self,
+        sock: socket.socket,
+        deadline: float,
+        service: str,
+        check: ClaimCheck | None = None,
+        confirm: ClaimCheck | None = None,
+        answer: bytes = b"",
+    ) -> Claim:
+        """Check the claim and proof of a connector on ``sock``; returns its claim once proven.
 
         Raises
         ------
         AuthenticationError
-            Malformed hello, or a wrong proof (the connector was told "refused").
+            Malformed hello, a claim refused (`Acceptor`), or a wrong proof (the connector was
+            told why).
         ConnectionError, TimeoutError, OSError
             The connection broke or ``deadline`` passed.
         """
-        acceptor = Acceptor(self)
+        try:
+            arrived = sock.getsockname()
+        except OSError:
+            arrived = None
+        acceptor = Acceptor(self, service, arrived, check, confirm, answer)
         while acceptor.claim is None:
             reply = acceptor.feed(_recv(sock, acceptor.wants, deadline))
             if acceptor.error is not None:
@@ -241,6 +363,13 @@ class Acceptor:
     received from the connector, send back what it returns, until `claim` is set (proven) or
     `error` is (send the returned bytes, if any, then drop the connection).
 
+    Before it proves anything it checks the claim: well formed, for ``service``, dialled at
+    ``arrived`` (the address the connection came in on), from this job (``key.job_id``, where
+    known and claimed), and whatever ``check`` adds; a claim that fails gets a refusal and no
+    proof. ``confirm`` runs once the connector has proven the key (a refusal then is the job's
+    own word: the store refuses a rank another process holds). `mismatch` is set when the
+    connector's proof was wrong or it said ours was: the secrets differ (or it is a stranger).
+
     It never asks for more than `MAX_CLAIM_BYTES` + `NONCE_BYTES` bytes at a time, so a caller
     that reads what it wants allocates nothing a peer merely announces, and it judges the hello's
     first 8 bytes before asking for the rest, so garbage is refused as soon as it arrives.
@@ -248,22 +377,41 @@ class Acceptor:
 
     __slots__ = (
         "_key",
+        "_service",
+        "_arrived",
+        "_check",
+        "_confirm",
+        "_answer",
         "_step",
         "wants",
         "claim",
         "error",
+        "mismatch",
+        "unproven",
         "_nonce_c",
         "_nonce_a",
-        "_pending_claim",
+        "_raw_claim",
     )
 
-    def __init__(self, key: JobKey) -> None:
-        self._key = key
+    def __init__(
+        self,
+        key: JobKey,
+        service: str,
+        arrived: object = None,
+        check: ClaimCheck | None = None,
+        confirm: ClaimCheck | None = None,
+        answer: bytes = b"",
+    ) -> None:
+        self._key, self._service = key, service
+        self._arrived = endpoint(arrived)
+        self._check, self._confirm, self._answer = check, confirm, answer
         self._step = 0  # 0: hello header, 1: nonce and claim, 2: proof, 3: done or failed
         self.wants = _HELLO.size
-        self.claim: bytes | None = None
+        self.claim: Claim | None = None
+        self.unproven: Claim | None = None  # the claim as received, before its proof
         self.error: str | None = None
-        self._nonce_c = self._nonce_a = self._pending_claim = b""
+        self.mismatch = False
+        self._nonce_c = self._nonce_a = self._raw_claim = b""
 
     def feed(self, data: bytes) -> bytes:
         """Take the `wants` bytes asked for; returns the bytes to send back (maybe none)."""
@@ -271,32 +419,93 @@ class Acceptor:
             raise ValueError(f"fed {len(data)} bytes, wanted {self.wants} (step {self._step})")
         if self._step == 0:
             magic, version, nclaim = _HELLO.unpack(data)
-            if magic != _MAGIC or version != PROTOCOL_VERSION or nclaim > MAX_CLAIM_BYTES:
+            if magic != _MAGIC:
+                return self._fail("malformed hello", b"")
+            if version != PROTOCOL_VERSION:
+                other = (
+                    f"handshake version {version}, this ddlcore speaks {PROTOCOL_VERSION}: run "
+                    "the same ddlcore version on every rank"
+                )
+                return self._fail(other, _refusal(other))
+            if nclaim > MAX_CLAIM_BYTES:
                 return self._fail("malformed hello", b"")
             self._step, self.wants = 1, NONCE_BYTES + nclaim
             return b""
         if self._step == 1:
-            self._nonce_c, self._pending_claim = (
-                bytes(data[:NONCE_BYTES]),
-                bytes(data[NONCE_BYTES:]),
-            )
+            self._nonce_c, self._raw_claim = bytes(data[:NONCE_BYTES]), bytes(data[NONCE_BYTES:])
+            claim = Claim.decode(self._raw_claim)
+            why = self._refuse(claim)
+            if why is not None:
+                return self._fail(why, _refusal(why))
+            self.unproven = claim
             self._nonce_a = secrets.token_bytes(NONCE_BYTES)
-            self._step, self.wants = 2, MAC_BYTES
-            return (
-                _CHALLENGE.pack(_MAGIC, 0)
-                + self._nonce_a
-                + self._key._mac(b"accept", self._pending_claim, self._nonce_c, self._nonce_a)
+            self._step, self.wants = 2, _PROOF.size + MAC_BYTES
+            mac = self._key._mac(
+                b"accept", self._raw_claim, self._answer, self._nonce_c, self._nonce_a
             )
-        expected = self._key._mac(b"connect", self._pending_claim, self._nonce_c, self._nonce_a)
-        if not hmac.compare_digest(bytes(data), expected):
-            return self._fail("wrong proof of the job's secret", _VERDICT.pack(_MAGIC, _REFUSED))
+            return (
+                _CHALLENGE.pack(_MAGIC, _OK, len(self._answer)) + self._nonce_a + mac + self._answer
+            )
+        magic, status, _ = _PROOF.unpack_from(data)
+        if magic != _MAGIC or status not in (_OK, _PROOF_WRONG):
+            return self._fail("malformed proof", b"")
+        if status == _PROOF_WRONG:
+            self.mismatch = True
+            return self._fail("it could not check our proof of the job's secret", b"")
+        expected = self._key._mac(
+            b"connect", self._raw_claim, self._answer, self._nonce_c, self._nonce_a
+        )
+        if not hmac.compare_digest(bytes(data[_PROOF.size :]), expected):
+            self.mismatch = True
+            return self._fail(
+                "wrong proof of the job's secret", _VERDICT.pack(_MAGIC, _WRONG_PROOF, 0)
+            )
+        assert self.unproven is not None
+        why = self._confirm(self.unproven) if self._confirm is not None else None
+        if why is not None:
+            return self._fail(why, b"", told=why)
         self._step, self.wants = 3, 0
-        self.claim = self._pending_claim
-        return _VERDICT.pack(_MAGIC, _OK)
+        self.claim = self.unproven
+        return _VERDICT.pack(_MAGIC, _OK, 0)
 
-    def _fail(self, why: str, reply: bytes) -> bytes:
+    def _refuse(self, claim: Claim | None) -> str | None:
+        """Why ``claim`` gets no proof from this acceptor, or None."""
+        if claim is None:
+            return "a malformed claim"
+        if claim.service != self._service:
+            return f"this listener serves {self._service}, not {claim.service}"
+        if not same_endpoint(claim.target, self._arrived):
+            return (
+                f"dialled {_where(claim.target)} but reached {_where(self._arrived)}: something "
+                "between the two (a relay, a NAT or a proxy) changed the address"
+            )
+        job_id = self._key.job_id
+        if job_id is not None and claim.job_id not in (NO_JOB_ID, job_id):
+            return (
+                f"the connector belongs to another start of this job (job id "
+                f"{claim.job_id.hex()[:12]}, this one is {job_id.hex()[:12]}): a process left "
+                "from an earlier start?"
+            )
+        return self._check(claim) if self._check is not None else None
+
+    def _fail(self, why: str, reply: bytes, told: str = "") -> bytes:
         self._step, self.wants, self.error = 3, 0, why
+        if told:  # a verdict with its reason: the header says how long the reason is
+            body = told.encode("ascii", "replace")[:_MAX_BODY]
+            return _VERDICT.pack(_MAGIC, _VERDICT_REFUSED, len(body)) + body
         return reply
+
+
+def _refusal(why: str) -> bytes:
+    body = why.encode("ascii", "replace")[:_MAX_BODY]
+    return _CHALLENGE.pack(_MAGIC, _REFUSED, len(body)) + bytes(NONCE_BYTES + MAC_BYTES) + body
+
+
+def _where(address: tuple[str, int]) -> str:
+    host, port = address
+    if not host:
+        return "a local socket"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def default_key(port: int) -> JobKey:

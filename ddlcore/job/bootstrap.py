@@ -29,6 +29,7 @@ from ddlcore.job.links import (
 )
 from ddlcore.job.rendezvous import (
     SECRET_ORIGIN_MPI,
+    TORCH_PROCESS_GROUP,
     RendezvousInfo,
     detect,
     resolve_master,
@@ -156,8 +157,17 @@ def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] 
             )
         generation = _generation.get(key, 0)
         _generation[key] = generation + 1
+    # The store holds one process per rank of the job; a torch process group's ranks are not the
+    # job's (a subgroup's rank 1 may be the world's rank 2), so those claim none.
+    member = -1 if info.source == TORCH_PROCESS_GROUP else info.rank
     client = StoreClient(
-        info.master_addr, info.master_port, timeout, rank=info.rank, size=info.size, job_key=job_key
+        info.master_addr,
+        info.master_port,
+        timeout,
+        rank=info.rank,
+        size=info.size,
+        job_key=job_key,
+        member=member,
     )
     return client, PrefixStore(client, f"g{generation}/")
 
@@ -522,7 +532,13 @@ def _joiner(
         found = local_transports("auto", options) if forced_mpi else names
         child_names = tuple(n for n in found if n != "mpi")
         client = StoreClient(
-            info.master_addr, info.master_port, timeout, rank=rank, size=size, job_key=store.job_key
+            info.master_addr,
+            info.master_port,
+            timeout,
+            rank=rank,
+            size=size,
+            job_key=store.job_key,
+            member=store.member,  # the world's rank: the store keeps one process per rank
         )
         prefixed = PrefixStore(client, f"{store.prefix}{name}/")
         return _join(

@@ -35,6 +35,7 @@ from typing import Any
 
 from ddlcore import config
 from ddlcore.errors import DDLError, RendezvousError
+from ddlcore.job import store_listen
 from ddlcore.job.auth import job_secret, new_secret
 
 _ADDR_BYTES = 256
@@ -43,6 +44,7 @@ _ADDR_BYTES = 256
 _SECRET_BYTES = 64
 _SECRET_DRAWN, _SECRET_UNREADABLE = 1, 2  # the broadcast's flag byte (0: rank 0 has its own)
 SECRET_ORIGIN_MPI = "a secret rank 0 drew and broadcast over MPI"
+TORCH_PROCESS_GROUP = "torch process group"  # the source of a communicator a process group made
 
 
 @dataclass(frozen=True)
@@ -109,12 +111,6 @@ def detect(environ: Mapping[str, str] | None = None) -> RendezvousInfo:
             rank, size, addr, port, label, local_rank, local_size, torch_store=torch_store
         )
     return RendezvousInfo(0, 1, None, None, "single process", 0, 1)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _master_host(info: RendezvousInfo, environ: Mapping[str, str] | None) -> str:
@@ -220,7 +216,7 @@ def _via_torch_store(
             mine = (info.master_addr, info.master_port, key)
         if mine not in _published:
             host = _host_beside(info, environ)
-            _published[mine] = (host, _free_port(host))
+            _published[mine] = (host, store_listen.reserve(host))
         host, port = _published[mine]
         try:
             store.set(key, f"{host}:{port}")
@@ -277,7 +273,7 @@ def via_torch_store(
         size,
         found.master_addr if same_job else None,
         None,
-        "torch process group",
+        TORCH_PROCESS_GROUP,
         found.local_rank if same_job else None,
         found.local_size if same_job else None,
     )
@@ -292,7 +288,7 @@ def via_torch_store(
         store,
         "the process group's store",
         key,
-        mine=(info.master_addr or "", 0, "torch process group"),
+        mine=(info.master_addr or "", 0, TORCH_PROCESS_GROUP),
     )
 
 
@@ -365,7 +361,7 @@ def resolve_master(
     buf = np.zeros(_ADDR_BYTES + 1 + _SECRET_BYTES, np.uint8)
     if info.rank == 0:
         host = info.master_addr or _master_host(info, environ)
-        raw = f"{host}:{info.master_port or _free_port(host)}".encode()
+        raw = f"{host}:{info.master_port or store_listen.reserve(host)}".encode()
         buf[: len(raw)] = np.frombuffer(raw, np.uint8)
         if own_secret:
             try:  # read now: the others must not wait out DDL_TIMEOUT for a store never served

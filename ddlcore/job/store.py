@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from ddlcore.errors import RendezvousError
 from ddlcore.job import store_wire as wire
-from ddlcore.job.auth import AuthenticationError, JobKey, default_key
+from ddlcore.job.auth import AuthenticationError, HandshakeRefused, JobKey, default_key
+from ddlcore.job.claims import JOB_ID_BYTES, STORE
 from ddlcore.job.store_server import StoreServer
 from ddlcore.job.store_wire import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from ddlcore.transports.sockets import recv_exact
@@ -29,6 +30,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_VALUE_BYTES",
     "PrefixStore",
+    "JobFailedError",
     "StoreAuthenticationError",
     "StoreClient",
     "StoreServer",
@@ -51,6 +53,11 @@ _MAX_LISTED = 32
 class StoreUnreachableError(RendezvousError):
     """The store could not be reached, or the connection to it was lost (rank 0, which serves
     it, has probably exited). Distinct from a wait that timed out while the store was up."""
+
+
+class JobFailedError(RendezvousError):
+    """The store failed the job at its start, for every rank at once (two processes claim one
+    rank; a rank of this host holds another secret): the message says why."""
 
 
 class StoreAuthenticationError(RendezvousError, AuthenticationError):
@@ -79,6 +86,9 @@ class StoreClient:
     job_key : JobKey, optional
         The job's key, proven to the server (default: `default_key` of ``port``); transports
         authenticate their connections with it too (``store.job_key``).
+    member : int, optional
+        Which rank of the job this process is, as the store keeps it (one process per rank;
+        default ``rank``): a split's client passes its world rank.
 
     Raises
     ------
@@ -97,12 +107,14 @@ class StoreClient:
         rank: int | None = None,
         size: int | None = None,
         job_key: JobKey | None = None,
+        member: int | None = None,
     ) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout={timeout} must be positive")
         self.host, self.port, self.timeout = host, int(port), float(timeout)
         self.job_key = job_key if job_key is not None else default_key(self.port)
         self.rank, self.size = rank, size
+        self.member = rank if member is None else member
         self._lock = threading.Lock()
         self._barrier_seq: dict[str, int] = defaultdict(int)
         self._sock: socket.socket | None = self._connect(time.monotonic() + self.timeout)
@@ -117,6 +129,7 @@ class StoreClient:
     def _connect(self, deadline: float) -> socket.socket:
         delay, max_delay = _CONNECT_BACKOFF_S
         attempts = 0
+        refused = ""  # the last refusal heard (unproven), for the final message
         while True:
             attempts += 1
             try:
@@ -126,7 +139,7 @@ class StoreClient:
                     f"{self._who()}the rendezvous store address {self.host!r} does not resolve "
                     f"({exc}); check DDL_MASTER_ADDR"
                 ) from None
-            last: OSError | None = None
+            last: Exception | None = None
             for family, _, _, _, sockaddr in infos:
                 sock = socket.socket(family, socket.SOCK_STREAM)
                 try:
@@ -143,11 +156,27 @@ class StoreClient:
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    self.job_key.connect(
+                    answer = self.job_key.connect(
                         sock,
-                        wire.encode_claim(self.rank, self.size),
+                        self.job_key.claim(
+                            STORE,
+                            src=-1 if self.member is None else self.member,
+                            size=-1 if self.size is None else self.size,
+                        ),
                         min(deadline, time.monotonic() + _HANDSHAKE_S),
                     )
+                except HandshakeRefused as exc:
+                    sock.close()
+                    if exc.proven:  # the job's own store said no: final
+                        raise JobFailedError(
+                            f"{self._who()}the rendezvous store at {self.address} refused this "
+                            f"rank: {exc.reason}"
+                        ) from None
+                    # Unproven: whatever listens there may be a stranger's; the store itself
+                    # may be on the next address, or not up yet.
+                    refused = exc.reason
+                    last = exc
+                    continue
                 except AuthenticationError as exc:
                     sock.close()
                     raise StoreAuthenticationError(
@@ -159,10 +188,17 @@ class StoreClient:
                     sock.close()
                     last = exc
                     continue
+                self._learn_job_id(answer, sock)
                 sock.settimeout(None)
                 return sock
             left = deadline - time.monotonic()
             if left <= 0:
+                if refused:
+                    raise StoreUnreachableError(
+                        f"{self._who()}could not join the rendezvous store at {self.address} "
+                        f"within {self.timeout:.1f} s: what answers there refused this rank "
+                        f"({refused})"
+                    )
                 raise StoreUnreachableError(
                     f"{self._who()}could not reach the rendezvous store at {self.address} within "
                     f"{self.timeout:.1f} s ({attempts} attempts, last error: {last}); is rank 0 "
@@ -170,6 +206,26 @@ class StoreClient:
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, max_delay)
+
+    def _learn_job_id(self, answer: bytes, sock: socket.socket) -> None:
+        """The store's answer is its job id (proven with its key): the first tells this rank
+        which start of the job it is in; a later one must be the same (a store that restarted
+        on the same port with the same secret is another start)."""
+        if len(answer) != JOB_ID_BYTES:
+            sock.close()
+            raise StoreAuthenticationError(
+                f"{self._who()}the rendezvous store at {self.address} answered with "
+                f"{len(answer)} bytes, not a job id: another ddlcore version?"
+            )
+        if self.job_key.job_id is None:
+            self.job_key.job_id = answer
+        elif answer != self.job_key.job_id:
+            sock.close()
+            raise JobFailedError(
+                f"{self._who()}the rendezvous store at {self.address} is another start of the "
+                "job than the one this rank joined (the store was restarted); start every rank "
+                "again"
+            )
 
     def _request(
         self,
@@ -238,6 +294,11 @@ class StoreClient:
             self._lock.release()
         if status == wire.ERROR:
             raise ValueError(out.decode("utf-8", "replace"))
+        if status == wire.FAILED:
+            raise JobFailedError(
+                f"{self._who()}the job failed at its start, as the rendezvous store at "
+                f"{self.address} says: {out.decode('utf-8', 'replace')}"
+            )
         return status, out, rarg
 
     def _deadline(self, timeout: float | None) -> float:
@@ -421,6 +482,10 @@ class PrefixStore:
     @property
     def size(self) -> int | None:
         return getattr(self.store, "size", None)
+
+    @property
+    def member(self) -> int | None:
+        return getattr(self.store, "member", None)
 
     @property
     def timeout(self) -> float:

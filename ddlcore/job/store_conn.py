@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ddlcore.job import store_wire as wire
 from ddlcore.job.auth import Acceptor
+from ddlcore.job.claims import Claim
 from ddlcore.job.store_table import StoreTable, Wait
 
 log = logging.getLogger("ddlcore")
@@ -52,6 +53,15 @@ class StoreConnections:
     _table: StoreTable
     _cond: threading.Condition
     _nclients: int  # authenticated connections (under _cond: other threads read it)
+
+    def _mismatch(self, conn: _Conn) -> None:
+        """A connection's handshake showed that the secrets differ (the server's business)."""
+
+    def _joined(self, conn: _Conn, claim: Claim) -> None:
+        """A connection proved its claim (the server keeps who holds each rank)."""
+
+    def _left(self, conn: _Conn) -> None:
+        """An authenticated connection closed."""
 
     # --- reading and writing --------------------------------------------------------------
 
@@ -110,17 +120,16 @@ class StoreConnections:
                     conn.sock.send(reply)
                 except OSError:
                     pass
+            if acceptor.mismatch:
+                self._mismatch(conn)
             self._drop(conn, acceptor.error)
             return
         if acceptor.claim is None:
             conn.need = acceptor.wants
             self._send(conn, reply)
             return
-        claim = wire.decode_claim(acceptor.claim)
-        if claim is None:
-            self._drop(conn, f"proved the key but claimed {acceptor.claim[:64]!r}")
-            return
-        conn.rank = claim[0]
+        conn.rank = acceptor.claim.src if acceptor.claim.src >= 0 else None
+        self._joined(conn, acceptor.claim)
         conn.acceptor = None
         self._pending.pop(conn, None)
         self._unlist_source(conn)
@@ -211,6 +220,7 @@ class StoreConnections:
             self._pending.pop(conn, None)
             self._unlist_source(conn)
         else:
+            self._left(conn)
             with self._cond:
                 self._nclients -= 1
                 self._cond.notify_all()

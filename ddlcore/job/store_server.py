@@ -22,18 +22,22 @@ replies and leaving are ``store_conn``'s, the half of the server this module ext
 from __future__ import annotations
 
 import errno
+import functools
 import heapq
 import itertools
 import logging
+import os
+import secrets
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
 
-from ddlcore.errors import RendezvousError
 from ddlcore.job.auth import JobKey, default_key
+from ddlcore.job.claims import JOB_ID_BYTES, STORE, Claim, peer_uid
 from ddlcore.job.store_conn import _HANDSHAKE, StoreConnections, _Conn
+from ddlcore.job.store_listen import listen_all, take
 from ddlcore.job.store_table import StoreTable, Wait
 
 log = logging.getLogger("ddlcore")
@@ -50,15 +54,19 @@ _ACCEPTS_PER_WAKE = 64
 _EMFILE_PAUSE_S = 0.1
 # Timers kept before the answered waits' stale ones are swept out.
 _COMPACT_TIMERS = 4096
+# What the selector holds for a listening socket (a connection's is its _Conn).
+_LISTENER = object()
 
 
 class StoreServer(StoreConnections):
-    """The rendezvous key-value server, listening on exactly ``host:port`` (port 0: any free port).
+    """The rendezvous key-value server, listening on ``host:port`` (port 0: any free port) on
+    every address ``host`` resolves to that this host has (``store_listen``).
 
     Parameters
     ----------
     host : str
-        Address to bind; only that address is served (``0.0.0.0`` only if given).
+        Name or address to bind; its addresses are served, no other (``0.0.0.0`` only if
+        given).
     port : int
         TCP port; the bound port is in ``self.port``.
     backlog : int
@@ -73,7 +81,7 @@ class StoreServer(StoreConnections):
     Raises
     ------
     RendezvousError
-        The address cannot be bound (in use, not an address of this host).
+        An address cannot be bound (in use), or none is an address of this host.
     """
 
     def __init__(
@@ -85,37 +93,28 @@ class StoreServer(StoreConnections):
         max_connections: int = MAX_CONNECTIONS,
         max_bytes: int = MAX_STORED_BYTES,
     ) -> None:
-        try:
-            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        except OSError as exc:
-            raise RendezvousError(
-                f"cannot serve the rendezvous store at {host}:{port}: "
-                f"{host!r} does not resolve ({exc})"
-            ) from None
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(backlog)
-        except OSError as exc:
-            sock.close()
-            raise RendezvousError(
-                f"cannot serve the rendezvous store at {host}:{port}: {exc.strerror or exc}; "
-                "is another job using that port, or is the address not one of this host's?"
-            ) from None
-        sock.setblocking(False)
+        listeners = take(host, port) or listen_all(host, port, backlog)
+        for sock in listeners:
+            sock.setblocking(False)
         self.host = host
-        self.port: int = sock.getsockname()[1]
+        self.port: int = listeners[0].getsockname()[1]
         if job_key is None:
             job_key = default_key(self.port)
         self.job_key = job_key
+        # This start of the job: clients learn it in their handshake and carry it in every
+        # later claim, so a process of another start (same secret, same port) is told apart.
+        self.job_id = secrets.token_bytes(JOB_ID_BYTES)
+        job_key.job_id = self.job_id
+        # rank -> (instance, pid, source, connections open): the process that holds the rank
+        self._members: dict[int, tuple[bytes, int, str, int]] = {}
         self.max_connections = max(1, int(max_connections))
-        self._sock = sock
+        self._listeners = listeners
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._selector.register(sock, selectors.EVENT_READ, None)
+        for sock in listeners:
+            self._selector.register(sock, selectors.EVENT_READ, _LISTENER)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._listening = True
         self._conns: dict[socket.socket, _Conn] = {}
@@ -133,8 +132,12 @@ class StoreServer(StoreConnections):
         self._thread.start()
 
     def sockname(self) -> tuple[str, int]:
-        """The address and port actually bound."""
-        return self._sock.getsockname()[:2]
+        """The (first) address and the port actually bound."""
+        return self._listeners[0].getsockname()[:2]
+
+    def socknames(self) -> list[tuple[str, int]]:
+        """Every address served, with the port."""
+        return [sock.getsockname()[:2] for sock in self._listeners]
 
     # --- the event loop -------------------------------------------------------------------
 
@@ -146,8 +149,8 @@ class StoreServer(StoreConnections):
                     timeout = max(0.0, self._timers[0][0] - time.monotonic())
                 for skey, events in self._selector.select(timeout):
                     obj = skey.fileobj
-                    if obj is self._sock:
-                        self._guarded(self._accept)
+                    if skey.data is _LISTENER:
+                        self._guarded(functools.partial(self._accept, obj))  # type: ignore[arg-type]
                     elif obj is self._wake_r:
                         self._drain_wake()
                     else:
@@ -164,7 +167,8 @@ class StoreServer(StoreConnections):
             for conn in list(self._conns.values()):
                 self._drop(conn, None)
             self._selector.close()
-            self._sock.close()
+            for sock in self._listeners:
+                sock.close()
             self._wake_r.close()
             self._wake_w.close()
 
@@ -181,10 +185,10 @@ class StoreServer(StoreConnections):
         except OSError:
             pass
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         for _ in range(_ACCEPTS_PER_WAKE):
             try:
-                sock, addr = self._sock.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -212,7 +216,12 @@ class StoreServer(StoreConnections):
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            acceptor = self.job_key.acceptor()
+            acceptor = self.job_key.acceptor(
+                STORE,
+                sock.getsockname(),
+                confirm=functools.partial(self._confirm, source=source),
+                answer=self.job_id,
+            )
             conn = _Conn(
                 sock, source, acceptor, time.monotonic() + HANDSHAKE_TIMEOUT_S, need=acceptor.wants
             )
@@ -224,9 +233,10 @@ class StoreServer(StoreConnections):
 
     def _pause_listening(self) -> None:
         if self._listening:
-            self._selector.unregister(self._sock)
+            for sock in self._listeners:
+                self._selector.unregister(sock)
             self._listening = False
-            self._timer(time.monotonic() + _EMFILE_PAUSE_S, self._sock)
+            self._timer(time.monotonic() + _EMFILE_PAUSE_S, _LISTENER)
 
     def _drop_oldest_pending(self, source: str | None) -> bool:
         pool = self._pending if source is None else self._pending_by_source.get(source, {})
@@ -253,9 +263,10 @@ class StoreServer(StoreConnections):
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, what = heapq.heappop(self._timers)
-            if what is self._sock:
+            if what is _LISTENER:
                 if not self._listening and not self._stop:
-                    self._selector.register(self._sock, selectors.EVENT_READ, None)
+                    for sock in self._listeners:
+                        self._selector.register(sock, selectors.EVENT_READ, _LISTENER)
                     self._listening = True
             elif isinstance(what, _Conn):
                 if self._live(what):
@@ -263,6 +274,56 @@ class StoreServer(StoreConnections):
             elif isinstance(what, Wait):
                 if self._live(what):
                     self._table.expire(what)
+
+    # --- the job's own failures at the door --------------------------------------------------
+
+    def _confirm(self, claim: Claim, *, source: str) -> str | None:
+        """After its proof: refuse a rank that another process of the job holds already, and
+        fail the job (two processes claim one rank: one is left from an earlier start)."""
+        if claim.src < 0:
+            return None
+        held = self._members.get(claim.src)
+        if held is None or held[0] == claim.instance:
+            return None
+        why = (
+            f"two processes claim rank {claim.src}: pid {held[1]} from {held[2]} joined first, "
+            f"pid {claim.pid} from {source} came later; one of them is left from an earlier "
+            "start of this job (same secret, same port): stop it, then start the job again"
+        )
+        self._table.fail(why)
+        return why
+
+    def _joined(self, conn: _Conn, claim: Claim) -> None:
+        if claim.src >= 0:
+            held = self._members.get(claim.src)
+            count = held[3] if held is not None else 0
+            self._members[claim.src] = (claim.instance, claim.pid, conn.source, count + 1)
+
+    def _left(self, conn: _Conn) -> None:
+        """A rank's process gives the rank back when its last connection closes (a process
+        that takes it later is no duplicate)."""
+        held = self._members.get(conn.rank) if conn.rank is not None else None
+        if held is not None:
+            if held[3] <= 1:
+                del self._members[conn.rank]  # type: ignore[arg-type]
+            else:
+                self._members[conn.rank] = (*held[:3], held[3] - 1)  # type: ignore[index]
+
+    def _mismatch(self, conn: _Conn) -> None:
+        """A connector's proof was wrong, or it found ours wrong: the secrets differ. Where the
+        connector is a process of this user on this host (the owner of its socket, from the
+        kernel's tables), it is the job's own rank, not a stranger: fail the job at once, so
+        that no rank waits out its timeout, saying where each secret came from. A stranger's
+        wrong proof, or one from another host, only drops its connection."""
+        claim = conn.acceptor.unproven if conn.acceptor is not None else None
+        if claim is None or claim.src < 0 or peer_uid(conn.sock) != os.getuid():
+            return
+        self._table.fail(
+            f"rank {claim.src} (pid {claim.pid}) holds another job secret than the store's: the "
+            f"store's comes from {self.job_key.origin or 'unknown'}, rank {claim.src}'s from "
+            f"{claim.origin or 'unknown'}; give every rank the same DDL_SECRET or "
+            "DDL_SECRET_FILE (or none: ddlrun and mpiexec provide one)"
+        )
 
     # --- what other threads may call --------------------------------------------------------
 

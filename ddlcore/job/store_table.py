@@ -68,6 +68,7 @@ class StoreTable:
         self._stored = 0
         self._waiters: dict[str, list[Wait]] = {}
         self._barriers: dict[str, _Barrier] = {}
+        self.failed: str | None = None  # why the job failed at the store (`fail`)
 
     def _answer(self, conn: Any, status: int, value: bytes = b"", arg: int = 0) -> None:
         self._answer_fn(conn, status, value, arg)
@@ -77,6 +78,22 @@ class StoreTable:
         self._data.clear()
         self._barriers.clear()
         self._stored = 0
+        self.failed = None
+
+    def fail(self, why: str) -> None:
+        """The job failed at its start (two processes claim a rank, the secrets differ): answer
+        every parked wait, and every request from now on, FAILED with ``why``, so that every
+        rank hears it at once instead of waiting out its timeout."""
+        if self.failed is None:
+            self.failed = why
+        reason = self.failed.encode("utf-8", "replace")
+        waits = [w for ws in self._waiters.values() for w in ws]
+        waits += [w for b in self._barriers.values() for w in b.waiting]
+        self._waiters.clear()
+        self._barriers.clear()
+        for wait in waits:
+            if wait.conn.wait is wait:
+                self._answer(wait.conn, wire.FAILED, reason)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -88,7 +105,9 @@ class StoreTable:
 
     def request(self, conn: Any, op: int, key: str, value: bytes, arg: int, wait_s: float) -> None:
         """Serve one request of ``conn`` (answered now, or parked until ``wait_s`` passes)."""
-        if op == wire.SET:
+        if self.failed is not None:
+            self._answer(conn, wire.FAILED, self.failed.encode("utf-8", "replace"))
+        elif op == wire.SET:
             self._set(conn, key, value, max(0, arg))
         elif op == wire.GET:
             if not self._try_get(conn, key):

@@ -1,9 +1,9 @@
 """The rendezvous store's wire format and limits, shared by its server (``store_server``) and its
 client (``store``).
 
-A connection first runs the job-key handshake (``ddlcore.job.auth``), the client claiming
-``ddl-store rank=R size=N`` (``-`` for an unknown rank or size); then requests and replies
-alternate, one at a time. Fixed binary headers, raw bytes after them; nothing is pickled:
+A connection first runs the job-key handshake (``ddlcore.job.auth``), the client claiming the
+store service and which rank of how many it is (``ddlcore.job.claims``); then requests and
+replies alternate, one at a time. Fixed binary headers, raw bytes after them; nothing is pickled:
 
 Request:  magic u16, op u8, flags u8 (0), key length u16, value length u32, arg i64, wait ms i64,
           then the key (UTF-8) and the value.
@@ -16,7 +16,6 @@ answered MISSING with a bitmap of the ranks that arrived (bit r of byte r // 8).
 
 from __future__ import annotations
 
-import re
 import struct
 
 MAX_KEY_BYTES = 1024
@@ -32,27 +31,7 @@ REPLY = struct.Struct("<HBBIq")
 
 SET, GET, ADD, WAIT_GE, CHECK, DELETE, BARRIER = 1, 2, 3, 4, 5, 6, 7
 OPS = frozenset((SET, GET, ADD, WAIT_GE, CHECK, DELETE, BARRIER))
-OK, MISSING, ERROR = 0, 1, 2
-
-_CLAIM = re.compile(rb"ddl-store rank=(-|\d{1,9}) size=(-|\d{1,9})")
-
-
-def encode_claim(rank: int | None, size: int | None) -> bytes:
-    """What a client claims in its handshake: the store, and which rank of how many it is."""
-    return (
-        f"ddl-store rank={'-' if rank is None else rank} size={'-' if size is None else size}"
-    ).encode()
-
-
-def decode_claim(claim: bytes) -> tuple[int | None, int | None] | None:
-    """(rank, size) from a store claim; None if it is not one."""
-    match = _CLAIM.fullmatch(claim)
-    if match is None:
-        return None
-    rank, size = (None if g == b"-" else int(g) for g in match.groups())
-    if rank is not None and size is not None and rank >= size:
-        return None
-    return rank, size
+OK, MISSING, ERROR, FAILED = 0, 1, 2, 3  # FAILED: the job failed at the store; the value says why
 
 
 def wait_ms(wait_s: float) -> int:

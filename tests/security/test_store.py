@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from ddlcore.errors import RendezvousError
 from ddlcore.job import store_wire as wire
 from ddlcore.job.auth import JobKey, new_secret
+from ddlcore.job.claims import STORE, Claim
 from ddlcore.job.store import StoreAuthenticationError, StoreClient, StoreServer
 from ddlcore.job.store_server import MAX_PENDING_PER_SOURCE
 from tests.harness import free_port, mpiexec_path, require, run_ranks
@@ -110,7 +112,7 @@ def _request(op: int, key: bytes, value: bytes = b"", arg: int = 0, wait_ms: int
 
 def _authenticated_socket(port: int, key: JobKey, rank: int | None = None) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    key.connect(sock, wire.encode_claim(rank, None), time.monotonic() + 10)
+    key.connect(sock, Claim(STORE, src=-1 if rank is None else rank), time.monotonic() + 10)
     return sock
 
 
@@ -149,23 +151,25 @@ def test_a_stranger_cannot_read_overwrite_or_delete_keys():
                 "127.0.0.1",
                 server.port,
                 5.0,
-                rank=1,
-                size=2,
                 job_key=JobKey(b"guessed", "job", "DDL_SECRET"),
             )
         message = str(info.value)
-        assert "rank 1" in message and "DDL_SECRET" in message and "DDL_SECRET_FILE" in message
+        assert "DDL_SECRET" in message and "DDL_SECRET_FILE" in message
         assert f"127.0.0.1:{server.port}" in message
         # Another job's key (the same secret, bound to another job) is refused as well.
         with pytest.raises(StoreAuthenticationError):
             StoreClient("127.0.0.1", server.port, 5.0, job_key=JobKey(secret, "other job"))
         # A correct-looking hello with a made-up proof: told "refused", then dropped.
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
-            claim = wire.encode_claim(1, 2)
-            raw.sendall(_HELLO.pack(_AUTH_MAGIC, 1, len(claim)) + os.urandom(32) + claim)
-            assert len(raw.recv(72, socket.MSG_WAITALL)) == 72
-            raw.sendall(os.urandom(32) + _request(wire.DELETE, b"g0/peer/0"))
-            assert struct.unpack("<II", raw.recv(8, socket.MSG_WAITALL)) == (_AUTH_MAGIC, 1)
+            claim = Claim(STORE, target=("127.0.0.1", server.port)).encode()
+            raw.sendall(_HELLO.pack(_AUTH_MAGIC, 2, len(claim)) + os.urandom(32) + claim)
+            assert len(raw.recv(72 + 16, socket.MSG_WAITALL)) == 72 + 16  # challenge + job id
+            raw.sendall(
+                struct.pack("<IHH", _AUTH_MAGIC, 0, 0)
+                + os.urandom(32)
+                + _request(wire.DELETE, b"g0/peer/0")
+            )
+            assert struct.unpack("<IHH", raw.recv(8, socket.MSG_WAITALL)) == (_AUTH_MAGIC, 1, 0)
             assert _hung_up(raw)
         assert owner.get("g0/peer/0") == b"the real record"
         assert not owner.check("n")
@@ -203,31 +207,41 @@ def _allreduce_job(rank, size, flag):
     return results
 
 
-def test_a_fake_rank_joining_first_is_refused_and_the_job_stays_exact(tmp_path):
+def _fake_rank(port: int) -> str:
+    """Another user's try at rank 1's place (runs as that user): a guessed secret, as soon as
+    rank 0's store listens; then a request with no handshake at all."""
+    said = []
+    fake = None
+    try:
+        fake = StoreClient(
+            "127.0.0.1", port, 30.0, rank=1, size=2, job_key=JobKey(b"guessed", str(port))
+        )
+    except StoreAuthenticationError:
+        said.append("refused")
+    if fake is not None:
+        fake.set("g0/peer/1", b"evil")
+        fake.close()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(_request(wire.SET, b"g0/peer/1", b"evil"))
+        if _hung_up(raw):
+            said.append("raw hung up")
+    return " ".join(said)
+
+
+def test_a_fake_rank_joining_first_is_refused_and_the_job_stays_exact(tmp_path, stranger):
+    """Another user's process claiming rank 1 with a guessed secret is refused and changes
+    nothing (a process of the job's own user doing so is taken for a misconfigured rank: the
+    next test)."""
     secret, port, flag = new_secret(), free_port(), str(tmp_path / "stranger-tried")
     outcome: dict[str, object] = {}
 
-    def stranger() -> None:
+    def stranger_acts() -> None:
         try:
-            # Take rank 1's place with a guessed secret, as soon as rank 0's store listens.
-            fake = None
-            try:
-                fake = StoreClient(
-                    "127.0.0.1", port, 30.0, rank=1, size=2, job_key=JobKey(b"guessed", str(port))
-                )
-            except StoreAuthenticationError as exc:
-                outcome["refused"] = str(exc)
-            if fake is not None:
-                fake.set("g0/peer/1", b"evil")
-                fake.close()
-            # And without any handshake: a request for rank 1's record slot.
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-                raw.sendall(_request(wire.SET, b"g0/peer/1", b"evil"))
-                outcome["raw hung up"] = _hung_up(raw)
+            outcome["said"] = stranger.run(_fake_rank, port)
         finally:
             open(flag, "w").close()
 
-    thread = threading.Thread(target=stranger)
+    thread = threading.Thread(target=stranger_acts)
     thread.start()
     try:
         results = run_ranks(
@@ -239,13 +253,103 @@ def test_a_fake_rank_joining_first_is_refused_and_the_job_stays_exact(tmp_path):
         )
     finally:
         thread.join(60)
-    assert "refused" in outcome and outcome["raw hung up"], outcome
+    assert outcome["said"] == "refused raw hung up", outcome
     for i, n in enumerate((1, 7, 1009, 65537)):
         expected = (
             np.random.default_rng([0, n]).standard_normal(n)
             + np.random.default_rng([1, n]).standard_normal(n)
         ).tobytes()
         assert results[0][i] == expected and results[1][i] == expected, n
+
+
+def _secret_job(rank, size, secrets_by_rank):
+    import ddlcore
+
+    os.environ["DDL_SECRET"] = secrets_by_rank[rank]
+    t0 = time.monotonic()
+    try:
+        with ddlcore.init(timeout=600):
+            return "joined", time.monotonic() - t0
+    except ddlcore.DDLError as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+
+
+def test_ranks_whose_secrets_differ_all_fail_at_once_saying_where_each_came_from():
+    """Rank 1 holds another secret: rank 1 is refused, and rank 0 (the store) does not wait out
+    its 600 s: the store knows the connector is a process of this user on this host, so it
+    fails the job for every rank, naming both secrets' origins."""
+    port = free_port()
+    results = run_ranks(
+        _secret_job,
+        2,
+        [new_secret(), new_secret()],
+        timeout=240,
+        env={"DDL_MASTER_PORT": str(port), "DDL_TRANSPORT": "tcp"},
+    )
+    (said0, took0), (said1, took1) = results
+    assert "holds another job secret" in said0 and "rank 1" in said0, said0
+    assert "DDL_SECRET" in said0, said0
+    assert "AuthenticationError" in said1 and "DDL_SECRET" in said1, said1
+    assert took0 < 120 and took1 < 120, results  # not the 600 s timeout
+
+
+def _claim_rank_1(port: str, secret: str, flag: str, tried: str) -> None:
+    """A rank 1 left from an earlier start (same secret, same port): it takes rank 1 as soon as
+    the store listens and holds it."""
+    from ddlcore.job.store import JobFailedError
+
+    key = JobKey(secret.encode(), port)
+    try:
+        client = StoreClient("127.0.0.1", int(port), 120.0, rank=1, size=2, job_key=key)
+    except Exception as exc:  # noqa: BLE001 - reported through the flag file
+        Path(tried).write_text(f"never joined: {exc!r}")
+        return
+    Path(flag).touch()
+    try:
+        client.barrier("init", 1, 2, 120.0)
+        Path(tried).write_text("the job went on with the stale rank")
+    except JobFailedError as exc:
+        Path(tried).write_text(f"failed: {exc}")
+    finally:
+        client.close()
+
+
+def _real_job(rank, size, flag):
+    import ddlcore
+
+    if rank == 1:  # the real rank 1 comes once the stale one holds its place
+        deadline = time.monotonic() + 120
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    try:
+        with ddlcore.init(timeout=600) as comm:
+            comm.barrier()
+            return "joined"
+    except ddlcore.DDLError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_stale_rank_from_an_earlier_start_is_named_and_the_job_fails_at_once(tmp_path):
+    """The per-user secret and a fixed port, no launcher: a rank 1 left retrying from an earlier
+    start takes rank 1 before the real one. The real rank 1 is refused, saying that two
+    processes claim rank 1, and every rank fails at once with that (none waits 600 s)."""
+    secret, port = new_secret(), free_port()
+    flag, tried = str(tmp_path / "stale-joined"), str(tmp_path / "stale-outcome")
+    stale = threading.Thread(target=_claim_rank_1, args=(str(port), secret, flag, tried))
+    stale.start()
+    try:
+        results = run_ranks(
+            _real_job,
+            2,
+            flag,
+            timeout=240,
+            env={"DDL_SECRET": secret, "DDL_MASTER_PORT": str(port), "DDL_TRANSPORT": "tcp"},
+        )
+    finally:
+        stale.join(180)
+    for said in results:
+        assert "two processes claim rank 1" in said, results
+    assert Path(tried).read_text().startswith("failed: "), Path(tried).read_text()
 
 
 # --- bounded -----------------------------------------------------------------------------------

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ddlcore.transports.tcp.protocol import PROTOCOL_VERSION as TCP_PROTOCOL_VERSION
 
 from ddlcore import config
 from ddlcore.job import auth
+from ddlcore.job.claims import JOB_ID_BYTES, NO_JOB_ID, STORE, TCP, Claim
 from tests.harness import run_ranks
 from tests.transports.conformance import rank_env
 
@@ -32,8 +34,9 @@ _V1_HELLO = struct.Struct("<IHHIIIHH")  # the hello of TCP protocol 1 (no proof)
 _V1_MAGIC = 0xDD1C7C90
 _AUTH_HELLO = struct.Struct("<IHH")
 _CHALLENGE_BYTES = 8 + auth.NONCE_BYTES + auth.MAC_BYTES
-_VERDICT = struct.Struct("<II")
-_REFUSED = 1
+_VERDICT = struct.Struct("<IHH")
+_PROOF = struct.Struct("<IHH")
+_WRONG_PROOF = 1
 
 
 # --- the job (runs in the rank processes) ---------------------------------------------------------
@@ -180,8 +183,32 @@ class Job:
         return self.results
 
 
-def tcp_claim(src: int, dst: int, channel: int = 0, nchannels: int = 1, size: int = 2) -> bytes:
-    return struct.pack("<4sHHIIIH", b"tcp\0", 2, nchannels, src, dst, size, channel)
+def store_job_id(store: tuple[str, int]) -> bytes:
+    """The job id a store gives in its challenge to any well-formed store claim: no secret, an
+    identity a stranger can learn (so the tests below give it to the stranger)."""
+    claim = Claim(STORE, src=-1, target=store).encode()
+    with socket.create_connection(store, timeout=5.0) as sock:
+        sock.sendall(auth_hello(claim)[0])
+        head = recv_all(sock, _CHALLENGE_BYTES + JOB_ID_BYTES)
+    assert len(head) == _CHALLENGE_BYTES + JOB_ID_BYTES, head
+    return head[_CHALLENGE_BYTES:]
+
+
+def tcp_claim(
+    src: int,
+    dst: int,
+    channel: int = 0,
+    nchannels: int = 1,
+    size: int = 2,
+    job_id: bytes = NO_JOB_ID,
+    target: tuple[str, int] = ("", 0),
+) -> bytes:
+    extra = struct.pack("<HHH", TCP_PROTOCOL_VERSION, nchannels, channel)
+    return Claim(TCP, src, dst, size, job_id, target, extra=extra).encode()
+
+
+def proof(mac: bytes) -> bytes:
+    return _PROOF.pack(auth._MAGIC, 0, 0) + mac
 
 
 def auth_hello(claim: bytes, nonce: bytes | None = None) -> tuple[bytes, bytes]:
@@ -218,7 +245,7 @@ def prove_with(addr: tuple[str, int], claim: bytes, proof_for) -> bytes:
 
 
 def assert_refused(verdict: bytes) -> None:
-    assert verdict[: _VERDICT.size] == _VERDICT.pack(auth._MAGIC, _REFUSED), verdict
+    assert verdict[: _VERDICT.size] == _VERDICT.pack(auth._MAGIC, _WRONG_PROOF, 0), verdict
     assert len(verdict) == _VERDICT.size, "the listener answered after refusing"
 
 
@@ -255,21 +282,32 @@ def test_stranger_claiming_a_rank_before_the_real_peer_is_refused(tmp_path):
     steps = 2000
     jb = Job(tmp_path, steps, timeout=30.0)
     victim = jb.addr(1)
-    claim = tcp_claim(0, 1)
+    job_id = store_job_id(("127.0.0.1", jb.master_port))
+    claim = tcp_claim(0, 1, job_id=job_id, target=victim)
     # Without the secret: a proof made with another key, and one of random bytes.
     wrong = auth.JobKey(b"not the job's secret", str(jb.master_port))
-    assert_refused(prove_with(victim, claim, lambda nc, na: wrong._mac(b"connect", claim, nc, na)))
-    assert_refused(prove_with(victim, claim, lambda nc, na: secrets.token_bytes(32)))
+    assert_refused(
+        prove_with(victim, claim, lambda nc, na: proof(wrong._mac(b"connect", claim, b"", nc, na)))
+    )
+    assert_refused(prove_with(victim, claim, lambda nc, na: proof(secrets.token_bytes(32))))
     # Replayed: the hello and proof of a real handshake sniffed earlier (made with the job's
     # key against the challenge of that time) do not answer today's challenge.
     real = auth.JobKey(jb.secret.encode(), str(jb.master_port))
+    real.job_id = job_id
     _, old_nonce_c = auth_hello(claim)
-    old_proof = real._mac(b"connect", claim, old_nonce_c, secrets.token_bytes(32))
+    old_proof = real._mac(b"connect", claim, b"", old_nonce_c, secrets.token_bytes(32))
     with socket.create_connection(victim, timeout=5.0) as sock:
         sock.sendall(auth_hello(claim, old_nonce_c)[0])
         assert len(recv_all(sock, _CHALLENGE_BYTES)) == _CHALLENGE_BYTES
-        sock.sendall(old_proof)
+        sock.sendall(proof(old_proof))
         assert_refused(recv_all(sock, _VERDICT.size + 12))
+    # A claim from another start of the job (another job id) gets no proof at all.
+    other = tcp_claim(0, 1, job_id=secrets.token_bytes(JOB_ID_BYTES), target=victim)
+    with socket.create_connection(victim, timeout=5.0) as sock:
+        sock.sendall(auth_hello(other)[0])
+        refusal = recv_all(sock, 512)
+        assert struct.unpack_from("<IHH", refusal)[:2] == (auth._MAGIC, 1), refusal
+        assert b"another start of this job" in refusal
     # Protocol 1's hello, claiming rank 0 with nchannels=2: nothing answers, nothing fails.
     assert poke(victim, v1_hello(dst=1)) == b""
     holder = socket.create_connection(victim, timeout=5.0)  # idle, there before the real peer
@@ -289,7 +327,7 @@ def test_stranger_claiming_a_rank_before_the_real_peer_is_refused(tmp_path):
         # A proven second connection for a channel already connected (what a rank restarted
         # by mistake would send) is refused with "duplicate" and changes nothing either.
         with socket.create_connection(victim, timeout=5.0) as sock:
-            real.connect(sock, claim, time.monotonic() + 5.0)
+            real.connect(sock, Claim.decode(claim), time.monotonic() + 5.0)
             magic, _, status, _, _ = struct.unpack("<IHHHH", recv_all(sock, 12))
             assert (magic, status) == (_V1_MAGIC, 3)
         results = jb.finish()
@@ -431,7 +469,7 @@ def test_ranks_holding_different_secrets_are_told_so():
             DDLTimeoutError,
             match=r"rank 0 has not connected to rank 1 yet; "
             r"rank 1's listener: 1 connection\(s\) refused, the last from "
-            r"127\.0\.0\.1:\d+: ConnectionResetError",
+            r"127\.0\.0\.1:\d+: .*could not check our proof",
         ):
             req.wait(0.5)
     finally:

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from ddlcore.errors import RendezvousError
+from ddlcore.job.claims import STORE, Claim
 from ddlcore.job.store import MAX_KEY_BYTES, MAX_VALUE_BYTES, PrefixStore, StoreClient, StoreServer
-from ddlcore.job.store_wire import encode_claim
 from tests.harness import free_port
 
 
@@ -185,7 +185,7 @@ def test_oversize_key_and_value_are_refused_by_the_client(server):
 def test_malformed_frames_close_the_connection(server, frame, authenticated):
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
         if authenticated:  # past the handshake, the request parser judges it
-            server.job_key.connect(raw, encode_claim(None, None), time.monotonic() + 5)
+            server.job_key.connect(raw, Claim(STORE), time.monotonic() + 5)
         raw.sendall(frame)
         try:
             answer = raw.recv(64)

@@ -32,8 +32,7 @@ from ddlcore.transports.tcp.protocol import (
     _ACK_NCHANNELS,
     _ACK_OK,
     _ACK_WRONG_PEER,
-    _CLAIM,
-    _CLAIM_LABEL,
+    _CLAIM_EXTRA,
     _CLOSE_TIMEOUT_S,
     _HANDSHAKE_TIMEOUT_S,
     _MAGIC,
@@ -43,7 +42,7 @@ from ddlcore.transports.tcp.protocol import (
 )
 
 from ddlcore.errors import RendezvousError
-from ddlcore.job.auth import AuthenticationError
+from ddlcore.job.claims import TCP, Claim
 
 
 class TcpContext(PairTableContext):
@@ -114,24 +113,16 @@ class TcpContext(PairTableContext):
     def _handshake(self, conn: socket.socket, address: tuple, deadline: float) -> bool:
         """A connection's handshake (on its own thread): its proof of the job's key and claim,
         then our answer. True: the socket now belongs to a pair."""
-        claim = self.key.accept(conn, deadline)
-        if len(claim) != _CLAIM.size:
-            raise AuthenticationError(f"a proven claim of {len(claim)} bytes, not a TCP channel's")
-        label, version, nch, src, dst, size, index = _CLAIM.unpack(claim)
-        if label != _CLAIM_LABEL:
-            raise AuthenticationError(f"a proven claim for {label!r}, not a TCP channel")
+        claim = self.key.accept(conn, deadline, TCP, check=self._check_claim)
+        version, nch, index = _CLAIM_EXTRA.unpack(claim.extra)
+        src = claim.src
         assert self._handshakes is not None
         if not self._handshakes.adopt(conn):  # dropped meanwhile (a cap, or close)
             return False
         status = _ACK_OK
         if self._closed:
             status = _ACK_CLOSED
-        elif (
-            version != PROTOCOL_VERSION
-            or dst != self.rank
-            or size != self.size
-            or not 0 <= src < self.rank
-        ):
+        elif version != PROTOCOL_VERSION or not 0 <= src < self.rank:
             status = _ACK_WRONG_PEER
         elif nch != self.nchannels or index >= nch:
             status = _ACK_NCHANNELS
@@ -146,6 +137,23 @@ class TcpContext(PairTableContext):
                 )
             return False
         return self._pair_for(src)._accept(index, conn) == _ACK_OK
+
+    def _check_claim(self, claim: Claim) -> str | None:
+        """Before any proof: a claim for this rank of this world, with TCP's fields."""
+        if len(claim.extra) != _CLAIM_EXTRA.size:
+            return f"a TCP claim with {len(claim.extra)} bytes of fields, not {_CLAIM_EXTRA.size}"
+        job_id = self.key.job_id
+        if job_id is not None and claim.job_id != job_id:
+            return (
+                "the connector is not of this start of the job (its claim carries job id "
+                f"{claim.job_id.hex()[:12]}, this job's is {job_id.hex()[:12]})"
+            )
+        if claim.dst != self.rank or claim.size != self.size:
+            return (
+                f"this is rank {self.rank} of {self.size}; the claim is for rank {claim.dst} "
+                f"of {claim.size}"
+            )
+        return None
 
     # `Context.run_steps`: small messages natively over the leased sockets.
     run_steps = steps.run_steps

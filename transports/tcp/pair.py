@@ -31,8 +31,7 @@ from ddlcore.transports.tcp.protocol import (
     _ACK_DUPLICATE,
     _ACK_NCHANNELS,
     _ACK_OK,
-    _CLAIM,
-    _CLAIM_LABEL,
+    _CLAIM_EXTRA,
     _CLOSE_TIMEOUT_S,
     _DATA,
     _HEADER,
@@ -51,6 +50,7 @@ from ddlcore.errors import (
     RendezvousError,
 )
 from ddlcore.job.auth import AuthenticationError
+from ddlcore.job.claims import TCP
 from ddlcore.job.store import StoreUnreachableError
 
 if TYPE_CHECKING:
@@ -153,8 +153,12 @@ class TcpPair(LazyPair, Pair):
         connection the peer's listener dropped before answering (too many pending handshakes
         there, strangers' perhaps) is tried again until ``deadline``."""
         ctx, peer = self._ctx, self.peer
-        claim = _CLAIM.pack(
-            _CLAIM_LABEL, PROTOCOL_VERSION, self._nch, self.rank, peer, ctx.size, index
+        claim = ctx.key.claim(
+            TCP,
+            src=self.rank,
+            dst=peer,
+            size=ctx.size,
+            extra=_CLAIM_EXTRA.pack(PROTOCOL_VERSION, self._nch, index),
         )
         what = f"rank {self.rank} could not connect to {where} (TCP channel {index})"
         pause = _RETRY_PAUSE_S[0]

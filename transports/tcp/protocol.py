@@ -14,12 +14,12 @@ if TYPE_CHECKING:
     from ddlcore.transports.tcp.channel import TcpRequest
 
 
-PROTOCOL_VERSION = 2  # 2: the hello is a claim proven with the job's key
+PROTOCOL_VERSION = 3  # 2: the hello is a claim proven with the job's key; 3: auth's claims
 _MAGIC = 0xDD1C7C90
 _HEADER = struct.Struct("<IHHIQQ")
-# The claim a connector proves: label, version, nchannels, src, dst, size, channel.
-_CLAIM = struct.Struct("<4sHHIIIH")
-_CLAIM_LABEL = b"tcp\0"
+# The TCP fields of a connector's claim (``ddlcore.job.claims.Claim.extra``; the ranks, the
+# world size, the job id and the address are the claim's own): version, nchannels, channel.
+_CLAIM_EXTRA = struct.Struct("<HHH")
 _ACK = struct.Struct("<IHHHH")  # magic, version, status, nchannels, 0
 _DATA, _ABORT, _CLOSE = 1, 2, 3
 _ACK_OK, _ACK_WRONG_PEER, _ACK_NCHANNELS, _ACK_DUPLICATE, _ACK_CLOSED = 0, 1, 2, 3, 4
