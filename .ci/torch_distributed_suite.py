@@ -13,7 +13,9 @@ except those it keeps for NCCL, MPI or UCC, or that need GPUs. Needs the `expect
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -27,6 +29,8 @@ if __name__ == "__main__":
     _args, _rest = _parser.parse_known_args()
     os.environ["WORLD_SIZE"] = str(_args.world_size)
     os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="ddl-torch-suite-")
+    # Ours to remove (the ranks, spawned, re-import this file without running this block).
+    atexit.register(shutil.rmtree, os.environ["TEMP_DIR"], ignore_errors=True)
     sys.argv = [sys.argv[0], *_rest]
 os.environ["BACKEND"] = "ddl"
 # torch's test runner takes CI=... for PyTorch's own CI: it would write XML reports through

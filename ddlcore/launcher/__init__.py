@@ -10,25 +10,41 @@ Local mode spawns N processes with the rendezvous variables set (``DDL_RANK``, `
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, and
 ``MASTER_PORT``: another free port, for ``init_process_group``'s store, never ddlcore's) and a
 fresh ``DDL_SECRET`` (in their environment, never on a command line), prefixes every line they print
-with ``[rank]``, and stops them all when one fails (SIGTERM to each rank's process group, SIGKILL
-after `GRACE_S`). Each rank dies with ddlrun, even when ddlrun is killed with SIGKILL: the kernel
-sends it SIGKILL when ddlrun exits (``PR_SET_PDEATHSIG``, set in the child before it runs the
-program, so it holds for any program, before it has imported anything). ``--bind-to core`` pins
-each rank to its share of the CPUs (`cpu_shares`; ddlrun runs on them while it starts the rank).
+with ``[rank]``, and stops them all when one fails (SIGTERM to every process of every rank,
+SIGKILL after `GRACE_S`). ``--bind-to core`` pins each rank to its share of the CPUs
+(`cpu_shares`; ddlrun runs on them while it starts the rank).
+
+Nothing a rank started outlives the job. Each rank leads a session of its own, which holds every
+process it starts, however deep (``ddlrun -np 2 sh -c 'python train.py'``: the shell and the
+Python under it); whenever the job ends, ddlrun ends those sessions whole
+(`ddlcore.launcher.sessions`) and removes the shared memory of the processes that did not close
+(and, with ``--hosts``, MPICH's that nothing uses: `ddlcore.launcher.mpich`). When ddlrun dies,
+even by SIGKILL: the kernel kills each rank it forked (``PR_SET_PDEATHSIG``, set in the child
+before it runs the program), and ddlrun's watchdog, a process of its own started before the ranks,
+sees ddlrun's end of a pipe close and kills the rest of the sessions
+(`ddlcore.launcher.watchdog`). Nothing goes to the filesystem (failure records travel through a
+pipe: `ddlcore.launcher.job`), so no end leaves a file behind.
 
 Which rank is to blame: a rank whose collective failed because of another rank (a
-`PeerFailureError`) writes that rank's number into ``DDL_FAILURE_DIR`` (`record_failure`, called
-by the communicator). Such ranks often exit before the rank that caused it (which may still be
-printing its traceback or closing), so ddlrun reports the first rank to fail that names no other
-rank, waiting up to `GRACE_S` for the rank the others name. Signals: the first SIGINT or SIGTERM
-is forwarded to the ranks (SIGINT is restored to its default in them, so a ddlrun started with
-SIGINT ignored, as a background job of a script is, still stops them); a second one sends
-SIGTERM, then SIGKILL after `GRACE_S`; a third sends SIGKILL.
+`PeerFailureError`) sends that rank's number to ddlrun through ``DDL_FAILURE_DIR``
+(`record_failure`, called by the communicator). Such ranks often exit before the rank that caused
+it (which may still be printing its traceback or closing), so ddlrun reports the first rank to
+fail that names no other rank, waiting up to `GRACE_S` for the rank the others name.
+
+Signals: the first SIGINT or SIGTERM is forwarded to the ranks (SIGINT is restored to its default
+in them, so a ddlrun started with SIGINT ignored, as a background job of a script is, still stops
+them); a second one sends SIGTERM, then SIGKILL after `GRACE_S`; a third sends SIGKILL.
 
 With ``--hosts`` it hands the job to an MPI launcher (``mpiexec`` from the mpich wheel, or the
 one on PATH, Hydra's syntax); ``ddlcore.init()`` then finds rank and size from the MPI launcher's
 variables, and the ranks agree on a secret over MPI (nothing secret goes on mpiexec's command
 line).
+
+Mistakes are found once, before any rank starts, and every error is one line
+(``ddlrun: error: ...``; the traceback of an unexpected one with ``DDL_DEBUG=1``): a missing
+script (``prog.py``, ``python [options] prog.py``), module (``-m``, looked up as the ranks' Python
+will: the working directory first) or command, and a transport that cannot run a local job
+(``mpi``, which needs an MPI launcher: ``--hosts``).
 """
 
 from __future__ import annotations
@@ -37,31 +53,33 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ddlcore import config
+from ddlcore.errors import DDLError
+from ddlcore.job import store_listen
 from ddlcore.job.placement import cpu_shares
+from ddlcore.launcher import mpich
 from ddlcore.launcher.job import GRACE_S as GRACE_S  # re-exported: tests read it here
-from ddlcore.launcher.job import LocalJob, _die_with_parent, _remove_shared_memory
+from ddlcore.launcher.job import LocalJob, _die_with_parent
 from ddlcore.launcher.job import record_failure as record_failure  # the communicator's import
 
 
-def _free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct free ports (all bound at once, so none is drawn twice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in socks:
+def _free_port(host: str, taken: int) -> int:
+    """A free port other than ``taken``, for torch's store (torch binds it itself)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+            port = s.getsockname()[1]
+        if port != taken:
+            return port
 
 
 def program_argv(prog: str, args: Sequence[str], module: bool) -> list[str]:
@@ -73,24 +91,85 @@ def program_argv(prog: str, args: Sequence[str], module: bool) -> list[str]:
     return [prog, *args]
 
 
-def check_program(prog: str, module: bool) -> None:
+# A Python interpreter's name, as a user types it: python, python3, python3.12.
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+def python_script(args: Sequence[str]) -> str | None:
+    """The file ``python ARGS`` runs: its first argument that is not an option or an option's
+    value; None where it runs no file (``-c``, ``-m``, ``-``, ``-V``, ``--help``)."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return args[i + 1] if i + 1 < len(args) else None
+        if arg == "--check-hash-based-pycs":  # the one long option with a value
+            i += 2
+            continue
+        if arg.startswith("--") or arg == "-":
+            return None  # --help, --version; "-": the program comes on stdin
+        if not arg.startswith("-"):
+            return arg
+        for j, letter in enumerate(arg[1:], 1):  # a cluster of short options, like -uBc
+            if letter in "cm":
+                return None
+            if letter in "WX":  # its value is the rest of this argument, else the next one
+                i += j == len(arg) - 1
+                break
+        i += 1
+    return None
+
+
+def _module_found(name: str) -> bool:
+    """Whether ``python -m name``, run in ddlrun's working directory, finds the module: that
+    directory first, then the path the ranks share with ddlrun (ddlrun's own first entry is its
+    script's directory, not the ranks'). Only the top-level package is looked up: finding a
+    submodule would import (run) its package here."""
+    top = name.partition(".")[0]
+    saved = sys.path[:]
+    rest = sys.path if getattr(sys.flags, "safe_path", False) else sys.path[1:]
+    sys.path[:] = [os.getcwd(), *rest]
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path[:] = saved
+
+
+def check_program(prog: str, module: bool, args: Sequence[str] = ()) -> None:
     """Raise ValueError (one line) if the program cannot be started here: better once in ddlrun
-    than once per rank."""
+    than once per rank. ``args``: the program's arguments (``python``'s name its script)."""
     if module:
-        try:
-            found = importlib.util.find_spec(prog) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not _module_found(prog):
             raise ValueError(f"no module named {prog!r} (for python -m)")
     elif prog.endswith(".py"):
         if not os.path.isfile(prog):
             raise ValueError(f"no such script: {prog}")
     elif os.sep in prog:
+        if not os.path.exists(prog):
+            raise ValueError(f"no such file: {prog}")
         if not (os.path.isfile(prog) and os.access(prog, os.X_OK)):
-            raise ValueError(f"no such executable: {prog}")
+            raise ValueError(f"not executable: {prog} (name its interpreter: sh {prog}, ...)")
     elif shutil.which(prog) is None:
-        raise ValueError(f"command not found: {prog}")
+        hint = f" (the file here is ./{prog})" if os.path.isfile(prog) else ""
+        raise ValueError(f"command not found: {prog}{hint}")
+    if not module and _PYTHON.fullmatch(os.path.basename(prog)):
+        script = python_script(args)
+        if script is not None and not os.path.exists(script):  # a directory or zip runs too
+            raise ValueError(f"no such script: {script}")
+
+
+def check_transport(option: str | None) -> None:
+    """Raise ValueError (one line) if the transport, from ``--transport`` or else the
+    environment, cannot carry a local job."""
+    spec = config.get("DDL_TRANSPORT") if option is None else option.strip().lower()
+    if spec == "mpi":
+        where = "--transport mpi" if option is not None else "DDL_TRANSPORT=mpi"
+        raise ValueError(
+            f"{where} cannot run a local job: the mpi transport needs ranks started by an MPI "
+            "launcher (ddlrun --hosts, or mpiexec)"
+        )
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -141,8 +220,15 @@ def mpiexec_command(
     return argv + command
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (``ddlrun -h`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ddlrun",
         description="Start the ranks of a ddlcore job.",
         usage="ddlrun -np N [options] (prog.py | -m module | command) [args...]",
@@ -226,7 +312,33 @@ def _secret_env() -> dict[str, str]:
     return {"DDL_SECRET": auth.new_secret()}
 
 
+def _debug() -> bool:
+    try:
+        return bool(config.get("DDL_DEBUG"))
+    except ValueError:
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """ddlrun: parse, check, run; an error that escapes is one line (its traceback with
+    ``DDL_DEBUG=1``)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the ranks' signal handling is in place, or after it
+        print("ddlrun: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Exception as exc:
+        if _debug():
+            raise
+        text = " ".join(str(exc).split()) or "(no message)"
+        print(
+            f"ddlrun: error: {type(exc).__name__}: {text} (DDL_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.np < 1:
@@ -239,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         forwarded = _forwarded(args)
         if not args.hosts:  # other hosts may hold files this one lacks
-            check_program(prog, args.module)
+            check_program(prog, args.module, prog_args)
+            check_transport(args.transport)
     except ValueError as exc:
         parser.error(str(exc))
     command = program_argv(prog, prog_args, args.module)
@@ -253,10 +366,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpus = cpu_shares(args.np, os.sched_getaffinity(0)) if args.bind_to == "core" else None
     env = dict(forwarded)
     env.update(_secret_env())
-    # Two ports: ddlcore's store, and torch's (a script's init_process_group serves it).
-    ports = _free_ports(args.master_addr, 2)
-    ddl_port = args.master_port or ports[0]
-    torch_port = ports[1] if ports[1] != ddl_port else ports[0]
+    # Two ports: ddlcore's store, and torch's (a script's init_process_group serves it). The
+    # store's sockets are bound here and handed to rank 0 (DDL_STORE_FDS), so no other process
+    # can take the port between its choice and rank 0's start.
+    try:
+        store_socks = store_listen.listen_all(args.master_addr, args.master_port or 0)
+    except DDLError as exc:
+        parser.error(str(exc))
+    ddl_port = store_socks[0].getsockname()[1]
+    torch_port = _free_port(args.master_addr, ddl_port)
     env.update(
         {
             "DDL_MASTER_ADDR": args.master_addr,
@@ -265,29 +383,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             "MASTER_PORT": str(torch_port),
         }
     )
-    failure_dir = tempfile.mkdtemp(prefix="ddlrun-")
     try:
-        try:
-            job = LocalJob(
-                command,
-                args.np,
-                env,
-                prefix=not args.no_prefix,
-                failure_dir=failure_dir,
-                cpus=cpus,
-            )
-        except OSError as exc:
-            print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
-            return 127
+        job = LocalJob(
+            command, args.np, env, prefix=not args.no_prefix, cpus=cpus, store_socks=store_socks
+        )
+    except OSError as exc:
+        print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+    finally:
+        for sock in store_socks:  # rank 0 holds them now
+            sock.close()
+    try:
         old = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             code = job.wait(args.job_timeout)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-            _remove_shared_memory(job)
     finally:
-        shutil.rmtree(failure_dir, ignore_errors=True)
+        job.close()
     return code
 
 
@@ -310,10 +424,24 @@ def _run_mpiexec(
         )
     except ValueError as exc:
         parser.error(str(exc))
+    _remove_mpich_leftovers()  # of jobs whose mpiexec was killed: MPICH never removes them
     # mpiexec dies with us too; its proxies then stop the ranks (they lose their connection).
     proc = subprocess.Popen(argv_mpi, preexec_fn=_die_with_parent())
     while True:
         try:
-            return proc.wait()
+            code = proc.wait()
+            break
         except KeyboardInterrupt:  # mpiexec got the terminal's Ctrl-C too: let it finish
             continue
+    _remove_mpich_leftovers()
+    return code
+
+
+def _remove_mpich_leftovers() -> None:
+    removed = mpich.remove_dead_segments()
+    if removed:
+        print(
+            f"ddlrun: removed {len(removed)} unused MPICH shared-memory file(s) "
+            f"({mpich.SHM_DIR}/{mpich.PREFIX}*) left by killed jobs",
+            file=sys.stderr,
+        )

@@ -1,7 +1,13 @@
-"""ddlrun's local job: spawn N ranks (each dies with ddlrun), copy their output with a ``[rank]``
-prefix, forward and escalate signals, stop them all when one fails, and name the rank that failed
-first, from what each rank recorded with `record_failure` (the rank's half, called by the
-communicator). `ddlcore.launcher` parses the command line and starts a `LocalJob` or mpiexec.
+"""ddlrun's local job: spawn N ranks (each in a session of its own, ended with ddlrun however
+ddlrun ends), copy their output with a ``[rank]`` prefix, forward and escalate signals, stop them
+all when one fails, and name the rank that failed first, from what each rank recorded with
+`record_failure` (the rank's half, called by the communicator). `ddlcore.launcher` parses the
+command line and starts a `LocalJob` or mpiexec.
+
+Failure records travel through a pipe that ddlrun holds, not through files: ``DDL_FAILURE_DIR``
+names ddlrun's write end as ``/proc/<ddlrun's pid>/fd/<n>``, which any process of the job can
+open (a wrapper's program too: nothing needs to be inherited) and which vanishes with ddlrun, so
+no end of a job, SIGKILL included, leaves anything in the filesystem.
 """
 
 from __future__ import annotations
@@ -10,51 +16,87 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from ddlcore import config
+from ddlcore.launcher import sessions
+
+if TYPE_CHECKING:
+    from ddlcore.launcher.watchdog import Watchdog
 
 GRACE_S = 3.0
 _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
+# Bounds the final sweep of the ranks' sessions (SIGKILLed processes exit at once unless stuck
+# in the kernel).
+_SWEEP_TIMEOUT_S = 30.0
+_SESSION_POLL_S = 0.05  # a look at every process's /proc entry: not every _POLL_S
 
 
 # --- the rank's half: what failed first ------------------------------------------------------
 def record_failure(rank: int, exc: BaseException) -> None:
-    """Called by a rank whose collective failed: record in ``DDL_FAILURE_DIR`` (set by ddlrun;
-    nothing to do without it) the rank that failed first as far as this rank knows: the peer a
-    `PeerFailureError` names, the origin a relayed timeout or mismatch carries, else this rank.
-    The first failure of a process is kept."""
-    directory = config.get("DDL_FAILURE_DIR")
-    if not directory:
+    """Called by a rank whose collective failed: tell ddlrun, through the pipe that
+    ``DDL_FAILURE_DIR`` names (set by ddlrun; nothing to do without it), the rank that failed
+    first as far as this rank knows: the peer a `PeerFailureError` names, the origin a relayed
+    timeout or mismatch carries, else this rank. ddlrun keeps the first record of each rank."""
+    where = config.get("DDL_FAILURE_DIR")
+    if not where:
         return
     from ddlcore.errors import failure_origin
 
     found = failure_origin(exc)
     origin = rank if found is None else found
-    try:
-        fd = os.open(
-            os.path.join(directory, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
-        )
-    except OSError:  # recorded already, or ddlrun's directory is gone: nothing to add
+    try:  # non-blocking: a full pipe or a gone ddlrun costs the record, never a hang
+        fd = os.open(where, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ddlrun is gone (or this is not a ddlrun job's pipe)
         return
     try:
-        os.write(fd, f"{origin}\n".encode())
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.write(fd, f"{rank} {origin}\n".encode())  # one write under PIPE_BUF: atomic
+    except OSError:
+        pass
     finally:
         os.close(fd)
 
 
-def _recorded_origin(directory: str, rank: int) -> int | None:
-    try:
-        with open(os.path.join(directory, str(rank))) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
+class _FailureRecords:
+    """ddlrun's end of the pipe the ranks write `record_failure`'s lines into."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()  # neither is inherited by the ranks
+        os.set_blocking(self._read, False)
+        self.path = f"/proc/{os.getpid()}/fd/{self._write}"
+        self._partial = b""
+
+    def read(self, origins: dict[int, int]) -> None:
+        """Add the records that arrived to ``origins`` (rank -> origin; a rank's first kept)."""
+        while True:
+            try:
+                chunk = os.read(self._read, 4096)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            self._partial += chunk
+        *lines, self._partial = self._partial.split(b"\n")
+        for line in lines:
+            try:
+                rank, origin = (int(w) for w in line.split())
+            except ValueError:  # not a record: a stray writer
+                continue
+            origins.setdefault(rank, origin)
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 # --- ddlrun's half ----------------------------------------------------------------------------
@@ -132,7 +174,11 @@ def _forking_on(cpus: Sequence[int] | None, rank: int) -> Iterator[None]:
 
 
 class LocalJob:
-    """N local ranks, their output pumps, and the decision of which rank failed first."""
+    """N local ranks, their output pumps, and the decision of which rank failed first.
+
+    Each rank leads a session of its own; every end of the job ends those sessions whole
+    (`close`, or the watchdog if ddlrun dies first: `ddlcore.launcher.watchdog`), so nothing a
+    rank started outlives the job, a wrapper's program included."""
 
     def __init__(
         self,
@@ -140,17 +186,22 @@ class LocalJob:
         np_: int,
         env: dict[str, str],
         prefix: bool,
-        failure_dir: str,
         cpus: Sequence[Sequence[int]] | None = None,
+        store_socks: Sequence[socket.socket] = (),
     ) -> None:
         """Start the ranks; ``cpus[rank]``: the CPUs that rank runs on (None: wherever the
-        kernel puts it)."""
+        kernel puts it); ``store_socks``: the store's listening sockets, inherited by rank 0
+        alone (``DDL_STORE_FDS``). Raises OSError if a rank cannot be started (those started
+        are stopped)."""
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[_Output] = []
-        self.failure_dir = failure_dir
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when seen, exit code)
+        self.origins: dict[int, int] = {}  # rank -> the rank it recorded as failing first
         self.signals: list[int] = []  # signals ddlrun received, in order
         self.kill_at: float | None = None  # SIGKILL every rank then (an escalated stop)
+        self.ended: set[int] = set()  # pids of the ranks' processes killed at the end
+        self.failures = _FailureRecords()
+        self.watchdog = _start_watchdog()
         preexec = _die_with_parent()
         try:
             for rank in range(np_):
@@ -166,22 +217,29 @@ class LocalJob:
                         "WORLD_SIZE": str(np_),
                         "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(np_),
-                        "DDL_FAILURE_DIR": failure_dir,
+                        "DDL_FAILURE_DIR": self.failures.path,
                         "PYTHONUNBUFFERED": "1",
                     }
                 )
+                fds = tuple(sock.fileno() for sock in store_socks) if rank == 0 else ()
+                if fds:
+                    child_env["DDL_STORE_FDS"] = ",".join(map(str, fds))
                 with _forking_on(None if cpus is None else cpus[rank], rank):
                     proc = subprocess.Popen(
                         command,
                         env=child_env,
                         start_new_session=True,
                         preexec_fn=preexec,
+                        pass_fds=fds,
                         stdout=subprocess.PIPE if prefix else None,
                         stderr=subprocess.PIPE if prefix else None,
                     )
                 self.procs.append(proc)
+                if self.watchdog is not None:
+                    self.watchdog.watch(proc.pid)  # its session id
         except BaseException:
             self.stop()
+            self.close()
             raise
         # Threads only now: forking with other threads running is what preexec_fn must avoid.
         for rank, proc in enumerate(self.procs):
@@ -209,17 +267,46 @@ class LocalJob:
             self.signal_all(signal.SIGKILL)
 
     def stop(self, skip: int | None = None) -> None:
-        """SIGTERM every other rank's process group, SIGKILL whatever is left after the grace."""
-        self.signal_all(signal.SIGTERM, skip)
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(_POLL_S)
+        """SIGTERM every process of the ranks' sessions (where they cannot be listed, the
+        process groups of the ranks still running but ``skip``), SIGKILL what is left of them
+        after the grace."""
+        if sessions.visible():
+            self.ended |= sessions.signal_sessions([p.pid for p in self.procs], signal.SIGTERM)
+        else:
+            self.signal_all(signal.SIGTERM, skip)
+        self._end_sessions(time.monotonic() + GRACE_S)
+
+    def _end_sessions(self, deadline: float) -> None:
+        """Wait until ``deadline`` for every process of the ranks' sessions to exit, SIGKILL
+        those left (a wrapper's program, a rank's children: at a normal end too, as a batch
+        system ends a job step), and reap the ranks."""
+        sids = [p.pid for p in self.procs]
+        while time.monotonic() < deadline:
+            live = sessions.members(sids)
+            self.ended |= live.keys()  # their pids, for their shared memory
+            if not live and all(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(_SESSION_POLL_S)
+        self.ended |= sessions.kill_sessions(sids, _SWEEP_TIMEOUT_S)
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             proc.wait()
+
+    def close(self) -> None:
+        """The end of the job: stop what still runs (ddlrun was interrupted before `wait`
+        ended), remove the shared memory of ranks that did not close, release the watchdog and
+        the failure pipe."""
+        if any(p.poll() is None for p in self.procs):
+            self.stop()
+        removed = sessions.remove_shared_memory(self.ended | {p.pid for p in self.procs})
+        if removed:
+            print(
+                f"ddlrun: removed {len(removed)} shared-memory segment(s) left by ranks that "
+                "did not close",
+                file=sys.stderr,
+            )
+        if self.watchdog is not None:
+            self.watchdog.release()
+        self.failures.close()
 
     def _poll(self) -> None:
         now = time.monotonic()
@@ -228,6 +315,7 @@ class LocalJob:
                 code = proc.poll()
                 if code is not None:
                     self.exits[rank] = (now, code)
+        self.failures.read(self.origins)  # after: a rank records before it exits
 
     def culprit(self, settled: bool) -> int | None:
         """The rank to blame among those that exited with an error, or None to wait longer.
@@ -238,7 +326,7 @@ class LocalJob:
         failed = sorted((when, rank) for rank, (when, code) in self.exits.items() if code != 0)
         if not failed:
             return None
-        origins = {rank: _recorded_origin(self.failure_dir, rank) for _, rank in failed}
+        origins = {rank: self.origins.get(rank) for _, rank in failed}
         roots = [rank for _, rank in failed if origins[rank] in (None, rank)]
         if roots:
             return roots[0]
@@ -249,7 +337,8 @@ class LocalJob:
 
     def wait(self, job_timeout: float | None) -> int:
         """Exit code of the job: 0, the culprit's code (128 + signal if a signal killed it),
-        128 + the signal that stopped ddlrun, or 124 on --job-timeout."""
+        128 + the signal that stopped ddlrun, or 124 on --job-timeout. Every rank's session
+        has ended when it returns."""
         deadline = None if job_timeout is None else time.monotonic() + job_timeout
         first_failure: float | None = None
         while True:
@@ -279,6 +368,7 @@ class LocalJob:
                 self._drain()
                 return 124
             time.sleep(_POLL_S)
+        self._end_sessions(time.monotonic() + GRACE_S)
         self._drain()
         if self.signals:
             name = signal.Signals(self.signals[0]).name
@@ -290,12 +380,13 @@ class LocalJob:
         code = self.exits[rank][1]
         what = f"code {code}" if code > 0 else _signal_name(code)
         others = sum(1 for p in self.procs if p.poll() is None)
-        print(
-            f"ddlrun: rank {rank} exited with {what}; terminating the other {others} "
-            f"rank{'s' if others != 1 else ''}",
-            file=sys.stderr,
-            flush=True,
-        )
+        if others == 0:
+            stopping = ""
+        elif others == 1:
+            stopping = "; terminating the other rank"
+        else:
+            stopping = f"; terminating the other {others} ranks"
+        print(f"ddlrun: rank {rank} exited with {what}{stopping}", file=sys.stderr, flush=True)
         self.stop(skip=rank)
         self._drain()
         return code if code > 0 else 128 - code
@@ -305,17 +396,15 @@ class LocalJob:
             pump.thread.join(5)
 
 
-def _remove_shared_memory(job: LocalJob) -> None:
-    """Ranks killed before closing leave their shm segments behind; every rank has exited now,
-    so whatever carries their pids is garbage."""
+def _start_watchdog() -> Watchdog | None:
+    from ddlcore.launcher.watchdog import Watchdog  # not at import: it runs as python -m
+
     try:
-        from ddlcore.transports.shm import remove_segments_of
-    except ImportError:  # the shm transport is not built: it made nothing
-        return
-    removed = remove_segments_of({p.pid for p in job.procs if p.poll() is not None})
-    if removed:
+        return Watchdog()
+    except OSError as exc:
         print(
-            f"ddlrun: removed {len(removed)} shared-memory segment(s) left by ranks that did "
-            "not close",
+            f"ddlrun: cannot start the watchdog ({exc.strerror}): if ddlrun is killed, "
+            "processes its ranks started may outlive it",
             file=sys.stderr,
         )
+        return None

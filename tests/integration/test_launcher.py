@@ -93,6 +93,16 @@ def test_failing_rank_stops_the_others(tmp_path, mode, code, word):
     assert not any(_alive(p) for p in pids), "a sleeping rank survived ddlrun"
 
 
+def test_the_stop_message_counts_the_ranks_it_stops(tmp_path):
+    res = _run(["-np", "2", str(SCRIPTS / "fail_or_sleep.py"), "exit", str(tmp_path)])
+    assert res.returncode == 3, res.stderr
+    assert "ddlrun: rank 1 exited with code 3; terminating the other rank\n" in res.stderr
+    # Nobody left to stop: no such clause.
+    res = _run(["-np", "1", sys.executable, "-c", "raise SystemExit(5)"])
+    assert res.returncode == 5, res.stderr
+    assert "ddlrun: rank 0 exited with code 5\n" in res.stderr and "terminat" not in res.stderr
+
+
 def _start_sleepers(tmp_path, *ignored: str, preexec_fn=None) -> subprocess.Popen:
     """ddlrun with 2 sleeping ranks (ignoring the signals named), once both are up."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
@@ -159,34 +169,32 @@ def test_the_rank_that_failed_first_is_named(mode, code):
 
 
 def _job_with_exits(
-    directory: pathlib.Path, exits: dict[int, tuple[float, int]], origins: dict[int, int]
+    exits: dict[int, tuple[float, int]], origins: dict[int, int]
 ) -> launcher.LocalJob:
     """A LocalJob of 4 ranks as `LocalJob.wait` sees it: exit times and codes, and the origins
-    the failed ranks recorded (what `launcher.record_failure` writes)."""
-    directory.mkdir()
+    the failed ranks recorded (what `launcher.record_failure` sends)."""
     job = launcher.LocalJob.__new__(launcher.LocalJob)
-    job.procs, job.exits, job.failure_dir = [None] * 4, dict(exits), str(directory)
-    for rank, origin in origins.items():
-        (directory / str(rank)).write_text(f"{origin}\n")
+    job.procs, job.exits, job.origins = [None] * 4, dict(exits), dict(origins)
     return job
 
 
-def test_ranks_that_all_failed_before_ddlrun_looked_fail_the_job(tmp_path):
+def test_ranks_that_all_failed_before_ddlrun_looked_fail_the_job():
     # On a loaded machine every rank may be gone by ddlrun's first look: still a failed job.
-    job = launcher.LocalJob(
-        [sys.executable, "-c", "raise SystemExit(5)"], 3, {}, False, str(tmp_path)
-    )
-    for proc in job.procs:
-        proc.wait(60)
-    assert job.wait(None) == 5
+    job = launcher.LocalJob([sys.executable, "-c", "raise SystemExit(5)"], 3, {}, False)
+    try:
+        for proc in job.procs:
+            proc.wait(60)
+        assert job.wait(None) == 5
+    finally:
+        job.close()
 
 
-def test_culprit_rules(tmp_path):
+def test_culprit_rules():
     # A failed rank naming no other rank beats earlier ranks that name one.
-    job = _job_with_exits(tmp_path / "a", {0: (1.0, 1), 2: (1.1, 1), 1: (1.2, 7)}, {0: 1, 2: 1})
+    job = _job_with_exits({0: (1.0, 1), 2: (1.1, 1), 1: (1.2, 7)}, {0: 1, 2: 1})
     assert job.culprit(settled=False) == 1
     # Only relayed failures so far, and the rank they name still runs: wait for it ...
-    job = _job_with_exits(tmp_path / "b", {0: (1.0, 1), 2: (1.1, 1)}, {0: 3, 2: 3})
+    job = _job_with_exits({0: (1.0, 1), 2: (1.1, 1)}, {0: 3, 2: 3})
     assert job.culprit(settled=False) is None
     # ... until the grace has passed: then the first to fail is named ...
     assert job.culprit(settled=True) == 0
@@ -194,11 +202,11 @@ def test_culprit_rules(tmp_path):
     job.exits[3] = (1.2, 0)
     assert job.culprit(settled=False) == 0
     # Own failures (no record, or the rank names itself): the first to exit, ties by rank.
-    job = _job_with_exits(tmp_path / "c", {3: (1.0, -9), 1: (1.0, 1), 2: (0.9, 1)}, {2: 2})
+    job = _job_with_exits({3: (1.0, -9), 1: (1.0, 1), 2: (0.9, 1)}, {2: 2})
     assert job.culprit(settled=False) == 2
-    job = _job_with_exits(tmp_path / "d", {3: (1.0, -9), 1: (1.0, 1)}, {})
+    job = _job_with_exits({3: (1.0, -9), 1: (1.0, 1)}, {})
     assert job.culprit(settled=False) == 1
-    job = _job_with_exits(tmp_path / "e", {3: (1.0, 0)}, {})
+    job = _job_with_exits({3: (1.0, 0)}, {})
     assert job.culprit(settled=True) is None  # nobody failed
 
 
@@ -276,6 +284,113 @@ def test_mistakes_get_one_line_from_ddlrun_before_spawning(tmp_path):
     assert "args" not in usage.replace("[args...]", ""), usage
 
 
+def test_python_and_a_missing_script_get_one_line_before_spawning(tmp_path):
+    missing = tmp_path / "missing.py"
+    for program in (
+        [sys.executable, str(missing)],
+        [sys.executable, "-u", "-W", "ignore", str(missing), "--lr", "0.1"],
+    ):
+        res = _run(["-np", "2", *program])
+        assert f"no such script: {missing}" in _error_line(res), res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr  # no rank said anything
+    # What runs no file is not checked.
+    res = _run(["-np", "1", sys.executable, "-c", "print('ran')"])
+    assert res.returncode == 0 and "[0] ran" in res.stdout, res.stderr
+
+
+def test_python_script_finds_the_file_among_pythons_options():
+    assert launcher.python_script(["-u", "-W", "ignore", "-X", "dev", "a.py", "-c"]) == "a.py"
+    assert launcher.python_script(["-Wignore", "-OO", "a.py"]) == "a.py"
+    assert launcher.python_script(["--", "a.py"]) == "a.py"
+    for no_file in (["-c", "x"], ["-uc", "x"], ["-m", "mod"], ["-"], ["-V"], ["--help"], []):
+        assert launcher.python_script(no_file) is None, no_file
+
+
+def test_a_transport_that_cannot_run_locally_is_refused(tmp_path):
+    line = _error_line(_run(["-np", "2", "--transport", "mpi", str(SCRIPTS / "show_env.py")]))
+    assert "--transport mpi cannot run a local job" in line and "--hosts" in line, line
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    res = subprocess.run(
+        DDLRUN + ["-np", "2", str(SCRIPTS / "show_env.py")],
+        env={**env, "DDL_TRANSPORT": "mpi"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "DDL_TRANSPORT=mpi cannot run a local job" in _error_line(res), res.stderr
+
+
+# As the ``ddlrun`` console script runs: the first entry of its sys.path is its own directory,
+# not the working directory (``python -m ddlcore.launcher`` would put the latter there).
+_DDLRUN_SCRIPT = [
+    sys.executable,
+    "-c",
+    "import os, sys; sys.path[0] = os.path.dirname(sys.executable); "
+    "from ddlcore.launcher import main; sys.exit(main(sys.argv[1:]))",
+]
+
+
+def test_a_module_is_found_in_the_working_directory_as_python_m_finds_it(tmp_path):
+    (tmp_path / "hellomod.py").write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    res = subprocess.run(
+        _DDLRUN_SCRIPT + ["-np", "2", "-m", "hellomod"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[0] hello from 0", "[1] hello from 1"]
+    # Still refused where python -m would not find it, and without importing a package.
+    res = subprocess.run(
+        _DDLRUN_SCRIPT + ["-np", "2", "-m", "hellomod"],
+        cwd=tmp_path.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "no module named 'hellomod'" in _error_line(res)
+
+
+def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something broke\nover two lines")
+
+    monkeypatch.delenv("DDL_DEBUG", raising=False)
+    monkeypatch.delenv("DDL_TRANSPORT", raising=False)
+    monkeypatch.setattr(launcher, "LocalJob", broken)
+    assert launcher.main(["-np", "1", sys.executable, "-V"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ddlrun: error: RuntimeError: something broke" in err, err
+    monkeypatch.setenv("DDL_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="something broke"):
+        launcher.main(["-np", "1", sys.executable, "-V"])
+
+
+def test_ddl_bench_says_an_init_error_in_one_line_per_rank():
+    res = _run(["-np", "2", "-m", "ddlcore.bench", "--transport", "mpi", "-e", "8"])
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    # The first rank to fail gets the other stopped, maybe before it got that far itself.
+    lines = [line for line in res.stderr.splitlines() if line.startswith("[")]
+    assert 1 <= len(lines) <= 2 and len({line[:4] for line in lines}) == len(lines), res.stderr
+    for line in lines:
+        assert line[4:].startswith("ddl-bench: ") and "DDL_TRANSPORT=mpi cannot" in line, line
+    # DDL_DEBUG=1: the traceback, for whoever debugs it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDL_")}
+    res = subprocess.run(
+        DDLRUN + ["-np", "2", "-m", "ddlcore.bench", "--transport", "mpi", "-e", "8"],
+        env={**env, "DDL_DEBUG": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1 and "Traceback" in res.stderr, res.stderr
+
+
 _SHOW_CPUS = "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"
 
 
@@ -300,10 +415,10 @@ def test_bind_to_core_is_refused_with_hosts():
     )
 
 
-def test_a_cpu_that_cannot_be_used_fails_before_the_rank_starts(tmp_path):
+def test_a_cpu_that_cannot_be_used_fails_before_the_rank_starts():
     before = os.sched_getaffinity(0)
     with pytest.raises(OSError, match=r"cannot bind rank 0 to CPUs \[100000\]"):
-        launcher.LocalJob([sys.executable, "-V"], 2, {}, False, str(tmp_path), cpus=[[100000], [0]])
+        launcher.LocalJob([sys.executable, "-V"], 2, {}, False, cpus=[[100000], [0]])
     assert os.sched_getaffinity(0) == before
 
 
@@ -417,3 +532,13 @@ def test_no_shared_memory_left_when_ranks_die(tmp_path):
     assert len({n.split("-")[1] for n in made}) == 3 and len(made) == 6, (made, res.stderr)
     left = [n for n in made if os.path.exists(f"/dev/shm/{n}")]
     assert not left, f"segments left after ddlrun: {left}\n{res.stderr}"
+
+
+def test_the_store_port_is_held_from_launch_until_rank_0_serves_it():
+    """ddlrun binds the store's sockets and hands them to rank 0: between its choice of the port
+    and rank 0's start no other process can take it (a launch never fails "address in use")."""
+    res = _run(["-np", "2", "--timeout", "60", str(SCRIPTS / "port_held.py")], timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[1] port-held" in res.stdout, res.stdout
+    assert re.search(r"\[0\] store-fds=\d+", res.stdout), res.stdout
+    assert res.stdout.count("sum=2") == 2, res.stdout

@@ -167,3 +167,133 @@ def test_a_reused_pid_does_not_keep_a_segment():
     assert shm._owner_gone(os.getpid(), time.time() - 3600, boot)
     assert not shm._owner_gone(os.getpid(), time.time(), boot)
     assert shm._owner_gone(2**22 + 1, time.time(), boot)  # above pid_max: no such process
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_wrapped_programs_ranks_die_with_ddlrun_and_leave_no_segments(tmp_path):
+    # ddlrun's children are shells; the Python ranks are theirs ("exit $?" keeps sh from
+    # exec'ing Python in its place, as some shells do for a last command).
+    proc = subprocess.Popen(
+        DDLRUN
+        + ["-np", "2", "--transport", "shm", "--timeout", "60", "sh", "-c", '"$0" "$@"; exit $?']
+        + [sys.executable, str(SCRIPTS / "shm_then_sleep.py"), str(tmp_path)],
+        env=_clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert _wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, 120)
+        pids = {int(p.read_text()) for p in tmp_path.glob("*.pid")}
+        made = _made(tmp_path)
+        assert len(made) >= 2 and all(os.path.exists(f"/dev/shm/{n}") for n in made), made
+    finally:
+        proc.kill()  # SIGKILL: ddlrun can neither forward nor clean up
+        proc.wait()
+    assert _wait_for(lambda: not any(_alive(p) for p in pids), 30), "ranks outlived ddlrun"
+    assert _wait_for(lambda: not _segments_of(pids), 30), _segments_of(pids)
+
+
+def _no_ddlrun_dir_after(tmp_path: pathlib.Path, args: list[str], end) -> None:
+    """Run ddlrun with TMPDIR a directory of its own, end it with ``end(proc, piddir)``, and
+    check that nothing named ddlrun-* is left there once its ranks are gone."""
+    tmpdir, piddir = tmp_path / "tmp", tmp_path / "pids"
+    tmpdir.mkdir()
+    piddir.mkdir()
+    proc = subprocess.Popen(
+        DDLRUN + [a.replace("PIDDIR", str(piddir)) for a in args],
+        env={**_clean_env(), "TMPDIR": str(tmpdir)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        end(proc, piddir)
+        proc.wait(120)
+    finally:
+        proc.kill()
+        proc.wait()
+    pids = [int(p.read_text()) for p in piddir.glob("*.pid")]
+    assert _wait_for(lambda: not any(_alive(p) for p in pids), 30), "ranks outlived ddlrun"
+    assert not list(tmpdir.glob("ddlrun-*")), list(tmpdir.iterdir())
+
+
+def _signal_once_up(signum: int):
+    def end(proc: subprocess.Popen, piddir: pathlib.Path) -> None:
+        assert _wait_for(lambda: len(list(piddir.glob("*.pid"))) == 2, 60)
+        time.sleep(0.2)  # the ranks' signal dispositions are set once their pid is written
+        proc.send_signal(signum)
+
+    return end
+
+
+@pytest.mark.parametrize(
+    "how,args,end",
+    [
+        ("normal end", ["-np", "2", sys.executable, "-c", "pass"], lambda proc, piddir: None),
+        (
+            "rank failure",
+            ["-np", "3", str(SCRIPTS / "fail_or_sleep.py"), "exit", "PIDDIR"],
+            lambda proc, piddir: None,
+        ),
+        (
+            "SIGINT",
+            ["-np", "2", str(SCRIPTS / "sleeper.py"), "PIDDIR"],
+            _signal_once_up(signal.SIGINT),
+        ),
+        (
+            "SIGTERM",
+            ["-np", "2", str(SCRIPTS / "sleeper.py"), "PIDDIR"],
+            _signal_once_up(signal.SIGTERM),
+        ),
+        (
+            "SIGKILL",
+            ["-np", "2", str(SCRIPTS / "sleeper.py"), "PIDDIR"],
+            _signal_once_up(signal.SIGKILL),
+        ),
+    ],
+)
+def test_no_ddlrun_directory_is_left_after_any_end(tmp_path, how, args, end):
+    _no_ddlrun_dir_after(tmp_path, args, end)
+
+
+def test_mpich_files_nobody_uses_go_and_the_others_stay(tmp_path):
+    from ddlcore.launcher import mpich
+
+    paths = {
+        kind: pathlib.Path(mpich.SHM_DIR) / f"{mpich.PREFIX}ddltest_{os.getpid()}_{kind}"
+        for kind in ("dead", "held", "mapped", "young")
+    }
+    for kind, path in paths.items():
+        path.write_bytes(b"\0" * 4096)
+        path.chmod(0o600)
+        if kind != "young":  # a killed job's, long ago
+            os.utime(path, (time.time() - 3600, time.time() - 3600))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys, time\n"
+            "held = open(sys.argv[1], 'rb')\n"
+            "with open(sys.argv[2], 'r+b') as f:\n"
+            "    mapped = mmap.mmap(f.fileno(), 4096)\n"
+            "print(flush=True); time.sleep(60)\n",
+            str(paths["held"]),
+            str(paths["mapped"]),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        holder.stdout.readline()  # holding one open, mapping the other (its descriptor closed)
+        removed = mpich.remove_dead_segments()
+        assert paths["dead"].name in removed and not paths["dead"].exists()
+        assert all(paths[k].exists() for k in ("held", "mapped", "young")), removed
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in paths.values():
+            path.unlink(missing_ok=True)
