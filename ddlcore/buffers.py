@@ -4,7 +4,8 @@ A descriptor is a pointer, a byte count, an element type, a memory kind (host or
 device id, plus the object that owns the memory (kept alive while we use it) and a way to build a
 result of the same kind. Layers below this one see descriptors only, never NumPy or a framework.
 
-Accepted: NumPy arrays (including ml_dtypes bfloat16), objects exporting the buffer protocol,
+Accepted: NumPy arrays (including ml_dtypes bfloat16, and bool, whose bytes reduce as uint8:
+``ddlcore.kernels.dtypes``), objects exporting the buffer protocol,
 host objects exporting DLPack (e.g. PyTorch CPU tensors), and CUDA device memory through
 ``__cuda_array_interface__`` (CuPy, Numba device arrays, PyTorch CUDA tensors; see ``device``).
 Results come back as the same kind of object on the same device.
@@ -23,7 +24,7 @@ import numpy as np
 
 from ddlcore.execution import device
 from ddlcore.kernels.cpu import array_address
-from ddlcore.kernels.dtypes import SUPPORTED_DTYPES, DType, dtype_code
+from ddlcore.kernels.dtypes import ACCEPTED_DTYPES, BOOL_CODE, DType, dtype_code
 
 
 class MemoryKind(str, enum.Enum):
@@ -52,6 +53,17 @@ class BufferDesc:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
+    @property
+    def logical(self) -> bool:
+        """A bool buffer: ``code`` is UINT8 (what its bytes reduce as), its ops `ops.logical`."""
+        return self.dtype.kind == "b"
+
+    @property
+    def check_code(self) -> int:
+        """The dtype's code where ranks compare calls: ``code``, or `BOOL_CODE` for bool (which
+        the kernels reduce as uint8, but which must not pass for uint8)."""
+        return BOOL_CODE if self.dtype.kind == "b" else int(self.code)
+
     def view(self, start: int = 0, stop: int | None = None) -> memoryview:
         """A writable byte view of elements [start, stop) of a host buffer."""
         stop = self.count if stop is None else stop
@@ -66,7 +78,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 def _from_numpy(arr: np.ndarray, argname: str, wrap: Callable[[np.ndarray], Any]) -> BufferDesc:
     code = dtype_code(arr.dtype)
     if code is None:
-        names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
+        names = ", ".join(_dtype_name(d) for d in ACCEPTED_DTYPES)
         raise TypeError(
             f"{argname} has dtype {arr.dtype}, which ddlcore cannot reduce; supported: {names}"
         )
@@ -104,7 +116,7 @@ def _from_device(obj: Any, argname: str) -> BufferDesc:
     dtype = np.dtype(ml_dtypes.bfloat16) if device.torch_bfloat16(obj) else np.dtype(nb.dtype)
     code = dtype_code(dtype)
     if code is None:
-        names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
+        names = ", ".join(_dtype_name(d) for d in ACCEPTED_DTYPES)
         raise TypeError(
             f"{argname} has dtype {dtype}, which ddlcore cannot reduce; supported: {names}"
         )

@@ -1,7 +1,9 @@
 """One collective call, checked and described before any communication: the buffers'
-descriptors (the output allocated when the caller passed none), the op, the root, and for device
-buffers an event on the caller's stream. Bad arguments raise ValueError/TypeError naming the
-argument; nothing here talks to another rank."""
+descriptors (the output allocated when the caller passed none), the op (on bool buffers, the one
+`ops.logical` picks), the root, and for device buffers an event on the caller's stream. Bad
+arguments raise ValueError/TypeError naming the argument; nothing here talks to another rank.
+How ranks compare calls is described here too: `fingerprint`, and `describe_check`, which names
+another rank's call from its check word."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import numpy as np
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.collectives import HAS_ROOT, Collective
 from ddlcore.execution import device
-from ddlcore.kernels.dtypes import DType, numpy_dtype
-from ddlcore.ops import Op, as_op
+from ddlcore.kernels.dtypes import BOOL_CODE, DType, dtype_name, numpy_dtype
+from ddlcore.ops import Op, as_op, logical
 
 COLLECTIVES = tuple(Collective)  # in fingerprint order
 # The collectives with a root besides broadcast (its result on one rank, or from one rank).
@@ -112,6 +114,8 @@ def prepare(
         return prepare_rooted(collective, x, op, out, root, size, rank, splits)
     rop = as_op(op) if op is not None else None
     xd = as_buffer(x, "x")
+    if rop is not None and xd.logical:
+        rop = logical(rop)
     if collective == Collective.ALLREDUCE:
         od, result = output(xd, out, xd.shape, x)
     elif collective == Collective.REDUCE_SCATTER:
@@ -163,6 +167,8 @@ def prepare_rooted(
             raise ValueError("out is read-only")
         return _call(collective, od, od, rop, root, out, out, od.count)
     xd = as_buffer(x, "x")
+    if rop is not None and xd.logical:
+        rop = logical(rop)
     count, result = xd.count, None
     if collective == Collective.REDUCE:
         od, result = output(xd, out, xd.shape) if at_root or out is not None else (xd, None)
@@ -241,7 +247,7 @@ def fingerprint(call: Call) -> bytes:
     return _FINGERPRINT.pack(
         _FINGERPRINT_MAGIC,
         COLLECTIVES.index(call.collective),
-        int(call.inp.code) if call.inp is not None else _NONE,
+        call.inp.check_code if call.inp is not None else _NONE,
         int(call.op) if call.op is not None else _NONE,
         call.root,
         call.count,
@@ -258,15 +264,103 @@ def describe_fingerprint(raw: bytes) -> str:
     name = COLLECTIVES[kind]
     if name == Collective.BARRIER:
         return "barrier()"
+    return describe_call(name, code, op, root, count)
+
+
+def op_name(op: int) -> str:
+    """The name of an op code ("sum"), for messages; "op code N" for a number that is none."""
     try:
-        desc = f"{count} x {numpy_dtype(DType(code)).name}"
-    except (ValueError, KeyError):
-        desc = f"{count} x dtype {code}"
+        return Op(op).name.lower()
+    except ValueError:
+        return f"op code {op}"
+
+
+def describe_call(name: Collective, code: int, op: int, root: int, count: int) -> str:
+    """A call as messages name it, from its codes (a dtype code or `BOOL_CODE`, an op code or
+    255 for none): "allreduce(1000 x float32, sum)", "broadcast(7 x bool, root 1)"; an
+    integer avg's wide sum as the avg it computes (`int_avg.marker`)."""
+    if name == Collective.BARRIER:
+        return "barrier()"
+    if op < 0:  # DDL_DEBUG's rows: -1 for none
+        op = _NONE
+    if root < 0 and op == Op.SUM and -1 - root in _NAMED_CODES:  # int_avg's wide sum
+        return f"{name}({count} x {dtype_name(-1 - root)}, avg)"
+    desc = f"{count} x {dtype_name(code)}"
     if op != _NONE:
-        try:
-            desc += f", {Op(op).name.lower()}"
-        except ValueError:
-            desc += f", op {op}"
+        desc += f", {op_name(op)}"
     if name in HAS_ROOT:
         desc += f", root {root}"
     return f"{name}({desc})"
+
+
+_NAMED_CODES = {int(code) for code in DType}
+_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
+# How far from its own count `describe_check` looks for another rank's: 2 x 32 Ki check words,
+# ~70 ms at worst on a busy machine, once, on the way to an error (the peers hear of it after).
+_COUNT_SEARCH = 1 << 15
+
+
+def describe_check(
+    check: int, call: Call, size: int, chunk_bytes: int = 0, nbytes: int | None = None
+) -> str | None:
+    """The call another rank made, from the ``check`` word its message carried, where this
+    rank made ``call`` on ``size`` ranks with schedules cut in ``chunk_bytes`` (0: the
+    boards'): found among every collective, dtype, op and root of ``call``'s count, that count
+    times or divided by ``size`` (an allgather's input beside an allreduce's), or the count of
+    ``nbytes`` (the message's length) of the dtype; then ``call`` itself with counts up to
+    32 Ki elements from its own. As `describe_fingerprint` words it, or None where none
+    matches: the counts differ by more, or the buffers are chunked otherwise (device buffers on
+    one rank, host buffers on the other)."""
+    from ddlcore.execution._frontend import check_word
+    from ddlcore.transports.shm.board_calls import BoardKind
+
+    counts = {call.count, call.count * size, call.count // size}
+    codes = sorted(_NAMED_CODES | {BOOL_CODE})
+    roots = range(min(size, 64))  # a root beyond them: not named
+    for name in COLLECTIVES:
+        kind = int(BoardKind.of(name))
+        if name == Collective.BARRIER:
+            candidates = [(_NONE, _NONE, 0, 0)]
+        elif name == Collective.ALLTOALLV:  # each rank's own counts: its check word has 0
+            candidates = [(code, _NONE, 0, 0) for code in codes]
+        else:
+            ops = [int(o) for o in Op] if name in _REDUCING else [_NONE]
+            by_root = roots if name in HAS_ROOT else [0]
+            candidates = [
+                (code, op, count, root)
+                for code in codes
+                for op in ops
+                for count in _counts(counts, code, nbytes, size)
+                for root in by_root
+            ]
+            if name in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER):
+                candidates += [  # an integer avg's wide sum (`int_avg.marker`)
+                    (int(DType.INT64), int(Op.SUM), count, -1 - code)
+                    for code in _NAMED_CODES
+                    if numpy_dtype(DType(code)).kind in "iu"
+                    for count in counts
+                ]
+        for code, op, count, root in candidates:
+            if check_word(kind, code, op, count, root, chunk_bytes) == check:
+                return describe_call(name, code, op, root, count)
+    if call.inp is None:
+        return None
+    # The same call with another count (a last batch cut short): the nearest counts first.
+    kind, code = int(BoardKind.of(call.collective)), call.inp.check_code
+    op = int(call.op) if call.op is not None else _NONE
+    for distance in range(1, _COUNT_SEARCH):
+        for count in (call.count - distance, call.count + distance):
+            if count >= 0 and check_word(kind, code, op, count, call.root, chunk_bytes) == check:
+                return describe_call(call.collective, code, op, call.root, count)
+    return None
+
+
+def _counts(counts: set[int], code: int, nbytes: int | None, size: int) -> set[int]:
+    """``counts``, and those of a whole message of ``nbytes`` of dtype ``code`` (once, and
+    as one of ``size`` blocks)."""
+    if not nbytes:
+        return counts
+    itemsize = 1 if code == BOOL_CODE else numpy_dtype(DType(code)).itemsize
+    if nbytes % itemsize:
+        return counts
+    return counts | {nbytes // itemsize, nbytes // itemsize * size}

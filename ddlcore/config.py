@@ -4,12 +4,18 @@ No other module touches ``os.environ`` for a ``DDL_*`` variable (or for the laun
 torchrun and the MPI launchers, which are declared here too). Values are parsed on each `get` so
 tests can use ``unittest.mock.patch.dict(os.environ, ...)``; an invalid value raises `ValueError`
 naming the variable. Explicit arguments (``ddlcore.init(timeout=...)``) take precedence over the
-environment, which takes precedence over the defaults below.
+environment, which takes precedence over the defaults below. A ``DDL_*`` variable that is set but
+declared nowhere (a misspelling: ``DDL_TRANSPROT``) is not silently ignored: `warn_unknown`
+(at ``ddlcore.init``) names it and the declared name it resembles, once per process.
+
+Over 500 lines for a reason: the declarations are one list, the only one, kept in one place.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -442,6 +448,43 @@ for _name, _parse, _doc in _EXTERNAL:
 # The MPI launchers' global-rank variables: one of them set means an MPI launcher started us
 # (the mpi transport runs only then).
 MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+# DDL_* names other tools set, which ddlcore itself never reads: known, not misspellings.
+KNOWN_ELSEWHERE: dict[str, str] = {
+    "DDL_CI_VENV": "The CI script (.ci/run): a virtual environment to keep between runs.",
+}
+_warned: set[str] = set()  # the unknown names warned of in this process
+
+
+def unknown(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The ``DDL_*`` variables of the environment that are neither declared here nor in
+    `KNOWN_ELSEWHERE`, each with the declared name it most resembles (None: none is close)."""
+    env = os.environ if environ is None else environ
+    # Compared without the prefix every name shares, which would make any two look alike.
+    known = [name[4:] for name in VARS if name.startswith("DDL_")]
+    found: dict[str, str | None] = {}
+    for name in sorted(env):
+        if name.startswith("DDL_") and name not in VARS and name not in KNOWN_ELSEWHERE:
+            near = difflib.get_close_matches(name[4:], known, n=1, cutoff=0.6)
+            found[name] = f"DDL_{near[0]}" if near else None
+    return found
+
+
+def warn_unknown(environ: Mapping[str, str] | None = None, stacklevel: int = 2) -> None:
+    """Warn (`RuntimeWarning`, which Python shows by default) of every `unknown` ``DDL_*``
+    variable, naming the declared one it resembles; once per name and process."""
+    for name, near in unknown(environ).items():
+        if name in _warned:
+            continue
+        _warned.add(name)
+        hint = f"; did you mean {near}?" if near else ""
+        warnings.warn(
+            f"environment variable {name} is set but ddlcore has no such setting, so it has no "
+            f"effect{hint} (python -m ddlcore info lists the DDL_* variables)",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -53,7 +53,7 @@ from ddlcore.errors import (
 )
 from ddlcore.execution import device
 from ddlcore.handles import Handle
-from ddlcore.kernels.dtypes import DType
+from ddlcore.kernels.dtypes import DType, dtype_name, numpy_dtype
 from ddlcore.transports.base import Request
 
 HISTORY = 64  # point-to-point messages a flight record shows, the newest (a debugging aid)
@@ -371,16 +371,16 @@ class PointToPoint:
                 _upload(view, buf)
         if mismatch:
 
-            def name(c: int) -> str:
+            def elements(n: int, c: int) -> str:  # "4000 bytes (1000 x float32)"
                 try:
-                    return DType(c).name.lower()
-                except ValueError:
-                    return f"code {c}"
+                    return f"{n} bytes ({n // numpy_dtype(DType(c)).itemsize} x {dtype_name(c)})"
+                except (ValueError, KeyError):
+                    return f"{n} bytes of {dtype_name(c)}"
 
             raise CollectiveMismatchError(
                 f"rank {self.rank}: recv from rank {ch.peer} with tag {ch.tag}: rank "
-                f"{ch.peer} sent {nbytes} bytes of {name(code)}, rank {self.rank} posted "
-                f"{buf.nbytes} bytes of {name(int(buf.code))}; the message was dropped"
+                f"{ch.peer} sent {elements(nbytes, code)}, rank {self.rank} posted "
+                f"{elements(buf.nbytes, int(buf.code))}; the message was dropped"
             )
         return job.result
 

@@ -29,7 +29,7 @@ from ddlcore.kernels.cpu import (
 )
 from ddlcore.kernels.dtypes import DType, dtype_code
 
-from ddlcore.ops import Op, as_op
+from ddlcore.ops import Op, as_op, logical
 
 
 def _code(arr: np.ndarray, name: str) -> int:
@@ -50,9 +50,12 @@ def reduce_arrays(
 ) -> np.ndarray:
     """``out = dst OP src`` (``out`` defaults to ``dst``, i.e. in place); for "avg", the sum is
     divided by ``divisor`` (default 2): floats rounded once, integers the exact quotient rounded
-    down (floor; computed without wrapping, e.g. int8 100 and 101 give 100)."""
+    down (floor; computed without wrapping, e.g. int8 100 and 101 give 100). bool: sum and max
+    are logical or, prod and min logical and; avg raises TypeError (`ddlcore.ops.logical`)."""
     rop = as_op(op)
     code = _code(dst, "dst")
+    if dst.dtype.kind == "b":
+        rop = logical(rop)
     if src.dtype != dst.dtype or src.size != dst.size:
         raise ValueError(f"src ({src.dtype}, {src.size}) must match dst ({dst.dtype}, {dst.size})")
     _code(src, "src")
@@ -104,7 +107,7 @@ def describe() -> str:
 
     return (
         f"Cython ({_reduce.__file__.rsplit('/', 1)[-1]}): reduce sum/prod/min/max/avg for "
-        f"{', '.join(d.name.lower() for d in DType)}; reduce-copy; pack/unpack"
+        f"{', '.join(d.name.lower() for d in DType)} (bool as uint8); reduce-copy; pack/unpack"
     )
 
 

@@ -2,6 +2,11 @@
 
 The codes are what the Cython (and later CUDA) kernels dispatch on; `dtype_code` maps a NumPy
 dtype (including ml_dtypes' bfloat16) to its code, and `numpy_dtype` maps back.
+
+bool is no kernel type: its bytes (0 or 1) reduce as uint8 (`dtype_code` gives UINT8), with the
+ops `ddlcore.ops.logical` picks. Where ranks compare calls (check words, fingerprints, messages)
+a bool buffer carries `BOOL_CODE` (`check_code`), so that it never passes for uint8; `dtype_name`
+names every code.
 """
 
 from __future__ import annotations
@@ -35,12 +40,36 @@ _NUMPY = {
 }
 _CODES = {dt: code for code, dt in _NUMPY.items()}
 
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(_NUMPY.values())
+_BOOL = np.dtype(np.bool_)
+# Beyond the kernels' codes: a bool buffer's code where calls are compared (not a DType).
+BOOL_CODE = 8
+_CODES[_BOOL] = DType.UINT8  # its bytes, 0 or 1, reduce as uint8
+_NAMES = {**{int(code): dt.name for code, dt in _NUMPY.items()}, BOOL_CODE: "bool"}
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(_NUMPY.values())  # the kernels' types
+ACCEPTED_DTYPES: tuple[np.dtype, ...] = (*SUPPORTED_DTYPES, _BOOL)  # the collectives' too
 
 
 def dtype_code(dtype: np.dtype) -> DType | None:
-    """The kernel code of a NumPy dtype (native byte order), or None when unsupported."""
+    """The kernel code of a NumPy dtype (native byte order), or None when unsupported (bool:
+    UINT8, the type its bytes reduce as)."""
     return _CODES.get(np.dtype(dtype))
+
+
+def check_code(dtype: np.dtype) -> int | None:
+    """The code of a NumPy dtype where ranks compare calls: its kernel code, `BOOL_CODE` for
+    bool; None when unsupported."""
+    dt = np.dtype(dtype)
+    if dt == _BOOL:
+        return BOOL_CODE
+    code = _CODES.get(dt)
+    return None if code is None else int(code)
+
+
+def dtype_name(code: int) -> str:
+    """The dtype a kernel code or `BOOL_CODE` stands for ("float32", "bool"), for messages;
+    "dtype code N" for a number that is neither."""
+    return _NAMES.get(int(code), f"dtype code {code}")
 
 
 def numpy_dtype(code: DType) -> np.dtype:

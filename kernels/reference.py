@@ -4,6 +4,8 @@ The reductions apply the op left to right in the arrays' own dtype exactly as Nu
 (float16 via NumPy's float16 arithmetic, bfloat16 via ml_dtypes, integers wrapping). ``avg`` is
 the sum divided by the number of arrays: floats rounded once (float16/bfloat16 through float32,
 as the kernels do); integers the exact mean rounded down (floor), never wrapping. The
+bool arrays reduce as NumPy's bool arithmetic does: sum logical or, prod logical and (which
+are max and min: ``ddlcore.ops.logical``); their avg is undefined. The
 ``*_widened`` / ``accumulate_float32`` oracles keep half-precision sums in float32 and round once
 at the end; ``cast_ref`` and the ``*_cast_ref`` pack oracles convert and scale as the fused GPU
 pack kernels do.
@@ -46,6 +48,8 @@ def divide_ref(total: np.ndarray, divisor: int) -> np.ndarray:
 def reduce_ref(arrays: Sequence[np.ndarray], op: str | Op = "sum") -> np.ndarray:
     """Element-wise reduction of ``arrays`` (left to right); "avg" = sum then `divide_ref`."""
     rop = as_op(op)
+    if rop == Op.AVG and arrays and np.asarray(arrays[0]).dtype.kind == "b":
+        raise TypeError("op='avg' has no bool result")
     if rop == Op.AVG:
         return avg_ref(arrays)
     return _combine(arrays, rop)

@@ -68,6 +68,9 @@ def copy_error(error: DDLError) -> DDLError:
     new.cause, new.origin = error.cause, error.origin
     if isinstance(error, PeerFailureError) and isinstance(new, PeerFailureError):
         new.peer = error.peer
+    for name in ("sent", "posted"):  # a mismatch's facts (`mismatch_error`)
+        if hasattr(error, name):
+            setattr(new, name, getattr(error, name))
     return new
 
 
@@ -144,7 +147,11 @@ def mismatch_error(
     posted_nbytes: int,
     posted_check: int,
 ) -> CollectiveMismatchError:
-    return CollectiveMismatchError(
+    """The error of a message that does not match the receive posted for it. It carries
+    ``sent`` = (peer, nbytes, check) and ``posted`` (nbytes): the engine, which knows the call,
+    names the peer's (`ddlcore.calls.describe_check`); a transport knows bytes and check words
+    only."""
+    err = CollectiveMismatchError(
         f"rank {peer} sent {sent_nbytes} bytes with check {sent_check:#010x} for tag "
         f"{tag:#x}, rank {rank} posted {posted_nbytes} bytes with check "
         f"{posted_check:#010x}: the ranks are calling different collectives, or the same one "
@@ -152,6 +159,9 @@ def mismatch_error(
         "and host buffers on others, whose schedules are chunked differently unless "
         "DDL_CHUNK_BYTES is set"
     )
+    err.sent = (peer, sent_nbytes, sent_check)  # type: ignore[attr-defined]
+    err.posted = posted_nbytes  # type: ignore[attr-defined]
+    return err
 
 
 def abort_code(exc: BaseException) -> int:

@@ -16,6 +16,7 @@ from ddlcore.errors import CollectiveMismatchError
 from ddlcore.execution import engine
 from ddlcore.execution.hostcoll import BoardKind
 from ddlcore.execution.paths.base import check_word, label
+from ddlcore.kernels.dtypes import dtype_name
 
 _DEBUG_SEQ = 0x80000000  # tag space of DDL_DEBUG's signature exchange, apart from collectives
 
@@ -43,7 +44,7 @@ def compare_calls(
     mine = np.array(
         [
             BoardKind.of(call.collective),
-            int(call.inp.code) if call.inp else -1,
+            call.inp.check_code if call.inp else -1,
             int(call.op) if call.op is not None else -1,
             call.count,
             call.root,
@@ -66,12 +67,17 @@ def compare_calls(
     )
     rows = every.reshape(size, mine.size)
     if not (rows == mine).all():
-        names = {int(k): k.label for k in BoardKind}
-        lines = [
-            f"rank {r}: {names.get(int(k), '?')} count={c} dtype_code={d} op_code={o} root={root}"
-            for r, (k, d, o, c, root) in enumerate(rows.tolist())
-        ]
+        lines = [f"rank {r}: {_described(*row)}" for r, row in enumerate(rows.tolist())]
         raise CollectiveMismatchError(
             f"rank {rank}: {name}: ranks called different collectives "
             f"(DDL_DEBUG check):\n  " + "\n  ".join(lines)
         )
+
+
+def _described(kind: int, code: int, op: int, count: int, root: int) -> str:
+    """One row of `compare_calls` as messages name a call: "allreduce(1000 x float32, sum)"."""
+    try:
+        collective = Collective(BoardKind(kind).name.lower())
+    except ValueError:
+        return f"kind {kind}({count} x {dtype_name(code)}, {calls.op_name(op)}, root {root})"
+    return calls.describe_call(collective, code, op, root, count)

@@ -42,6 +42,7 @@ from ddlcore.errors import (
     DDLTimeoutError,
     abort_reason,
     rewrap,
+    root_cause,
 )
 from ddlcore.ops import Op
 from ddlcore.transports.common import abort_code
@@ -105,6 +106,9 @@ class Collective:
     # e.g. "allreduce #12 (1000 x float32, sum)"; or a function that makes it: messages are
     # rare, and formatting one costs a call ~10 us
     name: str | Callable[[], str]
+    # Names another rank's call from the check word and length of its message, or None where
+    # it cannot (`ddlcore.calls.describe_check`): for mismatch messages.
+    peer_call: Callable[[int, int], str | None] | None = None
 
     @property
     def label(self) -> str:
@@ -516,7 +520,34 @@ def failure(schedule: Schedule, coll: Collective, i: int, exc: DDLError, links) 
             ". A peer may have died, be stuck, or be calling a different collective; "
             "raise DDL_TIMEOUT if the job is just slow"
         )
-    err = rewrap(exc, message)  # peers hear the cause (``exc``), not our step
+    named = _peer_call(coll, exc, schedule.rank)
+    message += named
+    # peers hear the cause (``exc``, and whom it names), not our step
+    err = rewrap(exc, message, root_cause(exc) + named if named else None)
     # Peers prefix the reason with "rank R aborted:", so send it without our own prefix.
     links.abort(abort_code(exc), abort_reason(err, message.split(": ", 1)[1]))
     return err
+
+
+def _peer_call(coll: Collective, exc: DDLError, rank: int) -> str:
+    """For a message that did not match its receive (a transport's `mismatch_error`), what
+    the sender called and what this ``rank`` did, by name (peers told of the failure read
+    both); "" for other failures."""
+    sent = getattr(exc, "sent", None)
+    if sent is None or coll.peer_call is None:
+        return ""
+    peer, nbytes, check = sent
+    theirs = coll.peer_call(check, nbytes)
+    if theirs is not None:
+        return f"; rank {peer} called {theirs} where rank {rank} called {coll.label}"
+    posted, isz = getattr(exc, "posted", None), coll.itemsize
+    held = (
+        f" (its message held {nbytes // isz} elements where rank {rank} expected {posted // isz})"
+        if posted not in (None, nbytes) and isz and not nbytes % isz and not posted % isz
+        else ""
+    )
+    return (
+        f"; rank {peer} called what rank {rank} cannot name from its check word{held}, where "
+        f"rank {rank} called {coll.label}: a collective of a count further from this one's, or "
+        "on device buffers where this rank has host buffers"
+    )

@@ -316,6 +316,7 @@ def init(
     """
     if store is not None and (rank is None or size is None or master_addr or master_port):
         raise ValueError("store= needs rank= and size=, and takes no master_addr/master_port")
+    config.warn_unknown(environ, stacklevel=2)  # a misspelled DDL_* variable: said, once
     info = detect(environ)
     if rank is not None or size is not None:
         info = RendezvousInfo(

@@ -118,7 +118,8 @@ def _debug_check(rank, size):
 def test_debug_check_names_every_rank(pools):
     msgs = pools.run(_debug_check, 3, env={"DDL_DEBUG": "1", "DDL_TIMEOUT": "20"}, timeout=60)
     for msg in msgs:
-        assert "rank 0: allreduce count=10" in msg and "rank 2: allreduce count=12" in msg, msg
+        assert "rank 0: allreduce(10 x float32, sum)" in msg, msg
+        assert "rank 2: allreduce(12 x float32, sum)" in msg, msg
 
 
 def _silent_peer(rank, size, done):

@@ -116,7 +116,8 @@ def test_ranks_on_different_paths_agree_and_disagree_alike():
     messages = run_ranks(_mixed_paths, 2, env=SHM, timeout=60)
     for rank, message in enumerate(messages):
         assert f"rank {rank}: allreduce #3 (" in message, message
-        assert "allreduce of 10 elements" in message and "allreduce of 12 elements" in message
+        assert "allreduce(10 x float32, sum)" in message, message
+        assert "allreduce(12 x float32, sum)" in message, message
 
 
 def _links_told(rank, size):

@@ -1,6 +1,7 @@
 """Ranks that call different collectives (kind, count, dtype, op or root) get
 CollectiveMismatchError on EVERY rank, on every path, transport and algorithm, within the
-timeout: never a silent wrong result, a timeout or a hang (`ddlcore.algorithms.agreement`).
+timeout: never a silent wrong result, a timeout or a hang (`ddlcore.algorithms.agreement`); and
+every message names both calls (collective, count in elements, dtype, op, root: `NAMED`).
 
 One job runs many cases: a mismatch breaks the communicator, so each case makes a new one with
 ``ddlcore.init()``; the worlds of one size share their processes (`pools`). The schedules' agreement properties are also checked symbolically
@@ -8,6 +9,7 @@ for every algorithm, world size and count (no processes)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 
@@ -79,6 +81,14 @@ CASES = [
         ("allreduce", 1000, "int64", "sum", 0),
         "last",
     ),
+    # what the boards' kernels cannot tell apart (avg runs as sum, bool as uint8) still differs
+    ("avg vs sum", ("allreduce", 1000, F32, "avg", 0), ("allreduce", 1000, F32, "sum", 0), "last"),
+    (
+        "bool vs uint8",
+        ("allreduce", 1000, "bool", "max", 0),
+        ("allreduce", 1000, "uint8", "max", 0),
+        "middle",
+    ),
     # 8.4 MB: the host-staged allreduce runs in pipelined segments (`host_staged`)
     (
         "count, pipelined",
@@ -95,7 +105,10 @@ def _differs(rank: int, size: int, which: str) -> bool:
 
 def _call(comm, rank: int, spec) -> None:
     collective, count, dtype, op, root = spec
-    x = np.random.default_rng(rank).standard_normal(count).astype(dtype) + 1
+    if dtype == "bool":
+        x = np.random.default_rng(rank).standard_normal(count) > 0
+    else:
+        x = np.random.default_rng(rank).standard_normal(count).astype(dtype) + 1
     if collective == "allreduce":
         comm.allreduce(x, op=op)
     elif collective == "reduce_scatter":
@@ -139,12 +152,46 @@ def _mismatch_cases(rank, size, names):
     return out
 
 
+# What every rank's message must say, beside its own call: both calls' dtypes, ops, counts,
+# kinds or roots, by name and in elements (the other rank's call read from its check word or
+# board entry, or from the abort note of the rank that read it). Where the other call cannot be
+# read from a check word, its own words only: a barrier (no count to start from) beside an
+# allreduce; an allgather whose count is no share of the allreduce's (333 of 999 at 4 ranks).
+NAMED = {
+    "broadcast root": ["root 0", "root 1"],
+    "broadcast root, root calls another": ["root 0", "root 1"],
+    "count": ["1000 x float32", "1003 x float32"],
+    "count 0": ["5 x float32", "0 x float32"],
+    "count 1": ["1 x float32", "2 x float32"],
+    "dtype": ["float32", "int32"],
+    "op": ["float32, sum", "float32, max"],
+    "allreduce vs allgather": [],
+    "allreduce vs broadcast": ["allreduce", "broadcast"],
+    "allreduce vs barrier": ["barrier"],
+    "reduce_scatter vs allreduce": ["reduce_scatter", "allreduce"],
+    "reduce_scatter count": ["996 x float32", "1008 x float32"],
+    "allgather dtype": ["100 x float32", "100 x int32"],
+    "broadcast count": ["70 x float32", "77 x float32"],
+    "int32 avg vs int64 sum": ["avg", "int32", "int64, sum"],
+    "avg vs sum": ["float32, avg", "float32, sum"],
+    "bool vs uint8": ["bool, max", "uint8, max"],
+    # across hosts the boards' phases of one segment may be what differs first: named by it
+    "count, pipelined": ["float32, sum"],
+}
+# How the messages once named what they could not: codes and byte counts for elements.
+UNNAMED = re.compile(r"dtype code|op code|dtype_code|op_code")
+
+
 def _check(results, names) -> None:
     for rank, got in enumerate(results):
         for name in names:
             cls, message, elapsed = got[name]
-            assert cls == "CollectiveMismatchError", f"rank {rank}, {name}: {cls}: {message}"
+            where = f"rank {rank}, {name}: {cls}: {message}"
+            assert cls == "CollectiveMismatchError", where
             assert elapsed < TIMEOUT_S / 2, f"rank {rank}, {name}: {elapsed:.1f} s: {message}"
+            assert not UNNAMED.search(message), where
+            for words in NAMED.get(name, []):
+                assert words in message, f"{words!r} not named: {where}"
 
 
 ALL = [c[0] for c in CASES if c[0] != "count, pipelined"]
@@ -184,6 +231,17 @@ def test_mismatch_raises_on_every_rank(transport, algo, nprocs, pools):
     else:
         results = pools.run(_mismatch_cases, nprocs, ALL, env=env, timeout=240)
     _check(results, ALL)
+
+
+def test_ddl_debug_names_both_calls(pools):
+    """DDL_DEBUG's full comparison (every rank's call allgathered before it runs) names every
+    rank's call as the other checks do."""
+    names = ["dtype", "op", "bool vs uint8", "broadcast root", "count"]
+    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_DEBUG": "1", "DDL_TRANSPORT": "tcp"}
+    results = pools.run(_mismatch_cases, 3, names, env=env, timeout=240)
+    _check(results, names)
+    for got in results:
+        assert "DDL_DEBUG check" in got["dtype"][1], got["dtype"][1]
 
 
 def _pattern_case(rank, size, pattern, call_a, call_b):
@@ -362,3 +420,64 @@ def test_schedules_make_first_contact_and_pair_up():
         for key in set(sent) | set(got):
             assert sorted(sent[key]) == sorted(got[key]), (size, collective, name, count, key)
             assert len({slot for slot, _ in sent[key]}) == len(sent[key]), key
+
+
+def test_another_ranks_call_is_named_from_its_check_word():
+    """`calls.describe_check` (what a rank says of a message whose check word is not its own)
+    and the boards' `describe_entry` (of a rank's board entry, whose kernel codes say sum for
+    avg and uint8 for bool) name the call behind a check word; no processes."""
+    from ddlcore.transports.shm import board_calls
+
+    from ddlcore import calls
+    from ddlcore.execution._frontend import check_word
+    from ddlcore.execution.paths.base import check_word as call_check
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):  # the transports' twin of the check word is the check word
+        fields = (int(rng.integers(1, 13)), int(rng.integers(0, 256)), int(rng.integers(0, 256)))
+        more = (
+            int(rng.integers(0, 1 << 40)),
+            int(rng.integers(-9, 64)),
+            int(rng.integers(0, 1 << 22)),
+        )
+        assert board_calls.check_word(*fields, *more) == check_word(*fields, *more)
+
+    def call(collective, count, dtype, op=None, root=0):
+        x = np.ones(count, dtype)
+        return calls.prepare(collective, x, op, None, root, 3, rank=root)
+
+    mine = call("allreduce", 1000, np.float32, "sum")
+    theirs = {
+        "allreduce(1000 x int32, max)": call("allreduce", 1000, np.int32, "max"),
+        "allreduce(1000 x float32, avg)": call("allreduce", 1000, np.float32, "avg"),
+        "allreduce(1000 x bool, max)": call("allreduce", 1000, bool, "sum"),
+        "allreduce(1003 x float32, sum)": call("allreduce", 1003, np.float32, "sum"),
+        "broadcast(1000 x float32, root 2)": call("broadcast", 1000, np.float32, None, 2),
+        "allgather(333 x float32)": call("allgather", 333, np.float32),
+        "reduce(1000 x uint8, min, root 1)": call("reduce", 1000, np.uint8, "min", 1),
+    }
+    for named, other in theirs.items():
+        for chunk in (0, 1024):
+            assert (
+                calls.describe_check(call_check(other, chunk_bytes=chunk), mine, 3, chunk) == named
+            )
+    assert calls.describe_check(call_check(mine, chunk_bytes=0), mine, 3, 1024) is None
+    assert calls.describe_fingerprint(calls.fingerprint(theirs["allreduce(1000 x bool, max)"])) == (
+        "allreduce(1000 x bool, max)"
+    )
+
+    kinds = board_calls.BoardKind
+    for other, entry, named in [
+        (call("allreduce", 7, np.float32, "avg"), (1, 2, 0, 0, 7), "allreduce(7 x float32, avg)"),
+        (call("allreduce", 7, np.float32, "sum"), (1, 2, 0, 0, 7), "allreduce(7 x float32, sum)"),
+        (call("allreduce", 7, bool, "prod"), (1, 5, 2, 0, 7), "allreduce(7 x bool, min)"),
+        (call("allreduce", 7, np.uint8, "min"), (1, 5, 2, 0, 7), "allreduce(7 x uint8, min)"),
+        (call("broadcast", 7, bool, None, 1), (4, 5, 0, 1, 7), "broadcast(7 x bool, root 1)"),
+    ]:
+        check = call_check(other, kinds.of(other.collective))
+        assert board_calls.describe_entry(entry, check) == named
+    assert board_calls.describe_entry((5, 0, 0, 0, 0), 1) == "barrier()"
+    # A segment of a host phase: its check word is the whole call's; the entry's names then.
+    assert board_calls.describe_entry((6, 2, 0, 0, 50), 12345) == (
+        "allreduce's host reduce-scatter(50 x float32, sum)"
+    )

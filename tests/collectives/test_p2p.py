@@ -145,7 +145,7 @@ def _mismatch(comm, rank, size):
         comm.send(np.ones(10, np.int32), 1, tag=9)  # dtype differs (same byte count)
         comm.send(np.arange(1, 11, dtype=np.float32), 1, tag=9)  # right: received intact
     elif rank == 1:
-        for sent in ("40 bytes of float32", "40 bytes of int32"):
+        for sent in ("40 bytes (10 x float32)", "40 bytes (10 x int32)"):
             with pytest.raises(ddlcore.CollectiveMismatchError) as err:
                 comm.recv(np.empty(11, np.float32), 0, tag=9)
             assert sent in str(err.value) and "rank 0" in str(err.value), err.value

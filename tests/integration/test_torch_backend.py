@@ -1,8 +1,8 @@
 """The torch.distributed backend "ddl" for real: programs that never import ddlcore call
-``dist.init_process_group("ddl")`` under torchrun, ddlrun, mpiexec and by hand (a Slurm
-script's way),
-run every supported collective against a reference, train with DDP against gloo, and see a
-dead or silent peer as torch's DistBackendError with ddlcore's message.
+``dist.init_process_group("ddl")`` under torchrun, ddlrun, mpiexec and srun's variables (as
+written: nothing set by hand) and by hand (a Slurm script's way), run every supported
+collective against a reference (bool tensors against gloo's), train with DDP against gloo, and
+see a dead or silent peer as torch's DistBackendError with ddlcore's message.
 
 The programs reach ddlcore through the ``torch.backends`` entry point of the installed package
 (``pip install -e .`` registers it).
@@ -196,39 +196,130 @@ def test_two_dimensional_device_mesh(tmp_path):
     ], out
 
 
-# Under an MPI launcher torch reads no PMI_* variable: the script hands rank and size over.
+# Under an MPI launcher torch reads no PMI_* variable and no address is set: the program as
+# written, rank and size from the launcher, torch's store's address broadcast over MPI by
+# ddlcore's rendezvous (`ddlcore.integrations.torch.launchers`); gloo beside it gets the same.
 MPI_SCRIPT = """\
-import os, sys
+import sys
 
 import torch
 import torch.distributed as dist
 
-rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
-dist.init_process_group("ddl", rank=rank, world_size=size)
+init_method = sys.argv[1] if len(sys.argv) > 1 else None
+dist.init_process_group("ddl", init_method=init_method)
+rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((5,), rank + 1.0)
 dist.all_reduce(t)
 assert torch.equal(t, torch.full((5,), size * (size + 1) / 2)), t
 comm = dist.group.WORLD.communicator
+assert (comm.rank, comm.size) == (rank, size), (comm, rank, size)
+g = dist.new_group(backend="gloo")
+u = torch.full((3,), rank + 1.0)
+dist.all_reduce(u, group=g)
+assert torch.equal(u, t[:3]), u
 sys.stdout.write(f"mpiexec ok: rank {comm.rank} of {comm.size}, local size {comm.local_size}\\n")
 dist.destroy_process_group()
 """
 
 
-def test_under_mpiexec(tmp_path):
+def _mpiexec() -> str:
     mpiexec = mpiexec_path()
     require(mpiexec is not None, "mpiexec is not installed (pip install 'ddlcore[mpi]')")
+    assert mpiexec is not None
+    return mpiexec
+
+
+@pytest.mark.parametrize("init_method", ["", "ddl://"], ids=["as-written", "ddl-url"])
+def test_under_mpiexec(tmp_path, init_method):
+    """``init_process_group("ddl")`` with nothing set by hand: no rank, size or address."""
     (tmp_path / "job.py").write_text(MPI_SCRIPT)
+    argv = [_mpiexec(), "-n", "2", sys.executable, "job.py"] + (
+        [init_method] if init_method else []
+    )
+    out = _run(argv, tmp_path)
+    assert sorted(re.findall(r"mpiexec ok: .*", out)) == [
+        f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)
+    ], out
+
+
+def test_under_mpiexec_with_torchs_variables_set_by_hand(tmp_path):
+    """Where the script hands rank and size over and MASTER_ADDR/MASTER_PORT are set (the
+    habit this makes unneeded), torch's own rendezvous runs, as before."""
+    script = MPI_SCRIPT.replace(
+        'dist.init_process_group("ddl", init_method=init_method)',
+        "import os\n"
+        'dist.init_process_group("ddl", rank=int(os.environ["PMI_RANK"]), '
+        'world_size=int(os.environ["PMI_SIZE"]))',
+    )
+    (tmp_path / "job.py").write_text(script)
     # The rendezvous address in mpiexec's own environment, which every MPI's launcher passes on
     # to local ranks (MPICH's -genv is not Open MPI's -x).
     out = _run(
-        [mpiexec, "-n", "2", sys.executable, "job.py"],
+        [_mpiexec(), "-n", "2", sys.executable, "job.py"],
         tmp_path,
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
     )
-    assert sorted(re.findall(r"mpiexec ok: .*", out)) == [
-        f"mpiexec ok: rank {r} of 2, local size 2" for r in range(2)
+    assert len(re.findall(r"mpiexec ok: .*", out)) == 2, out
+
+
+def test_bool_tensors_give_gloos_results(tmp_path):
+    """A bool tensor reduces on "ddl" as on gloo (sum and max: or; prod and min: and), with
+    every collective, beside a gloo group in the same processes; 3 ranks under mpiexec, as
+    written, through ``init_method="ddl://"``."""
+    script = SCRIPTS / "torch_bool_job.py"
+    assert "import ddlcore" not in script.read_text()
+    out = _run([_mpiexec(), "-n", "3", sys.executable, str(script), "ddl://"], tmp_path)
+    assert sorted(re.findall(r"torch bool ok: rank \d of \d", out)) == [
+        f"torch bool ok: rank {r} of 3" for r in range(3)
     ], out
+
+
+def test_bool_tensors_under_torchrun(tmp_path):
+    script = SCRIPTS / "torch_bool_job.py"
+    out = _run(TORCHRUN + ["--nproc-per-node", "2", str(script)], tmp_path)
+    assert sorted(re.findall(r"torch bool ok: rank \d of \d", out)) == [
+        f"torch bool ok: rank {r} of 2" for r in range(2)
+    ], out
+
+
+def _run_like_srun(cwd: pathlib.Path, script: str, size: int, **env: str) -> list[str]:
+    """``size`` ranks with Slurm's variables only (srun's way; no PMI that MPI can use)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script],
+            cwd=cwd,
+            env={**_env(), **env, "SLURM_PROCID": str(r), "SLURM_NTASKS": str(size)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(size)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [f"exit {p.returncode}\n{out}{err}" for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def test_under_srun_with_an_address_set_by_hand(tmp_path):
+    """A Slurm script that exports MASTER_ADDR and MASTER_PORT (the first node, a free port)
+    needs no RANK and WORLD_SIZE: they come from SLURM_PROCID and SLURM_NTASKS."""
+    (tmp_path / "job.py").write_text(MPI_SCRIPT.replace("mpiexec ok", "srun ok"))
+    outs = _run_like_srun(
+        tmp_path, "job.py", 2, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    for rank, out in enumerate(outs):
+        assert out.startswith("exit 0\n") and f"srun ok: rank {rank} of 2" in out, out
+
+
+def test_under_srun_without_a_pmi_or_an_address_says_what_to_do(tmp_path):
+    (tmp_path / "job.py").write_text(MPI_SCRIPT)
+    for out in _run_like_srun(tmp_path, "job.py", 2):
+        assert not out.startswith("exit 0"), out
+        assert "srun --mpi=pmi2" in out and "MASTER_ADDR" in out, out
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The silent wrong results of issue 19, as an attacker (or a buggy training script) would meet
 them: a broadcast whose ranks name different roots, and 3-rank allreduces that differ in count,
 dtype, op or kind. Each must fail with CollectiveMismatchError on every rank, within the
-timeout, never complete with the ranks holding different data
+timeout, naming both calls, never complete with the ranks holding different data
 (`ddlcore.algorithms.agreement`; the full matrix is ``tests/collectives/test_mismatch.py``)."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def test_broadcast_with_two_roots(transport, algo):
     for rank, got in enumerate(run_ranks(_two_roots, 2, env=env, timeout=120)):
         assert not got.startswith("no error"), got
         assert f"rank {rank}" in got and "broadcast #" in got, got
+        assert "root 0" in got and "root 1" in got, got  # both calls, by name
 
 
 # Each differs on one rank of three: count, an empty call, dtype, op, root, kind.

@@ -91,6 +91,50 @@ def test_torch_tensors_round_trip():
     assert isinstance(out.wrap(out.array), torch.Tensor)
 
 
+def test_bool_arrays_reduce_as_uint8_but_compare_as_bool():
+    """bool is accepted without a copy; the kernels see uint8 (its bytes are 0 or 1), the
+    checks that compare ranks' calls see a code of its own, and the messages its name."""
+    from ddlcore.kernels.dtypes import BOOL_CODE, check_code, dtype_name
+
+    arr = np.array([True, False, True])
+    d = as_buffer(arr)
+    assert (d.ptr, d.count, d.nbytes, d.dtype) == (arr.ctypes.data, 3, 3, np.dtype(bool))
+    assert d.code == DType.UINT8 and d.logical and d.check_code == BOOL_CODE
+    assert as_buffer(np.ones(3, np.uint8)).check_code == int(DType.UINT8)
+    assert not as_buffer(np.ones(3, np.uint8)).logical
+    assert check_code(np.bool_) == BOOL_CODE and check_code(np.complex64) is None
+    assert dtype_name(BOOL_CODE) == "bool" and dtype_name(DType.FLOAT32) == "float32"
+    assert dtype_name(99) == "dtype code 99"
+    new = empty_like(d)
+    assert new.dtype == np.bool_ and new.logical
+    assert as_buffer(memoryview(arr)).logical  # the buffer protocol's "?"
+
+
+def test_bool_ops_are_logical():
+    """sum and max are or, prod and min and (gloo's results); avg has none."""
+    from ddlcore import calls
+    from ddlcore.ops import Op
+
+    x = np.zeros(4, bool)
+    for op, kernel_op in (("sum", Op.MAX), ("max", Op.MAX), ("prod", Op.MIN), ("min", Op.MIN)):
+        assert calls.prepare("allreduce", x, op, None, 0, 2).op == kernel_op, op
+        assert calls.prepare("reduce_scatter", x, op, None, 0, 2).op == kernel_op, op
+        assert calls.prepare("reduce", x, op, None, 1, 2, rank=1).op == kernel_op, op
+    for collective in ("allreduce", "reduce_scatter", "reduce"):
+        with pytest.raises(TypeError, match="op='avg' has no bool result"):
+            calls.prepare(collective, x, "avg", None, 0, 2)
+    assert calls.prepare("allreduce", x.view(np.uint8), "sum", None, 0, 2).op == Op.SUM
+
+
+def test_torch_bool_tensors_are_viewed_without_a_copy():
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([True, False, True])
+    d = as_buffer(t)
+    assert d.ptr == t.data_ptr() and d.logical and d.code == DType.UINT8
+    back = empty_like(d)
+    assert back.wrap(back.array).dtype == torch.bool
+
+
 def test_torch_bfloat16_tensors_are_viewed_without_a_copy():
     torch = pytest.importorskip("torch")
     t = torch.randn(7).bfloat16()

@@ -1,9 +1,11 @@
-"""config.py: the one place environment variables are declared and parsed."""
+"""config.py: the one place environment variables are declared and parsed, and where a
+DDL_* variable nothing declares (a misspelling) is warned of."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import warnings
 from unittest.mock import patch
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from ddlcore import config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+_CONFIG = ROOT / "ddlcore" / "config.py"
 
 
 def test_defaults():
@@ -129,3 +132,67 @@ def test_link_probe_runs_when_the_job_spans_hosts(mode, hosts, env, probes):
     from ddlcore.job import probe
 
     assert probe.wanted(mode, hosts, env) is probes
+
+
+def test_a_misspelled_variable_is_named_with_the_one_meant():
+    found = config.unknown(
+        {"DDL_TRANSPROT": "tcp", "DDL_CHUNK_BYTE": "1M", "DDL_XYZZY": "1", "DDL_TIMEOUT": "5"}
+    )
+    assert found == {
+        "DDL_CHUNK_BYTE": "DDL_CHUNK_BYTES",
+        "DDL_TRANSPROT": "DDL_TRANSPORT",
+        "DDL_XYZZY": None,  # like nothing declared: no guess
+    }
+
+
+def test_unknown_variables_warn_once_per_process(monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())
+    env = {"DDL_TRANSPROT": "tcp", "DDL_XYZZY": "1"}
+    with pytest.warns(RuntimeWarning) as caught:
+        config.warn_unknown(env)
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2, messages
+    assert "DDL_TRANSPROT" in messages[0] and "did you mean DDL_TRANSPORT?" in messages[0]
+    assert "DDL_XYZZY" in messages[1] and "did you mean" not in messages[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second time: nothing
+        config.warn_unknown(env)
+        config.warn_unknown({"DDL_TIMEOUT": "5", "DDL_CI_VENV": "/tmp/v", "PATH": "/bin"})
+
+
+def test_init_warns_of_a_misspelled_variable(monkeypatch):
+    import ddlcore
+
+    monkeypatch.setattr(config, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="DDL_TRANSPROT.*did you mean DDL_TRANSPORT"):
+        ddlcore.init(environ={"DDL_TRANSPROT": "tcp"}).close()
+
+
+def _ddl_names_used() -> set[str]:
+    """Every DDL_* name the source, the tests and CI mention, except the native code's own
+    macros (``DDL_ARENA_MAX``, ``DDL_K_*``... in .h/.pyx/.pxd/.c files and their mentions)."""
+    macros = set()
+    for path in [*ROOT.glob("*/**/*.h"), *ROOT.glob("*/**/*.pyx"), *ROOT.glob("*/**/*.pxd")]:
+        if ".venv" not in path.parts:
+            macros |= set(re.findall(r"\bDDL_[A-Z0-9_]*", path.read_text(errors="replace")))
+    used = set()
+    folders = ("ddlcore", "transports", "kernels", "tests", "benchmarks", ".ci", "docs")
+    for folder in folders:
+        for path in (ROOT / folder).rglob("*"):
+            if (
+                path.is_file()
+                and path.suffix not in (".c", ".h", ".so", ".pyc", ".pyx", ".pxd")
+                # these two misspell on purpose (config.py's doc gives an example)
+                and path.resolve() not in (pathlib.Path(__file__).resolve(), _CONFIG)
+            ):
+                text = path.read_text(errors="ignore")
+                used |= set(re.findall(r"\bDDL_[A-Z0-9_]*[A-Z0-9]\b", text))
+    return used - macros
+
+
+def test_every_ddl_variable_used_anywhere_is_known():
+    """Launchers, CI and the tests set DDL_* variables of their own: each must be declared (or
+    listed as another tool's), or the warning would fire in normal use."""
+    used = _ddl_names_used()
+    assert "DDL_REQUIRE_ALL" in used and "DDL_CI_VENV" in used  # the search finds them
+    assert config.unknown(dict.fromkeys(used, "1")) == {}

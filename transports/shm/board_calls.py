@@ -1,13 +1,20 @@
 """What one call of the boards (``boards.HostCollectives.run``) is: its kind (`BoardKind`, the
 native engine's ``DDL_K_*``), how it runs (`SLOTS`, `DIRECT`, `SYNC_ONLY`) and its arguments
-on host addresses (`BoardCall`)."""
+on host addresses (`BoardCall`); and how a mismatch names a rank's call from what it published
+on its board (`describe_entry`)."""
 
 from __future__ import annotations
 
 import enum
+import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from ddlcore.kernels.dtypes import BOOL_CODE, DType, dtype_name
+
+from ddlcore.ops import Op
 
 # How a call runs (_arena.Arena.run's mode).
 SLOTS, DIRECT, SYNC_ONLY = 0, 1, 2
@@ -81,3 +88,58 @@ class BoardCall:
     divisor: int = 0
     root: int = 0
     keep: Any = None
+
+
+_NONE = 255  # no op (and no dtype: barrier), in a check word
+_REDUCING = frozenset(
+    {BoardKind.ALLREDUCE, BoardKind.REDUCE_SCATTER, BoardKind.REDUCE, BoardKind.HOST_REDUCE_SCATTER}
+)
+_ROOTED = frozenset({BoardKind.BROADCAST, BoardKind.REDUCE, BoardKind.GATHER, BoardKind.SCATTER})
+
+
+def check_word(kind: int, code: int, op: int, count: int, root: int, chunk: int = 0) -> int:
+    """A call's check word as ``ddlcore.execution._frontend.check_word`` computes it (CRC-32 of
+    the packed fields, odd); the transports name calls with it, and cannot import that layer."""
+    raw = struct.pack("<BBBqqq", kind & 0xFF, code & 0xFF, op & 0xFF, count, root, chunk)
+    return zlib.crc32(raw) | 1
+
+
+def describe_entry(entry: tuple[int, int, int, int, int], check: int | None = None) -> str:
+    """A rank's board call as messages name it, from its board's entry (kind, kernel dtype,
+    kernel op, root, count) and its ``check`` word: "allreduce(1000 x float32, avg)". The
+    entry holds what the kernels run (sum for avg, uint8 for bool, an op even where the call has
+    none); the check word tells which call that was. Without it (or where it names none of
+    them: an allreduce's host phase on a segment) the entry's own names."""
+    kind, dtype, op, root, count = entry
+    root = root - (1 << 32) if root >= 1 << 31 else root  # an integer avg's negative marker
+    try:
+        board_kind = BoardKind(kind)
+    except ValueError:
+        return f"kind {kind}({count} x {dtype_name(dtype)}, op code {op})"
+    reducing = board_kind in _REDUCING
+    codes = [dtype, BOOL_CODE] if dtype == DType.UINT8 else [dtype]
+    ops = ([op, int(Op.AVG)] if op == Op.SUM else [op]) if reducing else [_NONE]
+    if check is not None:
+        for code in codes:
+            for candidate in ops:
+                if check_word(kind, code, candidate, count, root) == check:
+                    return _words(board_kind, code, candidate, root, count)
+    return _words(board_kind, dtype, op if reducing else _NONE, root, count)
+
+
+def _words(kind: BoardKind, code: int, op: int, root: int, count: int) -> str:
+    """As ``ddlcore.calls.describe_call`` words a call: "allreduce(1000 x float32, sum)"."""
+    name = kind.name.lower() if kind.phase is None else f"allreduce's {kind.phase}"
+    if kind == BoardKind.BARRIER:
+        return "barrier()"
+    if root < 0 and -1 - root in {int(c) for c in DType}:  # int_avg: the wide sum of an avg
+        return f"{name}({count} x {dtype_name(-1 - root)}, avg)"
+    text = f"{count} x {dtype_name(code)}"
+    if op != _NONE:
+        try:
+            text += f", {Op(op).name.lower()}"
+        except ValueError:
+            text += f", op code {op}"
+    if kind in _ROOTED:
+        text += f", root {root}"
+    return f"{name}({text})"

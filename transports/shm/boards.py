@@ -57,7 +57,14 @@ import numpy as np
 from ddlcore.transports import _arena, _shm
 from ddlcore.transports.base import MAX_ABORT_REASON_BYTES
 from ddlcore.transports.common import abort_code, abort_error
-from ddlcore.transports.shm.board_calls import DIRECT, SLOTS, SYNC_ONLY, BoardCall, BoardKind
+from ddlcore.transports.shm.board_calls import (
+    DIRECT,
+    SLOTS,
+    SYNC_ONLY,
+    BoardCall,
+    BoardKind,
+    describe_entry,
+)
 from ddlcore.transports.shm.segments import (
     PREFIX,
     SHM_DIR,
@@ -111,6 +118,9 @@ _OFF_MAGIC, _OFF_VERSION, _OFF_SIZE, _OFF_SLOT, _OFF_PID, _OFF_CMA_OK, _OFF_SELF
     32,
     40,
 )
+# A board's two entries (ddl_arena.h's DDL_A_ENTRY, 64 bytes each, by epoch parity), whose
+# first 8 bytes are the call's check word (DDL_E_CHECK): a mismatch names the calls with them.
+_OFF_ENTRY, _ENTRY_BYTES = 2048, 64
 _CLOSED = 0xFFFF  # abort code of a rank that closed its communicator
 
 
@@ -172,6 +182,7 @@ class HostCollectives:
         self._pidfds: list[int] = []
         self._pids: list[int] = []
         self._arena: Any = None
+        self._boards: list[int] = []  # every rank's board's address, once connected
         self.direct = False  # every rank can read every other's memory (agreed in connect)
         self._closed = False
         # Not a Condition (its notify costs microseconds per call): close() polls _busy.
@@ -205,6 +216,7 @@ class HostCollectives:
         self._arena = _arena.Arena(
             self.rank, self.size, boards, self._pids, self._pidfds, SMALL_MAX, CHUNK_BYTES
         )
+        self._boards = boards
         ok = self._probe_direct(boards)
         _shm.store_u32(self._base + _OFF_CMA_OK, 1 if ok else 0)
         self.run(
@@ -377,11 +389,9 @@ class HostCollectives:
             told = abort_error(code - 1, peer, reason.decode("utf-8", "replace"), peer=peer)
             return rewrap(told, f"{where}: {told}")  # a relayed failure keeps its origin
         if status == _STATUS_MISMATCH:
-            mine = self._arena.entry(self.rank)
-            theirs = self._arena.entry(q)
             cause = (
-                f"ranks called different collectives: rank {self.ranks[self.rank]} "
-                f"{_describe(mine)}, rank {peer} {_describe(theirs)}"
+                f"ranks called different collectives: rank {self.ranks[self.rank]} called "
+                f"{self._described(self.rank)}, rank {peer} {self._described(q)}"
             )
             err = CollectiveMismatchError(f"{where}: {cause}")
             err.cause = cause
@@ -393,6 +403,12 @@ class HostCollectives:
                 peer,
             )
         return DDLError(f"{where}: internal error (status {status})")
+
+    def _described(self, q: int) -> str:
+        """Rank q's call at our current epoch, by name (`describe_entry`), from its entry and
+        the check word beside it."""
+        at = self._boards[q] + _OFF_ENTRY + (self._arena.epoch & 1) * _ENTRY_BYTES
+        return describe_entry(self._arena.entry(q), _shm.load_u64(at))
 
     # --- failure and lifetime -----------------------------------------------------------------
     def abort(self, code: int, reason: str) -> None:
@@ -437,12 +453,3 @@ class HostCollectives:
 
 def _peer_error(where: str, cause: str, peer: int) -> PeerFailureError:
     return PeerFailureError(f"{where}: {cause}", peer, cause)
-
-
-def _describe(entry: tuple[int, int, int, int, int]) -> str:
-    kind, dtype, op, root, count = entry
-    try:
-        name = BoardKind(kind).label
-    except ValueError:
-        name = f"kind {kind}"
-    return f"{name} of {count} elements (dtype code {dtype}, op code {op}, root {root})"

@@ -16,7 +16,7 @@ import numpy as np
 
 from ddlcore.algorithms import Buf, Schedule
 from ddlcore.buffers import MemoryKind
-from ddlcore.calls import Call
+from ddlcore.calls import Call, describe_check
 from ddlcore.collectives import HAS_ROOT, Collective
 from ddlcore.execution import _frontend, device, engine, hostcoll, int_avg
 from ddlcore.execution.hostcoll import BoardCall, BoardKind, HostCollectives
@@ -182,7 +182,7 @@ def check_word(call: Call, kind: BoardKind | None = None, chunk_bytes: int = 0) 
     told, not left to misread each other's chunks."""
     return _frontend.check_word(
         kind or BoardKind.of(call.collective),
-        int(call.inp.code) if call.inp is not None else 255,
+        call.inp.check_code if call.inp is not None else 255,
         int(call.op) if call.op is not None else 255,
         call.count,
         call.root,
@@ -371,6 +371,7 @@ class PathBase:
             int(call.inp.code) if call.inp is not None else 0,
             call.op,
             name,
+            lambda check, nbytes: describe_check(check, call, ctx.size, choice.chunk_bytes, nbytes),
         )
         engine.run(
             sched,

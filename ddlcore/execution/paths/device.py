@@ -9,7 +9,7 @@ import logging
 
 from ddlcore.algorithms import Buf
 from ddlcore.buffers import MemoryKind
-from ddlcore.calls import Call
+from ddlcore.calls import Call, describe_check
 from ddlcore.execution import device, device_engine, device_ops, engine
 from ddlcore.execution.paths.base import Context, PathBase, Plan, board_mode, check_word, label
 from ddlcore.execution.paths.schedule import schedules
@@ -89,6 +89,9 @@ class DevicePath(PathBase):
                 int(call.inp.code),
                 call.op,
                 name,
+                lambda check, nbytes: describe_check(
+                    check, call, ctx.size, choice.chunk_bytes, nbytes
+                ),
             )
             device_engine.run(
                 sched, coll, buffers, ctx.links, slots, ctx.depth, ctx.timeout, call.ready

@@ -3,7 +3,9 @@
 Importing ``ddlcore.integrations.torch`` registers it, and so does torch itself, through the
 ``torch.backends`` entry point it loads at the end of ``import torch`` (`autoload`): a script
 need not import ddlcore. torch calls `_create` with its store, rank, size and timeout; ddlcore
-meets the other ranks through that store (``ddlcore.init(store=...)``), under any launcher.
+meets the other ranks through that store (``ddlcore.init(store=...)``), under any launcher;
+under mpiexec and srun torch's default rendezvous learns rank, size and its store's address
+from ddlcore (`launchers`).
 
 `ProcessGroupDDL` maps torch's collectives onto the `Communicator`: allreduce (SUM, AVG,
 PRODUCT, MIN, MAX), allreduce_coalesced, allgather (lists and into one tensor, coalesced too),
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddlcore.integrations.torch import launchers
 from ddlcore.integrations.torch.rooted import RootedCollectives
 from ddlcore.integrations.torch.work import (
     WorkDDL,
@@ -46,7 +49,16 @@ _DEVICES = ["cpu", "cuda"]
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # CPU tensors NumPy views as one of ddlcore's dtypes (bfloat16 it cannot).
 _NUMPY_VIEWABLE = frozenset(
-    {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
 )
 
 
@@ -79,11 +91,14 @@ def _waited_host_view(tensors: Sequence[torch.Tensor], opts: Any) -> Any:
 
 
 def register() -> None:
-    """Register the backend "ddl" with torch.distributed (again: no effect)."""
+    """Register the backend "ddl" with torch.distributed, and the rendezvous that lets
+    ``init_process_group`` run under mpiexec and srun as written (`launchers`); again: no
+    effect."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
             BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES)
         )
+    launchers.install()
 
 
 class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[misc]  # stubs
