@@ -399,10 +399,10 @@ _declare("DDL_LOCAL_SIZE", _positive_int, None, "Ranks on this host (set by ddlr
 _declare("DDL_MASTER_ADDR", str, None, "Address of rank 0's rendezvous store.")
 _declare("DDL_MASTER_PORT", _port, None, "Port of rank 0's rendezvous store.")
 _declare(
-    "DDL_STORE_FDS",
+    "DDL_STORE_SOCKETS",
     str,
     "",
-    "Set by ddlrun for rank 0 only: the inherited file descriptors (comma-separated) of the "
+    "Set by ddlrun for rank 0: the abstract Unix socket (@name) from which rank 0 receives the "
     "store's listening sockets, bound by ddlrun on DDL_MASTER_ADDR:DDL_MASTER_PORT before the "
     "ranks start, so that no other process can take the port in between.",
 )

@@ -71,6 +71,9 @@ _OK, _REFUSED = 0, 1  # a challenge's status
 _PROOF_WRONG = 1  # a proof's status: the acceptor's proof did not check out
 _WRONG_PROOF, _VERDICT_REFUSED = 1, 2  # a verdict's status besides _OK
 _MAX_BODY = 512  # longest answer or reason
+# How long a connector that found the acceptor's proof wrong holds its socket for the acceptor
+# to see who it is (the store looks the socket's owner up in a few ms).
+_HOLD_AFTER_WRONG_S = 0.5
 _KEY_LABEL = b"ddlcore job key v1\0"
 _SECRET_BYTES = 32
 _ADVICE = (
@@ -235,8 +238,8 @@ class JobKey:
         """32 bytes that only holders of the key can compute, ``HMAC(key, label | 0 | data)``
         (``label`` other than the handshake's own): for transports that authenticate messages
         rather than connections (ucx)."""
-        if label in (b"accept", b"connect"):
-            raise ValueError(f"label {label!r} is the handshake's own")
+        if label in (b"accept", b"connect") or b"\0" in label:
+            raise ValueError(f"label {label!r} is the handshake's own, or holds a NUL")
         return hmac.new(self._key, label + b"\0" + data, hashlib.sha256).digest()
 
     def claim(self, service: str, **fields: object) -> Claim:
@@ -279,13 +282,12 @@ class JobKey:
         mac_a = _recv(sock, MAC_BYTES, deadline)
         body = _recv(sock, nbody, deadline) if nbody else b""
         if status != _OK:
-            reason = body.decode("ascii", "replace")
-            raise HandshakeRefused(f"the listener refused our claim (unproven): {reason}", reason)
+            reason = printable(body)
+            raise HandshakeRefused(
+                f"the listener refused our claim (its word, unverified): {reason}", reason
+            )
         if not hmac.compare_digest(mac_a, self._mac(b"accept", raw_claim, body, nonce_c, nonce_a)):
-            try:  # tell it why we leave, so that it can say so too
-                sock.sendall(_PROOF.pack(_MAGIC, _PROOF_WRONG, 0) + bytes(MAC_BYTES))
-            except OSError:
-                pass
+            _tell_wrong(sock, deadline)
             raise AuthenticationError(
                 "the other end could not prove it holds this job's secret: it belongs to another "
                 f"job, or holds another secret (ours is from {self.origin or 'unknown'}). "
@@ -297,7 +299,7 @@ class JobKey:
         magic, status, nbody = _VERDICT.unpack(_recv(sock, _VERDICT.size, deadline))
         if magic != _MAGIC or nbody > _MAX_BODY:
             raise AuthenticationError("a malformed verdict on our proof")
-        reason = _recv(sock, nbody, deadline).decode("ascii", "replace") if nbody else ""
+        reason = printable(_recv(sock, nbody, deadline)) if nbody else ""
         if status == _WRONG_PROOF:
             raise AuthenticationError(
                 "the other end refused our proof of the job's secret: the ranks hold different "
@@ -446,8 +448,8 @@ class Acceptor:
             return (
                 _CHALLENGE.pack(_MAGIC, _OK, len(self._answer)) + self._nonce_a + mac + self._answer
             )
-        magic, status, _ = _PROOF.unpack_from(data)
-        if magic != _MAGIC or status not in (_OK, _PROOF_WRONG):
+        magic, status, zero = _PROOF.unpack_from(data)
+        if magic != _MAGIC or status not in (_OK, _PROOF_WRONG) or zero:
             return self._fail("malformed proof", b"")
         if status == _PROOF_WRONG:
             self.mismatch = True
@@ -494,6 +496,27 @@ class Acceptor:
             body = told.encode("ascii", "replace")[:_MAX_BODY]
             return _VERDICT.pack(_MAGIC, _VERDICT_REFUSED, len(body)) + body
         return reply
+
+
+def printable(raw: bytes, limit: int = _MAX_BODY) -> str:
+    """A peer's text, as safe to print: ASCII letters, digits, punctuation and spaces only (no
+    control characters, no escape sequences), at most ``limit`` characters."""
+    text = raw[:limit].decode("ascii", "replace")
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
+
+
+def _tell_wrong(sock: socket.socket, deadline: float) -> None:
+    """Tell the acceptor its proof was wrong (so that it can say so too), and hold the socket
+    until it closes (half a second at most): it may look up who we are meanwhile, which only
+    an open socket tells."""
+    try:
+        sock.sendall(_PROOF.pack(_MAGIC, _PROOF_WRONG, 0) + bytes(MAC_BYTES))
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(max(0.001, min(_HOLD_AFTER_WRONG_S, deadline - time.monotonic())))
+        while sock.recv(64):
+            pass
+    except OSError:
+        pass
 
 
 def _refusal(why: str) -> bytes:

@@ -25,6 +25,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 from dataclasses import dataclass, field, replace
 
 JOB_ID_BYTES = 16
@@ -154,15 +155,19 @@ def same_endpoint(a: tuple[str, int], b: tuple[str, int]) -> bool:
 
 
 def peer_uid(sock: socket.socket) -> int | None:
-    """The uid owning the other end of ``sock`` when that end is a TCP socket of this host (in
-    this network namespace), read from /proc/net/tcp{,6}; None when it cannot be told (another
-    host, another namespace, not TCP)."""
+    """The uid owning the other end of ``sock`` when that end is a TCP socket that a process of
+    this host (in this network namespace) still holds open, read from /proc/net/tcp{,6}; None
+    when it cannot be told (another host or namespace, not TCP, or the other end closed: a
+    closed socket's row, TIME_WAIT, says uid 0 whoever held it, so rows without an inode are
+    not believed)."""
     try:
         local, remote = endpoint(sock.getsockname()), endpoint(sock.getpeername())
     except OSError:
         return None
-    if not local[0] or not remote[0]:
+    if not local[0] or not remote[0] or sys.byteorder != "little":
         return None
+    if not (ipaddress.ip_address(remote[0]).is_loopback or remote[0] == local[0]):
+        return None  # from another host: its sockets are not in this host's tables
     # The other end's entry: its local address is our remote one, and the other way round.
     want = (_ip_bytes(remote[0]), remote[1], _ip_bytes(local[0]), local[1])
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -171,7 +176,7 @@ def peer_uid(sock: socket.socket) -> int | None:
                 next(f, None)
                 for line in f:
                     cols = line.split()
-                    if len(cols) < 8:
+                    if len(cols) < 10 or cols[9] == "0":  # no inode: nobody holds it
                         continue
                     here, there = _proc_endpoint(cols[1]), _proc_endpoint(cols[2])
                     if here is None or there is None:
@@ -184,7 +189,8 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 
 def _proc_endpoint(text: str) -> tuple[bytes, int] | None:
-    """An address of /proc/net/tcp ("0100007F:1F90": the IP as 32-bit words in host order)."""
+    """An address of /proc/net/tcp ("0100007F:1F90": the IP as 32-bit words in host order, which
+    `peer_uid` reads on little-endian hosts only)."""
     ip_hex, _, port_hex = text.partition(":")
     try:
         words = bytes.fromhex(ip_hex)

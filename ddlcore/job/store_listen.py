@@ -7,14 +7,18 @@ bind.
 `listen_all` binds a name's addresses on one port (port 0: one free port for all of them);
 `reserve` does so ahead of the server, for a rank 0 that must publish its store's address
 before it serves (through MPI or torch's store), and `take` hands the sockets to the server. A
-launcher (ddlrun) binds them itself and passes them to rank 0 as inherited file descriptors
-(``DDL_STORE_FDS``), which `take` adopts.
+launcher (ddlrun) binds them itself and hands them to rank 0 over an abstract Unix socket
+(`Handoff`, named by ``DDL_STORE_SOCKETS``; a wrapper between ddlrun and the rank may close
+inherited descriptors), which `take` asks for.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import secrets
 import socket
+import struct
 import threading
 
 from ddlcore import config
@@ -24,9 +28,14 @@ from ddlcore.errors import RendezvousError
 # taken on another.
 _PORT_TRIES = 16
 
+# How long rank 0 waits for the launcher's answer, and how many sockets it takes.
+_HANDOFF_S = 5.0
+_MAX_HANDED = 8
+_CREDS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
 _reserved: dict[tuple[str, int], list[socket.socket]] = {}
 _lock = threading.Lock()
-_inherited_taken = [False]
+_handed = [False]  # the launcher's sockets were taken (once per process)
 
 
 def _addresses(host: str, port: int) -> list[tuple[int, tuple]]:
@@ -122,37 +131,104 @@ def reserve(host: str) -> int:
 
 
 def take(host: str, port: int) -> list[socket.socket] | None:
-    """The sockets reserved (`reserve`) or inherited from the launcher (``DDL_STORE_FDS``) for a
-    store on ``host:port``; None if there are none (the server binds its own)."""
+    """The sockets reserved (`reserve`) or handed over by the launcher (``DDL_STORE_SOCKETS``)
+    for a store on ``host:port``; None if there are none (the server binds its own)."""
     with _lock:
         socks = _reserved.pop((host, port), None)
     if socks is not None:
         return socks
-    return _inherited(port)
+    return _received(port)
 
 
-def _inherited(port: int) -> list[socket.socket] | None:
-    fds = config.get("DDL_STORE_FDS")
+def _received(port: int) -> list[socket.socket] | None:
+    """The store's sockets from the launcher (`Handoff`, named by ``DDL_STORE_SOCKETS``), where
+    they listen on ``port``; taken once per process."""
+    name = config.get("DDL_STORE_SOCKETS")
     with _lock:
-        if not fds or _inherited_taken[0]:
-            return None  # once per process: the numbers may name other files later
-        _inherited_taken[0] = True
+        if not name or _handed[0]:
+            return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(_HANDOFF_S)
+            conn.connect(_abstract(name))
+            _, fds, _, _ = socket.recv_fds(conn, 16, _MAX_HANDED)
+    except OSError:
+        return None  # ddlrun is gone, or this is no job of its: bind our own
     socks: list[socket.socket] = []
-    for text in fds.split(","):
+    for fd in fds:
+        os.set_inheritable(fd, False)
+        sock = socket.socket(fileno=fd)
         try:
-            sock = socket.socket(fileno=int(text))
-        except (ValueError, OSError):
-            continue  # not ours (closed, or not a socket): the server binds its own
-        try:
-            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-            ours = listening and sock.getsockname()[1] == port
+            ours = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (
+                sock.getsockname()[1] == port
+            )
         except OSError:
             ours = False
         if ours:
             socks.append(sock)
         else:
-            sock.detach()  # leave an fd that is not the store's to whoever owns it
-    return socks or None
+            sock.close()
+    if not socks:
+        return None
+    with _lock:
+        _handed[0] = True
+    return socks
+
+
+class Handoff:
+    """A launcher's side of ``DDL_STORE_SOCKETS``: it binds the store's sockets before any rank
+    starts and hands them, over an abstract Unix socket, to whichever process of the user asks
+    (rank 0's, wherever a wrapper put it: nothing has to be inherited), keeping its own copies,
+    which hold the port and accept nothing, until `close`.
+
+    Parameters
+    ----------
+    socks : list of socket
+        The store's listening sockets (`listen_all`).
+    """
+
+    def __init__(self, socks: list[socket.socket]) -> None:
+        self.socks = socks
+        self.name = f"@ddlcore-store-{os.getpid()}-{secrets.token_hex(8)}"
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._server.bind(_abstract(self.name))
+            self._server.listen(16)
+        except BaseException:
+            self._server.close()
+            raise
+        self._thread = threading.Thread(target=self._serve, name="ddlrun-store", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        fds = [sock.fileno() for sock in self.socks]
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+                    if _CREDS.unpack(creds)[1] == os.getuid():  # (pid, uid, gid): ours only
+                        socket.send_fds(conn, [b"s"], fds)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._server.close()
+        self._thread.join(5)
+        for sock in self.socks:
+            sock.close()
+
+
+def _abstract(name: str) -> str:
+    """An abstract Unix socket's address ("@name": no file, gone with its owner)."""
+    return "\0" + name.removeprefix("@")
 
 
 def _where(host: str, port: int) -> str:

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ddlcore.job.auth import JobKey, default_key
+from ddlcore.job.auth import JobKey, default_key, printable
 from ddlcore.job.claims import JOB_ID_BYTES, STORE, Claim, peer_uid
 from ddlcore.job.store_conn import _HANDSHAKE, StoreConnections, _Conn
 from ddlcore.job.store_listen import listen_all, take
@@ -56,6 +56,9 @@ _EMFILE_PAUSE_S = 0.1
 _COMPACT_TIMERS = 4096
 # What the selector holds for a listening socket (a connection's is its _Conn).
 _LISTENER = object()
+# Least time between two lookups of a mismatched connector's owner (each reads the host's TCP
+# tables: ~0.3 s with 20k sockets), so that wrong proofs cannot stall the store's thread.
+_LOOKUP_INTERVAL_S = 1.0
 
 
 class StoreServer(StoreConnections):
@@ -107,6 +110,7 @@ class StoreServer(StoreConnections):
         job_key.job_id = self.job_id
         # rank -> (instance, pid, source, connections open): the process that holds the rank
         self._members: dict[int, tuple[bytes, int, str, int]] = {}
+        self._next_lookup = 0.0  # when `_mismatch` may read the socket tables again
         self.max_connections = max(1, int(max_connections))
         self._listeners = listeners
         self._selector = selectors.DefaultSelector()
@@ -290,7 +294,8 @@ class StoreServer(StoreConnections):
             f"pid {claim.pid} from {source} came later; one of them is left from an earlier "
             "start of this job (same secret, same port): stop it, then start the job again"
         )
-        self._table.fail(why)
+        if not self._table.barriers_met:  # at the start: every rank hears it; later, only it
+            self._table.fail(why)
         return why
 
     def _joined(self, conn: _Conn, claim: Claim) -> None:
@@ -316,13 +321,20 @@ class StoreServer(StoreConnections):
         that no rank waits out its timeout, saying where each secret came from. A stranger's
         wrong proof, or one from another host, only drops its connection."""
         claim = conn.acceptor.unproven if conn.acceptor is not None else None
-        if claim is None or claim.src < 0 or peer_uid(conn.sock) != os.getuid():
+        if claim is None or claim.src < 0 or self._table.barriers_met:
+            return  # not a rank, or past the start: a running job is never failed from here
+        now = time.monotonic()
+        if now < self._next_lookup:  # each lookup reads the host's socket tables: rationed
+            return
+        self._next_lookup = now + _LOOKUP_INTERVAL_S
+        if peer_uid(conn.sock) != os.getuid():
             return
         self._table.fail(
             f"rank {claim.src} (pid {claim.pid}) holds another job secret than the store's: the "
             f"store's comes from {self.job_key.origin or 'unknown'}, rank {claim.src}'s from "
-            f"{claim.origin or 'unknown'}; give every rank the same DDL_SECRET or "
-            "DDL_SECRET_FILE (or none: ddlrun and mpiexec provide one)"
+            f"{printable(claim.origin.encode('ascii', 'replace')) or 'unknown'} (as it says); "
+            "give every rank the same DDL_SECRET or DDL_SECRET_FILE (or none: ddlrun and "
+            "mpiexec provide one)"
         )
 
     # --- what other threads may call --------------------------------------------------------

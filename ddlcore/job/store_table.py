@@ -69,6 +69,7 @@ class StoreTable:
         self._waiters: dict[str, list[Wait]] = {}
         self._barriers: dict[str, _Barrier] = {}
         self.failed: str | None = None  # why the job failed at the store (`fail`)
+        self.barriers_met = 0  # barriers every rank has reached: the job is past its start
 
     def _answer(self, conn: Any, status: int, value: bytes = b"", arg: int = 0) -> None:
         self._answer_fn(conn, status, value, arg)
@@ -78,12 +79,12 @@ class StoreTable:
         self._data.clear()
         self._barriers.clear()
         self._stored = 0
-        self.failed = None
 
     def fail(self, why: str) -> None:
         """The job failed at its start (two processes claim a rank, the secrets differ): answer
-        every parked wait, and every request from now on, FAILED with ``why``, so that every
-        rank hears it at once instead of waiting out its timeout."""
+        every parked wait, and every request from now on (for the store's life: a rank that
+        comes late hears it too), FAILED with ``why``, so that every rank hears it at once
+        instead of waiting out its timeout."""
         if self.failed is None:
             self.failed = why
         reason = self.failed.encode("utf-8", "replace")
@@ -287,6 +288,7 @@ class StoreTable:
             self._timer(time.monotonic() + wait_s, wait)
             return
         waiting, barrier.waiting = barrier.waiting, []
+        self.barriers_met += 1
         barrier.answered += len(waiting) + 1
         self._retire(key, barrier)  # first: a rank answered may look at once
         for wait in waiting:

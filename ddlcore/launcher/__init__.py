@@ -367,13 +367,15 @@ def _main(argv: Sequence[str] | None) -> int:
     env = dict(forwarded)
     env.update(_secret_env())
     # Two ports: ddlcore's store, and torch's (a script's init_process_group serves it). The
-    # store's sockets are bound here and handed to rank 0 (DDL_STORE_FDS), so no other process
-    # can take the port between its choice and rank 0's start.
+    # store's sockets are bound here and handed to rank 0 (DDL_STORE_SOCKETS), so no other
+    # process can take the port between its choice and rank 0's start.
     try:
-        store_socks = store_listen.listen_all(args.master_addr, args.master_port or 0)
-    except DDLError as exc:
+        handoff = store_listen.Handoff(
+            store_listen.listen_all(args.master_addr, args.master_port or 0)
+        )
+    except (DDLError, OSError) as exc:
         parser.error(str(exc))
-    ddl_port = store_socks[0].getsockname()[1]
+    ddl_port = handoff.socks[0].getsockname()[1]
     torch_port = _free_port(args.master_addr, ddl_port)
     env.update(
         {
@@ -385,14 +387,12 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     try:
         job = LocalJob(
-            command, args.np, env, prefix=not args.no_prefix, cpus=cpus, store_socks=store_socks
+            command, args.np, env, prefix=not args.no_prefix, cpus=cpus, store_sockets=handoff.name
         )
     except OSError as exc:
+        handoff.close()
         print(f"ddlrun: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
-    finally:
-        for sock in store_socks:  # rank 0 holds them now
-            sock.close()
     try:
         old = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -402,6 +402,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 signal.signal(s, handler)
     finally:
         job.close()
+        handoff.close()
     return code
 
 

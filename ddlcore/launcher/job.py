@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -187,11 +186,11 @@ class LocalJob:
         env: dict[str, str],
         prefix: bool,
         cpus: Sequence[Sequence[int]] | None = None,
-        store_socks: Sequence[socket.socket] = (),
+        store_sockets: str = "",
     ) -> None:
         """Start the ranks; ``cpus[rank]``: the CPUs that rank runs on (None: wherever the
-        kernel puts it); ``store_socks``: the store's listening sockets, inherited by rank 0
-        alone (``DDL_STORE_FDS``). Raises OSError if a rank cannot be started (those started
+        kernel puts it); ``store_sockets``: where rank 0 receives the store's listening sockets
+        (``DDL_STORE_SOCKETS``, `ddlcore.job.store_listen.Handoff`). Raises OSError if a rank cannot be started (those started
         are stopped)."""
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[_Output] = []
@@ -221,16 +220,15 @@ class LocalJob:
                         "PYTHONUNBUFFERED": "1",
                     }
                 )
-                fds = tuple(sock.fileno() for sock in store_socks) if rank == 0 else ()
-                if fds:
-                    child_env["DDL_STORE_FDS"] = ",".join(map(str, fds))
+                child_env.pop("DDL_STORE_SOCKETS", None)
+                if rank == 0 and store_sockets:
+                    child_env["DDL_STORE_SOCKETS"] = store_sockets
                 with _forking_on(None if cpus is None else cpus[rank], rank):
                     proc = subprocess.Popen(
                         command,
                         env=child_env,
                         start_new_session=True,
                         preexec_fn=preexec,
-                        pass_fds=fds,
                         stdout=subprocess.PIPE if prefix else None,
                         stderr=subprocess.PIPE if prefix else None,
                     )

@@ -534,11 +534,16 @@ def test_no_shared_memory_left_when_ranks_die(tmp_path):
     assert not left, f"segments left after ddlrun: {left}\n{res.stderr}"
 
 
-def test_the_store_port_is_held_from_launch_until_rank_0_serves_it():
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_store_port_is_held_from_launch_until_rank_0_serves_it(wrapped):
     """ddlrun binds the store's sockets and hands them to rank 0: between its choice of the port
-    and rank 0's start no other process can take it (a launch never fails "address in use")."""
-    res = _run(["-np", "2", "--timeout", "60", str(SCRIPTS / "port_held.py")], timeout=120)
+    and rank 0's start no other process can take it (a launch never fails "address in use"),
+    also where a wrapper between ddlrun and the rank closes inherited descriptors."""
+    program = [str(SCRIPTS / "port_held.py")]
+    if wrapped:
+        program = ["python", str(SCRIPTS / "wrap.py"), *program]
+    res = _run(["-np", "2", "--timeout", "60", *program], timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "[1] port-held" in res.stdout, res.stdout
-    assert re.search(r"\[0\] store-fds=\d+", res.stdout), res.stdout
+    assert re.search(r"\[0\] store-sockets=@ddlcore-store-", res.stdout), res.stdout
     assert res.stdout.count("sum=2") == 2, res.stdout

@@ -207,6 +207,21 @@ def test_peer_uid_names_the_owner_of_a_local_connection():
     b.close()
 
 
+def test_peer_uid_believes_no_closed_socket():
+    """A closed socket's row (FIN_WAIT2, TIME_WAIT) says uid 0 and no inode whoever held it:
+    a stranger that closes at once must not pass for root's own process."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = socket.create_connection(listener.getsockname(), timeout=10)
+    conn, _ = listener.accept()
+    sock.close()  # the connector is gone; its row lingers without an owner
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and conn.recv(1):
+        pass
+    with conn:
+        assert peer_uid(conn) is None
+    listener.close()
+
+
 def test_a_tampered_claim_is_refused():
     """A man in the middle rewrites the claim in the hello (rank 3 -> rank 0): the MACs cover
     the claim, so neither end accepts."""

@@ -22,7 +22,7 @@ if rank == 1:
     except OSError as exc:
         print("port-held" if exc.errno == errno.EADDRINUSE else f"bind-error {exc}")
 else:
-    print(f"store-fds={os.environ.get('DDL_STORE_FDS', '')}")
+    print(f"store-sockets={os.environ.get('DDL_STORE_SOCKETS', '')}")
     time.sleep(0.5)  # let rank 1 try first
 with ddlcore.init(timeout=60) as comm:
     y = comm.allreduce(np.ones(5, np.float32))
