@@ -3,12 +3,7 @@ they hold the job's secret, over a claim (``ddlcore.job.claims``) that names the
 of the job, both ends' ranks and the exact address the connector dialled. The rendezvous store and
 the TCP transport run this on every connection.
 
-Where the secret comes from (`job_secret`), first match wins: ``DDL_SECRET``; the file named by
-``DDL_SECRET_FILE`` (owned by this user or root, readable by no one else); otherwise a per-user
-secret kept in ``~/.config/ddlcore/secret`` (created 0600 on first use), which every job of one
-user on one host (or on hosts sharing a home directory) shares. ddlrun exports a fresh
-``DDL_SECRET`` for each job; under an MPI launcher, rank 0 draws one and broadcasts it over MPI
-with the store's address (``rendezvous``).
+Where the secret comes from is ``secret``'s (`job_secret`, re-exported here).
 
 Handshake, version 2 (nonces fresh on both sides, HMAC-SHA256, constant-time comparison;
 ``key`` = HMAC(secret, job), so one secret serves many jobs without crossing them)::
@@ -39,16 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import socket
-import stat
 import struct
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 
-from ddlcore import config
 from ddlcore.errors import DDLError
 from ddlcore.job.claims import (
     MAX_CLAIM_BYTES,
@@ -57,6 +48,20 @@ from ddlcore.job.claims import (
     endpoint,
     same_endpoint,
 )
+from ddlcore.job.secret import job_secret, new_secret
+
+__all__ = [
+    "MAX_CLAIM_BYTES",
+    "PROTOCOL_VERSION",
+    "Acceptor",
+    "AuthenticationError",
+    "HandshakeRefused",
+    "JobKey",
+    "default_key",
+    "job_secret",
+    "new_secret",
+    "printable",
+]
 
 PROTOCOL_VERSION = 2  # 2: claims name service, job id, both ranks and the address dialled
 NONCE_BYTES = 32
@@ -75,7 +80,6 @@ _MAX_BODY = 512  # longest answer or reason
 # to see who it is (the store looks the socket's owner up in a few ms).
 _HOLD_AFTER_WRONG_S = 0.5
 _KEY_LABEL = b"ddlcore job key v1\0"
-_SECRET_BYTES = 32
 _ADVICE = (
     "Give every rank the same DDL_SECRET or DDL_SECRET_FILE (ddlrun and mpiexec provide "
     "one themselves; under torchrun, srun or by hand, set one)"
@@ -85,94 +89,6 @@ _ADVICE = (
 class AuthenticationError(DDLError):
     """A connection did not prove knowledge of the job's secret (or we could not prove ours to
     it): the ends hold different secrets, or the other end is not part of this job."""
-
-
-def _user_secret_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "ddlcore" / "secret"
-
-
-def _user_secret() -> tuple[bytes, str]:
-    """The per-user secret file's contents, creating it (0600, atomically) on first use."""
-    path = _user_secret_path()
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not path.exists():
-            tmp = path.with_name(f".secret.{os.getpid()}.{secrets.token_hex(4)}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, secrets.token_hex(_SECRET_BYTES).encode() + b"\n")
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)  # fails if another rank created it first: theirs wins
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-        return _read_secret_file(path, "the per-user secret"), str(path)
-    except OSError as exc:
-        raise DDLError(
-            f"no job secret is set and the per-user secret {path} cannot be used ({exc}); set "
-            "DDL_SECRET, or DDL_SECRET_FILE to a file only you can read (ddlrun and mpiexec "
-            "provide one themselves)"
-        ) from None
-
-
-def _read_secret_file(path: Path, what: str) -> bytes:
-    """The secret in ``path``, which must be a regular file owned by this user (or root) that no
-    one else can read: a file another user made (in /tmp, say) is theirs to read or change."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)  # of the file opened, not of whatever the name points at later
-        if not stat.S_ISREG(st.st_mode):
-            raise DDLError(f"{what} {path} is not a regular file")
-        if st.st_uid not in (os.getuid(), 0):
-            raise DDLError(
-                f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): "
-                "its owner can read or replace the secret; use a file of your own, made with "
-                "umask 077"
-            )
-        if st.st_mode & 0o077:
-            raise DDLError(
-                f"{what} {path} can be read by other users (mode {st.st_mode & 0o777:o}); "
-                f"run: chmod 600 {path}"
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(1 << 16).strip()
-    finally:
-        os.close(fd)
-    if not raw:
-        raise DDLError(f"{what} {path} is empty")
-    return raw
-
-
-def job_secret(environ: Mapping[str, str] | None = None) -> tuple[bytes, str]:
-    """The job's secret and where it came from (for messages: never the secret itself).
-
-    Raises
-    ------
-    DDLError
-        ``DDL_SECRET_FILE`` is unreadable, empty or readable by others; or no secret is set and
-        the per-user secret cannot be created.
-    """
-    secret = config.get("DDL_SECRET", environ)
-    if secret:
-        return secret.encode(), "DDL_SECRET"
-    path = config.get("DDL_SECRET_FILE", environ)
-    if path:
-        try:
-            return _read_secret_file(Path(path), "DDL_SECRET_FILE"), f"DDL_SECRET_FILE={path}"
-        except OSError as exc:
-            raise DDLError(
-                f"DDL_SECRET_FILE={path} cannot be read ({exc.strerror or exc})"
-            ) from None
-    return _user_secret()
-
-
-def new_secret() -> str:
-    """A fresh random secret, as launchers export it in ``DDL_SECRET``."""
-    return secrets.token_hex(_SECRET_BYTES)
 
 
 class HandshakeRefused(AuthenticationError):
