@@ -163,8 +163,9 @@ def test_the_rank_that_failed_first_is_named(mode, code):
     res = _run(["-np", "3", "--timeout", "30", str(SCRIPTS / "fail_in_with.py"), mode], timeout=120)
     ddlrun_lines = [line for line in res.stderr.splitlines() if line.startswith("ddlrun:")]
     assert res.returncode == code, res.stderr
-    assert ddlrun_lines and ddlrun_lines[0].startswith(
-        f"ddlrun: rank 1 exited with code {code};"
+    # "; terminating the other ranks" follows where some still run (none may, under load).
+    assert ddlrun_lines and re.match(
+        rf"ddlrun: rank 1 exited with code {code}(;|$)", ddlrun_lines[0]
     ), res.stderr
 
 
