@@ -508,6 +508,15 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
         raise ValueError(f"environment variable {name}={raw!r} is invalid: {exc}") from None
 
 
+def debug(environ: Mapping[str, str] | None = None) -> bool:
+    """``DDL_DEBUG``, False where its value does not parse: for the command lines' error paths,
+    which must say their one line whatever the environment holds."""
+    try:
+        return bool(get("DDL_DEBUG", environ))
+    except ValueError:
+        return False
+
+
 def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether a declared variable is present in the environment (even if empty)."""
     if name not in VARS:

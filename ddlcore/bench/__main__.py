@@ -11,19 +11,12 @@ from ddlcore.bench import main as _bench_main
 from ddlcore.errors import DDLError
 
 
-def _debug() -> bool:
-    try:
-        return bool(config.get("DDL_DEBUG"))
-    except ValueError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     """ddl-bench's entry point: `ddlcore.bench.main`, its errors in one line."""
     try:
         return _bench_main(argv)
     except (DDLError, ValueError) as exc:
-        if _debug():
+        if config.debug():
             raise
         raise SystemExit(f"ddl-bench: {' '.join(str(exc).split())}") from None
 

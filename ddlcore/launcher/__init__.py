@@ -312,13 +312,6 @@ def _secret_env() -> dict[str, str]:
     return {"DDL_SECRET": auth.new_secret()}
 
 
-def _debug() -> bool:
-    try:
-        return bool(config.get("DDL_DEBUG"))
-    except ValueError:
-        return False
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """ddlrun: parse, check, run; an error that escapes is one line (its traceback with
     ``DDL_DEBUG=1``)."""
@@ -328,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ddlrun: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     except Exception as exc:
-        if _debug():
+        if config.debug():
             raise
         text = " ".join(str(exc).split()) or "(no message)"
         print(
