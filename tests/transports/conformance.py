@@ -974,3 +974,46 @@ def tcp_abort_while_a_message_is_half_in(rank: int, size: int) -> list[tuple[str
             out.append((f"{how}: {message}", took))
             env.barrier(f"checked-{how}")
     return out
+
+
+def shm_attach_as_the_peer_closes(rank: int, size: int, when: str) -> tuple[str, str, float]:
+    """Rank 0 aborts, then closes; rank 1 reaches its inbox for the first time in the middle of
+    that close: ``when`` "before" rank 0 refuses attaches (it must find rank 1 and tell it of
+    the abort) or "after" (rank 1 must see the inbox closed). Either way rank 1's receive fails
+    at once, never waiting out its deadline. Rank 1: (error class, message, seconds)."""
+    with rank_env(rank, size, "shm") as env:
+        ctx = env.context(f"seal-{when}")
+        if rank == 0:
+            ctx.abort(ABORT_MISMATCH, "the calls differ")
+            seal = ctx._seal  # type: ignore[attr-defined]
+
+            def let_rank_1_in() -> None:
+                env.client.set(f"seal-{when}/closing", b"1")
+                env.client.get(f"seal-{when}/reached", TIMEOUT_S)
+
+            def sealing():
+                if when == "before":
+                    let_rank_1_in()
+                pairs = seal()
+                if when == "after":
+                    let_rank_1_in()
+                return pairs
+
+            ctx._seal = sealing  # type: ignore[attr-defined]
+            ctx.close()
+            env.barrier("sealed")
+            return ("", "", 0.0)
+        env.client.get(f"seal-{when}/closing", TIMEOUT_S)
+        t0 = time.monotonic()
+        try:
+            try:
+                pair = ctx.pair(0)
+            finally:
+                env.client.set(f"seal-{when}/reached", b"1")
+            pair.irecv(memoryview(bytearray(8)), 5).wait(TIMEOUT_S)
+        except DDLError as exc:
+            outcome = (type(exc).__name__, str(exc), time.monotonic() - t0)
+        else:
+            raise AssertionError("a receive from a rank that aborted and closed succeeded")
+        env.barrier("sealed")
+        return outcome

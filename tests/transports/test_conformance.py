@@ -285,3 +285,19 @@ def test_a_store_without_the_job_key_is_refused(name):
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_shm_peer_reaching_a_closing_inbox_hears_of_it(when):
+    """A rank whose first message reaches a peer as it closes after an abort (the window
+    between the peer's last look for new pairs and its inbox's removal) fails at once: told of
+    the abort, or of the close; never by waiting out its deadline."""
+    require(*conf.transport_class("shm").is_available())
+    _, (name, message, elapsed) = pooled(conf.shm_attach_as_the_peer_closes, 2, when)
+    if when == "before":
+        assert name == "CollectiveMismatchError", message
+        assert "the calls differ" in message, message
+    else:
+        assert name == "PeerFailureError", message
+        assert "as that rank closed" in message, message
+    assert elapsed < conf.TIMEOUT_S / 2, (elapsed, message)

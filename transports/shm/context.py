@@ -24,8 +24,10 @@ from ddlcore.transports.pairs import PairTableContext
 from ddlcore.transports.shm.boards import HostCollectives
 from ddlcore.transports.shm.pair import ShmPair
 from ddlcore.transports.shm.ring import (
+    _ATTACHED,
     _CAP,
     _CLOSE_WAIT_S,
+    _GEN_CLOSED,
     _IDLE_WAIT_S,
     _INBOX_HEADER,
     _LIVENESS_S,
@@ -209,17 +211,29 @@ class ShmContext(PairTableContext):
             if self._closed:
                 return
             self._closed = True
-            pairs = self._pair_list()
-        for p in pairs:
-            p._begin_close()
         self._stopping = True
         self._wake()
         self._thread.join()
         with self._drivers:  # nobody may touch the mappings once they are gone
             self._drivers.wait_for(lambda: self._driving == 0, timeout=_CLOSE_WAIT_S)
+        pairs = self._seal()
+        for p in pairs:
+            p._begin_close()
         for p in pairs:
             p._detach()
         self._release()
+
+    def _seal(self) -> list[ShmPair]:
+        """Refuse attaches from now on (`_GEN_CLOSED`) and take in every peer that attached
+        before: each is attached back, so that the close (or our abort) reaches it, instead of
+        a receive from us waiting out its deadline. The progress thread has stopped."""
+        _shm.fetch_add_u32(self._base + _OFF_ATTACH_GEN, _GEN_CLOSED)
+        self._discover()
+        pairs = self._pair_list()
+        for p in pairs:
+            if not p._connected and _shm.load_u32(p._in + _S_STATE) == _ATTACHED:
+                p._attach_back()
+        return pairs
 
     def _release(self) -> None:
         _shm.unmap(self._base, self._bytes)

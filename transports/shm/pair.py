@@ -31,6 +31,7 @@ from ddlcore.transports.shm.ring import (
     _CMA_MIN,
     _CMA_OK,
     _DATA,
+    _GEN_CLOSED,
     _INBOX_HEADER,
     _MAGIC,
     _MAX_NAME,
@@ -152,9 +153,16 @@ class ShmPair(RingEnds, Pair):
         _shm.store_u32(out + _S_PID, os.getpid())
         _shm.store_u32(out + _S_NAME_LEN, len(me))
         _shm.put_bytes(out + _S_NAME, me)
-        self._out, self._out_data = out, out + _SLOT_HEADER
         _shm.store_u32(out + _S_STATE, _ATTACHED)
-        _shm.fetch_add_u32(base + _OFF_ATTACH_GEN, 1)
+        if _shm.fetch_add_u32(base + _OFF_ATTACH_GEN, 1) & _GEN_CLOSED:
+            # It closed before it could see us: nothing will ever come from it.
+            self._detach()
+            raise PeerFailureError(
+                f"rank {self.rank} reached rank {self.peer}'s shared memory as that rank closed "
+                "its transport",
+                self.peer,
+            )
+        self._out, self._out_data = out, out + _SLOT_HEADER
         self._connected = True
         _shm.bell_ring(self._peer_bell)
         if self._announced != _ATTACHED:  # we aborted or closed before attaching: say so now
@@ -219,9 +227,7 @@ class ShmPair(RingEnds, Pair):
             self._peer_aborted()
             return True
         if state == _ATTACHED and not self._connected and not self._closed:
-            with self._plock:
-                if not self._connected and self._failure is None and self._lost is None:
-                    self._attach_back()
+            self._attach_back()
         if self._sendq and self._connected:
             with self._plock:
                 if self._sendq and self._failure is None and self._lost is None:
@@ -277,7 +283,13 @@ class ShmPair(RingEnds, Pair):
                 ctx._drivers.notify_all()
 
     def _attach_back(self) -> None:
-        """The peer attached to us first: attach to it with the name it left in its slot."""
+        """The peer attached to us first: attach to it with the name it left in its slot. Also
+        when this pair has failed already (our abort): attached, it tells the peer why."""
+        with self._plock:
+            if not self._connected and self._lost is None:
+                self._attach_back_locked()
+
+    def _attach_back_locked(self) -> None:
         length = _shm.load_u32(self._in + _S_NAME_LEN)
         name = _shm.get_bytes(self._in + _S_NAME, min(length, _MAX_NAME)).decode()
         pid = _shm.load_u32(self._in + _S_PID)

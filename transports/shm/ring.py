@@ -39,6 +39,10 @@ _SLOT = _SLOT_HEADER + _CAP
 # Inbox header offsets.
 _OFF_MAGIC, _OFF_VERSION, _OFF_NSLOTS, _OFF_CAP, _OFF_PID = 0, 8, 12, 16, 24
 _OFF_BELL, _OFF_ATTACH_GEN = 64, 128
+# Set in the attach counter, by one atomic add, when the inbox's owner closes: a peer's attach
+# (the same word, also an atomic add) comes either before it, and the owner finds the peer and
+# tells it of the close, or after it, and the peer sees the bit and treats the owner as gone.
+_GEN_CLOSED = 1 << 31
 # Slot header offsets (the producer writes everything but the tail).
 _S_HEAD, _S_TAIL, _S_STATE, _S_PID, _S_ABORT_CODE, _S_ABORT_LEN = 0, 64, 128, 132, 136, 140
 _S_NAME_LEN, _S_NAME, _S_ABORT = 144, 192, 512
