@@ -18,8 +18,8 @@ import dataclasses
 import json
 import sys
 
-from ddlcore import config, simulate
-from ddlcore.planning import topology, tuning
+from ddlcore import config, simulate, topology
+from ddlcore.planning import tuning
 
 BW = (20e9, 10e9, 9.5e9)
 LAT = (5e-6, 10e-6, 20e-6)

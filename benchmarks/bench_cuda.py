@@ -55,7 +55,7 @@ def main() -> None:
     cuda = _gpu()
     from ddlcore.kernels import cuda as kcuda
 
-    from ddlcore.execution.device import pointer_of
+    from ddlcore.device import pointer_of
 
     def best_ms(fn) -> float:  # GPU time between two events
         fn()

@@ -20,8 +20,7 @@ import time
 import numpy as np
 
 import ddlcore
-from ddlcore import calls
-from ddlcore.trace import flight
+from ddlcore import calls, flight
 
 
 def recorder_alone(n: int = 200_000) -> float:

@@ -474,7 +474,7 @@ def ring_flows(m: int, h: int, placement: str) -> int:
 
 
 def box_order(m: int, h: int, placement: str) -> list[int]:
-    """The box order ddlcore must find (`ddlcore.planning.topology.build`: host by host, by rank)."""
+    """The box order ddlcore must find (`ddlcore.topology.build`: host by host, by rank)."""
     return sorted(range(m * h), key=lambda r: (host_of(r, m, h, placement), r))
 
 
@@ -495,9 +495,8 @@ def simulated(
     ``host_transport`` is tcp, ...), ``adapters`` per host, mdring in the job's ``segments`` (0:
     the cost model's count for these links); None where the links are not shaped
     or the algorithm is no schedule (``direct``, one host)."""
-    from ddlcore import simulate
+    from ddlcore import simulate, topology
     from ddlcore.algorithms import ALGORITHMS
-    from ddlcore.planning import topology
 
     if not rate or h == 1 or algorithm not in ALGORITHMS[collective]:
         return None

@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddlcore import config, simulate
-from ddlcore.planning import topology, tuning
+from ddlcore import config, simulate, topology
+from ddlcore.planning import tuning
 
 BW = (20e9, 10e9, 9.5e9)
 LAT = (5e-6, 10e-6, 20e-6)

@@ -27,14 +27,14 @@ from ddlcore.handles import Handle
 from ddlcore.ops import Op
 
 if TYPE_CHECKING:
+    from ddlcore.bootstrap import init
     from ddlcore.communicator import Communicator
-    from ddlcore.job.bootstrap import init
     from ddlcore.p2p import ANY_SOURCE
 
 # Imported on first use: torch imports this package at every ``import torch`` (the backend's
 # entry point), which must not pay for the engine, the transports and the kernels.
 _LAZY = {
-    "init": "ddlcore.job.bootstrap",
+    "init": "ddlcore.bootstrap",
     "Communicator": "ddlcore.communicator",
     "ANY_SOURCE": "ddlcore.p2p",
 }

@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import ddlcore.transports as transports
-from ddlcore import __version__, config
+from ddlcore import __version__, config, topology
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.errors import TransportUnavailableError
 from ddlcore.job import links, placement, probe
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
 
 _OPTIONAL = ("numpy", "ml_dtypes", "mpi4py", "ucxx", "numba", "numba_cuda", "torch")
 # Needed to build the extensions from source only, never at run time.

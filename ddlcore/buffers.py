@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ddlcore.execution import device
+from ddlcore import device
 from ddlcore.kernels.cpu import array_address
 from ddlcore.kernels.dtypes import ACCEPTED_DTYPES, BOOL_CODE, DType, dtype_code
 

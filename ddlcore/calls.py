@@ -2,8 +2,9 @@
 descriptors (the output allocated when the caller passed none), the op (on bool buffers, the one
 `ops.logical` picks), the root, and for device buffers an event on the caller's stream. Bad
 arguments raise ValueError/TypeError naming the argument; nothing here talks to another rank.
-How ranks compare calls is described here too: `fingerprint`, and `describe_check`, which names
-another rank's call from its check word."""
+How ranks compare calls is described here too: `fingerprint`, and `describe_call`, the words
+every mismatch message uses (`ddlcore.execution.check_words` finds another rank's call from
+the check word its message carried)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer, empty_like
 from ddlcore.collectives import HAS_ROOT, Collective
-from ddlcore.execution import device
-from ddlcore.kernels.dtypes import BOOL_CODE, DType, dtype_name, numpy_dtype
+from ddlcore.kernels.dtypes import DType, dtype_name
 from ddlcore.ops import Op, as_op, logical
 
 COLLECTIVES = tuple(Collective)  # in fingerprint order
@@ -25,7 +26,7 @@ COLLECTIVES = tuple(Collective)  # in fingerprint order
 ROOTED = (Collective.REDUCE, Collective.GATHER, Collective.SCATTER)
 _FINGERPRINT = struct.Struct("<4sBBBxiq")  # magic, collective, dtype, op, root, count
 _FINGERPRINT_MAGIC = b"DDLa"
-_NONE = 255  # no dtype (barrier), no op
+NONE_CODE = 255  # no dtype (barrier), no op: in fingerprints and check words
 
 
 @dataclass
@@ -247,8 +248,8 @@ def fingerprint(call: Call) -> bytes:
     return _FINGERPRINT.pack(
         _FINGERPRINT_MAGIC,
         COLLECTIVES.index(call.collective),
-        call.inp.check_code if call.inp is not None else _NONE,
-        int(call.op) if call.op is not None else _NONE,
+        call.inp.check_code if call.inp is not None else NONE_CODE,
+        int(call.op) if call.op is not None else NONE_CODE,
         call.root,
         call.count,
     )
@@ -282,85 +283,15 @@ def describe_call(name: Collective, code: int, op: int, root: int, count: int) -
     if name == Collective.BARRIER:
         return "barrier()"
     if op < 0:  # DDL_DEBUG's rows: -1 for none
-        op = _NONE
-    if root < 0 and op == Op.SUM and -1 - root in _NAMED_CODES:  # int_avg's wide sum
+        op = NONE_CODE
+    if root < 0 and op == Op.SUM and -1 - root in NAMED_CODES:  # int_avg's wide sum
         return f"{name}({count} x {dtype_name(-1 - root)}, avg)"
     desc = f"{count} x {dtype_name(code)}"
-    if op != _NONE:
+    if op != NONE_CODE:
         desc += f", {op_name(op)}"
     if name in HAS_ROOT:
         desc += f", root {root}"
     return f"{name}({desc})"
 
 
-_NAMED_CODES = {int(code) for code in DType}
-_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
-# How far from its own count `describe_check` looks for another rank's: 2 x 32 Ki check words,
-# ~70 ms at worst on a busy machine, once, on the way to an error (the peers hear of it after).
-_COUNT_SEARCH = 1 << 15
-
-
-def describe_check(
-    check: int, call: Call, size: int, chunk_bytes: int = 0, nbytes: int | None = None
-) -> str | None:
-    """The call another rank made, from the ``check`` word its message carried, where this
-    rank made ``call`` on ``size`` ranks with schedules cut in ``chunk_bytes`` (0: the
-    boards'): found among every collective, dtype, op and root of ``call``'s count, that count
-    times or divided by ``size`` (an allgather's input beside an allreduce's), or the count of
-    ``nbytes`` (the message's length) of the dtype; then ``call`` itself with counts up to
-    32 Ki elements from its own. As `describe_fingerprint` words it, or None where none
-    matches: the counts differ by more, or the buffers are chunked otherwise (device buffers on
-    one rank, host buffers on the other)."""
-    from ddlcore.execution._frontend import check_word
-    from ddlcore.transports.shm.board_calls import BoardKind
-
-    counts = {call.count, call.count * size, call.count // size}
-    codes = sorted(_NAMED_CODES | {BOOL_CODE})
-    roots = range(min(size, 64))  # a root beyond them: not named
-    for name in COLLECTIVES:
-        kind = int(BoardKind.of(name))
-        if name == Collective.BARRIER:
-            candidates = [(_NONE, _NONE, 0, 0)]
-        elif name == Collective.ALLTOALLV:  # each rank's own counts: its check word has 0
-            candidates = [(code, _NONE, 0, 0) for code in codes]
-        else:
-            ops = [int(o) for o in Op] if name in _REDUCING else [_NONE]
-            by_root = roots if name in HAS_ROOT else [0]
-            candidates = [
-                (code, op, count, root)
-                for code in codes
-                for op in ops
-                for count in _counts(counts, code, nbytes, size)
-                for root in by_root
-            ]
-            if name in (Collective.ALLREDUCE, Collective.REDUCE_SCATTER):
-                candidates += [  # an integer avg's wide sum (`int_avg.marker`)
-                    (int(DType.INT64), int(Op.SUM), count, -1 - code)
-                    for code in _NAMED_CODES
-                    if numpy_dtype(DType(code)).kind in "iu"
-                    for count in counts
-                ]
-        for code, op, count, root in candidates:
-            if check_word(kind, code, op, count, root, chunk_bytes) == check:
-                return describe_call(name, code, op, root, count)
-    if call.inp is None:
-        return None
-    # The same call with another count (a last batch cut short): the nearest counts first.
-    kind, code = int(BoardKind.of(call.collective)), call.inp.check_code
-    op = int(call.op) if call.op is not None else _NONE
-    for distance in range(1, _COUNT_SEARCH):
-        for count in (call.count - distance, call.count + distance):
-            if count >= 0 and check_word(kind, code, op, count, call.root, chunk_bytes) == check:
-                return describe_call(call.collective, code, op, call.root, count)
-    return None
-
-
-def _counts(counts: set[int], code: int, nbytes: int | None, size: int) -> set[int]:
-    """``counts``, and those of a whole message of ``nbytes`` of dtype ``code`` (once, and
-    as one of ``size`` blocks)."""
-    if not nbytes:
-        return counts
-    itemsize = 1 if code == BOOL_CODE else numpy_dtype(DType(code)).itemsize
-    if nbytes % itemsize:
-        return counts
-    return counts | {nbytes // itemsize, nbytes // itemsize * size}
+NAMED_CODES = frozenset(int(code) for code in DType)  # the dtypes a check word can name

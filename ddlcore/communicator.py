@@ -1,4 +1,4 @@
-"""The public API's `Communicator` and its collectives (`ddlcore.job.bootstrap.init` makes one).
+"""The public API's `Communicator` and its collectives (`ddlcore.bootstrap.init` makes one).
 
 Each collective validates its arguments before any communication (``calls``: bad input is a
 ValueError/TypeError naming the argument) and turns buffers into descriptors (``buffers``). Then
@@ -20,14 +20,13 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddlcore import calls, config, p2p
+from ddlcore import calls, config, device, flight, p2p, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
 from ddlcore.errors import CommunicatorClosedError
 from ddlcore.execution import (
     checks,
-    device,
     device_engine,
     engine,
     frontend,
@@ -36,13 +35,13 @@ from ddlcore.execution import (
     paths,
 )
 from ddlcore.handles import Executor, Handle
+from ddlcore.job.failure_report import record_failure
 from ddlcore.job.links import Links
 from ddlcore.job.rendezvous import RendezvousInfo
 from ddlcore.ops import Op
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
 from ddlcore.rooted import RootedCollectives
 from ddlcore.split import split_communicator
-from ddlcore.trace import flight
 from ddlcore.transports.base import PeerInfo
 from ddlcore.transports.common import abort_code
 
@@ -135,7 +134,7 @@ class Communicator(RootedCollectives):
         self._closed = False
         self._close_lock = threading.Lock()
         # Each call runs through the flight recorder (its last collectives, written out when one
-        # fails: ddlcore.trace.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
+        # fails: ddlcore.flight); with DDL_FLIGHT_RECORDER_ENTRIES=0 this is _execute itself.
         self._flight = flight.FlightRecorder.for_communicator(
             self, f"{info.master_addr or 'local'}:{info.master_port or 0}", environ
         )
@@ -243,9 +242,7 @@ class Communicator(RootedCollectives):
         or the links'), so that nobody waits out its deadline."""
         self._broken = str(exc) or type(exc).__name__
         self._front_end_update()
-        from ddlcore.launcher.job import record_failure  # for ddlrun: who failed first
-
-        record_failure(self.rank, exc)
+        record_failure(self.rank, exc)  # for ddlrun: who failed first
         # The reason without our "rank R: " prefix.
         code, reason = abort_code(exc), engine.failure_reason(exc)
         for path in self._paths:

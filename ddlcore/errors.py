@@ -44,6 +44,12 @@ class RendezvousError(DDLError):
     """The ranks could not find each other at init (store unreachable, not all ranks joined)."""
 
 
+class StoreUnreachableError(RendezvousError):
+    """The store could not be reached, or the connection to it was lost (rank 0, which serves
+    it, has probably exited). Distinct from a wait that timed out while the store was up.
+    Here, below the transports, which raise it when a peer's address cannot be looked up."""
+
+
 class TransportUnavailableError(DDLError):
     """A transport was asked for but cannot run here; the message says why."""
 

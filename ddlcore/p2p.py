@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ddlcore import device
 from ddlcore.buffers import BufferDesc, MemoryKind, as_buffer
 from ddlcore.errors import (
     CollectiveMismatchError,
@@ -51,7 +52,6 @@ from ddlcore.errors import (
     DDLTimeoutError,
     rewrap,
 )
-from ddlcore.execution import device
 from ddlcore.handles import Handle
 from ddlcore.kernels.dtypes import DType, dtype_name, numpy_dtype
 from ddlcore.transports.base import Request

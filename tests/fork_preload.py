@@ -12,8 +12,8 @@ import numpy  # noqa: F401
 import pytest  # noqa: F401
 
 import ddlcore  # noqa: F401
+import ddlcore.bootstrap  # noqa: F401
 import ddlcore.communicator  # noqa: F401
-import ddlcore.job.bootstrap  # noqa: F401
 import tests.collectives.matrix  # noqa: F401
 import tests.harness  # noqa: F401
 

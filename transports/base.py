@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ddlcore.job.auth import JobKey
+    from ddlcore.security.auth import JobKey
 
 API_VERSION = 2
 # The versions `ddlcore.transports.load` accepts: 1 is called without options (see above).
@@ -93,7 +93,7 @@ class Store(Protocol):
     """The rendezvous key-value store as transports see it (see ``ddlcore.job.store``)."""
 
     host: str  # the master's address: transports find their outgoing interface from it
-    # The job's key (`ddlcore.job.auth.JobKey`): a transport that opens its own connections (tcp,
+    # The job's key (`ddlcore.security.auth.JobKey`): a transport that opens its own connections (tcp,
     # ucx) proves it on each one; with None they refuse to start (`common.job_key_of`).
     job_key: JobKey | None
 
@@ -343,6 +343,12 @@ class Transport(abc.ABC):
         rank has joined, so run later on the rank that serves the store it would starve the
         store's threads while the other ranks still need them (a deadlock)."""
         return None  # most transports need nothing here
+
+    @classmethod
+    def rails(cls, options: TransportOptions) -> int:
+        """How many network adapters (rails) per host this transport spreads a host's ranks
+        over, as ``options`` configure it (the topology counts them): 1 unless it says more."""
+        return 1
 
     @abc.abstractmethod
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:

@@ -37,7 +37,7 @@ from ddlcore.errors import (
     parse_reason,
     root_cause,
 )
-from ddlcore.job.auth import JobKey
+from ddlcore.security.auth import JobKey
 
 _T = TypeVar("_T")
 
@@ -149,7 +149,7 @@ def mismatch_error(
 ) -> CollectiveMismatchError:
     """The error of a message that does not match the receive posted for it. It carries
     ``sent`` = (peer, nbytes, check) and ``posted`` (nbytes): the engine, which knows the call,
-    names the peer's (`ddlcore.calls.describe_check`); a transport knows bytes and check words
+    names the peer's (`ddlcore.execution.check_words.describe_check`); a transport knows bytes and check words
     only."""
     err = CollectiveMismatchError(
         f"rank {peer} sent {sent_nbytes} bytes with check {sent_check:#010x} for tag "

@@ -1,6 +1,6 @@
 """The multi-dimensional ring (PowerAI DDL, section 4.3): ring phases along each box dimension.
 
-The ranks form a box d1 x d2 x ... x dk (`ddlcore.planning.topology`), d1 the ranks sharing the fastest
+The ranks form a box d1 x d2 x ... x dk (`ddlcore.topology`), d1 the ranks sharing the fastest
 link. The box comes from the hosts, not from rank numbers: where the launcher dealt ranks
 round-robin over the hosts (ranks 0, 2 on one, 1, 3 on the other), ``Topology.order`` maps box
 positions to ranks and every ring here runs along box coordinates, while reduce-scatter's and
@@ -63,7 +63,7 @@ from ddlcore.algorithms.schedule import (
     split,
 )
 from ddlcore.collectives import Collective
-from ddlcore.planning.topology import Topology, flat
+from ddlcore.topology import Topology, flat
 
 NAME = "mdring"
 

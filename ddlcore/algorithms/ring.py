@@ -47,7 +47,7 @@ from ddlcore.algorithms.schedule import (
     split,
 )
 from ddlcore.collectives import Collective
-from ddlcore.planning.topology import Topology
+from ddlcore.topology import Topology
 
 NAME = "ring"
 

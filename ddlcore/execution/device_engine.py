@@ -40,7 +40,7 @@ part on its own stream, whose slots it reuses. Where the device runs work at onc
 share module state (Numba's simulator: ``DeviceOps.concurrent`` false), the parts run in program
 order, a valid serial order of them.
 
-What touches CUDA is behind `DeviceOps` (`ddlcore.execution.device.NumbaStreams` in production, Numba's
+What touches CUDA is behind `DeviceOps` (`ddlcore.device.NumbaStreams` in production, Numba's
 simulator in CI); the tests also drive the engine with ops that run queued work in random valid
 orders, which is how the ordering above is checked without a GPU.
 """
@@ -51,8 +51,8 @@ from collections import deque
 from typing import Any
 
 from ddlcore.algorithms.schedule import Buf, Kind, Schedule
+from ddlcore.device_ops import DeviceRegion, DeviceSlots
 from ddlcore.errors import DDLError
-from ddlcore.execution.device_ops import DeviceRegion, DeviceSlots
 from ddlcore.execution.engine import (
     Collective,
     deadline_clock,

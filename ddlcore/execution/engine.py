@@ -107,7 +107,7 @@ class Collective:
     # rare, and formatting one costs a call ~10 us
     name: str | Callable[[], str]
     # Names another rank's call from the check word and length of its message, or None where
-    # it cannot (`ddlcore.calls.describe_check`): for mismatch messages.
+    # it cannot (`ddlcore.execution.check_words.describe_check`): for mismatch messages.
     peer_call: Callable[[int, int], str | None] | None = None
 
     @property

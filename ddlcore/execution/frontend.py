@@ -17,9 +17,9 @@ from ddlcore.execution._frontend import DECLINED, FrontEnd, check_word
 from ddlcore.execution.hostcoll import BoardKind, HostCollectives
 from ddlcore.execution.paths import Path
 from ddlcore.execution.paths.schedule import NativePlan, SchedulePath
+from ddlcore.flight import FlightRecorder
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
-from ddlcore.trace.flight import FlightRecorder
 
 __all__ = ["DECLINED", "FrontEnd", "OnLinks", "build", "check_word"]
 

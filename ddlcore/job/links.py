@@ -33,7 +33,7 @@ from typing import Any
 import ddlcore.transports as transports
 from ddlcore.errors import DDLError, TransportUnavailableError
 from ddlcore.job import abort_notes
-from ddlcore.planning.topology import layout
+from ddlcore.topology import layout
 from ddlcore.transports.base import (
     Context,
     HostCollectivesFactory,

@@ -36,7 +36,7 @@ from typing import Any
 
 from ddlcore import config
 from ddlcore.errors import DDLError, rewrap
-from ddlcore.planning.topology import Topology
+from ddlcore.topology import Topology
 
 log = logging.getLogger("ddlcore")
 

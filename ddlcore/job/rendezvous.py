@@ -17,7 +17,7 @@ torch holds it (``DDL_MASTER_PORT`` set by hand wins):
 With ``MASTER_PORT`` and neither, rank 0 serves ddlcore's store on it. An MPI launcher gives no
 master address: the address is broadcast with mpi4py (a fixed-size byte buffer, never a pickle).
 
-The job's secret (``ddlcore.job.auth``) travels with that broadcast: when neither ``DDL_SECRET`` nor
+The job's secret (``ddlcore.security.auth``) travels with that broadcast: when neither ``DDL_SECRET`` nor
 ``DDL_SECRET_FILE`` is set on rank 0, it draws a fresh one and every rank uses it, so an mpiexec
 job is authenticated with nothing to configure. When the master address is given explicitly
 (``DDL_MASTER_ADDR``/``MASTER_ADDR``), nothing goes over MPI, under any launcher: the secret then
@@ -36,7 +36,7 @@ from typing import Any
 from ddlcore import config
 from ddlcore.errors import DDLError, RendezvousError
 from ddlcore.job import store_listen
-from ddlcore.job.auth import job_secret, new_secret
+from ddlcore.security.auth import job_secret, new_secret
 
 _ADDR_BYTES = 256
 # The broadcast after the address: one byte (1: a secret follows, drawn by rank 0; 0: rank 0

@@ -2,7 +2,7 @@
 and meet at barriers with the others before any transport is connected, at the server rank 0
 runs (`StoreServer`, in ``store_server``).
 
-Every connection first proves the job's key (``ddlcore.job.auth``), claiming which rank it is; a
+Every connection first proves the job's key (``ddlcore.security.auth``), claiming which rank it is; a
 store that cannot prove the key, or refuses ours, is an error naming where this rank's secret
 came from. Requests are fixed binary headers and raw bytes (``store_wire``), one at a time per
 connection, nothing pickled. Every wait has a deadline; a rendezvous that does not complete raises
@@ -18,12 +18,12 @@ import time
 from collections import defaultdict
 from typing import Any, Protocol
 
-from ddlcore.errors import RendezvousError
+from ddlcore.errors import RendezvousError, StoreUnreachableError
 from ddlcore.job import store_wire as wire
-from ddlcore.job.auth import AuthenticationError, HandshakeRefused, JobKey, default_key
-from ddlcore.job.claims import JOB_ID_BYTES, STORE
 from ddlcore.job.store_server import StoreServer
 from ddlcore.job.store_wire import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from ddlcore.security.auth import AuthenticationError, HandshakeRefused, JobKey, default_key
+from ddlcore.security.claims import JOB_ID_BYTES, STORE
 from ddlcore.transports.sockets import recv_exact
 
 __all__ = [
@@ -48,11 +48,6 @@ _CONNECT_BACKOFF_S = (0.01, 0.25)
 _HANDSHAKE_S = 15.0
 # How many missing ranks a barrier timeout lists by number before summarising.
 _MAX_LISTED = 32
-
-
-class StoreUnreachableError(RendezvousError):
-    """The store could not be reached, or the connection to it was lost (rank 0, which serves
-    it, has probably exited). Distinct from a wait that timed out while the store was up."""
 
 
 class JobFailedError(RendezvousError):

@@ -14,9 +14,9 @@ import threading
 from dataclasses import dataclass, field
 
 from ddlcore.job import store_wire as wire
-from ddlcore.job.auth import Acceptor
-from ddlcore.job.claims import Claim
 from ddlcore.job.store_table import StoreTable, Wait
+from ddlcore.security.auth import Acceptor
+from ddlcore.security.claims import Claim
 
 log = logging.getLogger("ddlcore")
 

@@ -5,7 +5,7 @@ few hundred bytes, never a thread, and never delays another.
 What it guarantees (the wire format is in ``store_wire``; a connection's handshake, requests,
 replies and leaving are ``store_conn``'s, the half of the server this module extends):
 
-- **Authenticated.** A connection proves the job key (``ddlcore.job.auth``) before any request is
+- **Authenticated.** A connection proves the job key (``ddlcore.security.auth``) before any request is
   read; one that fails, sends garbage, or does not finish within `HANDSHAKE_TIMEOUT_S` is dropped.
 - **Bounded.** At most ``max_connections`` connections; of those still in the handshake, at most
   `MAX_PENDING` in all and `MAX_PENDING_PER_SOURCE` per source address. Over a cap, the oldest
@@ -34,11 +34,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from ddlcore.job.auth import JobKey, default_key, printable
-from ddlcore.job.claims import JOB_ID_BYTES, STORE, Claim, peer_uid
 from ddlcore.job.store_conn import _HANDSHAKE, StoreConnections, _Conn
 from ddlcore.job.store_listen import listen_all, take
 from ddlcore.job.store_table import StoreTable, Wait
+from ddlcore.security.auth import JobKey, default_key, printable
+from ddlcore.security.claims import JOB_ID_BYTES, STORE, Claim, peer_uid
 
 log = logging.getLogger("ddlcore")
 
@@ -75,7 +75,7 @@ class StoreServer(StoreConnections):
     backlog : int
         The listen backlog.
     job_key : JobKey, optional
-        What clients must prove (default: `ddlcore.job.auth.default_key` of the bound port).
+        What clients must prove (default: `ddlcore.security.auth.default_key` of the bound port).
     max_connections : int
         Most connections open at once (authenticated or in their handshake).
     max_bytes : int

@@ -1,8 +1,8 @@
 """The rendezvous store's wire format and limits, shared by its server (``store_server``) and its
 client (``store``).
 
-A connection first runs the job-key handshake (``ddlcore.job.auth``), the client claiming the
-store service and which rank of how many it is (``ddlcore.job.claims``); then requests and
+A connection first runs the job-key handshake (``ddlcore.security.auth``), the client claiming the
+store service and which rank of how many it is (``ddlcore.security.claims``); then requests and
 replies alternate, one at a time. Fixed binary headers, raw bytes after them; nothing is pickled:
 
 Request:  magic u16, op u8, flags u8 (0), key length u16, value length u32, arg i64, wait ms i64,

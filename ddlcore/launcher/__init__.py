@@ -27,7 +27,7 @@ pipe: `ddlcore.launcher.job`), so no end leaves a file behind.
 
 Which rank is to blame: a rank whose collective failed because of another rank (a
 `PeerFailureError`) sends that rank's number to ddlrun through ``DDL_FAILURE_DIR``
-(`record_failure`, called by the communicator). Such ranks often exit before the rank that caused
+(`ddlcore.job.failure_report`, called by the communicator). Such ranks often exit before the rank that caused
 it (which may still be printing its traceback or closing), so ddlrun reports the first rank to
 fail that names no other rank, waiting up to `GRACE_S` for the rank the others name.
 
@@ -69,7 +69,6 @@ from ddlcore.job.placement import cpu_shares
 from ddlcore.launcher import mpich
 from ddlcore.launcher.job import GRACE_S as GRACE_S  # re-exported: tests read it here
 from ddlcore.launcher.job import LocalJob, _die_with_parent
-from ddlcore.launcher.job import record_failure as record_failure  # the communicator's import
 
 
 def _free_port(host: str, taken: int) -> int:
@@ -307,7 +306,7 @@ def _secret_env() -> dict[str, str]:
     """A fresh job secret for the local ranks, unless the user gave one."""
     if config.get("DDL_SECRET") or config.get("DDL_SECRET_FILE"):
         return {}
-    from ddlcore.job import auth
+    from ddlcore.security import auth
 
     return {"DDL_SECRET": auth.new_secret()}
 

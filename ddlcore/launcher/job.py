@@ -1,7 +1,7 @@
 """ddlrun's local job: spawn N ranks (each in a session of its own, ended with ddlrun however
 ddlrun ends), copy their output with a ``[rank]`` prefix, forward and escalate signals, stop them
 all when one fails, and name the rank that failed first, from what each rank recorded with
-`record_failure` (the rank's half, called by the communicator). `ddlcore.launcher` parses the
+`ddlcore.job.failure_report.record_failure` (the rank's half, called by the communicator). `ddlcore.launcher` parses the
 command line and starts a `LocalJob` or mpiexec.
 
 Failure records travel through a pipe that ddlrun holds, not through files: ``DDL_FAILURE_DIR``
@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -24,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING
 
-from ddlcore import config
 from ddlcore.launcher import sessions
 
 if TYPE_CHECKING:
@@ -39,34 +37,8 @@ _SWEEP_TIMEOUT_S = 30.0
 _SESSION_POLL_S = 0.05  # a look at every process's /proc entry: not every _POLL_S
 
 
-# --- the rank's half: what failed first ------------------------------------------------------
-def record_failure(rank: int, exc: BaseException) -> None:
-    """Called by a rank whose collective failed: tell ddlrun, through the pipe that
-    ``DDL_FAILURE_DIR`` names (set by ddlrun; nothing to do without it), the rank that failed
-    first as far as this rank knows: the peer a `PeerFailureError` names, the origin a relayed
-    timeout or mismatch carries, else this rank. ddlrun keeps the first record of each rank."""
-    where = config.get("DDL_FAILURE_DIR")
-    if not where:
-        return
-    from ddlcore.errors import failure_origin
-
-    found = failure_origin(exc)
-    origin = rank if found is None else found
-    try:  # non-blocking: a full pipe or a gone ddlrun costs the record, never a hang
-        fd = os.open(where, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # ddlrun is gone (or this is not a ddlrun job's pipe)
-        return
-    try:
-        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-            os.write(fd, f"{rank} {origin}\n".encode())  # one write under PIPE_BUF: atomic
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class _FailureRecords:
-    """ddlrun's end of the pipe the ranks write `record_failure`'s lines into."""
+    """ddlrun's end of the pipe the ranks write `ddlcore.job.failure_report`'s lines into."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()  # neither is inherited by the ranks

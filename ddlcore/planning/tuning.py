@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from ddlcore.algorithms import ALGORITHMS
 from ddlcore.algorithms.mdring import active_dims
 from ddlcore.collectives import Collective
-from ddlcore.planning.topology import Topology
 from ddlcore.planning.tuning_model import (
     BOARD_BW,
     BOARD_SYNC_S,
@@ -32,6 +31,7 @@ from ddlcore.planning.tuning_model import (
     pipeline_lead,
     predict,
 )
+from ddlcore.topology import Topology
 
 __all__ = [
     "BOARD_BW",

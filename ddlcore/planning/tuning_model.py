@@ -41,7 +41,7 @@ from ddlcore.algorithms import mdring
 from ddlcore.algorithms.halving_doubling import virtual_shape
 from ddlcore.algorithms.mdring import active_dims
 from ddlcore.collectives import Collective
-from ddlcore.planning.topology import Topology
+from ddlcore.topology import Topology
 
 # Bytes/s of the reduction kernels (float32 sum, a+=b: measured ~5-10 GB/s single-threaded on this
 # project's VM, BENCHMARKS.md); only their ratio to the links matters for the choice.

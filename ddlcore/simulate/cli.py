@@ -8,8 +8,9 @@ import argparse
 import json
 from collections.abc import Sequence
 
+from ddlcore import topology
 from ddlcore.algorithms import ALGORITHMS
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
 from ddlcore.simulate.model import Result, cyclic, simulate
 from ddlcore.simulate.program import DEFAULT_CHUNK_BYTES, MAX_STEPS, TooLargeToSimulate
 

@@ -10,9 +10,10 @@ import heapq
 import math
 from dataclasses import asdict, dataclass
 
+from ddlcore import topology
 from ddlcore.algorithms import Kind
 from ddlcore.collectives import Collective
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
 from ddlcore.simulate.program import (
     _AFTER,
     _DONE,

@@ -10,10 +10,10 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ddlcore import topology
 from ddlcore.algorithms import ALGORITHMS, Kind, Schedule, Step
 from ddlcore.collectives import Collective
 from ddlcore.errors import DDLError
-from ddlcore.planning import topology
 
 _AFTER, _DONE = -1, -2  # a part's markers in an actor's program (`Program`)
 # Default step budget: 16M steps take 3-5 minutes of CPU to generate and simulate on this

@@ -1,4 +1,4 @@
-"""``python -m ddlcore.trace DIR``: merge the ranks' flight records (``ddlcore.trace.flight``) and say
+"""``python -m ddlcore.trace DIR``: merge the ranks' flight records (``ddlcore.flight``) and say
 which rank was behind, and in which collective.
 
 The records of one communicator are lined up by sequence number (every rank numbers its
@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddlcore import flight
 from ddlcore.collectives import HAS_ROOT, Collective
-from ddlcore.trace import flight
 
 Record = dict[str, Any]
 Entry = dict[str, Any]

@@ -79,7 +79,7 @@ def _device_collectives(rank, size, engine_expected=None, direct=False, thin=Fal
     from numba import cuda
 
     import ddlcore
-    from ddlcore.execution.device import is_simulator
+    from ddlcore.device import is_simulator
     from tests.collectives.matrix import check_close, random_input
 
     few_simulator_threads()
@@ -186,7 +186,7 @@ def test_device_arrays_through_the_stream_engine(nprocs, algo, transport, thin, 
 def _gpu_present() -> bool:
     if not _numba_cuda_installed():
         return False
-    from ddlcore.execution.device import cuda_usable
+    from ddlcore.device import cuda_usable
 
     return cuda_usable()
 
@@ -304,7 +304,7 @@ def _streams_and_context_body(rank, size):
     from numba import cuda
 
     import ddlcore
-    from ddlcore.execution import device
+    from ddlcore import device
 
     entered: list[int] = []  # the GPUs whose context is current, innermost last
     staged: list[tuple[str, list[int]]] = []

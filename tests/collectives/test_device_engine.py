@@ -244,7 +244,7 @@ def _move(dst, dst_off, src, src_off, n):
 def _region(array: np.ndarray):
     from ddlcore.kernels import array_address
 
-    from ddlcore.execution.device_ops import DeviceRegion
+    from ddlcore.device_ops import DeviceRegion
 
     flat = array.reshape(-1).view(np.uint8)
     return DeviceRegion(array_address(flat) if flat.size else 0, flat)
@@ -275,8 +275,9 @@ def _orderings(rank, size, algos, depth, seed, thin=False):
     from ddlcore.kernels.dtypes import dtype_code
 
     import ddlcore
+    from ddlcore import device_ops
     from ddlcore.algorithms import Buf
-    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution import device_engine, engine
     from ddlcore.execution.paths.schedule import make_schedule
     from ddlcore.ops import as_op
     from ddlcore.planning import tuning
@@ -459,9 +460,10 @@ def _swaps(rank, size, seed, n):
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
+    from ddlcore import device_ops
     from ddlcore.algorithms import Buf
     from ddlcore.algorithms.schedule import Kind, Schedule, Step
-    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution import device_engine, engine
 
     peer = 1 - rank
     with ddlcore.init() as comm:
@@ -522,8 +524,9 @@ def _legacy_stream(rank, size, seed):
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
+    from ddlcore import device_ops
     from ddlcore.algorithms import Buf
-    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution import device_engine, engine
     from ddlcore.execution.paths.schedule import make_schedule
     from ddlcore.planning import tuning
 
@@ -590,8 +593,9 @@ def _bursts(rank, size, algo):
     from ddlcore.kernels.dtypes import DType
 
     import ddlcore
+    from ddlcore import device_ops
     from ddlcore.algorithms import Buf
-    from ddlcore.execution import device_engine, device_ops, engine
+    from ddlcore.execution import device_engine, engine
     from ddlcore.execution.paths.schedule import make_schedule
     from ddlcore.planning import tuning
 

@@ -372,9 +372,9 @@ def test_schedules_make_first_contact_and_pair_up():
     """After `agreement.agreed`, every rank's first step sends slot 0 to rank + 1 and its first
     receive is slot 0 from rank - 1; and every message sent is received (same slot, same
     count) by its peer."""
+    from ddlcore import topology
     from ddlcore.algorithms import ALGORITHMS, agreement
     from ddlcore.algorithms.schedule import Kind
-    from ddlcore.planning import topology
 
     for size, collective, name, count in _symbolic_worlds():
         make = ALGORITHMS[collective][name]
@@ -423,12 +423,13 @@ def test_schedules_make_first_contact_and_pair_up():
 
 
 def test_another_ranks_call_is_named_from_its_check_word():
-    """`calls.describe_check` (what a rank says of a message whose check word is not its own)
+    """`check_words.describe_check` (what a rank says of a message whose check word is not its own)
     and the boards' `describe_entry` (of a rank's board entry, whose kernel codes say sum for
     avg and uint8 for bool) name the call behind a check word; no processes."""
     from ddlcore.transports.shm import board_calls
 
     from ddlcore import calls
+    from ddlcore.execution import check_words
     from ddlcore.execution._frontend import check_word
     from ddlcore.execution.paths.base import check_word as call_check
 
@@ -459,9 +460,10 @@ def test_another_ranks_call_is_named_from_its_check_word():
     for named, other in theirs.items():
         for chunk in (0, 1024):
             assert (
-                calls.describe_check(call_check(other, chunk_bytes=chunk), mine, 3, chunk) == named
+                check_words.describe_check(call_check(other, chunk_bytes=chunk), mine, 3, chunk)
+                == named
             )
-    assert calls.describe_check(call_check(mine, chunk_bytes=0), mine, 3, 1024) is None
+    assert check_words.describe_check(call_check(mine, chunk_bytes=0), mine, 3, 1024) is None
     assert calls.describe_fingerprint(calls.fingerprint(theirs["allreduce(1000 x bool, max)"])) == (
         "allreduce(1000 x bool, max)"
     )

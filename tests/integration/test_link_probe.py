@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ddlcore.planning import topology
+from ddlcore import topology
 from tests.harness import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

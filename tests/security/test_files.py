@@ -24,10 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddlcore import calls, trace
+from ddlcore import calls, flight, trace
 from ddlcore.errors import DDLTimeoutError
 from ddlcore.job import placement
-from ddlcore.trace import flight
 from tests.security.conftest import Stranger
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ import pytest
 from ddlcore.errors import DDLError
 from ddlcore.job import store as store_module
 from ddlcore.job import store_listen
-from ddlcore.job.auth import AuthenticationError, JobKey, new_secret
 from ddlcore.job.store import PrefixStore, StoreClient, StoreServer, StoreUnreachableError
+from ddlcore.security.auth import AuthenticationError, JobKey, new_secret
 
 
 class Relay:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ddlcore.errors import DDLError
-from ddlcore.job.auth import job_secret
+from ddlcore.security.auth import job_secret
 
 
 def _plant_secret(folder: str) -> str:

@@ -22,10 +22,10 @@ import pytest
 
 from ddlcore.errors import RendezvousError
 from ddlcore.job import store_wire as wire
-from ddlcore.job.auth import JobKey, new_secret
-from ddlcore.job.claims import STORE, Claim
 from ddlcore.job.store import StoreAuthenticationError, StoreClient, StoreServer
 from ddlcore.job.store_server import MAX_PENDING_PER_SOURCE
+from ddlcore.security.auth import JobKey, new_secret
+from ddlcore.security.claims import STORE, Claim
 from tests.harness import free_port, mpiexec_path, require, run_ranks
 
 _HELLO = struct.Struct("<IHH")
@@ -37,7 +37,7 @@ _SERVER = """
 import resource, sys
 if len(sys.argv) > 2:  # a cap on this process's fds
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]),) * 2)
-from ddlcore.job.auth import JobKey
+from ddlcore.security.auth import JobKey
 from ddlcore.job.store import StoreServer
 srv = StoreServer("127.0.0.1", 0, job_key=JobKey(sys.argv[1].encode(), "job"))
 print(srv.port, flush=True)

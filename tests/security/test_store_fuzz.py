@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ddlcore.job import store_wire as wire
-from ddlcore.job.auth import MAX_CLAIM_BYTES, new_secret
+from ddlcore.security.auth import MAX_CLAIM_BYTES, new_secret
 from tests.harness import free_port, run_ranks
 
 _HELLO = struct.Struct("<IHH")

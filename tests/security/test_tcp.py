@@ -23,8 +23,8 @@ import pytest
 from ddlcore.transports.tcp.protocol import PROTOCOL_VERSION as TCP_PROTOCOL_VERSION
 
 from ddlcore import config
-from ddlcore.job import auth
-from ddlcore.job.claims import JOB_ID_BYTES, NO_JOB_ID, STORE, TCP, Claim
+from ddlcore.security import auth
+from ddlcore.security.claims import JOB_ID_BYTES, NO_JOB_ID, STORE, TCP, Claim
 from tests.harness import run_ranks
 from tests.transports.conformance import rank_env
 

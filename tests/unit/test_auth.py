@@ -1,4 +1,4 @@
-"""The job-key handshake (``ddlcore.job.auth``, claims in ``ddlcore.job.claims``): the right key
+"""The job-key handshake (``ddlcore.security.auth``, claims in ``ddlcore.security.claims``): the right key
 passes both ways and the claim arrives whole; a wrong key or a tampered claim is refused on both
 ends; a claim for another service, another start of the job or another address is refused before
 anything is proven; malformed hellos are refused before anything else is read; deadlines hold
@@ -17,7 +17,7 @@ from unittest.mock import patch
 import pytest
 
 from ddlcore.errors import DDLError
-from ddlcore.job.auth import (
+from ddlcore.security.auth import (
     MAX_CLAIM_BYTES,
     NONCE_BYTES,
     Acceptor,
@@ -27,7 +27,7 @@ from ddlcore.job.auth import (
     job_secret,
     new_secret,
 )
-from ddlcore.job.claims import STORE, TCP, Claim, peer_uid
+from ddlcore.security.claims import STORE, TCP, Claim, peer_uid
 
 _HELLO = struct.Struct("<IHH")
 _MAGIC = 0xDD1A7E57

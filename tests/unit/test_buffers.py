@@ -156,9 +156,9 @@ def test_cuda_array_without_a_usable_gpu_gets_a_clear_message():
             "strides": None,
         }
 
-    import ddlcore.execution.device
+    import ddlcore.device
 
-    if ddlcore.execution.device.cuda_usable():
+    if ddlcore.device.cuda_usable():
         pytest.skip("a GPU is present: this checks the message on machines without one")
     with pytest.raises(TypeError, match="grads is a CUDA array"):
         as_buffer(DeviceArray(), "grads")

@@ -1,4 +1,4 @@
-"""Which of the caller's streams a device collective waits for (`ddlcore.execution.device.ready_event`):
+"""Which of the caller's streams a device collective waits for (`ddlcore.device.ready_event`):
 the input's producer stream through an event, without blocking; an output bound to another
 stream on the host, before the call returns. The streams are stand-ins with Numba's shape
 (``int()`` is the handle, ``synchronize()``); real streams need a GPU."""
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from ddlcore.execution import device
+from ddlcore import device
 
 _CURRENT: list[int] = []  # the GPUs whose context the code under test entered, innermost last
 

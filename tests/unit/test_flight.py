@@ -1,4 +1,4 @@
-"""ddlcore.trace.flight (the recorder's ring, its JSON file) and ddlcore.trace's verdict on made-up records."""
+"""ddlcore.flight (the recorder's ring, its JSON file) and ddlcore.trace's verdict on made-up records."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import ddlcore
-from ddlcore import calls, trace
+from ddlcore import calls, flight, trace
 from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError, PeerFailureError
-from ddlcore.trace import flight
 
 RNG = np.random.default_rng(19)
 

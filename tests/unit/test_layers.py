@@ -1,13 +1,20 @@
-"""The modules of ddlcore import each other without cycles: every ``import`` statement in the
-source (also those inside functions and under ``TYPE_CHECKING``) is an edge, and the graph of
-modules has no strongly connected component larger than one module. One exception: modules of
-one package may name each other's types for annotations (under ``TYPE_CHECKING``), as a pair
-names its context: that is not a dependency at run time, nor across layers."""
+"""The import graph is the architecture. The layers and the other contracts in pyproject.toml
+hold (import-linter, through ``.ci/lint-imports``), and the modules of ddlcore import each other
+without cycles, module by module and package by package: every ``import`` statement in the
+source (also those inside functions and under ``TYPE_CHECKING``) is an edge, and neither graph
+has a strongly connected component larger than one node. One exception: modules of one package
+may name each other's types for annotations (under ``TYPE_CHECKING``), as a pair names its
+context: that is not a dependency at run time, nor across layers."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import shutil
+import subprocess
+import sys
+
+from tests.harness import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Source folders and the packages they install as (pyproject.toml's package-dir).
@@ -124,7 +131,7 @@ def test_the_import_graph_sees_the_known_edges():
     edges = graph()
     assert "ddlcore.execution.paths.base" in edges["ddlcore.execution.checks"]
     assert "ddlcore.execution.hostcoll" in edges["ddlcore.execution.paths.base"]
-    assert "ddlcore.transports.base" in edges["ddlcore.execution.device"]  # a package-dir module
+    assert "ddlcore.transports.base" in edges["ddlcore.device"]  # a package-dir module
 
 
 def test_annotations_among_siblings_are_not_edges():
@@ -138,10 +145,63 @@ def test_no_import_cycles():
     assert not found, f"modules that import each other (directly or around a loop): {found}"
 
 
-def test_the_paths_sit_below_the_communicator():
-    edges = graph()
-    below = {t for m, ts in edges.items() if m.startswith("ddlcore.execution.paths") for t in ts}
-    assert "ddlcore.communicator" not in below
-    assert not any(
-        t.startswith("ddlcore.execution.paths") for t in edges["ddlcore.execution.hostcoll"]
+def packages(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph of ddlcore's top-level packages and modules (``ddlcore.job``,
+    ``ddlcore.transports``, ``ddlcore.calls`` ...): an edge where any module of one imports any
+    module of the other."""
+
+    def top(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    found: dict[str, set[str]] = {}
+    for name, targets in edges.items():
+        found.setdefault(top(name), set()).update(top(t) for t in targets if top(t) != top(name))
+    return found
+
+
+def test_no_cycles_between_packages():
+    found = [sorted(c) for c in cycles(packages(graph()))]
+    assert not found, f"packages that import each other (directly or around a loop): {found}"
+
+
+def test_the_import_contracts_hold():
+    """pyproject.toml's [tool.importlinter] contracts (layers, independent transports, what the
+    transports and kernels may import, no concrete transport above them), as CI checks them."""
+    lint = shutil.which("lint-imports", path=str(pathlib.Path(sys.executable).parent))
+    require(lint is not None, "import-linter is not installed (pip install -e '.[test]')")
+    env = {"PATH": f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin"}
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "lint-imports")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout, done.stdout[-4000:]
+
+
+def _declared_layers() -> list[str]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    return layers
+
+
+def test_every_package_sits_in_a_layer():
+    declared = {
+        name.strip() for layer in _declared_layers() for name in layer.replace("|", ":").split(":")
+    }
+    tops = {".".join(name.split(".")[:2]) for name in modules()} - {"ddlcore"}
+    assert tops - declared == set(), f"in no layer of pyproject.toml: {sorted(tops - declared)}"
+
+
+def test_the_architecture_table_names_the_declared_layers():
+    """docs/ARCHITECTURE.md's layer table lists pyproject.toml's layers, in order."""
+    table = []
+    for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
+        cells = [c.strip() for c in line.replace("\\|", "\0").split("|")]
+        if len(cells) > 3 and cells[2].startswith("`ddlcore."):
+            table.append(cells[2].replace("\0", "|").replace("`", ""))
+    assert table == _declared_layers()

@@ -9,13 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddlcore import calls
+from ddlcore import calls, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.collectives import Collective
 from ddlcore.errors import DDLError, PeerFailureError
 from ddlcore.execution import hostcoll, paths
 from ddlcore.execution.paths.base import ON_BOARDS
-from ddlcore.planning import topology
 
 
 class FakeBoards:

@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
+from ddlcore import topology
 from ddlcore.errors import RendezvousError
 from ddlcore.job.rendezvous import detect, resolve_master
-from ddlcore.planning import topology
 from tests.harness import free_port, require
 
 

@@ -105,7 +105,7 @@ def test_alltoallv_uneven_splits(size, seed):
 def test_the_simulator_runs_them_on_a_box():
     """The same schedules, agreement included, through the simulator's link model (4 hosts
     of 2 ranks): no deadlock, no lost message, a time between the latency and a second."""
-    from ddlcore.planning import topology
+    from ddlcore import topology
     from ddlcore.simulate.model import execute
     from ddlcore.simulate.program import Program
 

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from ddlcore import topology
 from ddlcore.algorithms import (
     ALGORITHMS,
     Buf,
@@ -28,7 +29,6 @@ from ddlcore.algorithms import (
 )
 from ddlcore.algorithms.schedule import Schedule, Step, split
 from ddlcore.collectives import Collective
-from ddlcore.planning import topology
 
 
 def interpret(
@@ -226,7 +226,7 @@ ODD_ORDERS = [
 
 
 def _placed(host_ids):
-    """The box ``ddlcore.planning.topology.build`` finds for ranks on these hosts (rank r on host_ids[r])."""
+    """The box ``ddlcore.topology.build`` finds for ranks on these hosts (rank r on host_ids[r])."""
     return topology.build(host_ids, [""] * len(host_ids), {"host": "shm", "network": "tcp"}, {})
 
 

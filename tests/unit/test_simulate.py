@@ -15,9 +15,9 @@ import math
 
 import pytest
 
-from ddlcore import simulate
+from ddlcore import simulate, topology
 from ddlcore.algorithms import ALGORITHMS, Buf, Kind, Schedule, Step
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
 
 BW, LAT = 10e9, 10e-6
 NB = 1_000_000  # bytes of one hand-made message

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from ddlcore.errors import RendezvousError
-from ddlcore.job.claims import STORE, Claim
 from ddlcore.job.store import MAX_KEY_BYTES, MAX_VALUE_BYTES, PrefixStore, StoreClient, StoreServer
+from ddlcore.security.claims import STORE, Claim
 from tests.harness import free_port
 
 

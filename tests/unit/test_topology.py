@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddlcore.planning import topology
+from ddlcore import topology
 
 
 def _build(hosts, racks=None, env=None, transports=None):

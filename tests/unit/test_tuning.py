@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddlcore.planning import topology, tuning
+from ddlcore import topology
+from ddlcore.planning import tuning
 
 
 def _two_level(hosts=2, per_host=4, net_bw=125e6):

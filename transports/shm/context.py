@@ -55,8 +55,7 @@ from ddlcore.transports.shm.segments import (
     unlink_quietly,
 )
 
-from ddlcore.errors import DDLError, PeerFailureError
-from ddlcore.job.store import StoreUnreachableError
+from ddlcore.errors import DDLError, PeerFailureError, StoreUnreachableError
 
 
 class ShmContext(PairTableContext):

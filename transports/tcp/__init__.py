@@ -10,7 +10,7 @@ address; a connection goes where the kernel routes the peer's address, so ranks 
 (mdring's rings across hosts) talk through their adapter, and no reply comes back on another
 (no source is bound: that would break under strict reverse-path filtering). Before anything else on
 a socket is acted on, the connector proves the job's key (``store.job_key``,
-`ddlcore.job.auth.JobKey`) with its claim bound into the proof: protocol version, source rank,
+`ddlcore.security.auth.JobKey`) with its claim bound into the proof: protocol version, source rank,
 destination rank, world size, channel and channel count. So a connection can only be the rank it claims, to the rank it meant.
 Only then does the higher rank answer (ACK: accepted, or why not) and file the socket under its
 pair; a second connection for a channel already connected is refused. Handshakes are served

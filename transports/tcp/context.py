@@ -22,6 +22,7 @@ from ddlcore.transports.sockets import (
     HandshakeListener,
     format_address,
     rail_address,
+    rail_interfaces,
     route_address,
 )
 from ddlcore.transports.tcp import steps
@@ -42,7 +43,7 @@ from ddlcore.transports.tcp.protocol import (
 )
 
 from ddlcore.errors import RendezvousError
-from ddlcore.job.claims import TCP, Claim
+from ddlcore.security.claims import TCP, Claim
 
 
 class TcpContext(PairTableContext):
@@ -181,6 +182,11 @@ class TcpTransport(Transport):
     """Sockets over any IPv4 network; always available (on Linux, as the rest of ddlcore)."""
 
     name = "tcp"
+
+    @classmethod
+    def rails(cls, options: TransportOptions) -> int:
+        """One per interface ``DDL_SOCKET_IFNAME`` lists (``options.socket_ifname``)."""
+        return max(1, len(rail_interfaces(options.socket_ifname)))
 
     @classmethod
     def is_available(cls, options: TransportOptions | None = None) -> tuple[bool, str]:

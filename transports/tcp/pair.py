@@ -48,10 +48,10 @@ from ddlcore.errors import (
     DDLTimeoutError,
     PeerFailureError,
     RendezvousError,
+    StoreUnreachableError,
 )
-from ddlcore.job.auth import AuthenticationError
-from ddlcore.job.claims import TCP
-from ddlcore.job.store import StoreUnreachableError
+from ddlcore.security.auth import AuthenticationError
+from ddlcore.security.claims import TCP
 
 if TYPE_CHECKING:
     from ddlcore.transports.tcp.context import TcpContext

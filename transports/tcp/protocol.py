@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 3  # 2: the hello is a claim proven with the job's key; 3: auth's claims
 _MAGIC = 0xDD1C7C90
 _HEADER = struct.Struct("<IHHIQQ")
-# The TCP fields of a connector's claim (``ddlcore.job.claims.Claim.extra``; the ranks, the
+# The TCP fields of a connector's claim (``ddlcore.security.claims.Claim.extra``; the ranks, the
 # world size, the job id and the address are the claim's own): version, nchannels, channel.
 _CLAIM_EXTRA = struct.Struct("<HHH")
 _ACK = struct.Struct("<IHHHH")  # magic, version, status, nchannels, 0

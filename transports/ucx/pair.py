@@ -48,8 +48,8 @@ from ddlcore.errors import (
     DDLTimeoutError,
     PeerFailureError,
     RendezvousError,
+    StoreUnreachableError,
 )
-from ddlcore.job.store import StoreUnreachableError
 
 if TYPE_CHECKING:
     from ddlcore.transports.ucx.context import UcxContext

@@ -13,7 +13,13 @@ from ddlcore.transports.base import (
     options_or_default,
 )
 from ddlcore.transports.ucx.context import UcxContext
-from ddlcore.transports.ucx.options import _features, _foreign_ucx, _import_ucxx, ucx_options
+from ddlcore.transports.ucx.options import (
+    _features,
+    _foreign_ucx,
+    _import_ucxx,
+    net_device_rails,
+    ucx_options,
+)
 
 _TRIED: dict[tuple[tuple[str, str], ...], str] = {}  # UCX_* settings -> "" (ok) or why not
 
@@ -63,6 +69,11 @@ class UcxTransport(Transport):
                     "(UCX_TLS, UCX_NET_DEVICES; ucx_info -d lists the devices UCX sees)"
                 )
         return (not _TRIED[key]), _TRIED[key]
+
+    @classmethod
+    def rails(cls, options: TransportOptions) -> int:
+        """One per device ``UCX_NET_DEVICES`` lists (UCX's default, all devices: 1)."""
+        return max(1, len(net_device_rails(options.ucx_environ)))
 
     def can_connect(self, me: PeerInfo, peer: PeerInfo) -> bool:
         return True

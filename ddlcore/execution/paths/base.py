@@ -14,17 +14,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ddlcore import device
 from ddlcore.algorithms import Buf, Schedule
 from ddlcore.buffers import MemoryKind
-from ddlcore.calls import Call, describe_check
+from ddlcore.calls import Call
 from ddlcore.collectives import HAS_ROOT, Collective
-from ddlcore.execution import _frontend, device, engine, hostcoll, int_avg
+from ddlcore.execution import _frontend, engine, hostcoll, int_avg
+from ddlcore.execution.check_words import describe_check
 from ddlcore.execution.hostcoll import BoardCall, BoardKind, HostCollectives
 from ddlcore.job.links import Links
 from ddlcore.kernels.cpu import array_address
 from ddlcore.ops import Op
 from ddlcore.planning import tuning
-from ddlcore.planning.topology import Topology
+from ddlcore.topology import Topology
 
 log = logging.getLogger("ddlcore")
 

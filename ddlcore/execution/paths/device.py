@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 
+from ddlcore import device, device_ops
 from ddlcore.algorithms import Buf
 from ddlcore.buffers import MemoryKind
-from ddlcore.calls import Call, describe_check
-from ddlcore.execution import device, device_engine, device_ops, engine
+from ddlcore.calls import Call
+from ddlcore.execution import device_engine, engine
+from ddlcore.execution.check_words import describe_check
 from ddlcore.execution.paths.base import Context, PathBase, Plan, board_mode, check_word, label
 from ddlcore.execution.paths.schedule import schedules
 

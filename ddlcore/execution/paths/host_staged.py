@@ -46,8 +46,8 @@ from ddlcore.execution import engine, hostcoll, pipeline
 from ddlcore.execution.hostcoll import BoardKind, HostCollectives
 from ddlcore.execution.paths.base import HOST_STAGED, Context, PathBase, Plan, board_bytes, label
 from ddlcore.planning import tuning
-from ddlcore.planning.topology import Topology
 from ddlcore.planning.tuning import host_segments
+from ddlcore.topology import Topology
 from ddlcore.transports.common import abort_code
 
 NAME = "host-staged"

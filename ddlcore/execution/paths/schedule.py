@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddlcore import topology
 from ddlcore.algorithms import ALGORITHMS, Buf, Schedule, agreement
 from ddlcore.calls import ROOTED, Call, prepare
 from ddlcore.collectives import Collective
@@ -24,7 +25,7 @@ from ddlcore.execution.paths.base import (
 )
 from ddlcore.kernels.cpu import array_address
 from ddlcore.ops import Op
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
 
 NAME = "schedule"
 

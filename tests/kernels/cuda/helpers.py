@@ -36,7 +36,7 @@ def run_in_process(body: Callable[[], Any], gpu: bool = False, timeout: float = 
     """``body()`` in a fresh process on the simulator (or, with ``gpu``, on a real GPU: the test
     is skipped where there is none); returns what it returns."""
     if gpu:
-        from ddlcore.execution.device import cuda_usable
+        from ddlcore.device import cuda_usable
 
         if not cuda_usable():
             pytest.skip("needs a real GPU (the simulator tests cover CI)")

@@ -1,5 +1,5 @@
 """Authenticated connections: before anything else on a socket is acted on, both ends prove that
-they hold the job's secret, over a claim (``ddlcore.job.claims``) that names the service, the start
+they hold the job's secret, over a claim (``ddlcore.security.claims``) that names the service, the start
 of the job, both ends' ranks and the exact address the connector dialled. The rendezvous store and
 the TCP transport run this on every connection.
 
@@ -41,14 +41,14 @@ import time
 from collections.abc import Callable
 
 from ddlcore.errors import DDLError
-from ddlcore.job.claims import (
+from ddlcore.security.claims import (
     MAX_CLAIM_BYTES,
     NO_JOB_ID,
     Claim,
     endpoint,
     same_endpoint,
 )
-from ddlcore.job.secret import job_secret, new_secret
+from ddlcore.security.secret import job_secret, new_secret
 
 __all__ = [
     "MAX_CLAIM_BYTES",

@@ -1,6 +1,6 @@
 """What the device engine asks of a GPU (`DeviceOps`: streams, events, copies, kernels; a
 `DeviceRegion` is a device buffer as it sees one) and the pinned and device slots it reuses
-from call to call (`DeviceSlots`). `ddlcore.execution.device.NumbaStreams` implements the ops."""
+from call to call (`DeviceSlots`). `ddlcore.device.NumbaStreams` implements the ops."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ddlcore.device_ops import DeviceRegion
 from ddlcore.errors import DDLTimeoutError
-from ddlcore.execution.device_ops import DeviceRegion
 from ddlcore.kernels.dtypes import DType, numpy_dtype
 from ddlcore.ops import Op
 from ddlcore.transports.base import DeviceView

@@ -1,4 +1,4 @@
-"""What a connecting end claims in the job-key handshake (``ddlcore.job.auth``), and who owns a
+"""What a connecting end claims in the job-key handshake (``ddlcore.security.auth``), and who owns a
 socket's other end when it is on this host.
 
 A `Claim` names both ends and the service: which service the connector wants (the rendezvous

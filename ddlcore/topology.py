@@ -370,15 +370,18 @@ def build(
 
 
 def network_adapters(transport: str, environ: Mapping[str, str] | None = None) -> int:
-    """Network adapters (rails) per host that ``transport`` spreads a host's ranks over: tcp,
-    the interfaces ``DDL_SOCKET_IFNAME`` lists; ucx, the devices ``UCX_NET_DEVICES`` lists;
-    others, 1."""
-    if transport == "tcp":
-        from ddlcore.transports.sockets import rail_interfaces
+    """Network adapters (rails) per host that ``transport`` spreads a host's ranks over, as the
+    configuration in ``environ`` sets them (`Transport.rails`: tcp, the interfaces
+    ``DDL_SOCKET_IFNAME`` lists; ucx, the devices ``UCX_NET_DEVICES`` lists); 1 for a transport
+    that is not installed."""
+    if not transport:
+        return 1
+    from ddlcore import transports
+    from ddlcore.errors import TransportUnavailableError
+    from ddlcore.transports.base import TransportOptions
 
-        return max(1, len(rail_interfaces(config.get("DDL_SOCKET_IFNAME", environ))))
-    if transport == "ucx":
-        from ddlcore.transports.ucx import net_device_rails
-
-        return max(1, len(net_device_rails(environ)))
-    return 1
+    try:
+        cls = transports.load(transport)
+    except TransportUnavailableError:
+        return 1
+    return max(1, cls.rails(TransportOptions.from_environ(environ)))

@@ -1,7 +1,9 @@
-"""Joining a job: `init()` finds the job (see ``rendezvous``), meets the other ranks at rank 0's
-store, learns which ranks share a host (``topology``), picks a transport per peer pair
-(``links``), sets up host collectives where ranks share a host and a transport offers them
-(`Context.host_collectives`: shm's boards) and returns a `Communicator`.
+"""`init()`: join a job and assemble its `Communicator`. It finds the job
+(``ddlcore.job.rendezvous``), meets the other ranks at rank 0's store, learns which ranks share
+a host (``ddlcore.topology``), picks a transport per peer pair (``ddlcore.job.links``), sets up
+host collectives where ranks share a host and a transport offers them
+(`Context.host_collectives`: shm's boards) and builds the `Communicator` from those parts. In
+the API layer, beside the communicator it builds: the job layer below knows nothing of it.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddlcore import config
+from ddlcore import config, topology
 from ddlcore.algorithms import mdring
 from ddlcore.communicator import Communicator
 from ddlcore.errors import DDLError
 from ddlcore.execution.hostcoll import HostCollectives
 from ddlcore.job import placement, probe
-from ddlcore.job.auth import JobKey, job_secret
 from ddlcore.job.links import (
     Links,
     level_transports,
@@ -35,7 +36,8 @@ from ddlcore.job.rendezvous import (
     resolve_master,
     via_torch_store,
 )
-from ddlcore.planning import topology, tuning
+from ddlcore.planning import tuning
+from ddlcore.security.auth import JobKey, job_secret
 from ddlcore.transports.base import PeerInfo, TransportOptions
 
 log = logging.getLogger("ddlcore")
