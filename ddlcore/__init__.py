@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
+    CommunicatorRevokedError,
     DDLError,
     DDLTimeoutError,
     ParametersDifferError,
@@ -61,6 +62,7 @@ __all__ = [
     "ANY_SOURCE",
     "CollectiveMismatchError",
     "CommunicatorClosedError",
+    "CommunicatorRevokedError",
     "Communicator",
     "DDLError",
     "DDLTimeoutError",

@@ -24,7 +24,7 @@ from ddlcore import calls, config, device, flight, p2p, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
-from ddlcore.errors import CommunicatorClosedError
+from ddlcore.errors import CommunicatorClosedError, CommunicatorRevokedError
 from ddlcore.execution import (
     checks,
     device_engine,
@@ -42,7 +42,7 @@ from ddlcore.ops import Op
 from ddlcore.planning import tuning
 from ddlcore.rooted import RootedCollectives
 from ddlcore.split import split_communicator
-from ddlcore.transports.base import PeerInfo
+from ddlcore.transports.base import ABORT_REVOKED, PeerInfo
 from ddlcore.transports.common import abort_code
 
 # Transports whose messages carry the check word (`transports.base`): over the others (MPI) the
@@ -127,6 +127,8 @@ class Communicator(RootedCollectives):
         self._before_collective: list[Callable[[], Any]] = []
         self._in_hooks = threading.local()
         self._broken: str | None = None
+        self._failure: BaseException | None = None  # the first failure (or revoke)
+        self._revoke_lock = threading.Lock()
         # Some link cannot judge check words: compare the calls explicitly (`engine.agree`).
         self._agree_explicitly = links is not None and any(
             name not in _CHECKED_TRANSPORTS for name in links.choice.values()
@@ -208,10 +210,7 @@ class Communicator(RootedCollectives):
     # --- execution ------------------------------------------------------------------------------
     def _execute(self, call: Call, seq: int) -> Any:
         if self._broken is not None:
-            raise CommunicatorClosedError(
-                f"rank {self.rank}: {call.collective} refused: this communicator failed earlier "
-                f"({self._broken}); create a new one with ddlcore.init()"
-            )
+            raise self._refusal(call.collective)
         if int_avg.applies(call, self.size):  # a "sum" of a wider buffer, then a division
             if call.collective == Collective.REDUCE:
                 self._integer_avg(calls.as_allreduce(call), seq)
@@ -236,11 +235,28 @@ class Communicator(RootedCollectives):
             raise
         return call.result
 
+    def _refusal(self, what: str) -> CommunicatorClosedError:
+        """The error a call of a broken communicator raises: a `CommunicatorRevokedError`
+        where the communicator was revoked (here or by a peer), so that the handler of the
+        first failure catches every later one too."""
+        if isinstance(self._failure, CommunicatorRevokedError):
+            return CommunicatorRevokedError(
+                f"rank {self.rank}: {what} refused: rank {self._failure.peer} revoked this "
+                "communicator; create a new one with ddlcore.init()",
+                self._failure.peer,
+            )
+        return CommunicatorClosedError(
+            f"rank {self.rank}: {what} refused: this communicator failed earlier "
+            f"({self._broken}); create a new one with ddlcore.init()"
+        )
+
     def _fail(self, exc: BaseException, running: paths.Path | None) -> None:
         """The communicator is broken: record it, and tell every path, which tells the peers of
         its call in progress that the failing step did not (that step told its own: the boards'
         or the links'), so that nobody waits out its deadline."""
         self._broken = str(exc) or type(exc).__name__
+        if self._failure is None:
+            self._failure = exc
         self._front_end_update()
         record_failure(self.rank, exc)  # for ddlrun: who failed first
         # The reason without our "rank R: " prefix.
@@ -451,6 +467,30 @@ class Communicator(RootedCollectives):
         self._run(calls.prepare(Collective.BARRIER, None, None, None, 0, self.size))
 
     # --- lifetime -------------------------------------------------------------------------------
+    def revoke(self) -> None:
+        """Fail every pending and later call of this communicator, on every rank (ULFM's
+        ``MPI_Comm_revoke``, NCCL's ``ncclCommRevoke``).
+
+        The calls in progress on this rank (collectives, async handles, send/recv) and on every
+        peer fail with `CommunicatorRevokedError` naming this rank, within a few message
+        latencies: the abort reaches the peers this rank is connected to, each passes it on once,
+        and a peer that connects later (or after this rank closed) reads it in the store. Later
+        calls raise it too. What the output buffers of a failed collective hold is undefined.
+        A communicator that already failed, or was revoked, is left as it is; a closed one has
+        nothing left to revoke. Any thread may call it.
+        """
+        with self._revoke_lock:
+            if self._closed or self._failure is not None:
+                return
+            err = CommunicatorRevokedError(
+                f"rank {self.rank} revoked the communicator (Communicator.revoke)", self.rank
+            )
+            self._failure, self._broken = err, str(err)
+        self._front_end_update()
+        for sink in (self._links, self._host, self._node):
+            if sink is not None:
+                sink.abort(ABORT_REVOKED, "it revoked the communicator (Communicator.revoke)")
+
     def close(self) -> None:
         """Finish queued collectives (within DDL_TIMEOUT), then release connections and threads.
 

@@ -58,6 +58,13 @@ class CommunicatorClosedError(DDLError):
     """The communicator was closed, or broken by an earlier failure, and cannot run collectives."""
 
 
+class CommunicatorRevokedError(PeerFailureError, CommunicatorClosedError):
+    """A rank revoked the communicator (`Communicator.revoke`): every pending and later call of
+    it fails, on every rank. ``peer`` is the rank that revoked it. A `PeerFailureError`, as the
+    failure that usually prompts a revoke is, and a `CommunicatorClosedError`, as what a later
+    call of a broken communicator raises."""
+
+
 class ParametersDifferError(DDLError):
     """Data-parallel training found the ranks' parameters different where they must be equal
     (the PyTorch `DistributedOptimizer` checks at its first step)."""

@@ -85,6 +85,8 @@ ABORT_PEER_FAILURE = 0
 ABORT_MISMATCH = 1
 ABORT_TIMEOUT = 2
 ABORT_OTHER = 3
+ABORT_REVOKED = 4  # a rank revoked the communicator (`Communicator.revoke`); a peer that does
+# not know the code raises PeerFailureError, as for any code it does not know
 
 MAX_ABORT_REASON_BYTES = 4096
 

@@ -21,6 +21,7 @@ from ddlcore.transports.base import (
     ABORT_MISMATCH,
     ABORT_OTHER,
     ABORT_PEER_FAILURE,
+    ABORT_REVOKED,
     ABORT_TIMEOUT,
     DeviceView,
     Request,
@@ -30,6 +31,7 @@ from ddlcore.transports.base import (
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
+    CommunicatorRevokedError,
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
@@ -43,7 +45,11 @@ _T = TypeVar("_T")
 
 MAX_TAG = (1 << 64) - 1
 MAX_CHECK = (1 << 32) - 1
-ABORT_CLASS = {ABORT_MISMATCH: CollectiveMismatchError, ABORT_TIMEOUT: DDLTimeoutError}
+ABORT_CLASS: dict[int, type[DDLError]] = {
+    ABORT_MISMATCH: CollectiveMismatchError,
+    ABORT_TIMEOUT: DDLTimeoutError,
+    ABORT_REVOKED: CommunicatorRevokedError,  # before PeerFailureError, its base: see abort_code
+}
 
 
 def loaded_libraries(fragment: str) -> list[str]:
@@ -167,9 +173,10 @@ def mismatch_error(
 def abort_code(exc: BaseException) -> int:
     """The code an abort note carries for ``exc``: the one `abort_error` turns back into its
     class, ABORT_OTHER for an error of none of them."""
-    if isinstance(exc, PeerFailureError):
-        return ABORT_PEER_FAILURE
-    return next((code for code, cls in ABORT_CLASS.items() if isinstance(exc, cls)), ABORT_OTHER)
+    found = next((code for code, cls in ABORT_CLASS.items() if isinstance(exc, cls)), None)
+    if found is not None:
+        return found
+    return ABORT_PEER_FAILURE if isinstance(exc, PeerFailureError) else ABORT_OTHER
 
 
 def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DDLError:
@@ -194,14 +201,10 @@ def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DD
 def relay_of(error: DDLError) -> tuple[int, str]:
     """The ``(code, reason)`` with which a rank that heard of ``error`` (an abort a peer told
     it of, `abort_error`) passes it on: the same class, the same origin, the cause once."""
-    code = (
-        ABORT_MISMATCH
-        if isinstance(error, CollectiveMismatchError)
-        else ABORT_TIMEOUT
-        if isinstance(error, DDLTimeoutError)
-        else ABORT_PEER_FAILURE
+    code = abort_code(error)
+    return (ABORT_PEER_FAILURE if code == ABORT_OTHER else code), abort_reason(
+        error, root_cause(error)
     )
-    return code, abort_reason(error, root_cause(error))
 
 
 def timeout_error(

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 from ddlcore.transports import _arena, _shm
-from ddlcore.transports.base import MAX_ABORT_REASON_BYTES
+from ddlcore.transports.base import ABORT_REVOKED, MAX_ABORT_REASON_BYTES
 from ddlcore.transports.common import abort_code, abort_error
 from ddlcore.transports.shm.board_calls import (
     DIRECT,
@@ -77,6 +77,7 @@ from ddlcore.transports.shm.segments import (
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
+    CommunicatorRevokedError,
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
@@ -379,6 +380,10 @@ class HostCollectives:
             return _peer_error(where, f"rank {peer} (pid {self._pids[q]}) exited", peer)
         if status == _STATUS_ABORTED:
             code, reason = self._arena.abort_note(q)
+            if q == self.rank and code == ABORT_REVOKED + 1:
+                return CommunicatorRevokedError(
+                    f"{where}: rank {peer} revoked the communicator during the call", peer
+                )
             if q == self.rank:
                 return CommunicatorClosedError(
                     f"{where}: the communicator was closed (or failed) "
