@@ -182,7 +182,10 @@ def test_the_import_contracts_hold():
 
 
 def _declared_layers() -> list[str]:
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the test extra brings tomli there
+        import tomli as tomllib
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
@@ -205,3 +208,16 @@ def test_the_architecture_table_names_the_declared_layers():
         if len(cells) > 3 and cells[2].startswith("`ddlcore."):
             table.append(cells[2].replace("\0", "|").replace("`", ""))
     assert table == _declared_layers()
+
+
+def test_the_layer_drawing_is_current():
+    """docs/layers.svg is what ``python docs/layers.py`` draws from pyproject.toml's layers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draw_layers", ROOT / "docs" / "layers.py")
+    assert spec is not None and spec.loader is not None
+    draw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw)
+    assert (ROOT / "docs" / "layers.svg").read_text() == draw.svg(), (
+        "docs/layers.svg is stale: run python docs/layers.py"
+    )
