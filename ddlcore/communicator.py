@@ -363,13 +363,13 @@ class Communicator(RootedCollectives):
             self._run_hooks()
         return self._executor.run_inline(
             functools.partial(self._execute_recorded, call),
-            lambda: Handle(f"rank {self.rank}: {call.collective}", self._wait_budget()),
+            lambda: Handle(f"rank {self.rank}: {call.collective}", self.wait_budget()),
         )
 
     def _submit(self, call: Call) -> Handle:
         if self._before_collective:
             self._run_hooks()
-        handle = Handle(f"rank {self.rank}: {call.collective}", self._wait_budget())
+        handle = Handle(f"rank {self.rank}: {call.collective}", self.wait_budget())
         return self._executor.submit(functools.partial(self._execute_recorded, call), handle)
 
     def flight_record(self) -> dict[str, Any]:
@@ -387,9 +387,15 @@ class Communicator(RootedCollectives):
         """
         return self._flight.document("request")
 
-    def _wait_budget(self) -> float:
-        # Each queued collective is bounded by DDL_TIMEOUT, so this bounds a handle's wait.
+    def wait_budget(self) -> float:
+        """Seconds a collective issued now may take at most, counting those queued before it
+        (each bounded by ``DDL_TIMEOUT``): the deadline a framework gives the handle it wraps."""
         return self.timeout * (self._executor.pending() + 1) + 5.0
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self._closed
 
     # --- collectives ----------------------------------------------------------------------------
     def allreduce(self, x: Any, op: str | Op = "sum", out: Any = None) -> Any:
@@ -579,8 +585,10 @@ class Communicator(RootedCollectives):
         self._splits += 1
         return split_communicator(self, color, key, f"split{self._splits}", self._joiner)
 
-    def _join_group(self, rank: int, size: int, name: str) -> Communicator:
-        """A child that only its members make (MPI_Comm_create_group; torch's new_group):
-        this rank is ``rank`` of ``size``, and ``name`` is the same on every member."""
+    def join_group(self, rank: int, size: int, name: str) -> Communicator:
+        """A child that only its members make (``MPI_Comm_create_group``; torch's
+        ``new_group``): not collective over this communicator, only over the ``size`` ranks
+        that call it with the same ``name``; this rank is ``rank`` of them. Parent and child
+        close independently."""
         assert self._joiner is not None, "communicators are made by ddlcore.init()"
         return self._joiner(rank, size, f"group/{name}")

@@ -152,7 +152,7 @@ class ProcessGroupDDL(RootedCollectives, dist.ProcessGroup):  # type: ignore[mis
     # --- helpers ----------------------------------------------------------------------------
     def _work(self, what: str, outputs: list[torch.Tensor]) -> WorkDDL:
         # Every collective queued before this one may take the whole timeout too.
-        return WorkDDL(what, outputs, self._comm._wait_budget())
+        return WorkDDL(what, outputs, self._comm.wait_budget())
 
     def _run(
         self,
@@ -510,7 +510,7 @@ def _subgroup(rank: int, size: int, ranks: list[int]) -> ProcessGroupDDL:
     """new_group(ranks=...) over some of the ranks: only its members get here, and they join
     a child of the world's communicator (`Communicator.split`'s way, under a namespace named
     after the ranks), as MPI_Comm_create_group does."""
-    _world[:] = [g for g in _world if not g._comm._closed]
+    _world[:] = [g for g in _world if not g._comm.closed]
     world = _world[-1]._comm if _world else None
     if world is None or world.rank != dist.get_rank():
         raise dist.DistBackendError(
@@ -521,7 +521,7 @@ def _subgroup(rank: int, size: int, ranks: list[int]) -> ProcessGroupDDL:
     key = tuple(ranks)
     _groups_made[key] = made = _groups_made.get(key, 0) + 1
     try:
-        comm = world._join_group(rank, size, f"torch/{'.'.join(map(str, key))}/{made}")
+        comm = world.join_group(rank, size, f"torch/{'.'.join(map(str, key))}/{made}")
     except BaseException as exc:
         raise _dist_error(exc, f"rank {rank}: new_group(ranks={ranks})") from None
     return ProcessGroupDDL(comm, rank, size, comm.timeout)
