@@ -24,7 +24,7 @@ from ddlcore import calls, config, device, flight, p2p, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
-from ddlcore.errors import CommunicatorClosedError, CommunicatorRevokedError
+from ddlcore.errors import CommunicatorClosedError, CommunicatorRevokedError, DDLError
 from ddlcore.execution import (
     checks,
     device_engine,
@@ -232,8 +232,26 @@ class Communicator(RootedCollectives):
                     break
         except BaseException as exc:  # a DDLError, or Ctrl-C (or a bug) half-way through a call
             self._fail(exc, running)
+            revoked = self._revoked_instead(exc)
+            if revoked is not None:
+                raise revoked from exc
             raise
         return call.result
+
+    def _revoked_instead(self, exc: BaseException) -> CommunicatorRevokedError | None:
+        """A call that failed after this communicator was revoked fails for that reason,
+        whatever it saw first (a peer that closed on hearing of the revoke): the revoked
+        error, or None where ``exc`` is one already or the failure came first."""
+        first = self._failure
+        if not isinstance(first, CommunicatorRevokedError) or first is exc:
+            return None
+        if isinstance(exc, CommunicatorRevokedError) or not isinstance(exc, DDLError):
+            return None
+        return CommunicatorRevokedError(
+            f"rank {self.rank}: rank {first.peer} revoked the communicator during the call "
+            f"(the call then saw: {exc})",
+            first.peer,
+        )
 
     def _refusal(self, what: str) -> CommunicatorClosedError:
         """The error a call of a broken communicator raises: a `CommunicatorRevokedError`
@@ -327,6 +345,7 @@ class Communicator(RootedCollectives):
         (its links told too), record the call as failed, raise ``err``."""
         self._boards_path.failed_on_boards()
         self._fail(err, self._boards_path)
+        err = self._revoked_instead(err) or err
         if self._flight.enabled:
             self._flight.call_failed(err, slot)
         raise err
@@ -335,6 +354,7 @@ class Communicator(RootedCollectives):
         """A call of the front end failed on the links (the engine told them): break the
         communicator as the Python path does, record the call as failed, raise ``err``."""
         self._fail(err, self._schedule_path)
+        err = self._revoked_instead(err) or err
         if self._flight.enabled:
             self._flight.call_failed(err, slot)
         raise err
@@ -482,18 +502,21 @@ class Communicator(RootedCollectives):
         latencies: the abort reaches the peers this rank is connected to, each passes it on once,
         and a peer that connects later (or after this rank closed) reads it in the store. Later
         calls raise it too. What the output buffers of a failed collective hold is undefined.
-        A communicator that already failed, or was revoked, is left as it is; a closed one has
-        nothing left to revoke. Any thread may call it.
+        A communicator that already failed has told its peers, and is left as it is (so is one
+        revoked before). Any thread may call it, also while `close` waits for queued calls
+        (they fail at once then); after `close` there is nothing left to revoke.
         """
         with self._revoke_lock:
-            if self._closed or self._failure is not None:
+            if self._failure is not None:
                 return
             err = CommunicatorRevokedError(
                 f"rank {self.rank} revoked the communicator (Communicator.revoke)", self.rank
             )
             self._failure, self._broken = err, str(err)
         self._front_end_update()
-        for sink in (self._links, self._host, self._node):
+        # The boards first: a call of ours in flight there then finds our own note before any
+        # peer that heard of the revoke on the links can close and leave its own.
+        for sink in (self._host, self._node, self._links):
             if sink is not None:
                 sink.abort(ABORT_REVOKED, "it revoked the communicator (Communicator.revoke)")
 

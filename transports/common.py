@@ -193,7 +193,9 @@ def abort_error(code: int, who: int, reason: str, peer: int | None = None) -> DD
     cls = ABORT_CLASS.get(code, PeerFailureError)
     err = cls(text)
     err.cause, err.origin = cause, origin
-    if isinstance(err, PeerFailureError):
+    if isinstance(err, CommunicatorRevokedError):
+        err.peer = origin  # the rank that revoked, also on that rank's own pairs
+    elif isinstance(err, PeerFailureError):
         err.peer = origin if origin != who or peer is None else peer
     return err
 

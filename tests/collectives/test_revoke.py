@@ -20,20 +20,21 @@ REVOKER = 1
 _SETTLE_S = 0.3  # how long the revoking rank lets the others block before it revokes
 
 
-def _outcome(fn) -> tuple[str, str, float]:
+def _outcome(fn) -> tuple[str, str, float, int | None]:
+    """(error class, message, seconds, the rank it blames) of ``fn()``."""
     import ddlcore
 
     t0 = time.monotonic()
     try:
         fn()
     except ddlcore.DDLError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return "no error", "", time.monotonic() - t0
+        return type(exc).__name__, str(exc), time.monotonic() - t0, getattr(exc, "peer", None)
+    return "no error", "", time.monotonic() - t0, None
 
 
 def _revoke_cases(rank, size):
-    """Each case on a new communicator: {case: (error class, message, seconds)} of this rank's
-    call that the revoke must fail, and of a call after it."""
+    """Each case on a new communicator: {case: (error class, message, seconds, blamed rank)} of
+    this rank's call that the revoke must fail, and of a call after it."""
     import ddlcore
 
     x = np.random.default_rng(rank).standard_normal(1009).astype(np.float32)
@@ -46,7 +47,7 @@ def _revoke_cases(rank, size):
         time.sleep(_SETTLE_S)
         comm.revoke()
         comm.revoke()  # a second time: nothing more
-        out["waiting"] = ("revoked", "", 0.0)
+        out["waiting"] = ("revoked", "", 0.0, REVOKER)
     else:
         out["waiting"] = _outcome(lambda: comm.allreduce(x))
     out["waiting, later call"] = _outcome(lambda: comm.allreduce(x))
@@ -62,7 +63,7 @@ def _revoke_cases(rank, size):
         t0 = time.monotonic()
         comm.revoke()
         got = _outcome(handle.wait)
-        out["in flight"] = (got[0], got[1], time.monotonic() - t0)
+        out["in flight"] = (got[0], got[1], time.monotonic() - t0, got[3])
     else:
         out["in flight"] = _outcome(lambda: comm.recv(np.empty(4, np.float32), REVOKER, tag=3))
     comm.close()
@@ -106,11 +107,12 @@ def test_revoke_under_mpiexec_over_the_mpi_transport():
 
 def _check(results) -> None:
     for rank, got in enumerate(results):
-        for case, (cls, message, elapsed) in got.items():
+        for case, (cls, message, elapsed, peer) in got.items():
             where = f"rank {rank}, {case}: {cls}: {message}"
             if rank == REVOKER and case == "waiting":
                 continue
             assert cls == "CommunicatorRevokedError", where
+            assert peer == REVOKER, f"{where}: blames rank {peer}"
             assert f"rank {REVOKER}" in message and "revoke" in message, where
             assert elapsed < TIMEOUT_S / 2, f"{where} ({elapsed:.1f} s)"
 

@@ -173,7 +173,7 @@ def _job_with_exits(
     exits: dict[int, tuple[float, int]], origins: dict[int, int]
 ) -> launcher.LocalJob:
     """A LocalJob of 4 ranks as `LocalJob.wait` sees it: exit times and codes, and the origins
-    the failed ranks recorded (what `launcher.record_failure` sends)."""
+    the failed ranks recorded (what `ddlcore.job.failure_report.record_failure` sends)."""
     job = launcher.LocalJob.__new__(launcher.LocalJob)
     job.procs, job.exits, job.origins = [None] * 4, dict(exits), dict(origins)
     return job

@@ -77,7 +77,6 @@ from ddlcore.transports.shm.segments import (
 from ddlcore.errors import (
     CollectiveMismatchError,
     CommunicatorClosedError,
-    CommunicatorRevokedError,
     DDLError,
     DDLTimeoutError,
     PeerFailureError,
@@ -379,11 +378,15 @@ class HostCollectives:
             remove_segments_of({self._pids[q]})  # a survivor cleans up for the dead
             return _peer_error(where, f"rank {peer} (pid {self._pids[q]}) exited", peer)
         if status == _STATUS_ABORTED:
-            code, reason = self._arena.abort_note(q)
-            if q == self.rank and code == ABORT_REVOKED + 1:
-                return CommunicatorRevokedError(
-                    f"{where}: rank {peer} revoked the communicator during the call", peer
+            own_code, own_reason = self._arena.abort_note(self.rank)
+            if own_code == ABORT_REVOKED + 1:
+                # We revoked (or passed a revoke on) before the call ended: that is its cause,
+                # whatever a peer did since (failed, or closed on hearing of it).
+                told = abort_error(
+                    ABORT_REVOKED, self.ranks[self.rank], own_reason.decode("utf-8", "replace")
                 )
+                return rewrap(told, f"{where}: {told}")
+            code, reason = self._arena.abort_note(q)
             if q == self.rank:
                 return CommunicatorClosedError(
                     f"{where}: the communicator was closed (or failed) "

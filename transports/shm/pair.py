@@ -144,11 +144,6 @@ class ShmPair(RingEnds, Pair):
         self._peer_base, self._peer_bytes, self._peer_pid = base, nbytes, pid
         self._peer_bell = base + _OFF_BELL
         self._head = _shm.load_u64(out + _S_HEAD)
-        try:
-            self._pidfd = os.pidfd_open(pid)
-        except OSError:  # already gone, or another pid namespace: the deadline still applies
-            self._pidfd = -1
-            self._cma = False  # its pid may not name it here: keep data in the ring
         me = self._ctx.name.encode()
         _shm.store_u32(out + _S_PID, os.getpid())
         _shm.store_u32(out + _S_NAME_LEN, len(me))
@@ -162,6 +157,11 @@ class ShmPair(RingEnds, Pair):
                 "its transport",
                 self.peer,
             )
+        try:  # after the check: the progress thread watches a pidfd it sees, never a closed one
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # already gone, or another pid namespace: the deadline still applies
+            self._pidfd = -1
+            self._cma = False  # its pid may not name it here: keep data in the ring
         self._out, self._out_data = out, out + _SLOT_HEADER
         self._connected = True
         _shm.bell_ring(self._peer_bell)
@@ -295,7 +295,9 @@ class ShmPair(RingEnds, Pair):
         pid = _shm.load_u32(self._in + _S_PID)
         try:
             self._attach(name, pid)
-        except DDLError as exc:  # we can still receive what it sent; sending to it fails
+        except Exception as exc:  # we can still receive what it sent; sending to it fails
+            # Also an OSError (no fd, no memory for the mapping): lost, not tried again at
+            # every progress round, and never out of close() (`ShmContext._seal`).
             self._matcher.lost = (
                 f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
             )
