@@ -514,8 +514,9 @@ class Communicator(RootedCollectives):
             )
             self._failure, self._broken = err, str(err)
         self._front_end_update()
-        # The boards first: a call of ours in flight there then finds our own note before any
-        # peer that heard of the revoke on the links can close and leave its own.
+        # The boards first: their peers hear of it before any peer told on the links can fail,
+        # close and leave a note of its own there. Whatever a call of ours in flight sees
+        # first, `_revoked_instead` names the revoke.
         for sink in (self._host, self._node, self._links):
             if sink is not None:
                 sink.abort(ABORT_REVOKED, "it revoked the communicator (Communicator.revoke)")

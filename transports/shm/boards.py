@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 from ddlcore.transports import _arena, _shm
-from ddlcore.transports.base import ABORT_REVOKED, MAX_ABORT_REASON_BYTES
+from ddlcore.transports.base import MAX_ABORT_REASON_BYTES
 from ddlcore.transports.common import abort_code, abort_error
 from ddlcore.transports.shm.board_calls import (
     DIRECT,
@@ -378,14 +378,6 @@ class HostCollectives:
             remove_segments_of({self._pids[q]})  # a survivor cleans up for the dead
             return _peer_error(where, f"rank {peer} (pid {self._pids[q]}) exited", peer)
         if status == _STATUS_ABORTED:
-            own_code, own_reason = self._arena.abort_note(self.rank)
-            if own_code == ABORT_REVOKED + 1:
-                # We revoked (or passed a revoke on) before the call ended: that is its cause,
-                # whatever a peer did since (failed, or closed on hearing of it).
-                told = abort_error(
-                    ABORT_REVOKED, self.ranks[self.rank], own_reason.decode("utf-8", "replace")
-                )
-                return rewrap(told, f"{where}: {told}")
             code, reason = self._arena.abort_note(q)
             if q == self.rank:
                 return CommunicatorClosedError(

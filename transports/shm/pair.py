@@ -286,21 +286,19 @@ class ShmPair(RingEnds, Pair):
         """The peer attached to us first: attach to it with the name it left in its slot. Also
         when this pair has failed already (our abort): attached, it tells the peer why."""
         with self._plock:
-            if not self._connected and self._lost is None:
-                self._attach_back_locked()
-
-    def _attach_back_locked(self) -> None:
-        length = _shm.load_u32(self._in + _S_NAME_LEN)
-        name = _shm.get_bytes(self._in + _S_NAME, min(length, _MAX_NAME)).decode()
-        pid = _shm.load_u32(self._in + _S_PID)
-        try:
-            self._attach(name, pid)
-        except Exception as exc:  # we can still receive what it sent; sending to it fails
-            # Also an OSError (no fd, no memory for the mapping): lost, not tried again at
-            # every progress round, and never out of close() (`ShmContext._seal`).
-            self._matcher.lost = (
-                f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
-            )
+            if self._connected or self._lost is not None:
+                return
+            length = _shm.load_u32(self._in + _S_NAME_LEN)
+            name = _shm.get_bytes(self._in + _S_NAME, min(length, _MAX_NAME)).decode()
+            pid = _shm.load_u32(self._in + _S_PID)
+            try:
+                self._attach(name, pid)
+            except Exception as exc:  # we can still receive what it sent; sending to it fails
+                # Also an OSError (no fd, no memory for the mapping): lost, not tried again at
+                # every progress round, and never out of close() (`ShmContext._seal`).
+                self._matcher.lost = (
+                    f"rank {self.rank} could not attach to rank {self.peer} ({exc}), and"
+                )
 
     # --- failure and shutdown ---------------------------------------------------------------
     def _peer_aborted(self) -> None:
