@@ -9,7 +9,9 @@ the API layer, beside the communicator it builds: the job layer below knows noth
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -37,33 +39,50 @@ from ddlcore.job.rendezvous import (
     via_torch_store,
 )
 from ddlcore.planning import tuning
+from ddlcore.resilience.channel import AgreeChannel
+from ddlcore.resilience.control import ControlPlane
 from ddlcore.security.auth import JobKey, job_secret
 from ddlcore.transports.base import PeerInfo, TransportOptions
+from ddlcore.transports.sockets import format_address, parse_address, route_address
 
 log = logging.getLogger("ddlcore")
 
 _MAX_PEER_RECORD = 4096
 # After a failed init, how long the rank serving the store waits for the others to leave it.
 _LINGER_S = 5.0
+# How long a shrink's rank keeps dialling the store its lowest survivor opened before it said
+# where (a refusal then means that survivor abandoned the attempt, or died).
+_SHRINK_CONNECT_S = 1.0
 
 
 def _encode_peer(
-    host_id: str, names: tuple[str, ...], rack_id: str, cpus: str, settings: str
+    host_id: str,
+    control: tuple[str, int],
+    names: tuple[str, ...],
+    rack_id: str,
+    cpus: str,
+    settings: str,
 ) -> bytes:
-    return f"{host_id}\n{','.join(names)}\n{rack_id}\n{cpus}\n{settings}".encode()
+    address = format_address(*control)
+    return f"{host_id}\n{address}\n{','.join(names)}\n{rack_id}\n{cpus}\n{settings}".encode()
 
 
-def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, str, str, str]:
-    """A rank's init record: (what transports need to know of it, its rack id, the CPUs its
-    launcher gave it, the settings every rank must share)."""
+def _decode_peer(rank: int, raw: bytes) -> tuple[PeerInfo, tuple[str, int], str, str, str]:
+    """A rank's init record: (what transports need to know of it, its control plane's address,
+    its rack id, the CPUs its launcher gave it, the settings every rank must share)."""
     if len(raw) > _MAX_PEER_RECORD:
         raise DDLError(f"rank {rank}'s init record is {len(raw)} bytes, over {_MAX_PEER_RECORD}")
     host_id, _, rest = raw.decode("utf-8", "replace").partition("\n")
+    control, _, rest = rest.partition("\n")
+    try:
+        address = parse_address(control)
+    except ValueError as exc:
+        raise DDLError(f"rank {rank}'s init record names no control address: {exc}") from None
     names, _, rest = rest.partition("\n")
     rack_id, _, rest = rest.partition("\n")
     cpus, _, settings = rest.rpartition("\n")
     peer = PeerInfo(rank, host_id, tuple(n for n in names.split(",") if n))
-    return peer, rack_id, cpus, settings
+    return peer, address, rack_id, cpus, settings
 
 
 def _shared_settings(algo: str, boards: str) -> str:
@@ -172,6 +191,14 @@ def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] 
         member=member,
     )
     return client, PrefixStore(client, f"g{generation}/")
+
+
+def _control_plane(info: RendezvousInfo, store: Any, timeout: float) -> ControlPlane:
+    """This process's control plane, listening where the job's other hosts reach it (the
+    address its route to the store's host leaves from)."""
+    master = info.master_addr
+    host = route_address(master) if master else socket.gethostbyname(socket.gethostname())
+    return ControlPlane(host, store.job_key, timeout)
 
 
 def _let_peers_finish(info: RendezvousInfo, timeout: float) -> None:
@@ -360,7 +387,7 @@ def init(
                 "rank 0 of 1: no launcher variables are set, so this process is a world of "
                 "one; start N ranks with: ddlrun -np N python prog.py"
             )
-        joiner = _joiner(info, (), spec, host_id, None, timeout, environ, algo, options)
+        joiner = _Joiner(info, (), spec, host_id, None, timeout, environ, algo, options)
         return Communicator(
             info, [PeerInfo(0, host_id, ())], None, None, timeout, environ, algo, joiner=joiner
         )
@@ -389,16 +416,22 @@ def _join(
     *,
     place: str | None,
     cpu_share: float | None = None,
+    plane: ControlPlane | None = None,
 ) -> Communicator:
     """Meet the other ranks in ``store`` (a namespace of the store ``client`` talks to) and
     build the communicator: `init`'s second half, and how `Communicator.split` makes one
     (``place``: the world's DDL_BIND, pinning this rank to its CPUs; None for a child;
     ``cpu_share``: the world's `placement.cpu_share`, which a child's ranks share too, None
-    to read it from the records)."""
+    to read it from the records; ``plane``: the world's control plane, which its children
+    share, None to open one)."""
     links: Links | None = None
     host = node = None
+    agreement: AgreeChannel | None = None
     pinned = False
+    own_plane = plane is None
     try:
+        if plane is None:
+            plane = _control_plane(info, store, timeout)
         algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
         boards = config.get("DDL_HOST_COLLECTIVES", environ)
         # Read once by every rank, then freed by the store.
@@ -406,6 +439,7 @@ def _join(
             f"peer/{info.rank}",
             _encode_peer(
                 host_id,
+                plane.address,
                 names,
                 topology.rack_identity(environ),
                 placement.record(),
@@ -415,13 +449,14 @@ def _join(
         )
         store.barrier("init", info.rank, info.size, timeout)
         records = [_decode_peer(r, store.get(f"peer/{r}", timeout)) for r in range(info.size)]
-        peers = [peer for peer, _, _, _ in records]
+        peers = [peer for peer, _, _, _, _ in records]
         # Every rank has read every record before any can fail on the topology (a box that does
         # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
         store.barrier("peers", info.rank, info.size, timeout)
-        _check_settings(info.rank, [settings for _, _, _, settings in records])
+        _check_settings(info.rank, [settings for _, _, _, _, settings in records])
+        agreement = AgreeChannel(plane, store.prefix, info.rank, [a for _, a, _, _, _ in records])
         if place is not None:
-            pinned = _pin_local_rank(place, info.rank, peers, [c for _, _, c, _ in records])
+            pinned = _pin_local_rank(place, info.rank, peers, [c for _, _, _, c, _ in records])
         if boards == "off" and algo_name == tuning.DIRECT:
             raise ValueError(
                 f"DDL_ALGO={tuning.DIRECT} runs on the host collectives, which "
@@ -430,11 +465,11 @@ def _join(
         host_ids = [p.host_id for p in peers]
         if cpu_share is None:
             cpu_share = placement.cpu_share(
-                [placement.read_record(c) for _, _, c, _ in records], host_ids
+                [placement.read_record(c) for _, _, _, c, _ in records], host_ids
             )
         topo = topology.build(
             host_ids,
-            [rack for _, rack, _, _ in records],
+            [rack for _, _, rack, _, _ in records],
             level_transports(spec, peers),
             environ,
             cpu_share,
@@ -460,15 +495,19 @@ def _join(
             topo,
             host,
             node,
-            joiner=_joiner(
-                info, names, spec, host_id, store, timeout, environ, algo, options, cpu_share
+            joiner=_Joiner(
+                info, names, spec, host_id, store, timeout, environ, algo, options, cpu_share, plane
             ),
             prefixed=store,
             on_close=placement.release if pinned else None,
+            agreement=agreement,
+            plane=plane,
         )
     except BaseException:
         if pinned:
             placement.release()
+        if plane is not None and (agreement.close() if agreement is not None else own_plane):
+            plane.close()
         for part in (host, node, links):
             try:
                 if part is not None:
@@ -492,71 +531,125 @@ def _join(
     return comm
 
 
-def _joiner(
-    info: RendezvousInfo,
-    names: tuple[str, ...],
-    spec: str,
-    host_id: str,
-    store: Any,
-    timeout: float,
-    environ: Mapping[str, str] | None,
-    algo: str | None,
-    options: TransportOptions,
-    cpu_share: float | None = None,
-) -> Callable[[int, int, str], Communicator]:
-    """How a communicator's ``split`` makes a child: ``join(rank, size, name)`` meets the
-    child's ranks in the namespace ``name`` under this communicator's, in the same store
-    (served by rank 0 of the world, until its process exits). Children never take the MPI
-    transport (its contexts duplicate MPI_COMM_WORLD, collectively over every rank) and ignore
-    DDL_TOPOLOGY (a box for the world's ranks)."""
-    forced_mpi = spec == "mpi"
-    if forced_mpi or spec == "auto" or spec.startswith("auto:"):
-        network = [n for n in network_order(spec) if n != "mpi"] if not forced_mpi else []
-        spec = "auto:" + ",".join(network or ["ucx", "tcp"])
-    child_environ = config.without(environ, "DDL_TOPOLOGY")
+class _Joiner:
+    """How a communicator makes another of (some of) its ranks: ``join(rank, size, name)``
+    meets the child's ranks in the namespace ``name`` under this communicator's, in the same
+    store (served by rank 0 of the world, until its process exits): `Communicator.split`.
+    With ``at=(host, port)`` they meet in the store another rank serves there instead
+    (`serve`): `Communicator.shrink`, whose survivors cannot count on the world's rank 0.
+    Children never take the MPI transport (its contexts duplicate MPI_COMM_WORLD, collectively
+    over every rank) and ignore DDL_TOPOLOGY (a box for the world's ranks)."""
 
-    def join(rank: int, size: int, name: str) -> Communicator:
+    def __init__(
+        self,
+        info: RendezvousInfo,
+        names: tuple[str, ...],
+        spec: str,
+        host_id: str,
+        store: Any,
+        timeout: float,
+        environ: Mapping[str, str] | None,
+        algo: str | None,
+        options: TransportOptions,
+        cpu_share: float | None = None,
+        plane: ControlPlane | None = None,
+    ) -> None:
+        self._forced_mpi = spec == "mpi"
+        if self._forced_mpi or spec == "auto" or spec.startswith("auto:"):
+            network = [n for n in network_order(spec) if n != "mpi"] if not self._forced_mpi else []
+            spec = "auto:" + ",".join(network or ["ucx", "tcp"])
+        self._info, self._names, self._spec, self._host_id = info, names, spec, host_id
+        self._store, self._timeout, self._algo, self._options = store, timeout, algo, options
+        self._environ = config.without(environ, "DDL_TOPOLOGY")
+        self._cpu_share, self._plane = cpu_share, plane
+
+    def __call__(
+        self,
+        rank: int,
+        size: int,
+        name: str,
+        at: tuple[str, int] | None = None,
+        on_client: Callable[[Any], None] | None = None,
+    ) -> Communicator:
+        """The child; ``on_client(client)`` hears of its store connection as soon as it is
+        made (a shrink closes it to abandon an attempt)."""
         from ddlcore.job.store import PrefixStore, StoreClient
 
-        child = RendezvousInfo(rank, size, info.master_addr, info.master_port, "split")
+        info, store = self._info, self._store
         if size == 1:
+            child = RendezvousInfo(rank, size, info.master_addr, info.master_port, "split")
             return Communicator(
                 child,
-                [PeerInfo(0, host_id, ())],
+                [PeerInfo(0, self._host_id, ())],
                 None,
                 None,
-                timeout,
-                child_environ,
-                algo,
-                joiner=join,
+                self._timeout,
+                self._environ,
+                self._algo,
+                joiner=self,
             )
-        assert info.master_addr is not None and info.master_port is not None
         # Under DDL_TRANSPORT=mpi the children take what else runs here (shm, ucx, tcp).
-        found = local_transports("auto", options) if forced_mpi else names
+        found = local_transports("auto", self._options) if self._forced_mpi else self._names
         child_names = tuple(n for n in found if n != "mpi")
-        client = StoreClient(
-            info.master_addr,
-            info.master_port,
-            timeout,
-            rank=rank,
-            size=size,
-            job_key=store.job_key,
-            member=store.member,  # the world's rank: the store keeps one process per rank
-        )
-        prefixed = PrefixStore(client, f"{store.prefix}{name}/")
+        if at is None:
+            assert info.master_addr is not None and info.master_port is not None
+            child = RendezvousInfo(rank, size, info.master_addr, info.master_port, "split")
+            client = StoreClient(
+                info.master_addr,
+                info.master_port,
+                self._timeout,
+                rank=rank,
+                size=size,
+                job_key=store.job_key,
+                member=store.member,  # the world's rank: the store keeps one process per rank
+            )
+            prefix = f"{store.prefix}{name}/"
+        else:
+            child = RendezvousInfo(rank, size, at[0], at[1], "shrink")
+            client = StoreClient(
+                at[0],
+                at[1],
+                self._timeout,
+                rank=rank,
+                size=size,
+                job_key=_fresh(store.job_key),
+                connect_s=_SHRINK_CONNECT_S,  # it listens already: refused means abandoned
+            )
+            prefix = f"{name}/"
+        if on_client is not None:
+            on_client(client)
         return _join(
             child,
             child_names,
-            spec,
-            host_id,
+            self._spec,
+            self._host_id,
             client,
-            prefixed,
-            timeout,
-            child_environ,
-            algo,
-            options,
+            PrefixStore(client, prefix),
+            self._timeout,
+            self._environ,
+            self._algo,
+            self._options,
             place=None,
-            cpu_share=cpu_share,
+            cpu_share=self._cpu_share,
+            plane=self._plane,
         )
 
-    return join
+    def serve(self, host: str, size: int) -> Any:
+        """A store for ``size`` ranks on an ephemeral port of ``host``, with a job id of its
+        own (served until this process exits, as rank 0's is)."""
+        from ddlcore.job.store import StoreServer
+
+        server = StoreServer(
+            host, 0, job_key=_fresh(self._store.job_key), max_connections=_store_connections(size)
+        )
+        with _servers_lock:
+            _servers[(host, server.port)] = server
+        return server
+
+
+def _fresh(key: JobKey) -> JobKey:
+    """The job's key for a store of its own: the same secret, no job id yet (the store draws
+    one, its clients learn it)."""
+    fresh = copy.copy(key)
+    fresh.job_id = None
+    return fresh

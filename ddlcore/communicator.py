@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddlcore import calls, config, device, flight, p2p, topology
+from ddlcore import calls, config, device, flight, membership, p2p, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
@@ -38,8 +38,11 @@ from ddlcore.handles import Executor, Handle
 from ddlcore.job.failure_report import record_failure
 from ddlcore.job.links import Links
 from ddlcore.job.rendezvous import RendezvousInfo
+from ddlcore.membership import Joiner
 from ddlcore.ops import Op
 from ddlcore.planning import tuning
+from ddlcore.resilience.channel import AgreeChannel
+from ddlcore.resilience.control import ControlPlane
 from ddlcore.rooted import RootedCollectives
 from ddlcore.split import split_communicator
 from ddlcore.transports.base import ABORT_REVOKED, PeerInfo
@@ -77,9 +80,11 @@ class Communicator(RootedCollectives):
         topo: topology.Topology | None = None,
         host: hostcoll.HostCollectives | None = None,
         node: hostcoll.HostCollectives | None = None,
-        joiner: Callable[[int, int, str], Communicator] | None = None,
+        joiner: Joiner | None = None,
         prefixed: Any = None,
         on_close: Callable[[], None] | None = None,
+        agreement: AgreeChannel | None = None,
+        plane: ControlPlane | None = None,
     ) -> None:
         self.rank, self.size = info.rank, info.size
         self._layout = topology.layout([p.host_id for p in peers], self.rank)
@@ -173,6 +178,13 @@ class Communicator(RootedCollectives):
         self._joiner, self._prefixed, self._splits = joiner, prefixed, 0
         # What init set up for this communicator beyond it (the world's CPU pinning).
         self._on_close = on_close
+        # `agree` over the process's control plane (closed with its last communicator).
+        self._agreement, self._plane = agreement, plane
+        # Membership: the epoch grows with each shrink; member ids stay (the world's ranks).
+        self._epoch = 0
+        self._member_ids: tuple[int, ...] = tuple(range(self.size))
+        self._shrinking: membership.Shrinking | None = None
+        self._shrink_lock = threading.Lock()
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -521,6 +533,91 @@ class Communicator(RootedCollectives):
             if sink is not None:
                 sink.abort(ABORT_REVOKED, "it revoked the communicator (Communicator.revoke)")
 
+    def agree(self, flag: bool = True) -> bool:
+        """Fault-tolerant agreement (ULFM's ``MPI_Comm_agree``): the AND of ``flag`` over the
+        ranks alive to contribute it, the same on every rank that returns, even when ranks die
+        during the call (collective; the i-th call on each rank is one agreement).
+
+        It runs over the control plane, not the communicator's links, so it works on a
+        communicator that failed or was revoked: it is how a training loop decides whether a
+        step is committed after a `PeerFailureError`. A dead rank's flag does not count; which
+        ranks are known dead after the call is `failed_ranks`, the same on every rank.
+
+        Raises
+        ------
+        DDLTimeoutError
+            No decision within ``DDL_TIMEOUT`` (a rank hung, or is not calling agree).
+        CommunicatorClosedError
+            The communicator was closed.
+        """
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: agree on a closed communicator")
+        if self._agreement is None:  # a world of one
+            return bool(flag)
+        return self._agreement.agree(bool(flag), self.timeout).value
+
+    def shrink(self) -> Communicator:
+        """A new communicator of the ranks still alive (ULFM's ``MPI_Comm_shrink``; collective
+        over the survivors), after a `PeerFailureError` or a `revoke`.
+
+        It revokes this communicator first (ranks still waiting in it fail and come to shrink
+        too), agrees on who is alive (`failed_ranks` of the decision), and builds the new one
+        without the world's rank 0 or its store: the lowest survivor serves a store of its
+        own, announced over the control plane. The new ranks are dense, in the old order
+        (``new.member_ids[new.rank]`` is this rank's `member_id`), its `epoch` is one more,
+        and its topology, links and algorithm choice are those of the new shape. A rank that
+        dies during the shrink is left out too (the survivors agree again). This
+        communicator is closed on a thread of its own.
+
+        Raises
+        ------
+        DDLTimeoutError
+            No new communicator within ``DDL_TIMEOUT`` (a survivor hung, or never called
+            shrink).
+        CommunicatorClosedError
+            The communicator was closed.
+        """
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: shrink of a closed communicator")
+        assert self._joiner is not None, "communicators are made by ddlcore.init()"
+        if self._agreement is None:  # a world of one has nobody to lose
+            new = self._joiner(0, 1, f"shrink{self._epoch + 1}")
+            new._epoch, new._member_ids = self._epoch + 1, self._member_ids
+            self.close()
+            return new
+        with self._shrink_lock:
+            if self._shrinking is None:
+                assert self._plane is not None
+                self._shrinking = membership.Shrinking(
+                    self._plane, self._agreement.name, self.rank, self._agreement.addresses
+                )
+        new, alive = membership.shrink(self, self._shrinking, self._joiner)
+        new._epoch = self._epoch + 1
+        new._member_ids = tuple(self._member_ids[r] for r in alive)
+        return new
+
+    @property
+    def epoch(self) -> int:
+        """How many shrinks made this communicator from the one `init` returned (0 for it)."""
+        return self._epoch
+
+    @property
+    def member_id(self) -> int:
+        """This process's id in the job, kept through shrinks: its rank in the communicator
+        `init` (or `split`) made."""
+        return self._member_ids[self.rank]
+
+    @property
+    def member_ids(self) -> tuple[int, ...]:
+        """Every rank's `member_id`, by rank."""
+        return self._member_ids
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        """The ranks the last `agree` found dead, the same on every rank that returned from it
+        (their flags did not count); () before the first."""
+        return tuple(sorted(self._agreement.agreed_failed)) if self._agreement is not None else ()
+
     def close(self) -> None:
         """Finish queued collectives (within DDL_TIMEOUT), then release connections and threads.
 
@@ -554,6 +651,10 @@ class Communicator(RootedCollectives):
                 self._store.close()
             if self._on_close is not None:
                 self._on_close()
+            channels = [self._agreement, self._shrinking]
+            if any([c.close() for c in channels if c is not None]):
+                assert self._plane is not None
+                self._plane.close()
 
     def _count_out(self, store: Any) -> None:
         """Count this rank out in the store; rank 0 waits for the others (see ``close``)."""

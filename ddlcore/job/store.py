@@ -84,6 +84,9 @@ class StoreClient:
     member : int, optional
         Which rank of the job this process is, as the store keeps it (one process per rank;
         default ``rank``): a split's client passes its world rank.
+    connect_s : float, optional
+        How long to keep trying to connect (default ``timeout``): shorter where the store is
+        known to be up already, so that a refusal means it is gone.
 
     Raises
     ------
@@ -103,6 +106,7 @@ class StoreClient:
         size: int | None = None,
         job_key: JobKey | None = None,
         member: int | None = None,
+        connect_s: float | None = None,
     ) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout={timeout} must be positive")
@@ -112,7 +116,8 @@ class StoreClient:
         self.member = rank if member is None else member
         self._lock = threading.Lock()
         self._barrier_seq: dict[str, int] = defaultdict(int)
-        self._sock: socket.socket | None = self._connect(time.monotonic() + self.timeout)
+        connect_s = self.timeout if connect_s is None else min(connect_s, self.timeout)
+        self._sock: socket.socket | None = self._connect(time.monotonic() + connect_s)
 
     @property
     def address(self) -> str:
@@ -430,6 +435,16 @@ class StoreClient:
             f"rendezvous at {self.address}: {size - len(missing)} of {size} ranks joined "
             f"barrier {name!r} after {wait_s:.1f} s (seen from rank {rank}); missing ranks: {listed}"
         )
+
+    def abort(self) -> None:
+        """Fail a call another thread has in progress, now, and every later one: the connection
+        is shut down without waiting for that call (`close` waits for it)."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Drop the connection (idempotent)."""

@@ -2,7 +2,7 @@
 socket's other end when it is on this host.
 
 A `Claim` names both ends and the service: which service the connector wants (the rendezvous
-store, a TCP channel), which start of the job it belongs to (the store's job id, once learned),
+store, a TCP channel, a control plane), which start of the job it belongs to (the store's job id, once learned),
 its own rank and the rank it wants, the world size, the exact address it dialled, and which
 process it is (a random id drawn per process, its pid). The proof of each end covers the whole
 claim, so a proof given for one service, one job, one address or one pair of ranks is worth
@@ -38,8 +38,8 @@ _FIXED = struct.Struct("<8s16siii16sH16sIBB")
 MAX_CLAIM_BYTES = _FIXED.size + MAX_ORIGIN_BYTES + MAX_EXTRA_BYTES
 
 # The services a listener may serve; a claim for another is refused before any proof.
-STORE, TCP = "store", "tcp"
-_SERVICES = (STORE, TCP)
+STORE, TCP, CONTROL = "store", "tcp", "control"
+_SERVICES = (STORE, TCP, CONTROL)
 
 # This process's id in claims: drawn again in a forked child, which is another process.
 _instance = [secrets.token_bytes(INSTANCE_BYTES)]
@@ -79,7 +79,7 @@ class Claim:
                 self.src,
                 self.dst,
                 self.size,
-                _ip_bytes(self.target[0]),
+                ip_bytes(self.target[0]),
                 self.target[1],
                 self.instance,
                 self.pid & 0xFFFFFFFF,
@@ -109,7 +109,7 @@ class Claim:
             dst,
             size,
             bytes(job_id),
-            (_ip_text(ip), port),
+            (ip_text(ip), port),
             bytes(instance),
             pid,
             origin,
@@ -120,7 +120,8 @@ class Claim:
         return replace(self, target=target)
 
 
-def _ip_bytes(host: str) -> bytes:
+def ip_bytes(host: str) -> bytes:
+    """``host`` (IPv4 or IPv6 text) as 16 bytes of IPv6, IPv4 mapped; zeros for ""."""
     if not host:
         return bytes(16)
     ip = ipaddress.ip_address(host.split("%", 1)[0])
@@ -129,7 +130,8 @@ def _ip_bytes(host: str) -> bytes:
     return ip.packed
 
 
-def _ip_text(raw: bytes) -> str:
+def ip_text(raw: bytes) -> str:
+    """The text of 16 bytes made by `ip_bytes`."""
     if raw == bytes(16):
         return ""
     ip = ipaddress.IPv6Address(raw)
@@ -148,7 +150,7 @@ def endpoint(address: object) -> tuple[str, int]:
 
 
 def same_endpoint(a: tuple[str, int], b: tuple[str, int]) -> bool:
-    return _ip_bytes(a[0]) == _ip_bytes(b[0]) and a[1] == b[1]
+    return ip_bytes(a[0]) == ip_bytes(b[0]) and a[1] == b[1]
 
 
 # --- who is at the other end of a local TCP connection --------------------------------------
@@ -169,7 +171,7 @@ def peer_uid(sock: socket.socket) -> int | None:
     if not (ipaddress.ip_address(remote[0]).is_loopback or remote[0] == local[0]):
         return None  # from another host: its sockets are not in this host's tables
     # The other end's entry: its local address is our remote one, and the other way round.
-    want = (_ip_bytes(remote[0]), remote[1], _ip_bytes(local[0]), local[1])
+    want = (ip_bytes(remote[0]), remote[1], ip_bytes(local[0]), local[1])
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as f:

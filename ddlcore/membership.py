@@ -1,0 +1,177 @@
+"""``Communicator.shrink``: the survivors of a failure make a new communicator of themselves,
+with no need of the world's rank 0 or the store it served.
+
+Every rank already holds every other's control-plane address (from the init records) and the
+job's key, so the survivors need nobody else::
+
+    revoke the old communicator          (ranks still waiting in it fail, and come here too)
+    agree on who is alive                (`agree` on a channel of shrink's own: the decision's
+                                          failed set, the same on every survivor)
+    the lowest survivor opens a store    (on an ephemeral port, with a fresh job id: nothing
+                                          of an older epoch can connect to it) and posts its
+                                          port to the others over the control plane
+    each survivor joins it               (the init records, links and boards of the new shape,
+                                          as split's children do; rank = its place among the
+                                          survivors, in the old order)
+
+A survivor lost during the build (its planes' connections close) makes every rank that sees it
+close its store connection, and the store's rank closes the store: every build fails at once,
+and the survivors agree again without it (attempt by attempt, each one agreement instance).
+The old communicator is closed on a thread of its own (its rank 0 may be gone: its close waits
+for nobody).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ddlcore.errors import DDLError, DDLTimeoutError
+from ddlcore.resilience.channel import AgreeChannel
+from ddlcore.resilience.control import Address, ControlPlane
+from ddlcore.resilience.mailbox import Mailbox
+
+if TYPE_CHECKING:
+    from ddlcore.communicator import Communicator
+
+_log = logging.getLogger("ddlcore")
+
+
+class Joiner(Protocol):
+    """How a communicator makes another of some of its ranks (``ddlcore.bootstrap``)."""
+
+    def __call__(
+        self,
+        rank: int,
+        size: int,
+        name: str,
+        at: tuple[str, int] | None = None,
+        on_client: Callable[[Any], None] | None = None,
+    ) -> Communicator:
+        """Meet in this communicator's store under ``name``, or in the one at ``at``."""
+
+    def serve(self, host: str, size: int) -> Any:
+        """Open a store for ``size`` ranks on an ephemeral port of ``host``."""
+
+
+_STORE_AT = 1  # mailbox kind: the new store's port, from the lowest survivor
+_PORT = struct.Struct("<H")
+
+
+class Shrinking:
+    """A communicator's part in its shrinks: the agreement channel and mailbox they use, named
+    under the communicator's ``name`` (opened at the first shrink, kept until it closes)."""
+
+    def __init__(self, plane: ControlPlane, name: str, rank: int, addresses: list[Address]) -> None:
+        self.rank, self.size = rank, len(addresses)
+        self.agreement = AgreeChannel(plane, f"{name}#shrink", rank, addresses)
+        self.mailbox = Mailbox(plane, f"{name}#shrink-mail", rank, addresses)
+        self.attempts = 0
+
+    def close(self) -> bool:
+        """Close both; True when the plane has no channel left."""
+        a = self.agreement.close()
+        return self.mailbox.close() or a
+
+
+def shrink(
+    comm: Communicator, shrinking: Shrinking, join: Joiner
+) -> tuple[Communicator, list[int]]:
+    """The new communicator of ``comm``'s survivors (see the module docstring), built by
+    ``join`` from a store that the lowest survivor opens with ``join.serve``, and the
+    survivors' ranks in ``comm``."""
+    deadline = time.monotonic() + comm.timeout
+    comm.revoke()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DDLTimeoutError(
+                f"rank {comm.rank}: shrink: no new communicator within DDL_TIMEOUT="
+                f"{comm.timeout:g} s ({shrinking.attempts} attempts)"
+            )
+        decision = shrinking.agreement.agree(True, left)
+        attempt = shrinking.attempts
+        shrinking.attempts += 1
+        alive = [r for r in range(comm.size) if r not in decision.failed]
+        try:
+            new = _build(comm, shrinking, alive, attempt, deadline, join)
+        except DDLError as exc:
+            _log.debug("rank %d: shrink attempt %d failed: %s", comm.rank, attempt, exc)
+            continue
+        if new is None:
+            continue  # the store's rank was lost before it said where: agree again
+        threading.Thread(target=_close_quietly, args=(comm,), daemon=True).start()
+        _log.debug(
+            "rank %d: shrunk to rank %d of %d (lost %s)",
+            comm.rank,
+            new.rank,
+            new.size,
+            sorted(decision.failed),
+        )
+        return new, alive
+
+
+def _build(
+    comm: Communicator,
+    shrinking: Shrinking,
+    alive: list[int],
+    attempt: int,
+    deadline: float,
+    join: Joiner,
+) -> Communicator | None:
+    rank, size, lowest = alive.index(comm.rank), len(alive), alive[0]
+    host = shrinking.agreement.addresses[lowest][0]
+    # Unique in this process: under the name of the communicator it replaces.
+    name = f"{shrinking.agreement.name}{comm.epoch + 1}.{attempt}"
+    server = None
+    clients: list[Any] = []
+    lock = threading.Lock()
+    abandoned = False
+
+    def on_loss(lost: int) -> None:
+        nonlocal abandoned
+        if lost in alive:  # fail this attempt's build now, not at its deadline
+            with lock:
+                abandoned = True
+                if server is not None:
+                    server.close(timeout=0.0)
+                for client in clients:
+                    client.abort()
+
+    def on_client(client: Any) -> None:
+        with lock:
+            clients.append(client)
+            if abandoned:
+                client.abort()
+
+    if comm.rank == lowest:
+        server = join.serve(host, size)
+        body = _PORT.pack(server.port)
+        for r in alive[1:]:
+            shrinking.mailbox.post(r, attempt, _STORE_AT, body)
+        port = server.port
+    else:
+        got = shrinking.mailbox.take(lowest, attempt, _STORE_AT, deadline)
+        if got is None:
+            return None
+        (port,) = _PORT.unpack(got)
+    stop = shrinking.mailbox.watch(on_loss)
+    try:
+        return join(rank, size, name, at=(host, port), on_client=on_client)
+    except BaseException:
+        if server is not None:
+            server.close(timeout=0.0)
+        raise
+    finally:
+        stop()
+
+
+def _close_quietly(comm: Communicator) -> None:
+    try:
+        comm.close()
+    except Exception:  # it failed already: what is left to release is released anyway
+        _log.debug("rank %d: closing the communicator before a shrink", comm.rank, exc_info=True)

@@ -1,0 +1,385 @@
+"""The control plane: small messages between the processes of a job that outlive a failure of
+its communicators, and the failure detector the fault-tolerant protocols run on.
+
+Each process that joins a job opens one `ControlPlane`: a listener whose address goes into its
+init record (every rank learns every other's, with no store needed later), and authenticated
+connections to the other processes' planes, dialled when first needed and kept. Frames carry a
+channel (one per communicator) and are handed to that channel's handler; a frame for a channel
+not open yet is held (a peer may get there first) up to `_HELD_FRAMES`.
+
+The failure detector: a peer is lost when its listener refuses us or the handshake fails,
+or when every connection to it has closed, reported after the last frame each one carried (a
+dead process closes them all; a live one only when it closes its plane). Lost is final: its
+frames still queued here are dropped, and a new connection from it is refused. A hung peer is
+not seen here (its kernel still answers): every wait above has a deadline.
+
+A forked child (a data loader's worker) drops its copies of the plane's sockets at once: it
+must not keep a connection open past its parent's death, which would hide that death.
+
+Frame (little-endian): magic u32 | channel[8] | instance u64 | kind u16 | length u16 | body.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Protocol
+
+from ddlcore.security.auth import JobKey
+from ddlcore.security.claims import CONTROL, Claim, ip_bytes, ip_text
+from ddlcore.transports.sockets import HandshakeListener, format_address
+
+_log = logging.getLogger("ddlcore")
+
+_MAGIC = 0xDDC7A1E5
+_FRAME = struct.Struct("<I8sQHH")
+MAX_BODY = 0xFFFF
+CHANNEL_BYTES = 8
+_ADDRESS = struct.Struct("<16sH")  # a plane's listening address, in a connector's claim
+_HANDSHAKE_S = 15.0  # as the TCP transport's; a peer that cannot finish one in that is lost
+_HELD_FRAMES = 4096  # frames held for channels not open yet, over all of them
+_MAX_PENDING, _MAX_PENDING_PER_SOURCE = 64, 16
+_CLOSE_S = 2.0
+
+Address = tuple[str, int]
+
+
+class Handler(Protocol):
+    """What a channel's owner gets from the plane (called on the plane's threads: quick, and
+    never blocking on I/O)."""
+
+    def on_frame(self, peer: Address, instance: int, kind: int, body: bytes) -> None: ...
+
+    def on_lost(self, peer: Address) -> None: ...
+
+
+class _Peer:
+    """Another process's plane, as seen from here: its connections and what waits to go."""
+
+    __slots__ = ("address", "conns", "queue", "sending", "sender", "lost")
+
+    def __init__(self, address: Address) -> None:
+        self.address = address
+        self.conns: list[socket.socket] = []
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.sending = False  # frames taken from the queue, not yet in the kernel's hands
+        self.sender: threading.Thread | None = None
+        self.lost = False
+
+
+class ControlPlane:
+    """This process's control plane (see the module docstring).
+
+    Parameters
+    ----------
+    host : str
+        The address to listen on (and publish): the one the job's other hosts reach us at.
+    key : JobKey
+        The job's key (its ``job_id`` known): every connection proves it both ways.
+    timeout : float
+        Upper bound of one handshake (at most `_HANDSHAKE_S`).
+    """
+
+    def __init__(self, host: str, key: JobKey, timeout: float = _HANDSHAKE_S) -> None:
+        self.key = key
+        self._handshake_s = min(float(timeout), _HANDSHAKE_S)
+        self._lock = threading.Condition()
+        self._peers: dict[Address, _Peer] = {}
+        self._channels: dict[bytes, Handler] = {}
+        self._held: collections.deque[tuple[bytes, Address, int, int, bytes]] = collections.deque()
+        self._readers: set[threading.Thread] = set()
+        self._closed = False
+        self._users = 0
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(128)
+            self.address: Address = (host, sock.getsockname()[1])
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._listener = HandshakeListener(
+            sock,
+            self._accept,
+            "ddl-control",
+            self._handshake_s,
+            _MAX_PENDING,
+            _MAX_PENDING_PER_SOURCE,
+        )
+        _planes.add(self)
+
+    def __repr__(self) -> str:
+        return f"ControlPlane({format_address(*self.address)})"
+
+    # --- channels ----------------------------------------------------------------------------
+    def open_channel(self, channel: bytes, handler: Handler, peers: Iterable[Address]) -> None:
+        """Route ``channel``'s frames to ``handler`` (the frames held for it first), and tell it
+        of every peer among ``peers`` that is lost already."""
+        if len(channel) != CHANNEL_BYTES:
+            raise ValueError(f"a channel is {CHANNEL_BYTES} bytes, not {len(channel)}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the control plane is closed")
+            if channel in self._channels:
+                raise ValueError(f"channel {channel.hex()} is open already")
+            self._channels[channel] = handler
+            self._users += 1
+            held = [f for f in self._held if f[0] == channel]
+            self._held = collections.deque(f for f in self._held if f[0] != channel)
+            lost = [a for a in peers if a in self._peers and self._peers[a].lost]
+        for _, peer, instance, kind, body in held:
+            handler.on_frame(peer, instance, kind, body)
+        for peer in lost:
+            handler.on_lost(peer)
+
+    def close_channel(self, channel: bytes) -> bool:
+        """Stop routing ``channel``; True when no channel is left (close the plane then)."""
+        with self._lock:
+            if self._channels.pop(channel, None) is not None:
+                self._users -= 1
+            return self._users == 0
+
+    # --- sending -----------------------------------------------------------------------------
+    def send(self, peer: Address, channel: bytes, instance: int, kind: int, body: bytes) -> None:
+        """Queue a frame for ``peer`` (never blocks; dialled on first use). A frame for a lost
+        peer is dropped: its handlers heard, or will hear, that it is lost."""
+        if len(body) > MAX_BODY:
+            raise ValueError(f"a control frame of {len(body)} bytes (at most {MAX_BODY})")
+        frame = _FRAME.pack(_MAGIC, channel, instance, kind, len(body)) + body
+        with self._lock:
+            if self._closed:
+                return
+            state = self._peer(peer)
+            if state.lost:
+                return
+            state.queue.append(frame)
+            if state.sender is None:
+                state.sender = threading.Thread(
+                    target=self._send_loop,
+                    args=(state,),
+                    name=f"ddl-control-to-{format_address(*peer)}",
+                    daemon=True,
+                )
+                state.sender.start()
+            else:
+                self._lock.notify_all()
+
+    def _peer(self, address: Address) -> _Peer:
+        state = self._peers.get(address)
+        if state is None:
+            state = self._peers[address] = _Peer(address)
+        return state
+
+    def _send_loop(self, state: _Peer) -> None:
+        while True:
+            with self._lock:
+                while not state.queue and not state.lost and not self._closed:
+                    self._lock.wait()
+                if state.lost or self._closed:
+                    return
+                frames = b"".join(state.queue)
+                state.queue.clear()
+                state.sending = True
+                conn = state.conns[0] if state.conns else None
+            try:
+                if conn is None:
+                    conn = self._dial(state)
+                    if conn is None:
+                        return
+                conn.sendall(frames)
+            except OSError:
+                _shutdown(conn)  # type: ignore[arg-type]  # its reader sees it end
+                with self._lock:
+                    # Dropped with the connection: the peer is dead, or this plane is closing.
+                    while state.conns and state.conns[0] is conn and not self._closed:
+                        self._lock.wait(0.05)
+            finally:
+                with self._lock:
+                    state.sending = False
+                    self._lock.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until every queued frame is in the kernel's hands (or its
+        peer is lost): a process may exit then, and its peers still read them. True if so."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while any((p.queue or p.sending) and not p.lost for p in self._peers.values()):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def _dial(self, state: _Peer) -> socket.socket | None:
+        """A connection to ``state``'s plane, or None when it is lost (refused, or no proof)."""
+        deadline = time.monotonic() + self._handshake_s
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._handshake_s)
+            sock.connect(state.address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            host, port = self.address
+            claim = self.key.claim(CONTROL, extra=_ADDRESS.pack(ip_bytes(host), port))
+            self.key.connect(sock, claim, deadline)
+            sock.settimeout(None)
+        except Exception as exc:  # refused, reset, timed out, not proven: lost to us
+            sock.close()
+            _log.debug("%r: %s is lost: %s", self, format_address(*state.address), exc)
+            self._lose(state)
+            return None
+        return sock if self._adopt(state, sock) else None
+
+    # --- receiving ---------------------------------------------------------------------------
+    def _accept(self, conn: socket.socket, address: tuple, deadline: float) -> bool:
+        claim = self.key.accept(conn, deadline, CONTROL, check=_check_claim)
+        raw_ip, port = _ADDRESS.unpack(claim.extra)
+        peer = (ip_text(raw_ip), port)
+        if not self._listener.adopt(conn):
+            return False
+        conn.settimeout(None)
+        with self._lock:
+            state = self._peer(peer)
+        return self._adopt(state, conn)
+
+    def _adopt(self, state: _Peer, conn: socket.socket) -> bool:
+        with self._lock:
+            if state.lost or self._closed:
+                conn.close()
+                return False
+            state.conns.append(conn)
+            reader = threading.Thread(
+                target=self._read_loop,
+                args=(state, conn),
+                name=f"ddl-control-from-{format_address(*state.address)}",
+                daemon=True,
+            )
+            self._readers.add(reader)
+            self._lock.notify_all()
+        reader.start()
+        return True
+
+    def _read_loop(self, state: _Peer, conn: socket.socket) -> None:
+        try:
+            while True:
+                head = _recv(conn, _FRAME.size)
+                if head is None:
+                    break
+                magic, channel, instance, kind, length = _FRAME.unpack(head)
+                if magic != _MAGIC:
+                    _log.debug("%r: a bad frame from %s", self, format_address(*state.address))
+                    break
+                body = _recv(conn, length) if length else b""
+                if body is None:
+                    break
+                self._deliver(channel, state.address, instance, kind, body)
+        finally:
+            conn.close()
+            with self._lock:
+                state.conns.remove(conn)
+                self._readers.discard(threading.current_thread())
+                gone = not state.conns and not self._closed
+                self._lock.notify_all()
+            if gone:
+                self._lose(state)
+
+    def _deliver(
+        self, channel: bytes, peer: Address, instance: int, kind: int, body: bytes
+    ) -> None:
+        with self._lock:
+            handler = self._channels.get(channel)
+            if handler is None:
+                if len(self._held) >= _HELD_FRAMES:
+                    self._held.popleft()
+                self._held.append((channel, peer, instance, kind, body))
+                return
+        handler.on_frame(peer, instance, kind, body)
+
+    def _lose(self, state: _Peer) -> None:
+        with self._lock:
+            if state.lost or self._closed:
+                return
+            state.lost = True
+            state.queue.clear()
+            handlers = list(self._channels.values())
+            self._lock.notify_all()
+        for handler in handlers:
+            handler.on_lost(state.address)
+
+    def lost(self, peer: Address) -> bool:
+        with self._lock:
+            state = self._peers.get(peer)
+            return state is not None and state.lost
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the listener and every connection (after what is queued went out, within a
+        bound): the other planes see this process lost."""
+        self.flush(_CLOSE_S)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = [c for p in self._peers.values() for c in p.conns]
+            readers = list(self._readers)
+            self._lock.notify_all()
+        self._listener.close(_CLOSE_S)
+        for conn in conns:
+            _shutdown(conn)
+        deadline = time.monotonic() + _CLOSE_S
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+
+_planes: weakref.WeakSet[ControlPlane] = weakref.WeakSet()
+
+
+def _drop_in_child() -> None:
+    """After a fork, in the child: close its copies of every plane's sockets (no shutdown,
+    which would end the parent's connections too) and leave the planes closed. Their locks
+    are not taken: another thread of the parent may have held them at the fork."""
+    for plane in list(_planes):
+        plane._closed = True
+        for sock in [plane._sock] + [c for p in list(plane._peers.values()) for c in p.conns]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
+
+
+def _check_claim(claim: Claim) -> str | None:
+    if len(claim.extra) != _ADDRESS.size:
+        return f"a control claim's address is {len(claim.extra)} bytes, not {_ADDRESS.size}"
+    return None
+
+
+def _recv(conn: socket.socket, nbytes: int) -> bytes | None:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        try:
+            n = conn.recv_into(view[got:])
+        except OSError:
+            return None
+        if n == 0:
+            return None
+        got += n
+    return bytes(buf)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
