@@ -660,7 +660,66 @@ def summary() -> str:
                 '[The backend "ddl"](#the-torchdistributed-backend-ddl)',
             ]
         )
+    kills = [r["recovery_s"] * 1e3 for r in load("elastic_recovery_np4.json")["rows"]]
+    rows.append(
+        [
+            "A rank SIGKILLed (rank 0 included), np = 4, one host: to the first allreduce on "
+            "the shrunk communicator",
+            f"p50 {statistics.median(kills):.0f} ms, p99 {_quantile(kills, 0.99):.0f} ms over "
+            f"{len(kills)} kills; no peer measured beside it yet",
+            "[Surviving a rank's death](#surviving-a-ranks-death)",
+        ]
+    )
     return table(["what", "result", "where"], rows, "lll")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def elastic_recovery(kills: str, costs: str) -> str:
+    """Kill -> first collective on the shrunk communicator, and agree's cost beside MPICH's."""
+    doc = load(kills)
+    times = [r["recovery_s"] * 1e3 for r in doc["rows"]]
+    groups = [
+        ("every kill", times),
+        (
+            "rank 0 (the store's) killed",
+            [t for r, t in zip(doc["rows"], times, strict=True) if not r["victim"]],
+        ),
+        (
+            "another rank killed",
+            [t for r, t in zip(doc["rows"], times, strict=True) if r["victim"]],
+        ),
+    ]
+    rows = [
+        [
+            what,
+            str(len(ts)),
+            fmt(min(ts), 1),
+            fmt(statistics.median(ts), 1),
+            fmt(_quantile(ts, 0.99), 1),
+            fmt(max(ts), 1),
+        ]
+        for what, ts in groups
+        if ts
+    ]
+    out = f"```bash\n{doc['command']}\n```\n\n" + table(
+        ["np " + str(doc["np"]), "kills", "min ms", "p50 ms", "p99 ms", "max ms"], rows
+    )
+    cost = load(costs)
+    med = cost["median_us"]
+    agree, mpi = med["ddlcore agree"], med["MPICH Agree (MPIX_Comm_agree)"]
+    out += f"\n\n```bash\n{cost['command']}\n```\n\n" + table(
+        [f"np {cost['np']}, no failure", "median µs", "ratio to ddlcore agree"],
+        [[name, fmt(t, 1), fmt(t / agree)] for name, t in med.items()],
+    )
+    out += (
+        f"\n\nddlcore's agree takes {agree / mpi:.2f}x the time of MPICH's in the same processes."
+    )
+    return out
 
 
 RENDERERS: dict[str, Callable[..., str]] = {
@@ -676,6 +735,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "auto_vs_best": auto_vs_best,
     "convergence": convergence,
     "torch_ddp": torch_ddp,
+    "elastic_recovery": elastic_recovery,
 }
 
 PLACEHOLDER = re.compile(r"^\{\{\s*(\w+)((?:\s+[\w.\-]+)*)\s*\}\}$")

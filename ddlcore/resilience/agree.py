@@ -12,8 +12,9 @@ Rotating coordinator with adoption (the Paxos promise, over rounds in member ord
 
     member m                                   coordinator c = lowest member m thinks alive
       contribute(flag) -- CONTRIB(c, flag) -->   waits for a CONTRIB from every member it
-                                                 thinks alive (asks the silent ones with
-                                                 COLLECT: a dead one's listener refuses)
+                                                 thinks alive (a coordinator that took over
+                                                 asks the silent ones with COLLECT: a decided
+                                                 member answers with its decision)
                        <-- DECIDE(c, D) ------   D = AND of the flags, and the dead it knew
       decided D
 
@@ -214,6 +215,11 @@ class Agreement:
             return self._decide(self._reported, others)
         missing = [m for m in others if m not in self._flags]
         if missing:
+            if self.me == 0:
+                # The first coordinator: nobody can have decided before it, and every member
+                # sends it a CONTRIB unasked. A member that died silent is the caller's to
+                # find (`AgreeChannel` dials those it waits on and holds no connection to).
+                return []
             ask = [m for m in missing if m not in self._asked]
             self._asked.update(ask)
             return [(m, Message(COLLECT, self.me)) for m in ask]

@@ -23,6 +23,7 @@ _log = logging.getLogger("ddlcore")
 
 _KEPT = 8  # decided instances kept, to answer ranks still in them
 _AHEAD = 64  # how far past this rank's calls a peer's instance may be (a bound on state)
+_PROBE_S = 0.02  # how often a waiting rank makes sure it watches whom it waits for
 _FLUSH_S = 2.0  # how long agree waits for its decision's messages to leave (a dead peer's
 #                 connection fails sooner; a hung one's fills only after many calls)
 
@@ -72,11 +73,17 @@ class AgreeChannel:
             state = self._instance(instance)
             assert state is not None
             self._send(instance, state.contribute(flag))
+            probed = 0.0
             while state.decision is None:
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0 or self._closed:
                     raise self._stuck(instance, state, timeout)
-                self._cond.wait(left)
+                if now - probed >= _PROBE_S:  # a rank waited on that died silent is found
+                    probed = now
+                    for member in state.waiting_for():
+                        self._plane.probe(self.addresses[member])
+                self._cond.wait(min(left, _PROBE_S))
             decision = state.decision
             self.failed.update(decision.failed)
             self.agreed_failed = decision.failed

@@ -40,6 +40,8 @@ _log = logging.getLogger("ddlcore")
 
 _MAGIC = 0xDDC7A1E5
 _FRAME = struct.Struct("<I8sQHH")
+_NO_CHANNEL = bytes(8)  # a frame of the plane's own, for no channel: read and dropped
+_PING = _FRAME.pack(_MAGIC, _NO_CHANNEL, 0, 0, 0)
 MAX_BODY = 0xFFFF
 CHANNEL_BYTES = 8
 _ADDRESS = struct.Struct("<16sH")  # a plane's listening address, in a connector's claim
@@ -149,8 +151,10 @@ class ControlPlane:
 
     # --- sending -----------------------------------------------------------------------------
     def send(self, peer: Address, channel: bytes, instance: int, kind: int, body: bytes) -> None:
-        """Queue a frame for ``peer`` (never blocks; dialled on first use). A frame for a lost
-        peer is dropped: its handlers heard, or will hear, that it is lost."""
+        """Send a frame to ``peer``, never blocking: on a connection with room, at once from
+        this thread (no hop to another); else queued for the peer's sender thread, which dials
+        on first use. A frame for a lost peer is dropped: its handlers heard, or will hear,
+        that it is lost."""
         if len(body) > MAX_BODY:
             raise ValueError(f"a control frame of {len(body)} bytes (at most {MAX_BODY})")
         frame = _FRAME.pack(_MAGIC, channel, instance, kind, len(body)) + body
@@ -160,17 +164,48 @@ class ControlPlane:
             state = self._peer(peer)
             if state.lost:
                 return
+            conn = state.conns[0] if state.conns and not state.queue and not state.sending else None
+            if conn is None:
+                self._queue(state, frame)
+                return
+            state.sending = True  # this thread's, until it has handed the frame over
+        sent = 0
+        try:
+            sent = conn.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError:
+            _shutdown(conn)  # its reader sees it end, and counts it out
+        with self._lock:
+            state.sending = False
+            if sent < len(frame) and not state.lost:
+                state.queue.appendleft(frame[sent:])  # the rest first
+                self._queue(state, b"")
+            self._lock.notify_all()
+
+    def _queue(self, state: _Peer, frame: bytes) -> None:
+        """Queue ``frame`` (lock held) and make sure the sender thread runs."""
+        if frame:
             state.queue.append(frame)
-            if state.sender is None:
-                state.sender = threading.Thread(
-                    target=self._send_loop,
-                    args=(state,),
-                    name=f"ddl-control-to-{format_address(*peer)}",
-                    daemon=True,
-                )
-                state.sender.start()
-            else:
-                self._lock.notify_all()
+        if state.sender is None:
+            state.sender = threading.Thread(
+                target=self._send_loop,
+                args=(state,),
+                name=f"ddl-control-to-{format_address(*state.address)}",
+                daemon=True,
+            )
+            state.sender.start()
+        else:
+            self._lock.notify_all()
+
+    def probe(self, peer: Address) -> None:
+        """Make sure ``peer`` is watched: dial it if no connection is open (or being opened). A
+        dead peer's listener refuses, and it is reported lost; a live one's connection closes
+        when it dies."""
+        with self._lock:
+            state = self._peer(peer)
+            if not (state.conns or state.lost or self._closed or state.queue or state.sending):
+                self._queue(state, _PING)
 
     def _peer(self, address: Address) -> _Peer:
         state = self._peers.get(address)
@@ -181,7 +216,8 @@ class ControlPlane:
     def _send_loop(self, state: _Peer) -> None:
         while True:
             with self._lock:
-                while not state.queue and not state.lost and not self._closed:
+                # Waits while another thread sends inline too: bytes of two frames never mix.
+                while (not state.queue or state.sending) and not state.lost and not self._closed:
                     self._lock.wait()
                 if state.lost or self._closed:
                     return
@@ -245,6 +281,7 @@ class ControlPlane:
         if not self._listener.adopt(conn):
             return False
         conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are small
         with self._lock:
             state = self._peer(peer)
         return self._adopt(state, conn)
@@ -279,7 +316,8 @@ class ControlPlane:
                 body = _recv(conn, length) if length else b""
                 if body is None:
                     break
-                self._deliver(channel, state.address, instance, kind, body)
+                if channel != _NO_CHANNEL:
+                    self._deliver(channel, state.address, instance, kind, body)
         finally:
             conn.close()
             with self._lock:

@@ -156,22 +156,21 @@ def _agree_while_one_dies(rank, size, victim, seed):
 @pytest.mark.parametrize("victim", [0, 1, 3])
 def test_a_kill_at_a_random_moment_leaves_the_survivors_in_step(victim):
     survivors = [r for r in range(4) if r != victim]
-    for seed in range(2):
-        results = run_ranks(
-            _agree_while_one_dies, 4, victim, seed, env=_ENV, timeout=120, may_die={victim}
-        )
-        assert len({(tuple(results[r][0]), tuple(results[r][1])) for r in survivors}) == 1, (
-            victim,
-            seed,
-            results,
-        )
-        values, tail, _ = results[survivors[0]]
-        for rank in survivors:
-            assert results[rank][2] == (victim,), (rank, results[rank][2])
-        for i, value in enumerate(values):
-            if value:  # the AND: no survivor said False
-                assert all(_flags(r, i) for r in survivors), i
-        assert tail == [all(_flags(r, 1000 + i) for r in survivors) for i in range(10)]
+    # One random moment per victim (its rank seeds it): the suite's time is bounded.
+    results = run_ranks(
+        _agree_while_one_dies, 4, victim, victim, env=_ENV, timeout=120, may_die={victim}
+    )
+    assert len({(tuple(results[r][0]), tuple(results[r][1])) for r in survivors}) == 1, (
+        victim,
+        results,
+    )
+    values, tail, _ = results[survivors[0]]
+    for rank in survivors:
+        assert results[rank][2] == (victim,), (rank, results[rank][2])
+    for i, value in enumerate(values):
+        if value:  # the AND: no survivor said False
+            assert all(_flags(r, i) for r in survivors), i
+    assert tail == [all(_flags(r, 1000 + i) for r in survivors) for i in range(10)]
 
 
 def _one_never_calls(rank, size):

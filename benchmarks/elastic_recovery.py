@@ -1,0 +1,174 @@
+"""How soon the survivors of a SIGKILL compute again (`Communicator.shrink`), and what
+`Communicator.agree` costs beside MPICH's own fault-tolerant agreement.
+
+    python benchmarks/elastic_recovery.py --kills 200 --np 4 --json F  # kill -> shrunk, computing
+    mpiexec -n 4 python benchmarks/elastic_recovery.py --json F        # agree without failures
+
+Without failures (under mpiexec, the same processes): the median time of ddlcore's
+``comm.agree(True)``, of mpi4py's ``Comm.Agree`` (MPICH's ``MPIX_Comm_agree``, ULFM's
+interface), and, for the floor of any agreement, of a one-integer allreduce through MPICH and
+through ddlcore (neither survives a death).
+
+With ``--kills``: each round starts ``--np`` fresh ranks (forked, no MPI, no ``DDL_*``
+variable but the rendezvous), which run small allreduces in a loop; a random rank
+(rank 0, which serves the store, included) SIGKILLs itself at a random moment and notes the
+time (CLOCK_MONOTONIC, shared by the processes of one host). Each survivor catches the
+`PeerFailureError`, shrinks, and notes when its first allreduce on the new communicator
+returned, checked against NumPy; the round's recovery is the last survivor's. MPICH 5.0's Agree
+and Shrink after a death need an MPICH built for fault tolerance, which the wheel is not, so
+the kills have no MPI column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _median_us(fn: Any, iters: int, sync: Any) -> float:
+    sync()
+    for _ in range(min(50, iters)):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def costs(iters: int) -> dict[str, Any]:
+    """Under mpiexec: each operation's median, rank 0's view."""
+    from mpi4py import MPI
+
+    import ddlcore
+
+    world = MPI.COMM_WORLD
+    comm = ddlcore.init()
+    one = np.ones(1, np.int32)
+    out = np.empty(1, np.int32)
+    rows = {
+        "ddlcore agree": _median_us(lambda: comm.agree(True), iters, world.Barrier),
+        "MPICH Agree (MPIX_Comm_agree)": _median_us(lambda: world.Agree(1), iters, world.Barrier),
+        "MPICH Allreduce, 1 int": _median_us(
+            lambda: world.Allreduce(one, out, op=MPI.MIN), iters, world.Barrier
+        ),
+        "ddlcore allreduce, 1 int": _median_us(
+            lambda: comm.allreduce(one, op="min", out=out), iters, world.Barrier
+        ),
+    }
+    comm.close()
+    return {"np": world.size, "iters": iters, "median_us": rows, "rank": world.rank}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, size: int, port: int, victim: int, seed: int, killed: Any, q: Any) -> None:
+    os.environ.update(
+        DDL_RANK=str(rank),
+        DDL_SIZE=str(size),
+        DDL_MASTER_ADDR="127.0.0.1",
+        DDL_MASTER_PORT=str(port),
+    )
+    import ddlcore
+
+    comm = ddlcore.init()
+    x = np.full(1024, rank + 1.0, np.float32)
+    for _ in range(20):
+        comm.allreduce(x)
+    if rank == victim:
+
+        def die() -> None:
+            killed.value = time.monotonic()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Timer(random.Random(seed).uniform(0.0, 0.2), die).start()
+    while True:
+        try:
+            comm.allreduce(x)
+        except ddlcore.PeerFailureError:
+            break
+    comm = comm.shrink()
+    y = comm.allreduce(x)
+    done = time.monotonic()
+    want = sum(m + 1.0 for m in comm.member_ids)
+    q.put((rank, done, bool(np.all(y == want)), comm.size))
+    comm.close()
+
+
+def kills(nprocs: int, rounds: int, seed: int) -> dict[str, Any]:
+    # Ranks forked from a server that imported what every rank imports (as the tests do):
+    # each round then costs a fork, not an interpreter start and ~0.5 s of imports per rank.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "ddlcore.bootstrap"])
+    rng = random.Random(seed)
+    rows = []
+    for k in range(rounds):
+        victim = rng.randrange(nprocs)
+        killed = ctx.Value("d", 0.0)
+        q = ctx.Queue()
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_rank, args=(r, nprocs, port, victim, seed * 1000 + k, killed, q))
+            for r in range(nprocs)
+        ]
+        for p in procs:
+            p.start()
+        seen = [q.get(timeout=120) for _ in range(nprocs - 1)]
+        for p in procs:
+            p.join(60)
+        assert all(ok and n == nprocs - 1 for _, _, ok, n in seen), seen
+        rows.append({"victim": victim, "recovery_s": max(t for _, t, _, _ in seen) - killed.value})
+        print(f"kill {k}: rank {victim}, {rows[-1]['recovery_s'] * 1e3:.1f} ms", file=sys.stderr)
+    return {"np": nprocs, "rounds": rounds, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--kills", type=int, default=0, help="kill rounds (no MPI), else costs")
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    command = "python benchmarks/elastic_recovery.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    if a.kills:
+        doc = kills(a.np, a.kills, a.seed)
+    else:
+        doc = costs(a.iters)
+        if doc.pop("rank"):
+            return 0
+        command = f"mpiexec -n {doc['np']} " + command
+    doc["command"] = command
+    doc["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    print(json.dumps(doc, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
