@@ -2,6 +2,11 @@
 listen on, connecting with retries, exact reads, "host:port" strings, and `HandshakeListener`
 (accepting connections and serving their handshakes concurrently, bounded).
 
+Every socket ddlcore keeps open is `owned`: a process forked from this one (a data loader's
+worker) closes its copies at once, so that it never holds a connection open past this
+process's death, which would hide that death from the peers (they see it as the connection's
+end).
+
 The address a rank listens on is the IPv4 address of ``DDL_SOCKET_IFNAME`` when that is set
 (looked up with the ``SIOCGIFADDR`` ioctl), otherwise the local address the kernel would use to
 reach the master, so peers on other hosts reach it over the same network. A comma list there
@@ -13,10 +18,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -45,6 +52,27 @@ _ACCEPT_TRANSIENT = (
 )
 _ACCEPT_PAUSE_S = 0.01
 _log = logging.getLogger("ddlcore")
+
+
+_owned: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def owned(sock: socket.socket) -> socket.socket:
+    """``sock``, closed in any child this process forks (see the module docstring)."""
+    _owned.add(sock)
+    return sock
+
+
+def _close_owned_in_child() -> None:
+    # close, never shutdown: shutdown would end the parent's connection too.
+    for sock in list(_owned):
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_close_owned_in_child)
 
 
 def interface_names() -> list[str]:
@@ -198,7 +226,7 @@ def connect_with_retry(addr: tuple[str, int], deadline: float, what: str) -> soc
             continue
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        return owned(sock)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -273,7 +301,7 @@ class HandshakeListener:
         max_pending: int,
         max_per_source: int,
     ) -> None:
-        self._sock, self._serve, self._name = sock, serve, name
+        self._sock, self._serve, self._name = owned(sock), serve, name
         self.handshake_s = handshake_s
         self.max_pending, self.max_per_source = max_pending, max(1, max_per_source)
         self._lock = threading.Lock()
@@ -320,6 +348,7 @@ class HandshakeListener:
         while True:
             try:
                 conn, address = self._sock.accept()
+                owned(conn)
             except OSError as exc:
                 if self._closed:
                     return  # close() shut the listener down

@@ -24,7 +24,7 @@ from ddlcore.job.store_server import StoreServer
 from ddlcore.job.store_wire import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from ddlcore.security.auth import AuthenticationError, HandshakeRefused, JobKey, default_key
 from ddlcore.security.claims import JOB_ID_BYTES, STORE
-from ddlcore.transports.sockets import recv_exact
+from ddlcore.transports.sockets import owned, recv_exact
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -141,7 +141,7 @@ class StoreClient:
                 ) from None
             last: Exception | None = None
             for family, _, _, _, sockaddr in infos:
-                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock = owned(socket.socket(family, socket.SOCK_STREAM))
                 try:
                     sock.settimeout(max(0.05, min(5.0, deadline - time.monotonic())))
                     sock.connect(sockaddr)

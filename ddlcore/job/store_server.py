@@ -39,6 +39,7 @@ from ddlcore.job.store_listen import listen_all, take
 from ddlcore.job.store_table import StoreTable, Wait
 from ddlcore.security.auth import JobKey, default_key, printable
 from ddlcore.security.claims import JOB_ID_BYTES, STORE, Claim, peer_uid
+from ddlcore.transports.sockets import owned
 
 log = logging.getLogger("ddlcore")
 
@@ -98,6 +99,7 @@ class StoreServer(StoreConnections):
     ) -> None:
         listeners = take(host, port) or listen_all(host, port, backlog)
         for sock in listeners:
+            owned(sock)
             sock.setblocking(False)
         self.host = host
         self.port: int = listeners[0].getsockname()[1]
@@ -193,6 +195,7 @@ class StoreServer(StoreConnections):
         for _ in range(_ACCEPTS_PER_WAKE):
             try:
                 sock, addr = listener.accept()
+                owned(sock)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:

@@ -13,8 +13,8 @@ dead process closes them all; a live one only when it closes its plane). Lost is
 frames still queued here are dropped, and a new connection from it is refused. A hung peer is
 not seen here (its kernel still answers): every wait above has a deadline.
 
-A forked child (a data loader's worker) drops its copies of the plane's sockets at once: it
-must not keep a connection open past its parent's death, which would hide that death.
+A forked child (a data loader's worker) closes its copies of the plane's sockets at once
+(`owned`): it must not keep a connection open past its parent's death, which would hide it.
 
 Frame (little-endian): magic u32 | channel[8] | instance u64 | kind u16 | length u16 | body.
 """
@@ -34,7 +34,7 @@ from typing import Protocol
 
 from ddlcore.security.auth import JobKey
 from ddlcore.security.claims import CONTROL, Claim, ip_bytes, ip_text
-from ddlcore.transports.sockets import HandshakeListener, format_address
+from ddlcore.transports.sockets import HandshakeListener, format_address, owned
 
 _log = logging.getLogger("ddlcore")
 
@@ -257,7 +257,7 @@ class ControlPlane:
     def _dial(self, state: _Peer) -> socket.socket | None:
         """A connection to ``state``'s plane, or None when it is lost (refused, or no proof)."""
         deadline = time.monotonic() + self._handshake_s
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = owned(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
         try:
             sock.settimeout(self._handshake_s)
             sock.connect(state.address)
@@ -379,20 +379,15 @@ class ControlPlane:
 _planes: weakref.WeakSet[ControlPlane] = weakref.WeakSet()
 
 
-def _drop_in_child() -> None:
-    """After a fork, in the child: close its copies of every plane's sockets (no shutdown,
-    which would end the parent's connections too) and leave the planes closed. Their locks
-    are not taken: another thread of the parent may have held them at the fork."""
+def _closed_in_child() -> None:
+    """After a fork, in the child: every plane is closed (its sockets are `owned`: the child's
+    copies are closed already). Their locks are not taken: another thread of the parent may
+    have held them at the fork."""
     for plane in list(_planes):
         plane._closed = True
-        for sock in [plane._sock] + [c for p in list(plane._peers.values()) for c in p.conns]:
-            try:
-                sock.close()
-            except OSError:
-                pass
 
 
-os.register_at_fork(after_in_child=_drop_in_child)
+os.register_at_fork(after_in_child=_closed_in_child)
 
 
 def _check_claim(claim: Claim) -> str | None:

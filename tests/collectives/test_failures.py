@@ -233,3 +233,32 @@ def test_timeout_with_a_stopped_peer_fires_within_timeout_plus_one_second():
     name, elapsed = res[0]
     assert name == "DDLTimeoutError", res
     assert elapsed < timeout + 1, f"rank 0 raised after {elapsed:.1f} s with DDL_TIMEOUT={timeout}"
+
+
+def _killed_with_a_forked_child(rank, size):
+    """Rank 1 forks a child that lives on (a data loader's worker), then is killed. Over tcp
+    (no pidfd watches it) its death is seen only when its connections end: the child must not
+    hold them open."""
+    import ddlcore
+
+    comm = ddlcore.init()
+    x = np.ones(1000, np.float32)
+    comm.allreduce(x)  # every connection open
+    if rank == 1:
+        if os.fork() == 0:
+            time.sleep(TIMEOUT_S / 2)  # longer than the survivors may wait
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(x)
+    except ddlcore.DDLError as exc:
+        return type(exc).__name__, time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def test_a_forked_child_does_not_hide_its_parents_death():
+    env = {"DDL_TIMEOUT": str(TIMEOUT_S), "DDL_TRANSPORT": "tcp"}
+    results = run_ranks(_killed_with_a_forked_child, 2, env=env, timeout=90, may_die={1})
+    name, elapsed = results[0]
+    assert name == "PeerFailureError" and elapsed < TIMEOUT_S / 4, results[0]

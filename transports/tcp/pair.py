@@ -22,7 +22,7 @@ from ddlcore.transports.common import (
     timeout_error,
 )
 from ddlcore.transports.pairs import LazyPair
-from ddlcore.transports.sockets import format_address, parse_address, recv_exact
+from ddlcore.transports.sockets import format_address, owned, parse_address, recv_exact
 from ddlcore.transports.tcp.channel import Channel, TcpRequest
 from ddlcore.transports.tcp.protocol import (
     _ABORT,
@@ -165,7 +165,7 @@ class TcpPair(LazyPair, Pair):
         dropped = 0  # times the listener dropped us mid-handshake
         while True:
             try:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock = owned(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             except OSError as exc:  # EMFILE: out of file descriptors
                 raise DDLError(
                     f"{what}: no socket to be had ({exc}); raise the limit on open "
