@@ -38,6 +38,7 @@ from ddlcore.job.rendezvous import (
     resolve_master,
     via_torch_store,
 )
+from ddlcore.membership import Shrinking
 from ddlcore.planning import tuning
 from ddlcore.resilience.channel import AgreeChannel
 from ddlcore.resilience.control import ControlPlane
@@ -427,6 +428,7 @@ def _join(
     links: Links | None = None
     host = node = None
     agreement: AgreeChannel | None = None
+    shrinking: Shrinking | None = None
     pinned = False
     own_plane = plane is None
     try:
@@ -454,7 +456,9 @@ def _join(
         # not fit: the same ValueError everywhere) and leave, taking rank 0's store with it.
         store.barrier("peers", info.rank, info.size, timeout)
         _check_settings(info.rank, [settings for _, _, _, _, settings in records])
-        agreement = AgreeChannel(plane, store.prefix, info.rank, [a for _, a, _, _, _ in records])
+        addresses = [a for _, a, _, _, _ in records]
+        agreement = AgreeChannel(plane, store.prefix, info.rank, addresses)
+        shrinking = Shrinking(plane, store.prefix, info.rank, addresses)
         if place is not None:
             pinned = _pin_local_rank(place, info.rank, peers, [c for _, _, _, c, _ in records])
         if boards == "off" and algo_name == tuning.DIRECT:
@@ -501,12 +505,14 @@ def _join(
             prefixed=store,
             on_close=placement.release if pinned else None,
             agreement=agreement,
+            shrinking=shrinking,
             plane=plane,
         )
     except BaseException:
         if pinned:
             placement.release()
-        if plane is not None and (agreement.close() if agreement is not None else own_plane):
+        opened = [c for c in (agreement, shrinking) if c is not None]
+        if plane is not None and (any([c.close() for c in opened]) or (own_plane and not opened)):
             plane.close()
         for part in (host, node, links):
             try:
@@ -515,7 +521,8 @@ def _join(
             except Exception:  # the error being raised is the one to report
                 log.debug("rank %d: closing after a failed init", info.rank, exc_info=True)
         client.close()
-        _let_peers_finish(info, timeout)
+        if info.source != "shrink":  # a shrink's store serves an attempt: none lingers there
+            _let_peers_finish(info, timeout)
         raise
     log.debug(
         "rank %d of %d up (%s): host %s, local rank %d of %d, transports %s, box %s",

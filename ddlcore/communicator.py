@@ -84,6 +84,7 @@ class Communicator(RootedCollectives):
         prefixed: Any = None,
         on_close: Callable[[], None] | None = None,
         agreement: AgreeChannel | None = None,
+        shrinking: membership.Shrinking | None = None,
         plane: ControlPlane | None = None,
     ) -> None:
         self.rank, self.size = info.rank, info.size
@@ -183,8 +184,7 @@ class Communicator(RootedCollectives):
         # Membership: the epoch grows with each shrink; member ids stay (the world's ranks).
         self._epoch = 0
         self._member_ids: tuple[int, ...] = tuple(range(self.size))
-        self._shrinking: membership.Shrinking | None = None
-        self._shrink_lock = threading.Lock()
+        self._shrinking = shrinking
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -580,20 +580,19 @@ class Communicator(RootedCollectives):
         if self._closed:
             raise CommunicatorClosedError(f"rank {self.rank}: shrink of a closed communicator")
         assert self._joiner is not None, "communicators are made by ddlcore.init()"
-        if self._agreement is None:  # a world of one has nobody to lose
+        if self._shrinking is None:  # a world of one has nobody to lose
             new = self._joiner(0, 1, f"shrink{self._epoch + 1}")
-            new._epoch, new._member_ids = self._epoch + 1, self._member_ids
-            self.close()
-            return new
-        with self._shrink_lock:
-            if self._shrinking is None:
-                assert self._plane is not None
-                self._shrinking = membership.Shrinking(
-                    self._plane, self._agreement.name, self.rank, self._agreement.addresses
-                )
-        new, alive = membership.shrink(self, self._shrinking, self._joiner)
+            alive = [0]
+        else:
+            new, alive = membership.shrink(self, self._shrinking, self._joiner)
         new._epoch = self._epoch + 1
         new._member_ids = tuple(self._member_ids[r] for r in alive)
+        # What init set up for this process (its CPU pinning) is the new one's to release.
+        new._on_close, self._on_close = self._on_close, None
+        if self._shrinking is None:
+            self.close()
+        else:  # its peers may be gone: nothing here waits for that
+            threading.Thread(target=membership.close_quietly, args=(self,), daemon=True).start()
         return new
 
     @property

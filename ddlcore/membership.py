@@ -17,8 +17,10 @@ job's key, so the survivors need nobody else::
 A survivor lost during the build (its planes' connections close) makes every rank that sees it
 close its store connection, and the store's rank closes the store: every build fails at once,
 and the survivors agree again without it (attempt by attempt, each one agreement instance).
-The old communicator is closed on a thread of its own (its rank 0 may be gone: its close waits
-for nobody).
+Every attempt ends in a second agreement (did every survivor build it, with nobody lost?),
+so the survivors leave together with the new communicator or try again together. The old
+communicator is closed on a thread of its own (its rank 0 may be gone: its close waits for
+nobody).
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ddlcore.errors import DDLError, DDLTimeoutError
+from ddlcore.errors import DDLError, DDLTimeoutError, PeerFailureError
 from ddlcore.resilience.channel import AgreeChannel
 from ddlcore.resilience.control import Address, ControlPlane
-from ddlcore.resilience.mailbox import Mailbox
+from ddlcore.resilience.mailbox import LOST, Mailbox
 
 if TYPE_CHECKING:
     from ddlcore.communicator import Communicator
@@ -59,18 +61,19 @@ class Joiner(Protocol):
 
 
 _STORE_AT = 1  # mailbox kind: the new store's port, from the lowest survivor
+_ABANDON = 2  # mailbox kind: a survivor gave up this attempt (its watchers hear of it)
 _PORT = struct.Struct("<H")
 
 
 class Shrinking:
     """A communicator's part in its shrinks: the agreement channel and mailbox they use, named
-    under the communicator's ``name`` (opened at the first shrink, kept until it closes)."""
+    under the communicator's ``name`` (opened with the communicator, so that no peer's frame
+    for them waits in the plane; closed with it)."""
 
     def __init__(self, plane: ControlPlane, name: str, rank: int, addresses: list[Address]) -> None:
         self.rank, self.size = rank, len(addresses)
         self.agreement = AgreeChannel(plane, f"{name}#shrink", rank, addresses)
-        self.mailbox = Mailbox(plane, f"{name}#shrink-mail", rank, addresses)
-        self.attempts = 0
+        self.mailbox = Mailbox(plane, f"{name}#shrink-mail", rank, addresses, alarms=(_ABANDON,))
 
     def close(self) -> bool:
         """Close both; True when the plane has no channel left."""
@@ -83,7 +86,10 @@ def shrink(
 ) -> tuple[Communicator, list[int]]:
     """The new communicator of ``comm``'s survivors (see the module docstring), built by
     ``join`` from a store that the lowest survivor opens with ``join.serve``, and the
-    survivors' ranks in ``comm``."""
+    survivors' ranks in ``comm``. Each attempt ends in a second agreement, on whether every
+    survivor built it with nobody lost meanwhile: a build that failed on one rank only (or a
+    death after some ranks finished theirs) starts every rank on the next attempt, never
+    some with a communicator and some without."""
     deadline = time.monotonic() + comm.timeout
     comm.revoke()
     while True:
@@ -91,28 +97,38 @@ def shrink(
         if left <= 0:
             raise DDLTimeoutError(
                 f"rank {comm.rank}: shrink: no new communicator within DDL_TIMEOUT="
-                f"{comm.timeout:g} s ({shrinking.attempts} attempts)"
+                f"{comm.timeout:g} s"
             )
         decision = shrinking.agreement.agree(True, left)
-        attempt = shrinking.attempts
-        shrinking.attempts += 1
+        attempt = shrinking.agreement.calls - 1  # the instance: the same on every rank
         alive = [r for r in range(comm.size) if r not in decision.failed]
+        if comm.rank not in alive:
+            raise PeerFailureError(
+                f"rank {comm.rank}: shrink: the survivors lost this rank (its control "
+                "connections closed) and went on without it; it cannot join them",
+                comm.rank,
+            )
+        new = None
         try:
             new = _build(comm, shrinking, alive, attempt, deadline, join)
         except DDLError as exc:
             _log.debug("rank %d: shrink attempt %d failed: %s", comm.rank, attempt, exc)
-            continue
-        if new is None:
-            continue  # the store's rank was lost before it said where: agree again
-        threading.Thread(target=_close_quietly, args=(comm,), daemon=True).start()
-        _log.debug(
-            "rank %d: shrunk to rank %d of %d (lost %s)",
-            comm.rank,
-            new.rank,
-            new.size,
-            sorted(decision.failed),
-        )
-        return new, alive
+        if new is None:  # the others' builds fail at once too, not at their deadline
+            for r in alive:
+                if r != comm.rank:
+                    shrinking.mailbox.post(r, attempt, _ABANDON, b"")
+        confirm = shrinking.agreement.agree(new is not None, max(0.0, deadline - time.monotonic()))
+        if confirm.value and confirm.failed == decision.failed:
+            _log.debug(
+                "rank %d: shrunk to rank %d of %d (lost %s)",
+                comm.rank,
+                new.rank,  # type: ignore[union-attr]
+                new.size,  # type: ignore[union-attr]
+                sorted(decision.failed),
+            )
+            return new, alive  # type: ignore[return-value]
+        if new is not None:
+            threading.Thread(target=close_quietly, args=(new,), daemon=True).start()
 
 
 def _build(
@@ -124,17 +140,19 @@ def _build(
     join: Joiner,
 ) -> Communicator | None:
     rank, size, lowest = alive.index(comm.rank), len(alive), alive[0]
-    host = shrinking.agreement.addresses[lowest][0]
     # Unique in this process: under the name of the communicator it replaces.
     name = f"{shrinking.agreement.name}{comm.epoch + 1}.{attempt}"
+    if size == 1:
+        return join(0, 1, name)
+    host = shrinking.agreement.addresses[lowest][0]
     server = None
     clients: list[Any] = []
     lock = threading.Lock()
     abandoned = False
 
-    def on_loss(lost: int) -> None:
+    def on_alarm(rank: int, instance: int) -> None:
         nonlocal abandoned
-        if lost in alive:  # fail this attempt's build now, not at its deadline
+        if rank in alive and instance in (LOST, attempt):  # fail now, not at the deadline
             with lock:
                 abandoned = True
                 if server is not None:
@@ -159,7 +177,7 @@ def _build(
         if got is None:
             return None
         (port,) = _PORT.unpack(got)
-    stop = shrinking.mailbox.watch(on_loss)
+    stop = shrinking.mailbox.watch(on_alarm)
     try:
         return join(rank, size, name, at=(host, port), on_client=on_client)
     except BaseException:
@@ -170,8 +188,10 @@ def _build(
         stop()
 
 
-def _close_quietly(comm: Communicator) -> None:
+def close_quietly(comm: Communicator) -> None:
+    """Close ``comm``, which failed or was replaced: what it cannot release cleanly (its
+    peers are gone) is released anyway."""
     try:
         comm.close()
-    except Exception:  # it failed already: what is left to release is released anyway
-        _log.debug("rank %d: closing the communicator before a shrink", comm.rank, exc_info=True)
+    except Exception:
+        _log.debug("rank %d: closing a communicator left behind", comm.rank, exc_info=True)

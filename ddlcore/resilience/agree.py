@@ -2,11 +2,13 @@
 
 One `Agreement` is one member's side of one instance. Its caller feeds it the local flag
 (`contribute`), the messages other members sent it (`receive`) and the deaths its failure
-detector saw (`lost`); each call returns the messages to send. Every member that decides decides
-the same `Decision`: the AND of the flags of every member that was alive to contribute, and the
-members the deciding coordinator knew were dead. The detector must be perfect (a member called
-lost is dead, and every death is eventually reported): the control plane reports a member lost
-when its connections close or its listener refuses, which a live member never does.
+detector saw (`lost`); each call returns the messages to send. Every member that decides and
+stays reachable decides the same `Decision`: the AND of the flags of every member that was
+alive to contribute, and the members the deciding coordinator knew were dead. (Not uniform: a
+member that decided, then left, counts as dead to the rest, who may decide without it.) The
+detector must be perfect (a member called lost is gone, and every death is eventually
+reported): the control plane reports a member lost when its listener refuses or its
+connections close, which a live member's never do while it stays.
 
 Rotating coordinator with adoption (the Paxos promise, over rounds in member order)::
 

@@ -53,6 +53,11 @@ class AgreeChannel:
         plane.open_channel(self._channel, self, addresses)
 
     # --- the caller's side -------------------------------------------------------------------
+    @property
+    def calls(self) -> int:
+        """How many times this rank called `agree` (the last call was instance calls - 1)."""
+        return self._calls
+
     def agree(self, flag: bool, timeout: float) -> Decision:
         """This rank's part of the next instance: its decision, the same on every rank that
         decides.

@@ -7,7 +7,7 @@ connections to the other processes' planes, dialled when first needed and kept. 
 channel (one per communicator) and are handed to that channel's handler; a frame for a channel
 not open yet is held (a peer may get there first) up to `_HELD_FRAMES`.
 
-The failure detector: a peer is lost when its listener refuses us or the handshake fails,
+The failure detector: a peer is lost when its listener refuses us (or a stranger answers),
 or when every connection to it has closed, reported after the last frame each one carried (a
 dead process closes them all; a live one only when it closes its plane). Lost is final: its
 frames still queued here are dropped, and a new connection from it is refused. A hung peer is
@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
-from ddlcore.security.auth import JobKey
+from ddlcore.security.auth import AuthenticationError, JobKey
 from ddlcore.security.claims import CONTROL, Claim, ip_bytes, ip_text
 from ddlcore.transports.sockets import HandshakeListener, format_address, owned
 
@@ -46,9 +46,12 @@ MAX_BODY = 0xFFFF
 CHANNEL_BYTES = 8
 _ADDRESS = struct.Struct("<16sH")  # a plane's listening address, in a connector's claim
 _HANDSHAKE_S = 15.0  # as the TCP transport's; a peer that cannot finish one in that is lost
-_HELD_FRAMES = 4096  # frames held for channels not open yet, over all of them
-_MAX_PENDING, _MAX_PENDING_PER_SOURCE = 64, 16
+_HELD_FRAMES = 4096  # frames held for channels not open yet, over all of them,
+_HELD_BYTES = 4 << 20  # and their bodies' bytes (agreement frames are a few bytes each)
+# Many ranks of one host dial one plane at once (a first agree): their handshakes all fit.
+_MAX_PENDING, _MAX_PENDING_PER_SOURCE = 256, 128
 _CLOSE_S = 2.0
+_REDIAL_S = (0.01, 0.5)  # first and longest pause before dialling a peer again
 
 Address = tuple[str, int]
 
@@ -96,6 +99,7 @@ class ControlPlane:
         self._peers: dict[Address, _Peer] = {}
         self._channels: dict[bytes, Handler] = {}
         self._held: collections.deque[tuple[bytes, Address, int, int, bytes]] = collections.deque()
+        self._held_bytes = 0
         self._readers: set[threading.Thread] = set()
         self._closed = False
         self._users = 0
@@ -136,6 +140,7 @@ class ControlPlane:
             self._users += 1
             held = [f for f in self._held if f[0] == channel]
             self._held = collections.deque(f for f in self._held if f[0] != channel)
+            self._held_bytes -= sum(len(f[4]) for f in held)
             lost = [a for a in peers if a in self._peers and self._peers[a].lost]
         for _, peer, instance, kind, body in held:
             handler.on_frame(peer, instance, kind, body)
@@ -172,14 +177,20 @@ class ControlPlane:
         sent = 0
         try:
             sent = conn.send(frame, socket.MSG_DONTWAIT)
+            if 0 < sent < len(frame):  # rare: the rest must follow on this connection
+                conn.sendall(frame[sent:])
+                sent = len(frame)
         except BlockingIOError:
             pass
         except OSError:
             _shutdown(conn)  # its reader sees it end, and counts it out
+            sent = 0 if sent < len(frame) else sent
         with self._lock:
             state.sending = False
             if sent < len(frame) and not state.lost:
-                state.queue.appendleft(frame[sent:])  # the rest first
+                # Whole, on whichever connection comes next: every frame is idempotent at
+                # the receiver (a repeat is no new information), never half on two.
+                state.queue.appendleft(frame)
                 self._queue(state, b"")
             self._lock.notify_all()
 
@@ -234,9 +245,10 @@ class ControlPlane:
             except OSError:
                 _shutdown(conn)  # type: ignore[arg-type]  # its reader sees it end
                 with self._lock:
-                    # Dropped with the connection: the peer is dead, or this plane is closing.
                     while state.conns and state.conns[0] is conn and not self._closed:
                         self._lock.wait(0.05)
+                    if not state.lost:  # the peer lives on another connection, or a redial
+                        state.queue.appendleft(frames)
             finally:
                 with self._lock:
                     state.sending = False
@@ -255,22 +267,42 @@ class ControlPlane:
         return True
 
     def _dial(self, state: _Peer) -> socket.socket | None:
-        """A connection to ``state``'s plane, or None when it is lost (refused, or no proof)."""
+        """A connection to ``state``'s plane, or None when it is lost: its listener refused
+        (nobody listens there: the process is gone, or closed its plane) or a stranger
+        answered (another key). Anything else (a handshake dropped by a listener at its cap,
+        a stall, out of descriptors) is tried again after a pause, until the plane closes: a
+        live peer is never called lost for being slow; the wait above has its deadline."""
+        pause = _REDIAL_S[0]
+        while True:
+            try:
+                sock = owned(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            except OSError as exc:  # out of descriptors: not the peer's doing
+                _log.debug("%r: no socket to dial %s: %s", self, state.address, exc)
+            else:
+                try:
+                    return self._handshake(state, sock)
+                except (ConnectionRefusedError, AuthenticationError) as exc:
+                    sock.close()
+                    _log.debug("%r: %s is lost: %s", self, format_address(*state.address), exc)
+                    self._lose(state)
+                    return None
+                except Exception as exc:  # dropped, reset mid-handshake, timed out: again
+                    sock.close()
+                    _log.debug("%r: dial %s again: %s", self, state.address, exc)
+            with self._lock:
+                if self._lock.wait_for(lambda: state.lost or self._closed, pause):
+                    return None
+            pause = min(pause * 2, _REDIAL_S[1])
+
+    def _handshake(self, state: _Peer, sock: socket.socket) -> socket.socket | None:
         deadline = time.monotonic() + self._handshake_s
-        sock = owned(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-        try:
-            sock.settimeout(self._handshake_s)
-            sock.connect(state.address)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            host, port = self.address
-            claim = self.key.claim(CONTROL, extra=_ADDRESS.pack(ip_bytes(host), port))
-            self.key.connect(sock, claim, deadline)
-            sock.settimeout(None)
-        except Exception as exc:  # refused, reset, timed out, not proven: lost to us
-            sock.close()
-            _log.debug("%r: %s is lost: %s", self, format_address(*state.address), exc)
-            self._lose(state)
-            return None
+        sock.settimeout(self._handshake_s)
+        sock.connect(state.address)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        host, port = self.address
+        claim = self.key.claim(CONTROL, extra=_ADDRESS.pack(ip_bytes(host), port))
+        self.key.connect(sock, claim, deadline)
+        sock.settimeout(None)
         return sock if self._adopt(state, sock) else None
 
     # --- receiving ---------------------------------------------------------------------------
@@ -334,11 +366,15 @@ class ControlPlane:
         with self._lock:
             handler = self._channels.get(channel)
             if handler is None:
-                if len(self._held) >= _HELD_FRAMES:
-                    self._held.popleft()
                 self._held.append((channel, peer, instance, kind, body))
+                self._held_bytes += len(body)
+                while len(self._held) > _HELD_FRAMES or self._held_bytes > _HELD_BYTES:
+                    self._held_bytes -= len(self._held.popleft()[4])
                 return
-        handler.on_frame(peer, instance, kind, body)
+        try:
+            handler.on_frame(peer, instance, kind, body)
+        except Exception:  # a handler's bug must not end the connection (a false loss)
+            _log.exception("%r: a channel's handler failed on a frame", self)
 
     def _lose(self, state: _Peer) -> None:
         with self._lock:
@@ -349,7 +385,10 @@ class ControlPlane:
             handlers = list(self._channels.values())
             self._lock.notify_all()
         for handler in handlers:
-            handler.on_lost(state.address)
+            try:
+                handler.on_lost(state.address)
+            except Exception:  # every other channel still hears of it
+                _log.exception("%r: a channel's handler failed on a loss", self)
 
     def lost(self, peer: Address) -> bool:
         with self._lock:

@@ -1,7 +1,8 @@
 """`Mailbox`: one-off messages between a communicator's ranks over the control plane, beside
 its agreements: each frame is kept by (sender, instance, kind) until taken, and a wait for one
-ends when it comes, when its sender is lost, or at a deadline. Watches (`watch`) hear of every
-rank lost from then on, on the plane's thread.
+ends when it comes, when its sender is lost, or at a deadline. Watches (`watch`) hear, on the
+plane's thread, of every rank lost from then on (instance `LOST`) and of every frame of an
+alarm kind (its sender and instance), which is not kept.
 """
 
 from __future__ import annotations
@@ -14,21 +15,30 @@ from ddlcore.resilience.channel import channel_of
 from ddlcore.resilience.control import Address, ControlPlane
 
 _MAX_KEPT = 1024  # frames kept untaken (a bound on what peers can make us hold)
+_MAX_BODY = 256  # the longest message kept (a port today)
+LOST = -1  # a watch's instance for a rank lost
 
 
 class Mailbox:
     """The mailbox of rank ``rank`` among the ranks whose planes are at ``addresses``, on the
     channel named ``name``."""
 
-    def __init__(self, plane: ControlPlane, name: str, rank: int, addresses: list[Address]) -> None:
-        self._plane, self.rank = plane, rank
+    def __init__(
+        self,
+        plane: ControlPlane,
+        name: str,
+        rank: int,
+        addresses: list[Address],
+        alarms: tuple[int, ...] = (),
+    ) -> None:
+        self._plane, self.rank, self._alarms = plane, rank, alarms
         self._channel = channel_of(name)
         self._addresses = addresses
         self._rank_of = {a: r for r, a in enumerate(addresses)}
         self._cond = threading.Condition()
         self._frames: dict[tuple[int, int, int], bytes] = {}
         self.lost: set[int] = set()
-        self._watches: list[Callable[[int], None]] = []
+        self._watches: list[Callable[[int, int], None]] = []
         self._closed = False
         plane.open_channel(self._channel, self, addresses)
 
@@ -47,14 +57,14 @@ class Mailbox:
                 self._cond.wait(left)
             return self._frames.pop(key)
 
-    def watch(self, fn: Callable[[int], None]) -> Callable[[], None]:
-        """Call ``fn(rank)`` for each rank lost from now on (and at once for those lost
-        already); returns what stops it."""
+    def watch(self, fn: Callable[[int, int], None]) -> Callable[[], None]:
+        """Call ``fn(rank, LOST)`` for each rank lost from now on (and at once for those lost
+        already), ``fn(rank, instance)`` for each alarm; returns what stops it."""
         with self._cond:
             self._watches.append(fn)
             lost = sorted(self.lost)
         for rank in lost:
-            fn(rank)
+            fn(rank, LOST)
 
         def stop() -> None:
             with self._cond:
@@ -68,6 +78,14 @@ class Mailbox:
         src = self._rank_of.get(peer)
         if src is None:
             return
+        if kind in self._alarms:
+            with self._cond:
+                watches = list(self._watches)
+            for fn in watches:
+                fn(src, instance)
+            return
+        if len(body) > _MAX_BODY:
+            return  # no message of ours is that long
         with self._cond:
             if len(self._frames) >= _MAX_KEPT:
                 self._frames.pop(next(iter(self._frames)))
@@ -85,7 +103,7 @@ class Mailbox:
             watches = list(self._watches)
             self._cond.notify_all()
         for fn in watches:
-            fn(rank)
+            fn(rank, LOST)
 
     def close(self) -> bool:
         """Stop; True when the plane has no channel left."""

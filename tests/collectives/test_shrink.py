@@ -159,3 +159,33 @@ def test_a_world_of_one_shrinks_to_itself():
     x = np.arange(5.0)
     assert np.array_equal(new.allreduce(x), x)
     new.close()
+
+
+def _one_build_fails(rank, size):
+    """Nobody dies, but rank 2's first build fails on its own (as a store it could not reach
+    in time would make it): every rank gives up that attempt at once and they try again
+    together, rather than leave some ranks with a communicator and some without."""
+    import ddlcore
+    from ddlcore import membership
+    from ddlcore.errors import DDLError
+
+    comm = ddlcore.init()
+    revoked_by(comm, 0)
+    if rank == 2:
+        build = membership._build
+
+        def fail_once(*args, **kwargs):
+            membership._build = build
+            raise DDLError("rank 2: a build that failed here only")
+
+        membership._build = fail_once
+    t0 = time.monotonic()
+    new = comm.shrink()
+    return new.size, new.epoch, _check(new), time.monotonic() - t0
+
+
+def test_a_build_that_fails_on_one_rank_is_tried_again_by_all(pools):
+    results = pools.run(_one_build_fails, 3, env={"DDL_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    for size, epoch, wrong, seconds in results:
+        assert (size, epoch, wrong) == (3, 1, []), results
+        assert seconds < TIMEOUT_S / 2, results
