@@ -1,6 +1,6 @@
-"""Build only the Cython extensions (CPU kernels, the shm transport's and the host collectives' native halves, the
-communicator's compiled front end, the tcp transport's native steps); everything
-else is declared in pyproject.toml."""
+"""Build only the Cython extensions (CPU kernels, the shm transport's and the host collectives'
+native halves, the communicator's compiled front end, the tcp transport's native steps, the
+failure detector's heartbeat); everything else is declared in pyproject.toml."""
 
 import numpy
 from Cython.Build import cythonize
@@ -45,6 +45,13 @@ extensions = [
         ["transports/_shm.pyx"],
         include_dirs=["transports"],
         extra_compile_args=COMPILE_ARGS,
+    ),
+    Extension(
+        "ddlcore.resilience._heartbeat",
+        ["ddlcore/resilience/_heartbeat.pyx"],
+        include_dirs=["ddlcore/resilience"],
+        extra_compile_args=COMPILE_ARGS,
+        extra_link_args=["-pthread"],
     ),
 ]
 

@@ -1,7 +1,9 @@
-"""How soon the survivors of a SIGKILL compute again (`Communicator.shrink`), and what
-`Communicator.agree` costs beside MPICH's own fault-tolerant agreement.
+"""How soon the survivors of a SIGKILL, or of a rank that stops answering (SIGSTOP), compute
+again (`Communicator.shrink`), and what `Communicator.agree` costs beside MPICH's own
+fault-tolerant agreement.
 
     python benchmarks/elastic_recovery.py --kills 200 --np 4 --json F  # kill -> shrunk, computing
+    python benchmarks/elastic_recovery.py --kills 50 --signal stop --json F  # a hang, the same
     mpiexec -n 4 python benchmarks/elastic_recovery.py --json F        # agree without failures
 
 Without failures (under mpiexec, the same processes): the median time of ddlcore's
@@ -17,6 +19,11 @@ time (CLOCK_MONOTONIC, shared by the processes of one host). Each survivor catch
 returned, checked against NumPy; the round's recovery is the last survivor's. MPICH 5.0's Agree
 and Shrink after a death need an MPICH built for fault tolerance, which the wheel is not, so
 the kills have no MPI column.
+
+With ``--signal stop`` the victim stops itself (SIGSTOP: its process is alive, its sockets
+open, nothing answers): the survivors find it by the heartbeat's silence
+(``DDL_HEARTBEAT_TIMEOUT``, 1 s by default), and each round also reports when the last
+survivor's collective failed (the exclusion).
 """
 
 from __future__ import annotations
@@ -83,7 +90,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, size: int, port: int, victim: int, seed: int, killed: Any, q: Any) -> None:
+def _rank(
+    rank: int, size: int, port: int, victim: int, seed: int, killed: Any, q: Any, how: int
+) -> None:
     os.environ.update(
         DDL_RANK=str(rank),
         DDL_SIZE=str(size),
@@ -100,7 +109,7 @@ def _rank(rank: int, size: int, port: int, victim: int, seed: int, killed: Any, 
 
         def die() -> None:
             killed.value = time.monotonic()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), how)
 
         threading.Timer(random.Random(seed).uniform(0.0, 0.2), die).start()
     while True:
@@ -108,20 +117,22 @@ def _rank(rank: int, size: int, port: int, victim: int, seed: int, killed: Any, 
             comm.allreduce(x)
         except ddlcore.PeerFailureError:
             break
+    failed = time.monotonic()
     comm = comm.shrink()
     y = comm.allreduce(x)
     done = time.monotonic()
     want = sum(m + 1.0 for m in comm.member_ids)
-    q.put((rank, done, bool(np.all(y == want)), comm.size))
+    q.put((rank, done, bool(np.all(y == want)), comm.size, failed))
     comm.close()
 
 
-def kills(nprocs: int, rounds: int, seed: int) -> dict[str, Any]:
+def kills(nprocs: int, rounds: int, seed: int, how: str = "kill") -> dict[str, Any]:
     # Ranks forked from a server that imported what every rank imports (as the tests do):
     # each round then costs a fork, not an interpreter start and ~0.5 s of imports per rank.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["numpy", "ddlcore.bootstrap"])
     rng = random.Random(seed)
+    signum = signal.SIGSTOP if how == "stop" else signal.SIGKILL
     rows = []
     for k in range(rounds):
         victim = rng.randrange(nprocs)
@@ -129,18 +140,32 @@ def kills(nprocs: int, rounds: int, seed: int) -> dict[str, Any]:
         q = ctx.Queue()
         port = _free_port()
         procs = [
-            ctx.Process(target=_rank, args=(r, nprocs, port, victim, seed * 1000 + k, killed, q))
+            ctx.Process(
+                target=_rank,
+                args=(r, nprocs, port, victim, seed * 1000 + k, killed, q, signum),
+            )
             for r in range(nprocs)
         ]
         for p in procs:
             p.start()
         seen = [q.get(timeout=120) for _ in range(nprocs - 1)]
+        procs[victim].kill()  # a stopped one is still there
         for p in procs:
             p.join(60)
-        assert all(ok and n == nprocs - 1 for _, _, ok, n in seen), seen
-        rows.append({"victim": victim, "recovery_s": max(t for _, t, _, _ in seen) - killed.value})
-        print(f"kill {k}: rank {victim}, {rows[-1]['recovery_s'] * 1e3:.1f} ms", file=sys.stderr)
-    return {"np": nprocs, "rounds": rounds, "rows": rows}
+        assert all(ok and n == nprocs - 1 for _, _, ok, n, _ in seen), seen
+        rows.append(
+            {
+                "victim": victim,
+                "recovery_s": max(s[1] for s in seen) - killed.value,
+                "excluded_s": max(s[4] for s in seen) - killed.value,
+            }
+        )
+        print(
+            f"{how} {k}: rank {victim}, failed after {rows[-1]['excluded_s'] * 1e3:.1f} ms, "
+            f"computing after {rows[-1]['recovery_s'] * 1e3:.1f} ms",
+            file=sys.stderr,
+        )
+    return {"np": nprocs, "rounds": rounds, "signal": how, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--kills", type=int, default=0, help="kill rounds (no MPI), else costs")
     p.add_argument("--np", type=int, default=4)
+    p.add_argument("--signal", choices=("kill", "stop"), default="kill", help="with --kills")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -155,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     if a.kills:
-        doc = kills(a.np, a.kills, a.seed)
+        doc = kills(a.np, a.kills, a.seed, a.signal)
     else:
         doc = costs(a.iters)
         if doc.pop("rank"):

@@ -670,6 +670,16 @@ def summary() -> str:
             "[Surviving a rank's death](#surviving-a-ranks-death)",
         ]
     )
+    stops = [r["recovery_s"] * 1e3 for r in load("elastic_recovery_np4_stop.json")["rows"]]
+    rows.append(
+        [
+            "A rank SIGSTOPped (hung), np = 4, one host: excluded by the heartbeat, to the first "
+            "allreduce on the shrunk communicator",
+            f"p50 {statistics.median(stops):.0f} ms, max {max(stops):.0f} ms over {len(stops)} "
+            "stops (goal: 1.5 s); torchft's default heartbeat timeout is 5 s",
+            "[Surviving a rank's death](#surviving-a-ranks-death)",
+        ]
+    )
     return table(["what", "result", "where"], rows, "lll")
 
 
@@ -722,6 +732,39 @@ def elastic_recovery(kills: str, costs: str) -> str:
     return out
 
 
+def elastic_hang(stops: str) -> str:
+    """SIGSTOP -> the survivors' collective fails (exclusion) -> first collective shrunk."""
+    doc = load(stops)
+    columns = [
+        ("the survivors' collective failed", "excluded_s"),
+        ("computing again", "recovery_s"),
+    ]
+    rows = []
+    for what, key in columns:
+        ts = [r[key] * 1e3 for r in doc["rows"]]
+        rows.append(
+            [
+                what,
+                fmt(min(ts), 0),
+                fmt(statistics.median(ts), 0),
+                fmt(_quantile(ts, 0.99), 0),
+                fmt(max(ts), 0),
+                fmt(max(ts) / 1500.0),
+            ]
+        )
+    return f"```bash\n{doc['command']}\n```\n\n" + table(
+        [
+            f"np {doc['np']}, {doc['rounds']} stops, from the stop to",
+            "min ms",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "max / 1.5 s",
+        ],
+        rows,
+    )
+
+
 RENDERERS: dict[str, Callable[..., str]] = {
     "summary": summary,
     "host_allreduce": host_allreduce,
@@ -736,6 +779,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "convergence": convergence,
     "torch_ddp": torch_ddp,
     "elastic_recovery": elastic_recovery,
+    "elastic_hang": elastic_hang,
 }
 
 PLACEHOLDER = re.compile(r"^\{\{\s*(\w+)((?:\s+[\w.\-]+)*)\s*\}\}$")

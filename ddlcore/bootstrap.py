@@ -194,12 +194,15 @@ def _store_for(info: RendezvousInfo, timeout: float, environ: Mapping[str, str] 
     return client, PrefixStore(client, f"g{generation}/")
 
 
-def _control_plane(info: RendezvousInfo, store: Any, timeout: float) -> ControlPlane:
+def _control_plane(
+    info: RendezvousInfo, store: Any, timeout: float, environ: Mapping[str, str] | None
+) -> ControlPlane:
     """This process's control plane, listening where the job's other hosts reach it (the
     address its route to the store's host leaves from)."""
     master = info.master_addr
     host = route_address(master) if master else socket.gethostbyname(socket.gethostname())
-    return ControlPlane(host, store.job_key, timeout)
+    heartbeat_s = config.get("DDL_HEARTBEAT_TIMEOUT", environ)
+    return ControlPlane(host, store.job_key, timeout, heartbeat_s)
 
 
 def _let_peers_finish(info: RendezvousInfo, timeout: float) -> None:
@@ -433,7 +436,7 @@ def _join(
     own_plane = plane is None
     try:
         if plane is None:
-            plane = _control_plane(info, store, timeout)
+            plane = _control_plane(info, store, timeout, environ)
         algo_name = algo.lower() if algo else config.get("DDL_ALGO", environ)
         boards = config.get("DDL_HOST_COLLECTIVES", environ)
         # Read once by every rank, then freed by the store.

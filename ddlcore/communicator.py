@@ -24,7 +24,7 @@ from ddlcore import calls, config, device, flight, membership, p2p, topology
 from ddlcore.buffers import MemoryKind
 from ddlcore.calls import Call
 from ddlcore.collectives import Collective
-from ddlcore.errors import CommunicatorClosedError, CommunicatorRevokedError, DDLError
+from ddlcore.errors import CommunicatorClosedError, CommunicatorRevokedError, DDLError, rewrap
 from ddlcore.execution import (
     checks,
     device_engine,
@@ -134,6 +134,7 @@ class Communicator(RootedCollectives):
         self._in_hooks = threading.local()
         self._broken: str | None = None
         self._failure: BaseException | None = None  # the first failure (or revoke)
+        self._failed_outside = False  # it came from outside a call: `_fail_outside`
         self._revoke_lock = threading.Lock()
         # Some link cannot judge check words: compare the calls explicitly (`engine.agree`).
         self._agree_explicitly = links is not None and any(
@@ -185,6 +186,12 @@ class Communicator(RootedCollectives):
         self._epoch = 0
         self._member_ids: tuple[int, ...] = tuple(range(self.size))
         self._shrinking = shrinking
+        # A member silent for the heartbeat timeout, or this rank fenced, fails it at once.
+        self._unwatch = (
+            membership.watch(plane, agreement.addresses, self.rank, self._fail_outside)
+            if plane is not None and agreement is not None
+            else None
+        )
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -250,20 +257,23 @@ class Communicator(RootedCollectives):
             raise
         return call.result
 
-    def _revoked_instead(self, exc: BaseException) -> CommunicatorRevokedError | None:
-        """A call that failed after this communicator was revoked fails for that reason,
-        whatever it saw first (a peer that closed on hearing of the revoke): the revoked
-        error, or None where ``exc`` is one already or the failure came first."""
+    def _revoked_instead(self, exc: BaseException) -> DDLError | None:
+        """A call that failed after this communicator failed from outside it (a revoke, a
+        silent member, this rank fenced) fails for that reason, whatever it saw first (a peer
+        that closed on hearing of it): that error, or None where ``exc`` is of its kind
+        already or the call's own failure came first."""
         first = self._failure
-        if not isinstance(first, CommunicatorRevokedError) or first is exc:
+        if not self._failed_outside or not isinstance(first, DDLError) or first is exc:
             return None
-        if isinstance(exc, CommunicatorRevokedError) or not isinstance(exc, DDLError):
+        if isinstance(exc, type(first)) or not isinstance(exc, DDLError):
             return None
-        return CommunicatorRevokedError(
-            f"rank {self.rank}: rank {first.peer} revoked the communicator during the call "
-            f"(the call then saw: {exc})",
-            first.peer,
-        )
+        if isinstance(first, CommunicatorRevokedError):
+            return CommunicatorRevokedError(
+                f"rank {self.rank}: rank {first.peer} revoked the communicator during the call "
+                f"(the call then saw: {exc})",
+                first.peer,
+            )
+        return rewrap(first, f"{first} (the call in progress then saw: {exc})")
 
     def _refusal(self, what: str) -> CommunicatorClosedError:
         """The error a call of a broken communicator raises: a `CommunicatorRevokedError`
@@ -518,20 +528,29 @@ class Communicator(RootedCollectives):
         revoked before). Any thread may call it, also while `close` waits for queued calls
         (they fail at once then); after `close` there is nothing left to revoke.
         """
+        err = CommunicatorRevokedError(
+            f"rank {self.rank} revoked the communicator (Communicator.revoke)", self.rank
+        )
+        self._fail_outside(err, ABORT_REVOKED, "it revoked the communicator (Communicator.revoke)")
+
+    def _fail_outside(self, err: DDLError, code: int | None = None, reason: str = "") -> None:
+        """Fail this communicator from outside any call (a revoke; a member silent for the
+        heartbeat timeout; this rank fenced): every pending call fails with ``err`` (see
+        `_revoked_instead`) and the peers are told (abort ``code``, ``reason``; by default
+        those of ``err``). Once: a communicator that failed already is left as it is."""
         with self._revoke_lock:
             if self._failure is not None:
                 return
-            err = CommunicatorRevokedError(
-                f"rank {self.rank} revoked the communicator (Communicator.revoke)", self.rank
-            )
-            self._failure, self._broken = err, str(err)
+            self._failure, self._broken, self._failed_outside = err, str(err), True
         self._front_end_update()
+        if code is None:
+            code, reason = abort_code(err), engine.failure_reason(err)
         # The boards first: their peers hear of it before any peer told on the links can fail,
         # close and leave a note of its own there. Whatever a call of ours in flight sees
-        # first, `_revoked_instead` names the revoke.
+        # first, `_revoked_instead` names this failure.
         for sink in (self._host, self._node, self._links):
             if sink is not None:
-                sink.abort(ABORT_REVOKED, "it revoked the communicator (Communicator.revoke)")
+                sink.abort(code, reason)
 
     def agree(self, flag: bool = True) -> bool:
         """Fault-tolerant agreement (ULFM's ``MPI_Comm_agree``): the AND of ``flag`` over the
@@ -650,6 +669,8 @@ class Communicator(RootedCollectives):
                 self._store.close()
             if self._on_close is not None:
                 self._on_close()
+            if self._unwatch is not None:
+                self._unwatch()
             channels = [self._agreement, self._shrinking]
             if any([c.close() for c in channels if c is not None]):
                 assert self._plane is not None

@@ -92,6 +92,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise ValueError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def _nonneg_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -276,6 +283,16 @@ _declare(
     600.0,
     "Seconds any blocking wait (rendezvous, a collective, a handle) may last before it "
     "fails with DDLTimeoutError naming the rank and collective.",
+)
+_declare(
+    "DDL_HEARTBEAT_TIMEOUT",
+    _nonneg_float,
+    1.0,
+    "Seconds of silence after which a rank is excluded from its communicators (a heartbeat "
+    "thread outside Python pings each peer ten times in that): a rank stopped, hung in the "
+    "kernel or cut off by the network fails the collectives waiting on it with "
+    "PeerFailureError on every other rank, and shrink() goes on without it. 0 turns the "
+    "heartbeat off (a hung rank is then found only by DDL_TIMEOUT).",
 )
 _declare(
     "DDL_CHUNK_BYTES",

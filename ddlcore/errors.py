@@ -65,6 +65,13 @@ class CommunicatorRevokedError(PeerFailureError, CommunicatorClosedError):
     call of a broken communicator raises."""
 
 
+class ExcludedError(DDLError):
+    """This rank cannot go on with its job: the others excluded it (it was silent for longer
+    than ``DDL_HEARTBEAT_TIMEOUT``: stopped, hung, cut off) and went on without it, or it is on
+    the smaller side of a partition. Not a `PeerFailureError`: shrinking cannot help; the
+    process should exit (``ddlrun --elastic`` starts a replacement, which joins by grow)."""
+
+
 class ParametersDifferError(DDLError):
     """Data-parallel training found the ranks' parameters different where they must be equal
     (the PyTorch `DistributedOptimizer` checks at its first step)."""

@@ -14,6 +14,13 @@ job's key, so the survivors need nobody else::
                                           as split's children do; rank = its place among the
                                           survivors, in the old order)
 
+Who is alive is what the ranks' failure detectors saw: a rank whose listener refuses or whose
+connections all closed is dead; one silent for the heartbeat timeout may be stopped, or alive on
+the other side of a partition. Without certainty, only the side holding more than half of the
+old communicator's ranks (or exactly half, with its rank 0) goes on; the other raises
+`ExcludedError` (no split brain), and so does a rank that wakes up after the others excluded it
+(its plane was fenced).
+
 A survivor lost during the build (its planes' connections close) makes every rank that sees it
 close its store connection, and the store's rank closes the store: every build fails at once,
 and the survivors agree again without it (attempt by attempt, each one agreement instance).
@@ -32,9 +39,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ddlcore.errors import DDLError, DDLTimeoutError, PeerFailureError
-from ddlcore.resilience.channel import AgreeChannel
-from ddlcore.resilience.control import Address, ControlPlane
+from ddlcore.errors import DDLError, DDLTimeoutError, ExcludedError, PeerFailureError
+from ddlcore.resilience.channel import AgreeChannel, excluded
+from ddlcore.resilience.control import CLOSED, REFUSED, Address, ControlPlane
 from ddlcore.resilience.mailbox import LOST, Mailbox
 
 if TYPE_CHECKING:
@@ -72,6 +79,7 @@ class Shrinking:
 
     def __init__(self, plane: ControlPlane, name: str, rank: int, addresses: list[Address]) -> None:
         self.rank, self.size = rank, len(addresses)
+        self.plane = plane
         self.agreement = AgreeChannel(plane, f"{name}#shrink", rank, addresses)
         self.mailbox = Mailbox(plane, f"{name}#shrink-mail", rank, addresses, alarms=(_ABANDON,))
 
@@ -108,6 +116,7 @@ def shrink(
                 "connections closed) and went on without it; it cannot join them",
                 comm.rank,
             )
+        _check_majority(comm.rank, comm.size, alive, shrinking)
         new = None
         try:
             new = _build(comm, shrinking, alive, attempt, deadline, join)
@@ -129,6 +138,53 @@ def shrink(
             return new, alive  # type: ignore[return-value]
         if new is not None:
             threading.Thread(target=close_quietly, args=(new,), daemon=True).start()
+
+
+def _check_majority(rank: int, size: int, alive: list[int], shrinking: Shrinking) -> None:
+    """Go on only with more than half of the ``size`` ranks alive, or exactly half with rank
+    0 among them, unless every rank left out is known dead here (see the module docstring)."""
+    if 2 * len(alive) > size:
+        return
+    left_out = [r for r in range(size) if r not in alive]
+    certain = (CLOSED, REFUSED)
+    suspected = [
+        r
+        for r in left_out
+        if shrinking.plane.how_lost(shrinking.agreement.addresses[r]) not in certain
+    ]
+    if not suspected or (2 * len(alive) == size and 0 in alive):
+        return
+    raise ExcludedError(
+        f"rank {rank}: shrink: only {len(alive)} of {size} ranks are left here, and rank(s) "
+        f"{suspected} went silent rather than died: they may be alive on the other side of a "
+        "network partition, so this side stops (only a side with more than half of the ranks, "
+        "or half with rank 0, goes on)"
+    )
+
+
+def watch(
+    plane: ControlPlane, addresses: list[Address], rank: int, fail: Callable[[DDLError], None]
+) -> Callable[[], None]:
+    """Heartbeat the other members of a communicator (at ``addresses``; this one is ``rank``):
+    ``fail`` gets the error when one goes silent, or when this rank is fenced. Returns the
+    function that stops watching."""
+
+    class _Watch:
+        def on_silent(self, peer: Address) -> None:
+            member = addresses.index(peer)
+            fail(
+                PeerFailureError(
+                    f"rank {rank}: rank {member} sent no heartbeat for "
+                    f"DDL_HEARTBEAT_TIMEOUT={plane.heartbeat_s:g} s (stopped, hung or cut off "
+                    "from this rank): it is excluded; shrink() goes on without it",
+                    member,
+                )
+            )
+
+        def on_fenced(self, peer: Address) -> None:
+            fail(excluded(rank, addresses.index(peer) if peer in addresses else None))
+
+    return plane.watch([a for r, a in enumerate(addresses) if r != rank], _Watch())
 
 
 def _build(

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 
-from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError
+from ddlcore.errors import CommunicatorClosedError, DDLTimeoutError, ExcludedError
 from ddlcore.resilience.agree import Agreement, Decision, Message
 from ddlcore.resilience.control import CHANNEL_BYTES, Address, ControlPlane
 
@@ -32,6 +32,16 @@ def channel_of(name: str) -> bytes:
     """The channel of the communicator named ``name`` (its namespace in the job's store: the
     same on every rank, distinct between communicators)."""
     return hashlib.sha256(b"ddlcore agree\0" + name.encode()).digest()[:CHANNEL_BYTES]
+
+
+def excluded(rank: int, by: int | None) -> ExcludedError:
+    """The error of rank ``rank`` whose plane was fenced (by rank ``by``, if a member)."""
+    return ExcludedError(
+        f"rank {rank}: the other ranks excluded this one"
+        f"{'' if by is None else f' (rank {by} says so)'}: it was silent for longer than "
+        "DDL_HEARTBEAT_TIMEOUT (stopped, hung or cut off) and they went on without it; it "
+        "cannot take part again: exit (ddlrun --elastic starts a replacement)"
+    )
 
 
 class AgreeChannel:
@@ -68,11 +78,14 @@ class AgreeChannel:
             No decision within ``timeout`` (a member hung, or never called agree).
         CommunicatorClosedError
             The channel was closed.
+        ExcludedError
+            The other ranks excluded this one (it was silent too long): it decides nothing.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             if self._closed:
                 raise CommunicatorClosedError(f"rank {self.rank}: agree on a closed communicator")
+            self._check_fenced()
             instance = self._calls
             self._calls += 1
             state = self._instance(instance)
@@ -86,6 +99,7 @@ class AgreeChannel:
                     raise self._stuck(instance, state, timeout)
                 if now - probed >= _PROBE_S:  # a rank waited on that died silent is found
                     probed = now
+                    self._check_fenced()
                     for member in state.waiting_for():
                         self._plane.probe(self.addresses[member])
                 self._cond.wait(min(left, _PROBE_S))
@@ -98,6 +112,11 @@ class AgreeChannel:
         # DECIDEs; the others' answers to ranks that took them for theirs).
         self._plane.flush(_FLUSH_S)
         return decision
+
+    def _check_fenced(self) -> None:
+        fenced = self._plane.fenced
+        if fenced is not None:
+            raise excluded(self.rank, self._rank_of.get(fenced))
 
     def _stuck(self, instance: int, state: Agreement, timeout: float) -> Exception:
         if self._closed:

@@ -8,10 +8,16 @@ channel (one per communicator) and are handed to that channel's handler; a frame
 not open yet is held (a peer may get there first) up to `_HELD_FRAMES`.
 
 The failure detector: a peer is lost when its listener refuses us (or a stranger answers),
-or when every connection to it has closed, reported after the last frame each one carried (a
-dead process closes them all; a live one only when it closes its plane). Lost is final: its
-frames still queued here are dropped, and a new connection from it is refused. A hung peer is
-not seen here (its kernel still answers): every wait above has a deadline.
+when every connection to it has closed, reported after the last frame each one carried (a
+dead process closes them all; a live one only when it closes its plane), or when the peers
+the communicators `watch` go silent: a native heartbeat thread (``ddl_heartbeat.h``) pings
+them over UDP, on the listener's port number, and one that sends nothing for the heartbeat
+timeout (stopped, hung in the kernel, cut off) is lost as "silent". Lost is final: its frames
+still queued here are dropped, so are those it sends later, and a new connection from it is
+refused. A peer lost as silent that wakes up is fenced: its pings are answered FENCED and its
+connections get a FENCE frame (before anything else from here), after which its plane's
+watchers hear `on_fenced` and its agreements refuse to decide: it cannot come back into a job
+that went on without it.
 
 A forked child (a data loader's worker) closes its copies of the plane's sockets at once
 (`owned`): it must not keep a connection open past its parent's death, which would hide it.
@@ -22,6 +28,7 @@ Frame (little-endian): magic u32 | channel[8] | instance u64 | kind u16 | length
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import socket
@@ -29,9 +36,10 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from ddlcore.resilience._heartbeat import FENCED, STOPPED, Heartbeat
 from ddlcore.security.auth import AuthenticationError, JobKey
 from ddlcore.security.claims import CONTROL, Claim, ip_bytes, ip_text
 from ddlcore.transports.sockets import HandshakeListener, format_address, owned
@@ -42,6 +50,8 @@ _MAGIC = 0xDDC7A1E5
 _FRAME = struct.Struct("<I8sQHH")
 _NO_CHANNEL = bytes(8)  # a frame of the plane's own, for no channel: read and dropped
 _PING = _FRAME.pack(_MAGIC, _NO_CHANNEL, 0, 0, 0)
+_FENCE_KIND = 1
+_FENCE = _FRAME.pack(_MAGIC, _NO_CHANNEL, 0, _FENCE_KIND, 0)  # "you were excluded"
 MAX_BODY = 0xFFFF
 CHANNEL_BYTES = 8
 _ADDRESS = struct.Struct("<16sH")  # a plane's listening address, in a connector's claim
@@ -52,8 +62,21 @@ _HELD_BYTES = 4 << 20  # and their bodies' bytes (agreement frames are a few byt
 _MAX_PENDING, _MAX_PENDING_PER_SOURCE = 256, 128
 _CLOSE_S = 2.0
 _REDIAL_S = (0.01, 0.5)  # first and longest pause before dialling a peer again
+_BEATS_PER_TIMEOUT = 10  # pings per heartbeat timeout: one lost packet or two is no silence
+_DEFAULT_HEARTBEAT_S = 1.0  # the pace of a heartbeat that only answers
+_BIND_TRIES = 32  # listener ports tried before one whose UDP twin is free too
+SILENT, CLOSED, REFUSED = "silent", "closed", "refused"  # how a peer was lost
 
 Address = tuple[str, int]
+
+
+class Watcher(Protocol):
+    """What a watcher of peers gets from the plane (`ControlPlane.watch`; called on the plane's
+    threads: quick, never blocking on I/O)."""
+
+    def on_silent(self, peer: Address) -> None: ...
+
+    def on_fenced(self, peer: Address) -> None: ...
 
 
 class Handler(Protocol):
@@ -76,7 +99,7 @@ class _Peer:
         self.queue: collections.deque[bytes] = collections.deque()
         self.sending = False  # frames taken from the queue, not yet in the kernel's hands
         self.sender: threading.Thread | None = None
-        self.lost = False
+        self.lost: str | None = None  # how it was lost (SILENT, CLOSED, REFUSED), once it is
 
 
 class ControlPlane:
@@ -90,9 +113,13 @@ class ControlPlane:
         The job's key (its ``job_id`` known): every connection proves it both ways.
     timeout : float
         Upper bound of one handshake (at most `_HANDSHAKE_S`).
+    heartbeat_s : float
+        Silence after which a watched peer is lost (``DDL_HEARTBEAT_TIMEOUT``); 0: none.
     """
 
-    def __init__(self, host: str, key: JobKey, timeout: float = _HANDSHAKE_S) -> None:
+    def __init__(
+        self, host: str, key: JobKey, timeout: float = _HANDSHAKE_S, heartbeat_s: float = 0.0
+    ) -> None:
         self.key = key
         self._handshake_s = min(float(timeout), _HANDSHAKE_S)
         self._lock = threading.Condition()
@@ -103,15 +130,18 @@ class ControlPlane:
         self._readers: set[threading.Thread] = set()
         self._closed = False
         self._users = 0
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, 0))
-            sock.listen(128)
-            self.address: Address = (host, sock.getsockname()[1])
-        except BaseException:
-            sock.close()
-            raise
+        self.fenced: Address | None = None  # the peer that said this process was excluded
+        self._watchers: dict[int, tuple[list[Address], Watcher]] = {}
+        self.heartbeat_s = heartbeat_s
+        sock, self._udp = _bind_pair(host)
+        self.address: Address = (host, sock.getsockname()[1])
         self._sock = sock
+        # Always there to answer (a peer may watch with a timeout of its own); it pings only
+        # the peers watched here, and nobody with the heartbeat off.
+        token = key.derive(b"heartbeat", key.job_id or b"")[:8]
+        beat_s = heartbeat_s or _DEFAULT_HEARTBEAT_S
+        self._heartbeat = Heartbeat(self._udp.fileno(), token, beat_s / _BEATS_PER_TIMEOUT, beat_s)
+        threading.Thread(target=self._silence_loop, name="ddl-heartbeat", daemon=True).start()
         self._listener = HandshakeListener(
             sock,
             self._accept,
@@ -153,6 +183,67 @@ class ControlPlane:
             if self._channels.pop(channel, None) is not None:
                 self._users -= 1
             return self._users == 0
+
+    def watch(self, peers: Iterable[Address], watcher: Watcher) -> Callable[[], None]:
+        """Heartbeat ``peers`` (while any watcher watches them): ``watcher`` hears of each that
+        goes silent, and of this process being fenced. Returns the function that stops it."""
+        peers = list(peers)
+        beating = peers if self.heartbeat_s > 0 else []  # off: nobody is ever called silent
+        with self._lock:  # the heartbeat's table changes under it, never after its stop
+            if self._closed:
+                raise RuntimeError("the control plane is closed")
+            token = id(watcher)
+            self._watchers[token] = (peers, watcher)
+            silent = [a for a in peers if a in self._peers and self._peers[a].lost == SILENT]
+            fenced = self.fenced
+            for host, port in beating:
+                self._heartbeat.watch(host, port, 1)
+        for peer in silent:
+            watcher.on_silent(peer)
+        if fenced is not None:
+            watcher.on_fenced(fenced)
+
+        def stop() -> None:
+            with self._lock:
+                if self._watchers.pop(token, None) is None or self._closed:
+                    return
+                for host, port in beating:
+                    self._heartbeat.watch(host, port, -1)
+
+        return stop
+
+    def _silence_loop(self) -> None:
+        """The heartbeat's news, to the peers' states and the watchers (a thread of its own)."""
+        while True:
+            n, peers = self._heartbeat.wait(1.0)
+            if n == STOPPED:
+                return
+            if n == FENCED:
+                self._fence(peers[0])
+                continue
+            for peer in peers:
+                with self._lock:
+                    state = self._peer(peer)
+                self._lose(state, SILENT)
+
+    def _fence(self, by: Address) -> None:
+        with self._lock:
+            if self.fenced is not None or self._closed:
+                return
+            self.fenced = by
+            watchers = [w for _, w in self._watchers.values()]
+            self._lock.notify_all()
+        _log.warning(
+            "%r: the plane at %s says this process was excluded from its job (it was silent "
+            "for longer than the heartbeat timeout)",
+            self,
+            format_address(*by),
+        )
+        for watcher in watchers:
+            try:
+                watcher.on_fenced(by)
+            except Exception:
+                _log.exception("%r: a watcher failed on being fenced", self)
 
     # --- sending -----------------------------------------------------------------------------
     def send(self, peer: Address, channel: bytes, instance: int, kind: int, body: bytes) -> None:
@@ -284,7 +375,7 @@ class ControlPlane:
                 except (ConnectionRefusedError, AuthenticationError) as exc:
                     sock.close()
                     _log.debug("%r: %s is lost: %s", self, format_address(*state.address), exc)
-                    self._lose(state)
+                    self._lose(state, REFUSED)
                     return None
                 except Exception as exc:  # dropped, reset mid-handshake, timed out: again
                     sock.close()
@@ -321,6 +412,8 @@ class ControlPlane:
     def _adopt(self, state: _Peer, conn: socket.socket) -> bool:
         with self._lock:
             if state.lost or self._closed:
+                if state.lost == SILENT:  # woke up: tell it why it is refused
+                    _send_quietly(conn, _FENCE)
                 conn.close()
                 return False
             state.conns.append(conn)
@@ -348,7 +441,10 @@ class ControlPlane:
                 body = _recv(conn, length) if length else b""
                 if body is None:
                     break
-                if channel != _NO_CHANNEL:
+                if channel == _NO_CHANNEL:
+                    if kind == _FENCE_KIND:
+                        self._fence(state.address)
+                elif not state.lost:  # a peer lost as silent may wake up: it is not heard
                     self._deliver(channel, state.address, instance, kind, body)
         finally:
             conn.close()
@@ -358,7 +454,7 @@ class ControlPlane:
                 gone = not state.conns and not self._closed
                 self._lock.notify_all()
             if gone:
-                self._lose(state)
+                self._lose(state, CLOSED)
 
     def _deliver(
         self, channel: bytes, peer: Address, instance: int, kind: int, body: bytes
@@ -376,14 +472,23 @@ class ControlPlane:
         except Exception:  # a handler's bug must not end the connection (a false loss)
             _log.exception("%r: a channel's handler failed on a frame", self)
 
-    def _lose(self, state: _Peer) -> None:
+    def _lose(self, state: _Peer, how: str) -> None:
         with self._lock:
             if state.lost or self._closed:
                 return
-            state.lost = True
+            state.lost = how
             state.queue.clear()
             handlers = list(self._channels.values())
+            watchers = [w for peers, w in self._watchers.values() if state.address in peers]
+            conns = list(state.conns) if how == SILENT else []
             self._lock.notify_all()
+        for conn in conns:  # read first when it wakes up: nothing else from here will be
+            _send_quietly(conn, _FENCE)
+        for watcher in watchers:
+            try:
+                watcher.on_silent(state.address)
+            except Exception:
+                _log.exception("%r: a watcher failed on a silent peer", self)
         for handler in handlers:
             try:
                 handler.on_lost(state.address)
@@ -391,9 +496,13 @@ class ControlPlane:
                 _log.exception("%r: a channel's handler failed on a loss", self)
 
     def lost(self, peer: Address) -> bool:
+        return self.how_lost(peer) is not None
+
+    def how_lost(self, peer: Address) -> str | None:
+        """How ``peer`` was lost (`SILENT`, `CLOSED`, `REFUSED`), or None while it is not."""
         with self._lock:
             state = self._peers.get(peer)
-            return state is not None and state.lost
+            return None if state is None else state.lost
 
     # --- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -404,6 +513,7 @@ class ControlPlane:
             if self._closed:
                 return
             self._closed = True
+            self._heartbeat.stop(goodbye=True)  # the peers stop watching us before we go quiet
             conns = [c for p in self._peers.values() for c in p.conns]
             readers = list(self._readers)
             self._lock.notify_all()
@@ -413,6 +523,7 @@ class ControlPlane:
         deadline = time.monotonic() + _CLOSE_S
         for reader in readers:
             reader.join(max(0.0, deadline - time.monotonic()))
+        self._udp.close()
 
 
 _planes: weakref.WeakSet[ControlPlane] = weakref.WeakSet()
@@ -424,6 +535,7 @@ def _closed_in_child() -> None:
     have held them at the fork."""
     for plane in list(_planes):
         plane._closed = True
+        plane._heartbeat.forget()
 
 
 os.register_at_fork(after_in_child=_closed_in_child)
@@ -433,6 +545,37 @@ def _check_claim(claim: Claim) -> str | None:
     if len(claim.extra) != _ADDRESS.size:
         return f"a control claim's address is {len(claim.extra)} bytes, not {_ADDRESS.size}"
     return None
+
+
+def _bind_pair(host: str) -> tuple[socket.socket, socket.socket]:
+    """A listening TCP socket on an ephemeral port of ``host`` and a UDP socket bound to the
+    same port number: one address names both the plane and its heartbeat."""
+    for _ in range(_BIND_TRIES):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(128)
+            twin = owned(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            try:
+                twin.bind((host, sock.getsockname()[1]))
+            except OSError as exc:
+                twin.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                sock.close()
+                continue
+            return sock, twin
+        except BaseException:
+            sock.close()
+            raise
+    raise OSError(errno.EADDRINUSE, f"no port of {host} free for both TCP and UDP")
+
+
+def _send_quietly(conn: socket.socket, frame: bytes) -> None:
+    try:
+        conn.send(frame, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
 
 
 def _recv(conn: socket.socket, nbytes: int) -> bytes | None:

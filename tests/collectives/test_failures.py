@@ -228,11 +228,21 @@ def _stopped_mid_call(rank, size, timeout):
 
 
 def test_timeout_with_a_stopped_peer_fires_within_timeout_plus_one_second():
+    """With the heartbeat off, the deadline alone ends the wait."""
     timeout = 3.0
-    res = run_ranks(_stopped_mid_call, 2, timeout, timeout=90)
+    res = run_ranks(_stopped_mid_call, 2, timeout, timeout=90, env={"DDL_HEARTBEAT_TIMEOUT": "0"})
     name, elapsed = res[0]
     assert name == "DDLTimeoutError", res
     assert elapsed < timeout + 1, f"rank 0 raised after {elapsed:.1f} s with DDL_TIMEOUT={timeout}"
+
+
+def test_a_peer_stopped_mid_call_is_excluded_before_the_timeout():
+    """By default the heartbeat's silence ends it first, as a failure of that peer."""
+    timeout = 30.0
+    res = run_ranks(_stopped_mid_call, 2, timeout, timeout=90)
+    name, elapsed = res[0]
+    assert name == "PeerFailureError", res
+    assert elapsed < timeout / 2, f"rank 0 raised after {elapsed:.1f} s"
 
 
 def _killed_with_a_forked_child(rank, size):
