@@ -4,7 +4,8 @@ ranks placed host by host and dealt round-robin over the namespaces (cyclic).
 Uses the testbed of ``benchmarks/netns_testbed.py`` (loaded by path: ``benchmarks`` is not a
 package). Ranks in one namespace must talk over shm and across namespaces over tcp, results must
 match NumPy on every rank, and nothing (namespaces, links, /dev/shm segments, processes) may be
-left behind, also when a rank fails. Needs root and iproute2; CI runs it as root.
+left behind, also when a rank fails. A host cut off (its link down: a real partition) leaves
+only the larger side going on. Needs root and iproute2; CI runs it as root.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -199,3 +202,43 @@ def test_simulator_column_counts_the_adapters():
         tb.simulated(4, 2, "block", "1gbit", "mdring", 64 << 20, adapters=2, host_transport="tcp")
         > two
     )
+
+
+PARTITION = pathlib.Path(__file__).parent / "scripts" / "netns_partition.py"
+
+
+def _lines(rank) -> list[str]:
+    return [line for line in pathlib.Path(rank.out).read_text().splitlines() if line]
+
+
+@pytest.mark.parametrize(
+    "hosts, cut, goes_on",
+    [(3, 2, [0, 1]), (2, 1, [0]), (2, 0, [0])],
+    ids=["one-of-three-cut-off", "two-halves-rank-1-cut-off", "two-halves-rank-0-cut-off"],
+)
+def test_a_partition_leaves_one_side_going_on(netns, tmp_path, hosts, cut, goes_on):
+    """A host's link goes down (its connections stay open, nothing arrives: a real partition,
+    not a death). Each side finds the other by the heartbeat's silence; only the side with more
+    than half of the ranks, or half with rank 0, goes on; the other stops with ExcludedError:
+    never two communicators. Of two halves, rank 0's goes on, whichever host was cut off."""
+    with netns.Testbed(hosts, workdir=str(tmp_path)) as tb:
+        ranks = tb.launch(1, [str(PARTITION)], str(tmp_path), ddl_timeout=60)
+        try:
+            deadline = time.monotonic() + 60
+            while not all(_lines(r)[:1] == ["ready"] for r in ranks):
+                assert time.monotonic() < deadline, [r.output() for r in ranks]
+                assert all(r.proc.poll() is None for r in ranks), [r.output() for r in ranks]
+                time.sleep(0.05)
+            # The switch's end of the host's link: down, the host's end stays up.
+            subprocess.run(["ip", "-n", tb.switch, "link", "set", f"h{cut}", "down"], check=True)
+            for r in ranks:
+                r.proc.wait(timeout=60)
+            outcomes = {r.rank: _lines(r)[-1] for r in ranks}
+        finally:
+            netns.kill(ranks)
+        for rank, line in outcomes.items():
+            if rank in goes_on:
+                assert line == f"went on: {len(goes_on)} {goes_on} True", outcomes
+            else:
+                assert line.startswith("stopped: ExcludedError"), outcomes
+    assert tb.leftovers() == []
