@@ -4,6 +4,7 @@ fault-tolerant agreement.
 
     python benchmarks/elastic_recovery.py --kills 200 --np 4 --json F  # kill -> shrunk, computing
     python benchmarks/elastic_recovery.py --kills 50 --signal stop --json F  # a hang, the same
+    python benchmarks/elastic_recovery.py --kills 200 --testbed 4x2 --json F  # over tcp, 2 hosts
     mpiexec -n 4 python benchmarks/elastic_recovery.py --json F        # agree without failures
 
 Without failures (under mpiexec, the same processes): the median time of ddlcore's
@@ -24,6 +25,11 @@ With ``--signal stop`` the victim stops itself (SIGSTOP: its process is alive, i
 open, nothing answers): the survivors find it by the heartbeat's silence
 (``DDL_HEARTBEAT_TIMEOUT``, 1 s by default), and each round also reports when the last
 survivor's collective failed (the exclusion).
+
+With ``--testbed MxH`` each round runs M ranks on each of H emulated hosts (network namespaces
+of ``netns_testbed.py``: shm within a host, tcp across; root only), each rank a fresh
+interpreter as a launcher starts it, tcp between hosts (``DDL_TRANSPORT=auto:tcp``: where ucxx
+is installed, auto would take ucx); the victim writes its kill time to a file of the round.
 """
 
 from __future__ import annotations
@@ -168,19 +174,90 @@ def kills(nprocs: int, rounds: int, seed: int, how: str = "kill") -> dict[str, A
     return {"np": nprocs, "rounds": rounds, "signal": how, "rows": rows}
 
 
+def _testbed_rank(victim: int, seed: int, folder: str) -> None:
+    """One rank of a testbed round (its variables from the testbed): as `_rank`, reporting on
+    stdout, the victim's kill time in ``folder``/killed."""
+    import ddlcore
+
+    comm = ddlcore.init()
+    x = np.full(1024, comm.rank + 1.0, np.float32)
+    for _ in range(20):
+        comm.allreduce(x)
+    if comm.rank == victim:
+
+        def die() -> None:
+            with open(os.path.join(folder, "killed"), "w") as f:
+                f.write(repr(time.monotonic()))  # one clock: the namespaces share the kernel
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Timer(random.Random(seed).uniform(0.0, 0.2), die).start()
+    while True:
+        try:
+            comm.allreduce(x)
+        except ddlcore.PeerFailureError:
+            break
+    comm = comm.shrink()
+    y = comm.allreduce(x)
+    done = time.monotonic()
+    ok = bool(np.all(y == sum(m + 1.0 for m in comm.member_ids)))
+    print(f"done {done!r} {ok} {comm.size}", flush=True)
+    comm.close()
+
+
+def kills_testbed(shape: str, rounds: int, seed: int) -> dict[str, Any]:
+    import tempfile
+
+    import netns_testbed as tb
+
+    per_host, hosts = tb.parse_shape(shape)
+    size = per_host * hosts
+    rng = random.Random(seed)
+    rows = []
+    with tb.Testbed(hosts) as bed:
+        for k in range(rounds):
+            victim = rng.randrange(size)
+            folder = tempfile.mkdtemp(prefix=f"round{k}-", dir=bed.workdir)
+            argv = [os.path.abspath(__file__), "--rank-worker", str(victim), str(seed * 1000 + k)]
+            ranks = bed.launch(per_host, [*argv, folder], folder, env={"DDL_TRANSPORT": "auto:tcp"})
+            try:
+                for r in ranks:
+                    r.proc.wait(timeout=120)
+            finally:
+                tb.kill(ranks)
+            with open(os.path.join(folder, "killed")) as f:
+                killed = float(f.read())
+            seen = [
+                line.split()
+                for r in ranks
+                if r.rank != victim
+                for line in open(r.out).read().splitlines()
+                if line.startswith("done ")
+            ]
+            assert len(seen) == size - 1, [r.output() for r in ranks]
+            assert all(ok == "True" and int(n) == size - 1 for _, _, ok, n in seen), seen
+            rows.append({"victim": victim, "recovery_s": max(float(s[1]) for s in seen) - killed})
+            print(
+                f"kill {k}: rank {victim}, {rows[-1]['recovery_s'] * 1e3:.1f} ms", file=sys.stderr
+            )
+    return {"np": size, "rounds": rounds, "signal": "kill", "testbed": shape, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--kills", type=int, default=0, help="kill rounds (no MPI), else costs")
     p.add_argument("--np", type=int, default=4)
     p.add_argument("--signal", choices=("kill", "stop"), default="kill", help="with --kills")
+    p.add_argument("--testbed", default=None, help="MxH: M ranks on each of H netns hosts")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     command = "python benchmarks/elastic_recovery.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    if a.kills:
+    if a.kills and a.testbed:
+        doc = kills_testbed(a.testbed, a.kills, a.seed)
+    elif a.kills:
         doc = kills(a.np, a.kills, a.seed, a.signal)
     else:
         doc = costs(a.iters)
@@ -197,4 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank-worker"]:
+        _testbed_rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        sys.exit(0)
     sys.exit(main())

@@ -691,6 +691,22 @@ def _quantile(values: list[float], q: float) -> float:
 
 def elastic_recovery(kills: str, costs: str) -> str:
     """Kill -> first collective on the shrunk communicator, and agree's cost beside MPICH's."""
+    out = elastic_kills(kills)
+    cost = load(costs)
+    med = cost["median_us"]
+    agree, mpi = med["ddlcore agree"], med["MPICH Agree (MPIX_Comm_agree)"]
+    out += f"\n\n```bash\n{cost['command']}\n```\n\n" + table(
+        [f"np {cost['np']}, no failure", "median µs", "ratio to ddlcore agree"],
+        [[name, fmt(t, 1), fmt(t / agree)] for name, t in med.items()],
+    )
+    out += (
+        f"\n\nddlcore's agree takes {agree / mpi:.2f}x the time of MPICH's in the same processes."
+    )
+    return out
+
+
+def elastic_kills(kills: str) -> str:
+    """Kill -> first collective on the shrunk communicator: every kill, rank 0's, the others'."""
     doc = load(kills)
     times = [r["recovery_s"] * 1e3 for r in doc["rows"]]
     groups = [
@@ -716,20 +732,10 @@ def elastic_recovery(kills: str, costs: str) -> str:
         for what, ts in groups
         if ts
     ]
-    out = f"```bash\n{doc['command']}\n```\n\n" + table(
-        ["np " + str(doc["np"]), "kills", "min ms", "p50 ms", "p99 ms", "max ms"], rows
+    where = f"np {doc['np']}" + (f", {doc['testbed']} testbed" if "testbed" in doc else "")
+    return f"```bash\n{doc['command']}\n```\n\n" + table(
+        [where, "kills", "min ms", "p50 ms", "p99 ms", "max ms"], rows
     )
-    cost = load(costs)
-    med = cost["median_us"]
-    agree, mpi = med["ddlcore agree"], med["MPICH Agree (MPIX_Comm_agree)"]
-    out += f"\n\n```bash\n{cost['command']}\n```\n\n" + table(
-        [f"np {cost['np']}, no failure", "median µs", "ratio to ddlcore agree"],
-        [[name, fmt(t, 1), fmt(t / agree)] for name, t in med.items()],
-    )
-    out += (
-        f"\n\nddlcore's agree takes {agree / mpi:.2f}x the time of MPICH's in the same processes."
-    )
-    return out
 
 
 def elastic_hang(stops: str) -> str:
@@ -780,6 +786,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "torch_ddp": torch_ddp,
     "elastic_recovery": elastic_recovery,
     "elastic_hang": elastic_hang,
+    "elastic_kills": elastic_kills,
 }
 
 PLACEHOLDER = re.compile(r"^\{\{\s*(\w+)((?:\s+[\w.\-]+)*)\s*\}\}$")
